@@ -1,0 +1,3 @@
+from pipetrain.backend.cli import main
+
+raise SystemExit(main())

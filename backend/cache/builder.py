@@ -1,0 +1,86 @@
+"""Fill the cache: every missing latent and text embedding is encoded once, the work split over ranks."""
+from __future__ import annotations
+
+import gc
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .manifest import CacheEntry
+from .store import CacheStore
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str, int, int], None]
+
+
+def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, dict]:
+    latents, texts = {}, {}
+    for e in entries:
+        if e.latent not in latents and not store.has("latents", e.latent):
+            latents[e.latent] = e
+        if e.text not in texts and not store.has("text", e.text):
+            texts[e.text] = e.caption
+    return latents, texts
+
+
+def _mine(keys, rank: int, world: int) -> list[str]:
+    return [k for i, k in enumerate(sorted(keys)) if i % world == rank]
+
+
+def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batch_size: int,
+                   progress: Progress) -> None:
+    from ..data import load_pixels
+
+    by_bucket = defaultdict(list)
+    for key, e in work.items():
+        by_bucket[e.bucket].append(key)
+    vae = adapter.load_vae()
+    done, total = 0, len(work)
+    for bucket, keys in sorted(by_bucket.items()):
+        for i in range(0, len(keys), batch_size):
+            chunk = keys[i:i + batch_size]
+            pixels = torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
+            with torch.no_grad():
+                latents = adapter.encode_images(vae, pixels)
+            for k, lat in zip(chunk, latents):
+                store.put("latents", k, {"latent": lat})
+            done += len(chunk)
+            progress("latents", done, total)
+    del vae
+    _free()
+
+
+def encode_texts(adapter, store: CacheStore, work: dict[str, str], progress: Progress) -> None:
+    clip = adapter.load_text_encoders()
+    for i, (key, caption) in enumerate(sorted(work.items())):
+        with torch.no_grad():
+            store.put("text", key, adapter.encode_caption(clip, caption))
+        progress("text", i + 1, len(work))
+    del clip
+    _free()
+
+
+def fill(adapter, store: CacheStore, entries: list[CacheEntry], rank: int, world: int, batch_size: int,
+         progress: Progress) -> tuple[int, int]:
+    """Encode this rank's share of what is missing; returns (latents, texts) encoded here."""
+    latents, texts = missing_work(entries, store)
+    my_latents = {k: latents[k] for k in _mine(latents, rank, world)}
+    my_texts = {k: texts[k] for k in _mine(texts, rank, world)}
+    if my_latents:
+        encode_latents(adapter, store, my_latents, batch_size, progress)
+    if my_texts:
+        encode_texts(adapter, store, my_texts, progress)
+    return len(my_latents), len(my_texts)
+
+
+def _free() -> None:
+    gc.collect()
+    try:
+        import comfy.model_management as mm
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+    except Exception:  # noqa: BLE001  (freeing memory is best effort)
+        pass

@@ -1,0 +1,76 @@
+"""The manifest maps each training sample to its cache keys; it is rebuilt from the files on every run
+unless the user asks to trust the previous one (``--trust-cache``)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+from ..errors import CacheError
+from ..fsutil import atomic_write_json
+from .keys import file_digest, latent_key, model_fingerprint, text_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: str
+    bucket: tuple[int, int]
+    caption: str
+    num_repeats: int
+    latent: str
+    text: str
+
+
+@dataclass
+class CacheManifest:
+    arch: str
+    entries: list[CacheEntry]
+
+    def save(self, path: Path) -> None:
+        atomic_write_json(path, {"arch": self.arch, "entries": [asdict(e) for e in self.entries]})
+
+    @classmethod
+    def load(cls, path: Path) -> "CacheManifest":
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CacheError(f"no cache manifest at {path}: --trust-cache needs a previous cache run; "
+                             "run without it once") from None
+        entries = [CacheEntry(**{**e, "bucket": tuple(e["bucket"])}) for e in data["entries"]]
+        return cls(arch=data["arch"], entries=entries)
+
+
+def manifest_path(cache_dir: Path, dataset_file: Path, arch: str) -> Path:
+    tag = hashlib.sha256(str(dataset_file.resolve()).encode()).hexdigest()[:16]
+    return cache_dir / "manifests" / f"{arch}-{tag}.json"
+
+
+def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheEntry]:
+    from ..data import PREPROCESS_VERSION
+
+    vae_fp = model_fingerprint(files["vae"][0])
+    te_fps = [model_fingerprint(p) for p in files["text_encoders"]]
+    digests: dict[Path, str] = {}
+    entries = []
+    for s in samples:
+        path = s.item.path
+        if path not in digests:
+            digests[path] = file_digest(path)
+        entries.append(CacheEntry(
+            path=str(path), bucket=tuple(s.bucket), caption=s.item.caption, num_repeats=s.item.num_repeats,
+            latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION, vae_fp, adapter.arch, adapter.latent_format),
+            text=text_key(s.item.caption, te_fps, adapter.arch)))
+    return entries
+
+
+def build_or_load_manifest(path: Path, samples_fn, adapter, files, trust_cache: bool) -> CacheManifest:
+    if trust_cache:
+        log.info("trusting the cache manifest %s without re-reading the dataset", path)
+        return CacheManifest.load(path)
+    manifest = CacheManifest(arch=adapter.arch, entries=build_entries(samples_fn(), adapter, files))
+    manifest.save(path)
+    return manifest

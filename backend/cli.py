@@ -1,0 +1,64 @@
+"""``python -m pipetrain {cache,train,demo}``: parse, build the RunConfig, run the named phase.
+
+Run ``cache`` and ``train`` under DeepSpeed's launcher for several ranks, e.g.
+``deepspeed --num_gpus 2 --module pipetrain train run.toml``; a plain ``python -m pipetrain train``
+runs one rank.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import PipeTrainError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipetrain", description=__doc__.split("\n")[0])
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True)
+    cache = sub.add_parser("cache", help="encode latents and text embeddings, then exit")
+    cache.add_argument("config")
+    cache.add_argument("--regenerate-cache", action="store_true", help="delete the cache and encode everything again")
+    train = sub.add_parser("train", help="cache what is missing, then train")
+    train.add_argument("config")
+    train.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN",
+                       help="resume the newest run with a checkpoint, or the named run directory")
+    train.add_argument("--regenerate-cache", action="store_true", help="delete the cache and encode everything again")
+    train.add_argument("--trust-cache", action="store_true",
+                       help="use the previous cache manifest without re-reading the dataset files")
+    train.add_argument("--cache-only", action="store_true", help="stop after caching")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar on the terminal")
+    demo = sub.add_parser("demo", help="tiny Flux model + generated dataset -> cache -> 2-rank pipeline -> LoRA in ComfyUI")
+    demo.add_argument("--workdir", default=None, help="where the demo writes (default .work/demo in the repo)")
+    demo.add_argument("--ranks", type=int, default=2)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+            return run_demo(args.workdir, args.ranks)
+        from .config import load_run_config
+        from .runtime import ensure_comfyui
+        from .train.trainer import Trainer, TrainOptions
+
+        cfg = load_run_config(args.config)
+        ensure_comfyui()
+        if args.command == "cache":
+            opts = TrainOptions(regenerate_cache=args.regenerate_cache, cache_only=True)
+        else:
+            opts = TrainOptions(resume=args.resume, regenerate_cache=args.regenerate_cache,
+                                trust_cache=args.trust_cache, cache_only=args.cache_only,
+                                progress=not args.no_progress)
+        return Trainer(cfg, opts).run()
+    except PipeTrainError as e:
+        print(f"pipetrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

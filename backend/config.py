@@ -1,0 +1,242 @@
+"""The typed run configuration, loaded from and saved to TOML with diffusion-pipe's key names.
+
+``RunConfig`` is the tree of each component's own small config. Loading rejects unknown keys, wrong
+types and out-of-range values before anything starts, naming the file and the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import tomli_w
+
+from .errors import ConfigError
+from .schema import from_dict, to_dict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+WeightDtype = Literal["float32", "bfloat16", "float16", "float8", "float8_e4m3fn", "float8_e5m2"]
+
+
+@dataclass
+class DirectoryConfig:
+    path: str
+    num_repeats: Optional[int] = None
+    resolutions: Optional[list[int]] = None
+    caption_extension: Optional[str] = None
+
+    def validate(self, file):
+        if self.num_repeats is not None and self.num_repeats < 1:
+            raise ConfigError(f"got {self.num_repeats}; must be 1 or more", file=file, key="directory.num_repeats")
+
+
+@dataclass
+class DatasetConfig:
+    directory: list[DirectoryConfig]
+    resolutions: list[int] = field(default_factory=lambda: [512])
+    enable_ar_bucket: bool = False
+    min_ar: float = 0.5
+    max_ar: float = 2.0
+    num_ar_buckets: int = 7
+    num_repeats: int = 1
+    caption_extension: str = ".txt"
+    on_unreadable: Literal["skip", "error"] = "skip"
+    # where relative directory paths are resolved; set from the file's location, not written back
+    _base: Optional[Path] = None
+
+    def validate(self, file):
+        if not self.directory:
+            raise ConfigError("at least one [[directory]] is required", file=file, key="directory")
+        if not self.resolutions or any(r < 64 or r % 64 for r in self.resolutions):
+            raise ConfigError(f"got {self.resolutions}; each resolution must be a multiple of 64, at least 64",
+                              file=file, key="resolutions")
+        if not 0 < self.min_ar <= 1 <= self.max_ar:
+            raise ConfigError(f"got min_ar={self.min_ar}, max_ar={self.max_ar}; need 0 < min_ar <= 1 <= max_ar",
+                              file=file, key="min_ar")
+        if self.num_ar_buckets < 1:
+            raise ConfigError("must be 1 or more", file=file, key="num_ar_buckets")
+        if self.num_repeats < 1:
+            raise ConfigError("must be 1 or more", file=file, key="num_repeats")
+
+    def directory_path(self, d: DirectoryConfig) -> Path:
+        p = Path(d.path).expanduser()
+        return p if p.is_absolute() or self._base is None else (self._base / p)
+
+
+@dataclass
+class ModelConfig:
+    type: str
+    diffusion_model: str
+    vae: str
+    text_encoders: list[str] = field(default_factory=list)
+    dtype: Dtype = "bfloat16"
+    diffusion_model_dtype: Optional[WeightDtype] = None
+    timestep_sample_method: Literal["logit_normal", "uniform"] = "logit_normal"
+    sigmoid_scale: float = 1.0
+    shift: Optional[float] = None
+    flux_shift: bool = False
+    guidance: float = 1.0
+    v_pred: bool = False
+
+    def validate(self, file):
+        from .models.registry import ADAPTERS
+
+        if self.type not in ADAPTERS:
+            raise ConfigError(f"got {self.type!r}; supported model types: {', '.join(sorted(ADAPTERS))}",
+                              file=file, key="model.type")
+
+
+@dataclass
+class AdapterConfig:
+    type: Literal["lora"] = "lora"
+    rank: int = 16
+    alpha: Optional[float] = None
+    dropout: float = 0.0
+    dtype: Optional[Dtype] = None
+    target_modules: Optional[list[str]] = None
+    init_from_existing: Optional[str] = None
+
+    def validate(self, file):
+        if self.rank < 1:
+            raise ConfigError(f"got {self.rank}; must be 1 or more", file=file, key="adapter.rank")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"got {self.dropout}; must be in [0, 1)", file=file, key="adapter.dropout")
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
+@dataclass
+class OptimizerConfig:
+    type: Literal["adamw", "AdamW", "adamw_optimi", "sgd"] = "adamw"
+    lr: float = 2e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+
+    def validate(self, file):
+        if self.lr <= 0:
+            raise ConfigError(f"got {self.lr}; must be > 0", file=file, key="optimizer.lr")
+        if len(self.betas) != 2:
+            raise ConfigError(f"got {self.betas}; expected two numbers", file=file, key="optimizer.betas")
+
+
+@dataclass
+class RunConfig:
+    output_dir: str
+    dataset: str
+    model: ModelConfig
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    micro_batch_size_per_gpu: int = 1
+    pipeline_stages: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 1.0
+    warmup_steps: int = 0
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    save_every_n_epochs: Optional[int] = 1
+    checkpoint_every_n_epochs: Optional[int] = None
+    checkpoint_every_n_minutes: Optional[float] = None
+    activation_checkpointing: bool = False
+    partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
+    partition_split: Optional[list[int]] = None
+    save_dtype: Optional[Dtype] = None
+    caching_batch_size: int = 1
+    steps_per_print: int = 1
+    seed: int = 42
+    lora_dir: Optional[str] = None
+    run_name: Optional[str] = None
+    adapter: Optional[AdapterConfig] = field(default_factory=AdapterConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # loaded from `dataset`; not written back into run.toml
+    _dataset: Optional[DatasetConfig] = None
+    _file: Optional[Path] = None
+
+    def validate(self, file):
+        for key in ("epochs", "micro_batch_size_per_gpu", "pipeline_stages", "gradient_accumulation_steps",
+                    "caching_batch_size", "steps_per_print"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"got {getattr(self, key)}; must be 1 or more", file=file, key=key)
+        for key in ("save_every_n_epochs", "checkpoint_every_n_epochs", "max_steps"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"got {value}; must be 1 or more (or leave it out)", file=file, key=key)
+        if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
+            raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
+        if self.adapter is None:
+            raise ConfigError("full fine-tuning is not supported yet; add an [adapter] table", file=file, key="adapter")
+        if self.partition_method == "manual":
+            if not self.partition_split or len(self.partition_split) != self.pipeline_stages - 1:
+                raise ConfigError(
+                    f"partition_method = 'manual' needs partition_split with {self.pipeline_stages - 1} layer indices",
+                    file=file, key="partition_split")
+
+    # --- derived ---------------------------------------------------------------------------
+    @property
+    def dataset_config(self) -> DatasetConfig:
+        if self._dataset is None:
+            self._dataset = load_dataset_config(self.resolve(self.dataset))
+        return self._dataset
+
+    def resolve(self, path: str | Path) -> Path:
+        """Resolve a path from this config relative to the TOML file it came from."""
+        p = Path(path).expanduser()
+        if p.is_absolute() or self._file is None:
+            return p
+        return (self._file.parent / p).resolve()
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size % self.pipeline_stages:
+            raise ConfigError(
+                f"pipeline_stages={self.pipeline_stages} does not divide the {world_size} ranks; "
+                f"use a number of GPUs that is a multiple of {self.pipeline_stages}",
+                file=self._file, key="pipeline_stages")
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("file not found", file=path) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"not valid TOML: {e}", file=path) from None
+
+
+def load_dataset_config(path: str | Path) -> DatasetConfig:
+    path = Path(path).resolve()
+    cfg = from_dict(DatasetConfig, _read_toml(path), file=path)
+    cfg._base = path.parent
+    return cfg
+
+
+def load_run_config(path: str | Path, *, check_dataset: bool = True) -> RunConfig:
+    path = Path(path).resolve()
+    cfg = from_dict(RunConfig, _read_toml(path), file=path)
+    cfg._file = path
+    if check_dataset:
+        cfg.dataset_config  # noqa: B018  (fail early on a bad dataset file)
+    return cfg
+
+
+def save_toml(obj, path: str | Path) -> None:
+    """Write a config dataclass to TOML atomically."""
+    from .fsutil import atomic_write_bytes
+
+    atomic_write_bytes(Path(path), tomli_w.dumps(to_dict(obj)).encode())
+
+
+def replace(cfg, **changes):
+    new = dataclasses.replace(cfg, **changes)
+    for name in ("_dataset", "_file", "_base"):
+        if hasattr(cfg, name):
+            setattr(new, name, getattr(cfg, name))
+    return new

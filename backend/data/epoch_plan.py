@@ -1,0 +1,104 @@
+"""Deterministic, single-bucket batches for each epoch and data-parallel rank."""
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+from ..errors import DatasetError
+from .items import Sample
+
+Bucket = tuple[int, int]
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _bucket_name(bucket: Bucket) -> str:
+    return f"{bucket[0]}x{bucket[1]}"
+
+
+class EpochPlan:
+    """Deterministic batches for one epoch for one data-parallel rank.
+
+    Every rank builds the same plan from the same samples and seed, so the ranks agree on the order of
+    global batches; each rank then takes its own slice of every micro batch. A global batch never
+    mixes buckets, so every micro batch stacks into one tensor.
+    """
+
+    def __init__(self, samples: list[Sample], repeats: list[int] | None, micro_batch_size: int,
+                 grad_accum_steps: int, dp_rank: int, dp_world: int, seed: int):
+        if repeats is None:
+            repeats = [sample.item.num_repeats for sample in samples]
+        if len(repeats) != len(samples):
+            raise ValueError(f"got {len(repeats)} repeat counts for {len(samples)} samples")
+        if micro_batch_size < 1 or grad_accum_steps < 1 or dp_world < 1:
+            raise ValueError("micro_batch_size, grad_accum_steps and dp_world must each be 1 or more")
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_world - 1}")
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.seed = seed
+        self.global_batch = micro_batch_size * grad_accum_steps * dp_world
+        self._by_bucket = self._expand_and_group(samples, repeats)
+        if self.steps_per_epoch() == 0:
+            raise DatasetError(self._no_steps_message())
+
+    @staticmethod
+    def _expand_and_group(samples: list[Sample], repeats: list[int]) -> dict[Bucket, list[Sample]]:
+        grouped: dict[Bucket, list[Sample]] = defaultdict(list)
+        for sample, count in zip(samples, repeats):
+            grouped[sample.bucket].extend([sample] * count)
+        return {bucket: grouped[bucket] for bucket in sorted(grouped)}
+
+    def steps_per_epoch(self) -> int:
+        return sum(len(group) // self.global_batch for group in self._by_bucket.values())
+
+    def dropped(self) -> dict[Bucket, int]:
+        """Samples (after repeats) left out of each bucket every epoch because they fill no global batch."""
+        return {bucket: len(group) % self.global_batch for bucket, group in self._by_bucket.items()}
+
+    def warnings(self) -> list[str]:
+        """One message for each bucket too small to give even one global batch."""
+        return [
+            f"bucket {_bucket_name(bucket)} has {_plural(len(group), 'sample')}, fewer than one global batch of "
+            f"{self.global_batch}: it is not trained; add images of this shape, raise its num_repeats, or lower "
+            "the global batch (micro batch size x gradient accumulation steps x data-parallel GPUs)"
+            for bucket, group in self._by_bucket.items() if len(group) < self.global_batch
+        ]
+
+    def epoch(self, epoch: int) -> list[list[list[Sample]]]:
+        """This rank's batches as [step][micro batch][sample]; the same for the same (seed, epoch)."""
+        # A string seed is hashed with SHA-512, so the order does not depend on PYTHONHASHSEED or platform.
+        rng = random.Random(f"pipetrain-epoch:{self.seed}:{epoch}")
+        global_batches = []
+        for group in self._by_bucket.values():
+            shuffled = list(group)
+            rng.shuffle(shuffled)
+            usable = len(shuffled) - len(shuffled) % self.global_batch
+            global_batches += [shuffled[i:i + self.global_batch] for i in range(0, usable, self.global_batch)]
+        rng.shuffle(global_batches)
+        return [self._rank_slice(batch) for batch in global_batches]
+
+    def _rank_slice(self, global_batch: list[Sample]) -> list[list[Sample]]:
+        """This rank's micro batches of one global batch: micro batch m holds ranks' slices side by side."""
+        size = self.micro_batch_size
+        starts = ((m * self.dp_world + self.dp_rank) * size for m in range(self.grad_accum_steps))
+        return [global_batch[start:start + size] for start in starts]
+
+    def _no_steps_message(self) -> str:
+        total = sum(len(group) for group in self._by_bucket.values())
+        if total == 0:
+            return "the dataset has no samples, so an epoch has no steps; check the dataset directories"
+        counts = ", ".join(f"{_bucket_name(b)}: {len(g)}" for b, g in self._by_bucket.items())
+        return (
+            f"the dataset has {_plural(total, 'sample')} (after repeats) in "
+            f"{_plural(len(self._by_bucket), 'bucket')} ({counts}), but the global batch size is "
+            f"{self.global_batch} (micro batch {self.micro_batch_size} x gradient accumulation "
+            f"{self.grad_accum_steps} x {_plural(self.dp_world, 'data-parallel GPU')}) and no bucket fills one "
+            "global batch, so an epoch has no steps. Use fewer GPUs, a smaller micro_batch_size_per_gpu or "
+            "fewer gradient_accumulation_steps; raise num_repeats; or use fewer buckets (fewer resolutions, "
+            "a smaller num_ar_buckets, or enable_ar_bucket = false)."
+        )

@@ -1,0 +1,133 @@
+"""Finding the dataset's images and captions on disk, and reporting what cannot be used."""
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from ..config import DatasetConfig, DirectoryConfig
+from ..errors import DatasetError
+from .items import MediaItem
+
+log = logging.getLogger(__name__)
+
+EXIF_ORIENTATION_TAG = 0x0112
+# EXIF orientations 5-8 rotate by 90 or 270 degrees, so the displayed image has width and height swapped.
+TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
+PROBE_THREADS = 8
+
+
+@dataclass
+class ScanResult:
+    items: list[MediaItem]
+    missing_captions: list[Path] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (file, reason)
+
+
+@dataclass
+class _DirectoryScan:
+    path: Path
+    items: list[MediaItem] = field(default_factory=list)
+    missing_captions: list[Path] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def _caption_extension(cfg: DatasetConfig, directory: DirectoryConfig) -> str:
+    extension = directory.caption_extension or cfg.caption_extension or ".txt"
+    return extension if extension.startswith(".") else "." + extension
+
+
+def _probe_size(path: Path) -> tuple[int, int] | str:
+    """(width, height) as displayed, or the reason Pillow cannot decode the file."""
+    try:
+        with Image.open(path) as image:
+            image.load()  # decodes fully, so truncated files fail here rather than during training
+            width, height = image.size
+            if image.getexif().get(EXIF_ORIENTATION_TAG) in TRANSPOSING_ORIENTATIONS:
+                width, height = height, width
+            return width, height
+    except Exception as e:  # Pillow raises many types for bad files
+        return f"{type(e).__name__}: {e}"
+
+
+def _read_caption(caption_path: Path) -> str | None:
+    """The stripped caption, or None when the file does not exist."""
+    try:
+        return caption_path.read_text(encoding="utf-8-sig").strip()
+    except FileNotFoundError:
+        return None
+
+
+def _candidate_files(directory: Path, caption_extension: str) -> list[Path]:
+    return sorted(
+        p for p in directory.iterdir()
+        if not p.name.startswith(".") and not p.name.endswith(caption_extension) and p.is_file()
+    )
+
+
+def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: ThreadPoolExecutor) -> _DirectoryScan:
+    path = Path(os.path.abspath(cfg.directory_path(directory)))
+    if not path.is_dir():
+        raise DatasetError(f"dataset directory not found: {path} (key 'directory.path' = {directory.path!r}); "
+                           "fix the path or create the directory")
+    caption_extension = _caption_extension(cfg, directory)
+    resolutions = tuple(directory.resolutions or cfg.resolutions)
+    num_repeats = directory.num_repeats if directory.num_repeats is not None else cfg.num_repeats
+    scan = _DirectoryScan(path)
+    files = _candidate_files(path, caption_extension)
+    for file, size in zip(files, pool.map(_probe_size, files)):
+        if isinstance(size, str):
+            scan.unreadable.append((file, size))
+            continue
+        caption_path = file.parent / (file.stem + caption_extension)
+        try:
+            caption = _read_caption(caption_path)
+        except (OSError, UnicodeDecodeError) as e:
+            scan.unreadable.append((caption_path, f"caption file is not readable UTF-8 text ({e})"))
+            continue
+        if caption is None:
+            scan.missing_captions.append(file)
+        scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
+                                    num_repeats=num_repeats, resolutions=resolutions))
+    return scan
+
+
+def _listing(lines) -> str:
+    return "".join(f"\n  {line}" for line in lines)
+
+
+def _report_unreadable(cfg: DatasetConfig, unreadable: list[tuple[Path, str]]) -> None:
+    if not unreadable:
+        return
+    listing = _listing(f"{file}: {reason}" for file, reason in unreadable)
+    if cfg.on_unreadable == "error":
+        raise DatasetError(f"{len(unreadable)} dataset file(s) cannot be read:{listing}\n"
+                           "Remove or replace these files, or set on_unreadable = 'skip' in the dataset config "
+                           "to train without them.")
+    log.warning("skipping %d dataset file(s) that cannot be read (on_unreadable = 'skip'):%s",
+                len(unreadable), listing)
+
+
+def scan_dataset(cfg: DatasetConfig) -> ScanResult:
+    """Every readable image of every [[directory]] (not recursive), with its caption, in sorted order."""
+    with ThreadPoolExecutor(PROBE_THREADS) as pool:
+        scans = [_scan_directory(cfg, directory, pool) for directory in cfg.directory]
+    result = ScanResult(
+        items=[item for scan in scans for item in scan.items],
+        missing_captions=[file for scan in scans for file in scan.missing_captions],
+        unreadable=[entry for scan in scans for entry in scan.unreadable],
+    )
+    _report_unreadable(cfg, result.unreadable)
+    if result.missing_captions:
+        log.warning("%d image(s) have no caption file and train with an empty caption:%s",
+                    len(result.missing_captions), _listing(result.missing_captions))
+    for scan in scans:
+        if not scan.items:
+            skipped = f" ({len(scan.unreadable)} unreadable file(s) skipped)" if scan.unreadable else ""
+            raise DatasetError(f"dataset directory {scan.path} contains no readable images{skipped}; "
+                               "add images or remove this [[directory]] from the dataset config")
+    return result

@@ -1,0 +1,33 @@
+"""Errors a user can act on: each names the file, key or value at fault and what to do."""
+
+
+class PipeTrainError(Exception):
+    """Base of every error PipeTrain raises about user input or the environment."""
+
+
+class ConfigError(PipeTrainError):
+    def __init__(self, message: str, *, file=None, key: str | None = None):
+        where = []
+        if file is not None:
+            where.append(str(file))
+        if key:
+            where.append(f"key '{key}'")
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+        self.file = file
+        self.key = key
+
+
+class DatasetError(PipeTrainError):
+    pass
+
+
+class CacheError(PipeTrainError):
+    pass
+
+
+class ModelError(PipeTrainError):
+    pass
+
+
+class RuntimeSetupError(PipeTrainError):
+    pass

@@ -1,0 +1,110 @@
+"""The model adapter interface: one subclass per architecture family.
+
+An adapter knows how to load its ComfyUI model, encode images and captions for the cache, split the
+network into pipeline layers, and turn a cached batch into first-stage inputs and last-stage labels.
+Facts about the architecture are class attributes.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import ModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+class ModelAdapter(ABC):
+    arch: str
+    latent_format: str                       # class name in comfy.latent_formats
+    lora_block_prefixes: tuple[str, ...]     # LoRA goes on the linears under these module paths
+    text_fields: tuple[str, ...]             # cached text tensors, in the order layers receive them
+    spatial_multiple: int = 16               # bucket sides are multiples of this many pixels
+
+    def __init__(self, cfg: ModelConfig, resolve=lambda p: Path(p)):
+        self.cfg = cfg
+        self.resolve = resolve
+        self.dtype = DTYPES[cfg.dtype]
+        self.patcher = None
+
+    # --- files ------------------------------------------------------------------------------
+    def model_files(self) -> dict[str, list[Path]]:
+        files = {"diffusion_model": [self.resolve(self.cfg.diffusion_model)], "vae": [self.resolve(self.cfg.vae)],
+                 "text_encoders": [self.resolve(p) for p in self.cfg.text_encoders]}
+        for role, paths in files.items():
+            for p in paths:
+                if not p.is_file():
+                    raise ModelError(f"[model] {role}: file not found: {p}")
+        return files
+
+    # --- caching side -----------------------------------------------------------------------
+    def load_vae(self):
+        from .loading import load_vae
+        return load_vae(self.model_files()["vae"][0])
+
+    def load_text_encoders(self):
+        from .loading import load_text_encoders
+        return load_text_encoders(self.model_files()["text_encoders"], self.arch, torch.float32)
+
+    def encode_images(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, H, W, 3] in 0..1 -> latents scaled for the diffusion model (float32, CPU)."""
+        import comfy.latent_formats
+        fmt = getattr(comfy.latent_formats, self.latent_format)()
+        return fmt.process_in(vae.encode(pixels).float()).cpu()
+
+    @abstractmethod
+    def encode_caption(self, clip, caption: str) -> dict[str, torch.Tensor]:
+        """One caption -> the tensors named in ``text_fields`` (no batch dimension)."""
+
+    def collate_text(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Stack per-sample text tensors; sequences are zero-padded to the longest in the batch."""
+        out = []
+        for name in self.text_fields:
+            ts = [it[name] for it in items]
+            if ts[0].ndim >= 2:
+                n = max(t.shape[0] for t in ts)
+                ts = [torch.nn.functional.pad(t, (0, 0) * (t.ndim - 1) + (0, n - t.shape[0])) for t in ts]
+            out.append(torch.stack(ts))
+        return out
+
+    # --- training side ----------------------------------------------------------------------
+    def load_diffusion_model(self):
+        from .loading import load_diffusion_model
+        weight_dtype = DTYPES[self.cfg.diffusion_model_dtype] if self.cfg.diffusion_model_dtype else self.dtype
+        self.patcher = load_diffusion_model(self.model_files()["diffusion_model"][0], weight_dtype)
+        return self.patcher
+
+    @property
+    def diffusion_model(self) -> nn.Module:
+        if self.patcher is None:
+            raise ModelError("load_diffusion_model() first")
+        return self.patcher.model.diffusion_model
+
+    @property
+    def model_sampling(self):
+        return self.patcher.model.model_sampling
+
+    @abstractmethod
+    def objective(self): ...
+
+    @abstractmethod
+    def to_layers(self, checkpoint_activations: bool = False) -> list[nn.Module]:
+        """The network as a flat list of pipeline layers (each maps a tuple of tensors to a tuple)."""
+
+    def layer_cost(self, layer: nn.Module) -> float:
+        """Relative compute of a layer, for balancing pipeline stages (override per family)."""
+        return float(getattr(layer, "cost", 0.05))
+
+    def loss(self, pred: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        from .objectives import mse_loss
+        latents, noise, t = labels[:3]
+        return mse_loss(pred, self.objective().target(latents.float(), noise.float(), t))
+
+    def reference_forward(self, x_t, t, text: list[torch.Tensor]) -> torch.Tensor:
+        """ComfyUI's own forward of the diffusion model on the same inputs the layers see (for tests)."""
+        raise NotImplementedError

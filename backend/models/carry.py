@@ -1,0 +1,22 @@
+"""Passing tensors that take no gradient between pipeline stages.
+
+DeepSpeed's pipeline engine expects every floating-point tensor crossing a stage boundary to receive a
+gradient. Conditioning tensors computed from frozen weights (timestep vectors, rotary tables) do not, so
+they travel bit-cast to an integer dtype of the same width and are viewed back where they are used.
+"""
+import torch
+
+_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def hide(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(_INT_OF[t.dtype])
+
+
+def reveal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype)
+
+
+def with_grad(t: torch.Tensor) -> torch.Tensor:
+    """A stage output must be part of a graph even when nothing upstream of it trains."""
+    return t if t.requires_grad else t.detach().requires_grad_(True)

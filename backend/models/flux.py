@@ -1,0 +1,170 @@
+"""Flux (dev / schnell) through ComfyUI's ``comfy.ldm.flux`` model.
+
+ComfyUI's block forwards add residuals in place (``img += ...``), which autograd rejects, so the
+pipeline layers below re-state the block maths out of place while calling ComfyUI's own submodules
+(and therefore its weights, LoRA targets and key names). ``tests/test_flux_layers.py`` checks them
+against ComfyUI's forward.
+"""
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import rope_attention
+from .base import ModelAdapter
+from .carry import hide, reveal, with_grad
+from .objectives import FlowMatching
+
+
+class FluxInput(nn.Module):
+    cost = 0.05
+
+    def __init__(self, dm, objective, dtype, guidance: float):
+        super().__init__()
+        # only the input modules become children: the rest of the model belongs to other layers
+        self.img_in, self.time_in, self.txt_in, self.pe_embedder = dm.img_in, dm.time_in, dm.txt_in, dm.pe_embedder
+        self.vector_in, self.guidance_in = dm.vector_in, dm.guidance_in
+        self._process_img = dm.process_img
+        self.params = dm.params
+        self.objective, self.dtype, self.guidance = objective, dtype, guidance
+
+    def forward(self, latents, noise, t, context, pooled):
+        from comfy.ldm.flux.layers import timestep_embedding
+
+        dtype = self.dtype
+        x = self.objective.noisy(latents.float(), noise.float(), t).to(dtype)
+        img, img_ids = self._process_img(x)
+        txt_ids = torch.zeros(x.shape[0], context.shape[1], img_ids.shape[-1], device=x.device, dtype=img_ids.dtype)
+        pe = self.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        img = self.img_in(img)
+        vec = self.time_in(timestep_embedding(self.objective.model_timestep(t), 256).to(dtype))
+        if self.params.guidance_embed:
+            g = torch.full_like(t, self.guidance)
+            vec = vec + self.guidance_in(timestep_embedding(g, 256).to(dtype))
+        vec = vec + self.vector_in(pooled.to(dtype)[:, :self.params.vec_in_dim])
+        txt = self.txt_in(context.to(dtype))
+        hw = torch.tensor([x.shape[-2], x.shape[-1]], device=x.device)
+        return with_grad(img), with_grad(txt), hide(vec), hide(pe.float()), hw
+
+
+def _modulate(x, mod):
+    return (1 + mod.scale) * x + mod.shift
+
+
+def _heads(qkv, num_heads):
+    b, n, _ = qkv.shape
+    return qkv.view(b, n, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, checkpoint_activations: bool):
+        super().__init__()
+        self.checkpoint_activations = checkpoint_activations
+
+    def forward(self, *args):
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self.block_forward, *args, use_reentrant=False)
+        return self.block_forward(*args)
+
+
+class DoubleBlock(_Checkpointed):
+    cost = 1.0
+
+    def __init__(self, block, dtype, checkpoint_activations=False):
+        super().__init__(checkpoint_activations)
+        self.block, self.dtype = block, dtype
+
+    def block_forward(self, img, txt, vec, pe, hw):
+        blk = self.block
+        v, p = reveal(vec, self.dtype), reveal(pe, torch.float32)
+        img_mod1, img_mod2 = blk.img_mod(v)
+        txt_mod1, txt_mod2 = blk.txt_mod(v)
+        img_q, img_k, img_v = _heads(blk.img_attn.qkv(_modulate(blk.img_norm1(img), img_mod1)), blk.num_heads)
+        img_q, img_k = blk.img_attn.norm(img_q, img_k, img_v)
+        txt_q, txt_k, txt_v = _heads(blk.txt_attn.qkv(_modulate(blk.txt_norm1(txt), txt_mod1)), blk.num_heads)
+        txt_q, txt_k = blk.txt_attn.norm(txt_q, txt_k, txt_v)
+        attn = rope_attention(torch.cat((txt_q, img_q), 2), torch.cat((txt_k, img_k), 2),
+                              torch.cat((txt_v, img_v), 2), p)
+        txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
+        img = img + img_mod1.gate * blk.img_attn.proj(img_attn)
+        img = img + img_mod2.gate * blk.img_mlp(_modulate(blk.img_norm2(img), img_mod2))
+        txt = txt + txt_mod1.gate * blk.txt_attn.proj(txt_attn)
+        txt = txt + txt_mod2.gate * blk.txt_mlp(_modulate(blk.txt_norm2(txt), txt_mod2))
+        return img, txt, vec, pe, hw
+
+
+class JoinStreams(nn.Module):
+    cost = 0.0
+
+    def forward(self, img, txt, vec, pe, hw):
+        return torch.cat((txt, img), 1), vec, pe, hw
+
+
+class SingleBlock(_Checkpointed):
+    cost = 1.0
+
+    def __init__(self, block, dtype, checkpoint_activations=False):
+        super().__init__(checkpoint_activations)
+        self.block, self.dtype = block, dtype
+
+    def block_forward(self, x, vec, pe, hw):
+        blk = self.block
+        mod, _ = blk.modulation(reveal(vec, self.dtype))
+        qkv, mlp = torch.split(blk.linear1(_modulate(blk.pre_norm(x), mod)),
+                               [3 * blk.hidden_size, blk.mlp_hidden_dim_first], dim=-1)
+        q, k, v = _heads(qkv, blk.num_heads)
+        q, k = blk.norm(q, k, v)
+        attn = rope_attention(q, k, v, reveal(pe, torch.float32))
+        x = x + mod.gate * blk.linear2(torch.cat((attn, blk.mlp_act(mlp)), 2))
+        return x, vec, pe, hw
+
+
+class FluxOutput(nn.Module):
+    cost = 0.05
+
+    def __init__(self, dm, dtype):
+        super().__init__()
+        self.final_layer, self.patch_size, self.dtype = dm.final_layer, dm.patch_size, dtype
+
+    def forward(self, x, vec, pe, hw):
+        h, w = int(hw[0]), int(hw[1])
+        ps = self.patch_size
+        h_len, w_len = (h + ps // 2) // ps, (w + ps // 2) // ps
+        img = x[:, x.shape[1] - h_len * w_len:]
+        out = self.final_layer(img, reveal(vec, self.dtype))
+        out = rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=ps, pw=ps)
+        return out[:, :, :h, :w].float()
+
+
+class FluxAdapter(ModelAdapter):
+    arch = "flux"
+    latent_format = "Flux"
+    lora_block_prefixes = ("double_blocks", "single_blocks")
+    text_fields = ("t5", "pooled")
+
+    def encode_caption(self, clip, caption):
+        tokens = clip.tokenize(caption)
+        out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
+        return {"t5": out["cond"][0].float().cpu(), "pooled": out["pooled_output"][0].float().cpu()}
+
+    def objective(self):
+        c = self.cfg
+        return FlowMatching(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale,
+                            shift=c.shift, flux_shift=c.flux_shift)
+
+    def to_layers(self, checkpoint_activations=False):
+        dm = self.diffusion_model
+        layers = [FluxInput(dm, self.objective(), self.dtype, self.cfg.guidance)]
+        layers += [DoubleBlock(b, self.dtype, checkpoint_activations) for b in dm.double_blocks]
+        layers.append(JoinStreams())
+        layers += [SingleBlock(b, self.dtype, checkpoint_activations) for b in dm.single_blocks]
+        layers.append(FluxOutput(dm, self.dtype))
+        return layers
+
+    def reference_forward(self, x_t, t, text):
+        context, pooled = text
+        dm = self.diffusion_model
+        guidance = torch.full_like(t, self.cfg.guidance) if dm.params.guidance_embed else None
+        return dm(x_t.to(self.dtype), t, context.to(self.dtype), y=pooled.to(self.dtype), guidance=guidance).float()

@@ -1,0 +1,251 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Load diffusion models, text encoders and VAEs with ComfyUI's own code.
+
+Real files go through ComfyUI's loaders and detection unchanged. PipeTrain's tiny files (see
+``tiny.py``), whose configs ComfyUI cannot detect, carry their config in the safetensors metadata; they
+are built from ComfyUI's classes with that config and come back as the same objects (``ModelPatcher``,
+``comfy.sd.CLIP``), so callers never tell the two apart. Every failure is a ``ModelError`` naming the file.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelError
+from ..runtime import ensure_comfyui
+
+SUPPORTED_ARCHS = ("flux", "sdxl")
+TEXT_ENCODER_KINDS = {"flux": ("clip_l", "t5xxl"), "sdxl": ("clip_l", "clip_g")}
+TEXT_ENCODER_NAMES = {"clip_l": "CLIP-L", "clip_g": "CLIP-G", "t5xxl": "T5-XXL"}
+VAE_LATENT_CHANNELS = {"flux": 16, "sdxl": 4}
+META_ARCH, META_UNET, META_TE_KIND, META_TE = (
+    "pipetrain.arch", "pipetrain.unet_config", "pipetrain.te_kind", "pipetrain.te_config")
+
+
+# --- reading files -------------------------------------------------------------------------------
+def _require_file(path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: model file not found")
+    return path
+
+
+def read_header(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The file's tensor shapes (key -> shape) and metadata, reading no tensor data for safetensors."""
+    path = _require_file(path)
+    try:
+        if path.suffix.lower() in (".safetensors", ".sft"):
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                return shapes, dict(f.metadata() or {})
+        ensure_comfyui()
+        import comfy.utils
+        sd = comfy.utils.load_torch_file(str(path), safe_load=True)
+        return {k: tuple(v.shape) for k, v in sd.items() if hasattr(v, "shape")}, {}
+    except Exception as exc:  # safetensors/torch raise many types for a corrupt file
+        raise ModelError(f"{path}: cannot read this model file ({exc})") from exc
+
+
+def _load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    ensure_comfyui()
+    import comfy.utils
+    try:
+        sd, metadata = comfy.utils.load_torch_file(str(path), safe_load=True, return_metadata=True)
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot read this model file ({exc})") from exc
+    return sd, metadata or {}
+
+
+def _meta_state_dict(shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+
+
+# --- diffusion models ----------------------------------------------------------------------------
+def _config_classes() -> dict[type, str]:
+    import comfy.supported_models as sm
+    return {sm.Flux: "flux", sm.FluxSchnell: "flux", sm.SDXL: "sdxl"}
+
+
+def arch_from_state_dict_shapes(shapes: dict[str, tuple]) -> str | None:
+    """ComfyUI's own detection run on key shapes only (no weights): "flux", "sdxl" or None."""
+    ensure_comfyui()
+    import comfy.model_detection as md
+    import comfy.supported_models as sm
+    sd = _meta_state_dict(shapes)
+    prefix = md.unet_prefix_from_state_dict(sd)
+    sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
+    try:
+        unet_config = md.detect_unet_config(sd, "")
+    except Exception:  # other architectures' branches may need real values; they are not ours
+        return None
+    if unet_config is None:
+        return None
+    for config_cls in sm.models:  # first match wins, as in comfy.model_detection
+        if config_cls.matches(unet_config, sd):
+            return _config_classes().get(config_cls)
+    return None
+
+
+def detect_architecture(path) -> str | None:
+    """"flux" / "sdxl" for a diffusion-model file (ComfyUI's detection or PipeTrain's metadata), else None."""
+    return _arch_of(*read_header(path))
+
+
+def _arch_of(shapes: dict, metadata: dict) -> str | None:
+    if META_UNET in metadata:
+        arch = metadata.get(META_ARCH)
+        return arch if arch in SUPPORTED_ARCHS else None
+    return arch_from_state_dict_shapes(shapes)
+
+
+def _undetected(path: Path, shapes: dict) -> ModelError:
+    first = next(iter(shapes), "no tensors")
+    return ModelError(
+        f"{path}: ComfyUI does not recognise this file as a Flux or SDXL diffusion model (expected the "
+        f"diffusion-model weights, e.g. flux1-dev.safetensors or an SDXL UNet/checkpoint; found "
+        f"{len(shapes)} tensors, first '{first}'). Pick the diffusion model file, not a LoRA, VAE or text encoder.")
+
+
+def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = None):
+    """A ``comfy.model_patcher.ModelPatcher`` for a Flux or SDXL diffusion model (real or tiny).
+
+    ``arch``, when given, is what the caller expects; another architecture raises ``ModelError``.
+    """
+    path = _require_file(path)
+    shapes, metadata = read_header(path)
+    found = _arch_of(shapes, metadata)
+    if found is None:
+        raise _undetected(path, shapes)
+    if arch is not None and found != arch:
+        raise ModelError(f"{path}: expected a {arch} diffusion model, but this file is {found}")
+    if META_UNET in metadata:
+        return _load_from_config(path, found, json.loads(metadata[META_UNET]), dtype)
+    ensure_comfyui()
+    import comfy.sd
+    options = {} if dtype is None else {"dtype": dtype}
+    return comfy.sd.load_diffusion_model(str(path), model_options=options)
+
+
+def _model_config(arch: str, unet_config: dict):
+    import comfy.supported_models as sm
+    config_cls = {"flux": sm.Flux, "sdxl": sm.SDXL}[arch]
+    model_config = config_cls(unet_config)
+    # BASE.__init__ overwrites head settings with the published ones; the file's own values win.
+    model_config.unet_config.update({k: unet_config[k] for k in config_cls.unet_extra_config if k in unet_config})
+    return model_config
+
+
+def _load_from_config(path: Path, arch: str, unet_config: dict, dtype):
+    """Mirror of ``comfy.sd.load_diffusion_model_state_dict`` with the config from the file's metadata."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    model_config = _model_config(arch, unet_config)
+    sd, _ = _load_state_dict(path)
+    load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
+    supported = model_config.supported_inference_dtypes
+    dtype = dtype or mm.unet_dtype(model_params=sum(v.numel() for v in sd.values()), supported_dtypes=supported)
+    model_config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, load_device, supported))
+    try:
+        model = model_config.get_model(sd, "").to(offload_device)
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot build the {arch} model from its '{META_UNET}' metadata ({exc})") from exc
+    missing = sorted(set(model.diffusion_model.state_dict()) - set(sd))
+    if missing:
+        raise ModelError(f"{path}: {len(missing)} weights of the {arch} model in its metadata are missing, "
+                         f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
+    model.load_model_weights(sd, "")
+    return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
+
+
+# --- text encoders -------------------------------------------------------------------------------
+def _real_te_kind(shapes: dict) -> str:
+    import comfy.sd
+    kind = comfy.sd.detect_te_model(_meta_state_dict(shapes))
+    names = {comfy.sd.TEModel.CLIP_L: "clip_l", comfy.sd.TEModel.CLIP_G: "clip_g",
+             comfy.sd.TEModel.T5_XXL: "t5xxl"}
+    return names.get(kind, "unknown" if kind is None else kind.name.lower())
+
+
+def _check_kinds(paths: list[Path], kinds: list[str], arch: str) -> None:
+    want = TEXT_ENCODER_KINDS[arch]
+    if sorted(kinds) != sorted(want):
+        got = ", ".join(f"{p.name}: {TEXT_ENCODER_NAMES.get(k, k)}" for p, k in zip(paths, kinds))
+        need = " + ".join(TEXT_ENCODER_NAMES[k] for k in want)
+        raise ModelError(f"{arch} needs the text encoders {need}, one file each; got {got or 'no files'}")
+
+
+def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
+    """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny)."""
+    if arch not in TEXT_ENCODER_KINDS:
+        raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    paths = [_require_file(p) for p in paths]
+    headers = [read_header(p) for p in paths]
+    tiny = [META_TE in meta for _, meta in headers]
+    if any(tiny) and not all(tiny):
+        names = ", ".join(p.name for p, t in zip(paths, tiny) if t)
+        raise ModelError(f"{names}: PipeTrain's tiny text encoders cannot be mixed with real ones")
+    ensure_comfyui()
+    if all(tiny) and paths:
+        return _load_tiny_text_encoders(paths, headers, arch, dtype)
+    _check_kinds(paths, [_real_te_kind(shapes) for shapes, _ in headers], arch)
+    import comfy.sd
+    clip_type = {"flux": comfy.sd.CLIPType.FLUX, "sdxl": comfy.sd.CLIPType.STABLE_DIFFUSION}[arch]
+    options = {} if dtype is None else {"dtype": dtype}
+    try:
+        return comfy.sd.load_clip([str(p) for p in paths], clip_type=clip_type, model_options=options)
+    except Exception as exc:
+        raise ModelError(f"{', '.join(map(str, paths))}: ComfyUI could not load these text encoders ({exc})") from exc
+
+
+def _clip_target(arch: str):
+    import comfy.sdxl_clip
+    import comfy.supported_models_base
+    import comfy.text_encoders.flux
+    if arch == "flux":
+        parts = (comfy.text_encoders.flux.FluxTokenizer, comfy.text_encoders.flux.flux_clip())
+    else:
+        parts = (comfy.sdxl_clip.SDXLTokenizer, comfy.sdxl_clip.SDXLClipModel)
+    return comfy.supported_models_base.ClipTarget(*parts)
+
+
+def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
+    """ComfyUI's text-encoder classes with each file's config (its ``<kind>_model_config`` option)."""
+    import comfy.sd
+    kinds = [meta.get(META_TE_KIND, "unknown") for _, meta in headers]
+    _check_kinds(paths, kinds, arch)
+    options = {f"{kind}_model_config": json.loads(meta[META_TE]) for kind, (_, meta) in zip(kinds, headers)}
+    if dtype is not None:
+        options["dtype"] = dtype
+    params = sum(math.prod(s) for shapes, _ in headers for s in shapes.values())
+    clip = comfy.sd.CLIP(_clip_target(arch), parameters=params, model_options=options)
+    for path, kind in zip(paths, kinds):
+        sd, _ = _load_state_dict(path)
+        missing, _ = getattr(clip.cond_stage_model, kind).load_sd(sd)
+        if missing:
+            raise ModelError(f"{path}: {len(missing)} {TEXT_ENCODER_NAMES[kind]} weights are missing, "
+                             f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
+    return clip
+
+
+# --- VAE -----------------------------------------------------------------------------------------
+def load_vae(path, *, arch: str | None = None):
+    """A ``comfy.sd.VAE``; ``arch``, when given, checks the latent channels (Flux 16, SDXL 4)."""
+    path = _require_file(path)
+    read_header(path)
+    sd, metadata = _load_state_dict(path)
+    import comfy.sd
+    try:
+        vae = comfy.sd.VAE(sd=sd, metadata=metadata)
+    except Exception as exc:
+        raise ModelError(f"{path}: ComfyUI could not build a VAE from this file ({exc})") from exc
+    if vae.first_stage_model is None:
+        raise ModelError(f"{path}: ComfyUI does not recognise this file as a VAE (expected e.g. the Flux "
+                         f"ae.safetensors or the SDXL VAE)")
+    want = VAE_LATENT_CHANNELS.get(arch)
+    if want is not None and vae.latent_channels != want:
+        raise ModelError(f"{path}: a {arch} VAE has {want} latent channels, this one has {vae.latent_channels}")
+    return vae

@@ -1,0 +1,95 @@
+"""Training objectives, each its own object: how a clean latent is noised, what the network should
+predict, and which timesteps are drawn. The noise schedules come from ComfyUI's ``model_sampling``."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, *([1] * (like.ndim - 1))).to(like.dtype)
+
+
+@dataclass
+class FlowMatching:
+    """Rectified flow: x_t = (1 - t) x0 + t noise, target noise - x0, t in (0, 1).
+
+    ``sample_method`` logit_normal or uniform; ``shift`` a constant shift (SD3-style, ComfyUI's
+    ``time_snr_shift``); ``flux_shift`` the resolution-dependent shift of Flux (ComfyUI's ``flux_time_shift``
+    with mu interpolated on the image token count).
+    """
+    sample_method: str = "logit_normal"
+    sigmoid_scale: float = 1.0
+    shift: float | None = None
+    flux_shift: bool = False
+
+    def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+        if self.sample_method == "logit_normal":
+            t = torch.sigmoid(torch.randn(batch, generator=generator) * self.sigmoid_scale)
+        else:
+            t = torch.rand(batch, generator=generator)
+        from comfy.model_sampling import flux_time_shift, time_snr_shift
+
+        if self.flux_shift:
+            mu = flux_mu(seq_len)
+            t = torch.tensor([flux_time_shift(mu, 1.0, float(v)) for v in t.clamp(1e-5, 1 - 1e-5)])
+        elif self.shift is not None:
+            t = time_snr_shift(self.shift, t)
+        return t.float()
+
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        t = _expand(t, x0)
+        return (1 - t) * x0 + t * noise
+
+    def model_timestep(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return noise - x0
+
+
+def flux_mu(seq_len: int, base_len: int = 256, max_len: int = 4096, base_shift: float = 0.5,
+            max_shift: float = 1.15) -> float:
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return seq_len * slope + (base_shift - slope * base_len)
+
+
+class DiscreteDiffusion:
+    """DDPM-style eps or v prediction over ComfyUI's ``ModelSamplingDiscrete`` schedule (SD1/SDXL)."""
+
+    def __init__(self, model_sampling, prediction: str = "eps"):
+        if prediction not in ("eps", "v"):
+            raise ValueError(prediction)
+        self.prediction = prediction
+        sigmas = model_sampling.sigmas.float().cpu()
+        self.alphas_cumprod = 1.0 / (sigmas ** 2 + 1.0)
+        self.num_timesteps = len(sigmas)
+
+    def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, self.num_timesteps, (batch,), generator=generator).float()
+
+    def _coeffs(self, t, like):
+        ac = self.alphas_cumprod.to(like.device)[t.long()]
+        return _expand(ac.sqrt(), like), _expand((1 - ac).sqrt(), like)
+
+    def noisy(self, x0, noise, t):
+        a, s = self._coeffs(t, x0)
+        return a * x0 + s * noise
+
+    def model_timestep(self, t):
+        return t
+
+    def target(self, x0, noise, t):
+        if self.prediction == "eps":
+            return noise
+        a, s = self._coeffs(t, x0)
+        return a * noise - s * x0
+
+
+def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(pred.float(), target.float())
+
+
+__all__ = ["FlowMatching", "DiscreteDiffusion", "flux_mu", "mse_loss", "math"]

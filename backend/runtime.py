@@ -1,0 +1,85 @@
+"""Locate and import ComfyUI. The only module in PipeTrain that changes ``sys.path``.
+
+Search order: a ComfyUI already imported in this process; ``COMFYUI_PATH``; the ComfyUI whose
+``custom_nodes/`` holds this repository; the pinned headless copy that ``scripts/setup.sh`` installs
+at ``.comfyui/ComfyUI``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .errors import RuntimeSetupError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PINNED_COMFYUI = REPO_ROOT / ".comfyui" / "ComfyUI"
+PINNED_VERSION = "0.3.75"
+
+_root: Path | None = None
+
+
+def _already_imported() -> Path | None:
+    mod = sys.modules.get("comfy")
+    if mod is None or not getattr(mod, "__path__", None):
+        return None
+    return Path(list(mod.__path__)[0]).resolve().parent
+
+
+def _candidates() -> list[tuple[str, Path]]:
+    found = []
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        found.append(("COMFYUI_PATH", Path(env).expanduser()))
+    if REPO_ROOT.parent.name == "custom_nodes":
+        found.append(("the ComfyUI holding custom_nodes/", REPO_ROOT.parent.parent))
+    found.append(("the pinned headless copy", PINNED_COMFYUI))
+    return found
+
+
+def locate_comfyui() -> Path:
+    """Return ComfyUI's root folder without importing it."""
+    imported = _already_imported()
+    if imported is not None:
+        return imported
+    tried = []
+    for origin, path in _candidates():
+        if (path / "comfy" / "model_management.py").is_file():
+            return path.resolve()
+        tried.append(f"{origin}: {path}")
+    raise RuntimeSetupError(
+        "ComfyUI not found. Tried " + "; ".join(tried)
+        + ". Set COMFYUI_PATH to a ComfyUI folder, or run scripts/setup.sh to install the pinned copy."
+    )
+
+
+def ensure_comfyui(cpu: bool | None = None) -> Path:
+    """Import ComfyUI as a library (argument parsing off) and return its root.
+
+    ``cpu`` forces ComfyUI's CPU mode; by default it is on when torch sees no CUDA device.
+    Must run before any ``comfy.model_management`` import, which picks the device at import time.
+    """
+    global _root
+    if _root is not None:
+        return _root
+    root = locate_comfyui()
+    if _already_imported() is None:
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        import torch
+        import comfy.options
+        comfy.options.enable_args_parsing(False)
+        import comfy.cli_args
+        if cpu is None:
+            cpu = not torch.cuda.is_available()
+        if cpu:
+            comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401  (decides the device)
+    _root = root
+    return root
+
+
+def comfyui_version() -> str:
+    root = ensure_comfyui()
+    text = (root / "comfyui_version.py").read_text()
+    return text.split('"')[1] if '"' in text else "unknown"

@@ -1,0 +1,113 @@
+"""The training loop: steps, reporting, epoch LoRAs, checkpoints, graceful stop."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import distributed
+
+log = logging.getLogger("pipetrain")
+
+
+def _progress_bar(trainer):
+    if trainer.rank != 0 or not trainer.opts.progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=trainer.total_steps, initial=trainer.global_step, unit="step", dynamic_ncols=True)
+
+
+def _control_flags(trainer) -> tuple[bool, bool]:
+    """(checkpoint now, stop now), decided on rank 0 and shared so every rank acts together."""
+    flags = None
+    if trainer.rank == 0:
+        stop = trainer.stop_requested or (trainer.run_dir / "stop").exists()
+        minutes = trainer.cfg.checkpoint_every_n_minutes
+        due = minutes is not None and time.monotonic() - trainer.last_checkpoint_time >= minutes * 60
+        flags = (due or stop, stop)
+    return distributed.broadcast_object(flags)
+
+
+def _report_step(trainer, loss: float, step_time: float, started: float, steps_done: int) -> None:
+    cfg = trainer.cfg
+    samples_per_s = cfg.micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * trainer.dp_world / step_time
+    lr = trainer.engine.get_lr()[0]
+    elapsed = time.monotonic() - started
+    eta = elapsed / steps_done * (trainer.total_steps - trainer.global_step)
+    trainer.reporter.event("step", step=trainer.global_step, epoch=trainer.epoch, loss=loss, lr=lr,
+                           samples_per_s=samples_per_s, total_steps=trainer.total_steps)
+    trainer.reporter.update(state="training", step=trainer.global_step, total_steps=trainer.total_steps,
+                            epoch=trainer.epoch, epochs=cfg.epochs, loss=loss, lr=lr,
+                            samples_per_s=samples_per_s, eta_s=eta)
+    trainer.reporter.scalars(trainer.global_step, **{"train/loss": loss, "train/lr": lr,
+                                                     "train/samples_per_s": samples_per_s})
+
+
+def _end_of_epoch(trainer, epoch: int) -> None:
+    cfg = trainer.cfg
+    trainer.reporter.event("epoch", epoch=epoch, step=trainer.global_step)
+    if cfg.save_every_n_epochs and epoch % cfg.save_every_n_epochs == 0:
+        trainer.save_lora(epoch)
+        trainer.last_saved_epoch = epoch
+    if cfg.checkpoint_every_n_epochs and epoch % cfg.checkpoint_every_n_epochs == 0:
+        trainer.save_checkpoint()
+
+
+def run_loop(trainer) -> None:
+    engine, plan = trainer.engine, trainer.plan
+    steps_per_epoch = plan.steps_per_epoch()
+    trainer.last_checkpoint_time = time.monotonic()
+    trainer.last_saved_epoch = None
+    bar = _progress_bar(trainer)
+    started, steps_done = time.monotonic(), 0
+    batches, batches_epoch = None, None
+    while trainer.global_step < trainer.total_steps:
+        if batches_epoch != trainer.epoch:
+            batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
+        t0 = time.monotonic()
+        engine.reset_activation_shape()
+        loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
+                                                         trainer.step_in_epoch))
+        loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
+        trainer.global_step += 1
+        trainer.step_in_epoch += 1
+        steps_done += 1
+        if trainer.rank == 0:
+            _report_step(trainer, loss, time.monotonic() - t0, started, steps_done)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", epoch=trainer.epoch)
+        if trainer.step_in_epoch == steps_per_epoch:
+            trainer.step_in_epoch = 0
+            trainer.epoch += 1
+            _end_of_epoch(trainer, trainer.epoch - 1)
+        checkpoint_now, stop_now = _control_flags(trainer)
+        if checkpoint_now:
+            trainer.save_checkpoint()
+        if stop_now:
+            _stopped(trainer, bar)
+            return
+    _finished(trainer, bar)
+
+
+def _stopped(trainer, bar) -> None:
+    if bar is not None:
+        bar.close()
+    if trainer.rank == 0:
+        (trainer.run_dir / "stop").unlink(missing_ok=True)
+        trainer.reporter.event("stopped", step=trainer.global_step, epoch=trainer.epoch)
+        trainer.reporter.update(state="stopped")
+    log.info("stopped at step %d after a checkpoint; resume with --resume %s", trainer.global_step, trainer.run_dir.name)
+
+
+def _finished(trainer, bar) -> None:
+    if bar is not None:
+        bar.close()
+    last_epoch = trainer.epoch - 1 if trainer.step_in_epoch == 0 else trainer.epoch
+    if trainer.last_saved_epoch != last_epoch and trainer.global_step > 0:
+        trainer.save_lora(last_epoch)
+    trainer.save_checkpoint()
+    if trainer.rank == 0:
+        trainer.reporter.event("done", step=trainer.global_step, epoch=last_epoch)
+        trainer.reporter.update(state="finished")

@@ -1,0 +1,38 @@
+"""The DeepSpeed ``PipelineModule`` over an adapter's layers, with compute-balanced partitioning.
+
+DeepSpeed's default ``parameters`` method balances parameter counts; Flux's double blocks hold 2.4x the
+parameters of a single block at the same per-token cost, so it splits badly. ``compute`` balances the
+adapter's per-layer cost estimates instead; ``manual`` takes layer indices from the config.
+"""
+from __future__ import annotations
+
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime import utils as ds_utils
+
+
+class StagedModule(PipelineModule):
+    def __init__(self, layers, costs: list[float], num_stages: int, method: str, split: list[int] | None,
+                 loss_fn):
+        object.__setattr__(self, "_pt_method", method)
+        object.__setattr__(self, "_pt_costs", costs)
+        object.__setattr__(self, "_pt_split", split)
+        super().__init__(layers=layers, num_stages=num_stages, loss_fn=loss_fn, dynamic_shape=True,
+                         partition_method="uniform" if method in ("compute", "manual") else method,
+                         activation_checkpoint_interval=0)
+
+    def _partition_layers(self, method="uniform"):
+        n = len(self._layer_specs)
+        if self._pt_method == "compute":
+            self.parts = ds_utils.partition_balanced(weights=[max(c, 1e-3) for c in self._pt_costs],
+                                                     num_parts=self.num_stages)
+        elif self._pt_method == "manual":
+            self.parts = [0, *self._pt_split, n]
+        else:
+            return super()._partition_layers(method)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def stage_bounds(costs: list[float], num_stages: int) -> list[int]:
+    """The layer boundaries ``compute`` partitioning picks (for logging and tests)."""
+    return ds_utils.partition_balanced(weights=[max(c, 1e-3) for c in costs], num_parts=num_stages)

@@ -1,0 +1,161 @@
+"""The trainer: named phases over one run (set up ranks, run directory, cache, engine, resume, loop)."""
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from .. import lora
+from ..config import RunConfig, save_toml
+from ..errors import ConfigError
+from ..fsutil import atomic_write_bytes
+from ..models.base import DTYPES
+from ..models.registry import adapter_class
+from . import checkpoint, distributed
+from .events import RunReporter
+from .feed import MicroBatchFeed
+from .saving import gather_lora, write_lora
+
+log = logging.getLogger("pipetrain")
+
+
+@dataclass
+class TrainOptions:
+    resume: str | None = None          # "" = newest run with a checkpoint; a name or path otherwise
+    regenerate_cache: bool = False
+    trust_cache: bool = False
+    cache_only: bool = False
+    progress: bool = True
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, options: TrainOptions):
+        self.cfg = cfg
+        self.opts = options
+        self.stop_requested = False
+        self.global_step = 0
+        self.epoch = 1
+        self.step_in_epoch = 0
+
+    # --- phases -----------------------------------------------------------------------------
+    def run(self) -> int:
+        self.setup_distributed()
+        self.prepare_run_dir()
+        try:
+            self.adapter = adapter_class(self.cfg.model.type)(self.cfg.model, self.cfg.resolve)
+            self.prepare_cache()
+            if self.opts.cache_only:
+                self.reporter.update(state="cached")
+                self.reporter.event("done", reason="cache_only")
+                return 0
+            self.build_engine()
+            self.restore()
+            self.train_loop()
+            return 0
+        except BaseException as e:
+            if self.rank == 0 and not isinstance(e, SystemExit):
+                self.reporter.event("error", message=f"{type(e).__name__}: {e}")
+                self.reporter.update(state="failed", error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self.reporter.close()
+
+    def setup_distributed(self) -> None:
+        self.rank, self.world, self.local_rank = distributed.init()
+        self.cfg.check_world_size(self.world)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def prepare_run_dir(self) -> None:
+        from .rundir import choose_run_dir
+
+        run_dir = None
+        if self.rank == 0:
+            if self.opts.cache_only:  # caching alone makes no run; its events go beside the cache
+                run_dir = self.cfg.resolve(self.cfg.output_dir) / "cache"
+                run_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                run_dir = choose_run_dir(self.cfg, self.opts.resume)
+        self.run_dir = Path(distributed.broadcast_object(str(run_dir) if run_dir else None))
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.reporter = RunReporter(self.run_dir, enabled=self.rank == 0)
+        if self.rank == 0:
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            if not self.opts.cache_only and not (self.run_dir / "run.toml").exists():
+                save_toml(self.cfg, self.run_dir / "run.toml")
+                save_toml(self.cfg.dataset_config, self.run_dir / "dataset.toml")
+            self.reporter.update(state="starting", run_dir=str(self.run_dir), world_size=self.world,
+                                 pipeline_stages=self.cfg.pipeline_stages)
+            self.reporter.event("start", world_size=self.world, pipeline_stages=self.cfg.pipeline_stages,
+                                resume=self.opts.resume is not None)
+        distributed.barrier()
+
+    def prepare_cache(self) -> None:
+        from .caching import prepare_cache
+
+        self.reporter.update(state="caching")
+        self.store, self.entries = prepare_cache(self)
+
+    def build_engine(self) -> None:
+        from .engine import build_engine
+
+        self.reporter.update(state="loading")
+        build_engine(self)
+
+    def restore(self) -> None:
+        if self.opts.resume is None:
+            return
+        tag = checkpoint.latest_tag(self.ckpt_root)
+        if tag is None:
+            if self.rank == 0:
+                log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
+            return
+        state = checkpoint.load(self.engine, self.ckpt_root, tag)
+        self.global_step = state["global_step"]
+        self.epoch = state["epoch"]
+        self.step_in_epoch = state["step_in_epoch"]
+        if self.rank == 0:
+            self.reporter.event("resume", checkpoint=tag, step=self.global_step, epoch=self.epoch)
+
+    def train_loop(self) -> None:
+        from .loop import run_loop
+
+        run_loop(self)
+
+    # --- helpers used by the phases ---------------------------------------------------------
+    def client_state(self) -> dict:
+        return {"global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def save_checkpoint(self) -> None:
+        path = checkpoint.save(self.engine, self.ckpt_root, self.global_step, self.client_state())
+        self.last_checkpoint_time = time.monotonic()
+        if self.rank == 0:
+            self.reporter.event("checkpoint", step=self.global_step, epoch=self.epoch, path=str(path))
+            self.reporter.update(last_checkpoint=str(path))
+
+    def save_lora(self, epoch: int) -> None:
+        save_dtype = DTYPES[self.cfg.save_dtype] if self.cfg.save_dtype else torch.float32
+        sd = gather_lora(self.engine.module, self.dp_rank, save_dtype)
+        if self.rank != 0:
+            return
+        folder = Path(self.cfg.lora_dir) if self.cfg.lora_dir else self.run_dir / "loras"
+        adapter_cfg = {"type": "lora", "rank": self.cfg.adapter.rank,
+                       "alpha": self.cfg.adapter.alpha or self.cfg.adapter.rank,
+                       "dropout": self.cfg.adapter.dropout, "target_blocks": list(self.adapter.lora_block_prefixes),
+                       "target_modules": self.cfg.adapter.target_modules, "model_type": self.cfg.model.type}
+        run_toml = (self.run_dir / "run.toml").read_text()
+        path = write_lora(sd, folder, f"{self.run_dir.name}-epoch{epoch:04d}", adapter_cfg, run_toml,
+                          {"epoch": epoch, "step": self.global_step, "run": self.run_dir.name})
+        loras = self.reporter.status.get("loras", []) + [{"epoch": epoch, "step": self.global_step, "path": str(path)}]
+        self.reporter.update(loras=loras)
+        self.reporter.event("lora_saved", epoch=epoch, step=self.global_step, path=str(path))
+        log.info("saved epoch %d LoRA: %s", epoch, path)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True

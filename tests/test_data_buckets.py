@@ -1,0 +1,92 @@
+"""Bucket maths: sizes, aspect-ratio range, assignment, and one sample per item and resolution."""
+import math
+from pathlib import Path
+
+import pytest
+
+from pipetrain.backend.config import DatasetConfig, DirectoryConfig
+from pipetrain.backend.data import MediaItem, Sample, assign_bucket, build_samples, make_buckets
+
+
+def test_square_bucket_when_ar_bucketing_is_off():
+    assert make_buckets(512, False, 0.5, 2.0, 7) == [(512, 512)]
+
+
+def test_seven_buckets_between_half_and_double():
+    assert make_buckets(512, True, 0.5, 2.0, 7) == [
+        (368, 720), (400, 640), (464, 576), (512, 512), (576, 464), (640, 400), (720, 368)]
+
+
+@pytest.mark.parametrize("resolution", [256, 512, 768, 1024])
+@pytest.mark.parametrize("min_ar, max_ar, count", [(0.5, 2.0, 7), (0.25, 4.0, 9), (0.6, 1.0, 4), (1.0, 1.75, 5)])
+def test_buckets_are_multiples_of_16_with_area_and_ratio_in_range(resolution, min_ar, max_ar, count):
+    buckets = make_buckets(resolution, True, min_ar, max_ar, count)
+
+    assert buckets == sorted(set(buckets))
+    assert 1 <= len(buckets) <= count
+    for width, height in buckets:
+        assert width % 16 == 0 and height % 16 == 0
+        assert abs(width * height / resolution**2 - 1) < 0.1
+        # rounding a side to 16 px moves the ratio by at most about 16/side either way
+        slack = 1 + 16 / min(width, height)
+        assert min_ar / slack <= width / height <= max_ar * slack
+
+
+def test_both_ends_of_the_ratio_range_are_buckets():
+    assert make_buckets(512, True, 0.25, 4.0, 3) == [(256, 1024), (512, 512), (1024, 256)]
+
+
+def test_buckets_that_round_to_the_same_size_are_deduplicated():
+    assert make_buckets(64, True, 0.9, 1.1, 5) == [(64, 64)]
+
+
+def test_one_ar_bucket_is_the_geometric_middle_of_the_range():
+    assert make_buckets(512, True, 0.5, 2.0, 1) == [(512, 512)]
+    assert make_buckets(512, True, 1.0, 4.0, 1) == [(720, 368)]
+
+
+BUCKETS_512 = make_buckets(512, True, 0.5, 2.0, 7)
+
+
+@pytest.mark.parametrize("size, expected", [
+    ((500, 500), (512, 512)),
+    ((1000, 500), (720, 368)),
+    ((5000, 100), (720, 368)),
+    ((100, 5000), (368, 720)),
+    ((600, 1000), (400, 640)),
+    ((1920, 1080), (720, 368)),
+    ((1600, 1000), (640, 400)),
+    ((4032, 3024), (576, 464)),
+])
+def test_assign_bucket_picks_nearest_log_aspect_ratio(size, expected):
+    assert assign_bucket(*size, BUCKETS_512) == expected
+
+
+def test_assign_bucket_distance_is_symmetric_in_log_space():
+    # 1:sqrt(2) lies exactly halfway (in log ratio) between 1:1 and 1:2, so the first bucket listed wins
+    buckets = [(512, 512), (512, 1024)]
+    assert assign_bucket(1000, round(1000 * math.sqrt(2)) - 1, buckets) == (512, 512)
+    assert assign_bucket(1000, round(1000 * math.sqrt(2)) + 1, buckets) == (512, 1024)
+
+
+def item(name: str, width: int, height: int, resolutions=(512,)) -> MediaItem:
+    return MediaItem(Path(f"/data/{name}.png"), "", width, height, 1, tuple(resolutions))
+
+
+def test_build_samples_gives_one_sample_per_item_and_resolution():
+    cfg = DatasetConfig(directory=[DirectoryConfig("/data")], enable_ar_bucket=True)
+    wide = item("wide", 1600, 1000, resolutions=(256, 512))
+    square = item("square", 300, 300)
+
+    assert build_samples(cfg, [wide, square]) == [
+        Sample(wide, (320, 208)),
+        Sample(wide, (640, 400)),
+        Sample(square, (512, 512)),
+    ]
+
+
+def test_build_samples_without_ar_buckets_is_square_at_each_resolution():
+    cfg = DatasetConfig(directory=[DirectoryConfig("/data")], enable_ar_bucket=False)
+    wide = item("wide", 1920, 1080, resolutions=(256, 1024))
+
+    assert build_samples(cfg, [wide]) == [Sample(wide, (256, 256)), Sample(wide, (1024, 1024))]

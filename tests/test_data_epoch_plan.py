@@ -1,0 +1,148 @@
+"""EpochPlan: repeats, per-epoch shuffles, data-parallel slices, single-bucket batches, empty buckets."""
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pipetrain.backend.data import EpochPlan, MediaItem, Sample
+from pipetrain.backend.errors import DatasetError
+
+SQUARE, WIDE = (512, 512), (640, 400)
+
+
+def samples(count: int, bucket=SQUARE, repeats: int = 1, prefix: str = "img") -> list[Sample]:
+    return [Sample(MediaItem(Path(f"/data/{prefix}{i}.png"), "", 1, 1, repeats, (512,)), bucket)
+            for i in range(count)]
+
+
+def flatten(steps) -> list[Sample]:
+    return [sample for step in steps for micro in step for sample in micro]
+
+
+def plans(data, *, micro=1, accum=1, world=1, seed=0, repeats=None) -> list[EpochPlan]:
+    return [EpochPlan(data, repeats, micro, accum, rank, world, seed) for rank in range(world)]
+
+
+def test_each_sample_appears_num_repeats_times_per_epoch():
+    data = samples(2, repeats=3) + samples(1, repeats=1, prefix="once")
+    [plan] = plans(data)
+
+    counts = Counter(sample.item.path.name for sample in flatten(plan.epoch(0)))
+
+    assert counts == {"img0.png": 3, "img1.png": 3, "once0.png": 1}
+    assert plan.steps_per_epoch() == 7
+
+
+def test_explicit_repeats_override_the_items():
+    data = samples(2, repeats=3)
+    [plan] = plans(data, repeats=[1, 4])
+
+    counts = Counter(sample.item.path.name for sample in flatten(plan.epoch(0)))
+
+    assert counts == {"img0.png": 1, "img1.png": 4}
+
+
+def test_steps_have_grad_accum_micro_batches_of_micro_batch_size():
+    [plan] = plans(samples(24), micro=2, accum=3)
+
+    steps = plan.epoch(0)
+
+    assert plan.steps_per_epoch() == len(steps) == 4
+    assert [[len(micro) for micro in step] for step in steps] == [[2, 2, 2]] * 4
+
+
+def test_order_differs_between_epochs_and_repeats_for_the_same_seed_and_epoch():
+    data = samples(32)
+    [plan] = plans(data, micro=2, seed=7)
+    [same] = plans(data, micro=2, seed=7)
+    [other_seed] = plans(data, micro=2, seed=8)
+
+    assert plan.epoch(0) == same.epoch(0)
+    assert plan.epoch(3) == same.epoch(3)
+    assert plan.epoch(0) != plan.epoch(1)
+    assert plan.epoch(0) != other_seed.epoch(0)
+    assert sorted(flatten(plan.epoch(0)), key=str) == sorted(flatten(plan.epoch(1)), key=str) == sorted(data, key=str)
+
+
+def test_data_parallel_ranks_get_disjoint_slices_that_cover_each_global_batch():
+    data = samples(32) + samples(16, WIDE, prefix="wide")
+    ranks = plans(data, micro=2, accum=2, world=2, seed=3)
+    assert [plan.steps_per_epoch() for plan in ranks] == [6, 6]
+
+    per_rank = [plan.epoch(1) for plan in ranks]
+
+    for step_index in range(6):
+        rank0 = flatten([per_rank[0][step_index]])
+        rank1 = flatten([per_rank[1][step_index]])
+        assert len(rank0) == len(rank1) == 4
+        assert not set(rank0) & set(rank1)
+        assert len({sample.bucket for sample in rank0 + rank1}) == 1  # both ranks train the same bucket
+    assert sorted(flatten(per_rank[0]) + flatten(per_rank[1]), key=str) == sorted(data, key=str)
+
+
+def test_every_micro_batch_holds_one_bucket():
+    data = samples(9) + samples(7, WIDE, prefix="wide") + samples(5, (400, 640), prefix="tall")
+    [plan] = plans(data, micro=3, seed=1)
+
+    steps = plan.epoch(0)
+
+    assert len(steps) == 3 + 2 + 1
+    for step in steps:
+        for micro in step:
+            assert len({sample.bucket for sample in micro}) == 1
+    assert Counter(step[0][0].bucket for step in steps) == {SQUARE: 3, WIDE: 2, (400, 640): 1}
+
+
+def test_remainders_are_dropped_per_bucket():
+    data = samples(10) + samples(3, WIDE, prefix="wide")
+    [plan] = plans(data, micro=2, accum=2)
+
+    assert plan.steps_per_epoch() == 2
+    assert plan.dropped() == {SQUARE: 2, WIDE: 3}
+    assert len(flatten(plan.epoch(0))) == 8
+
+
+def test_warns_about_each_bucket_smaller_than_one_global_batch():
+    data = samples(3) + samples(8, WIDE, prefix="wide") + samples(1, (400, 640), prefix="tall")
+    [plan, _] = plans(data, micro=1, accum=2, world=2)
+
+    warnings = plan.warnings()
+
+    assert len(warnings) == 2
+    assert warnings[0].startswith(
+        "bucket 400x640 has 1 sample, fewer than one global batch of 4: it is not trained; ")
+    assert warnings[1].startswith(
+        "bucket 512x512 has 3 samples, fewer than one global batch of 4: it is not trained; ")
+
+
+def test_no_warnings_when_every_bucket_trains():
+    [plan] = plans(samples(4) + samples(4, WIDE, prefix="wide"), micro=2, accum=2)
+
+    assert plan.warnings() == []
+
+
+def test_a_dataset_with_no_full_global_batch_is_an_error():
+    data = samples(3, repeats=1) + samples(1, WIDE, repeats=2, prefix="wide")
+
+    with pytest.raises(DatasetError) as raised:
+        EpochPlan(data, None, 2, 1, 0, 2, 0)
+
+    message = str(raised.value)
+    assert "the dataset has 5 samples (after repeats) in 2 buckets (512x512: 3, 640x400: 2)" in message
+    assert "the global batch size is 4 (micro batch 2 x gradient accumulation 1 x 2 data-parallel GPUs)" in message
+    for advice in ("fewer GPUs", "micro_batch_size_per_gpu", "gradient_accumulation_steps", "num_repeats",
+                   "fewer buckets"):
+        assert advice in message
+
+
+def test_an_empty_sample_list_is_an_error():
+    with pytest.raises(DatasetError, match="the dataset has no samples"):
+        EpochPlan([], None, 1, 1, 0, 1, 0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dp_rank=2, dp_world=2), dict(micro_batch_size=0), dict(repeats=[1, 1])])
+def test_programming_errors_are_value_errors(kwargs):
+    arguments = dict(samples=samples(4), repeats=None, micro_batch_size=1, grad_accum_steps=1, dp_rank=0,
+                     dp_world=1, seed=0) | kwargs
+    with pytest.raises(ValueError):
+        EpochPlan(**arguments)
