@@ -103,7 +103,7 @@ class ModelAdapter(ABC):
     def loss(self, pred: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         from .objectives import mse_loss
         latents, noise, t = labels[:3]
-        return mse_loss(pred, self.objective().target(latents.float(), noise.float(), t))
+        return mse_loss(pred, self.objective().target(latents, noise, t))
 
     def reference_forward(self, x_t, t, text: list[torch.Tensor]) -> torch.Tensor:
         """ComfyUI's own forward of the diffusion model on the same inputs the layers see (for tests)."""

@@ -6,7 +6,7 @@ they travel bit-cast to an integer dtype of the same width and are viewed back w
 """
 import torch
 
-_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def hide(t: torch.Tensor) -> torch.Tensor:
@@ -20,3 +20,10 @@ def reveal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def with_grad(t: torch.Tensor) -> torch.Tensor:
     """A stage output must be part of a graph even when nothing upstream of it trains."""
     return t if t.requires_grad else t.detach().requires_grad_(True)
+
+
+class TupleLayer(torch.nn.Module):
+    """A pipeline layer: DeepSpeed calls it with one tuple of tensors; subclasses implement ``run(*tensors)``."""
+
+    def forward(self, inputs):
+        return self.run(*inputs)

@@ -14,11 +14,11 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import rope_attention
 from .base import ModelAdapter
-from .carry import hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, with_grad
 from .objectives import FlowMatching
 
 
-class FluxInput(nn.Module):
+class FluxInput(TupleLayer):
     cost = 0.05
 
     def __init__(self, dm, objective, dtype, guidance: float):
@@ -30,11 +30,11 @@ class FluxInput(nn.Module):
         self.params = dm.params
         self.objective, self.dtype, self.guidance = objective, dtype, guidance
 
-    def forward(self, latents, noise, t, context, pooled):
+    def run(self, latents, noise, t, context, pooled):
         from comfy.ldm.flux.layers import timestep_embedding
 
         dtype = self.dtype
-        x = self.objective.noisy(latents.float(), noise.float(), t).to(dtype)
+        x = self.objective.noisy(latents, noise, t).to(dtype)
         img, img_ids = self._process_img(x)
         txt_ids = torch.zeros(x.shape[0], context.shape[1], img_ids.shape[-1], device=x.device, dtype=img_ids.dtype)
         pe = self.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
@@ -58,12 +58,12 @@ def _heads(qkv, num_heads):
     return qkv.view(b, n, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
 
 
-class _Checkpointed(nn.Module):
+class _Checkpointed(TupleLayer):
     def __init__(self, checkpoint_activations: bool):
         super().__init__()
         self.checkpoint_activations = checkpoint_activations
 
-    def forward(self, *args):
+    def run(self, *args):
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(self.block_forward, *args, use_reentrant=False)
         return self.block_forward(*args)
@@ -95,10 +95,10 @@ class DoubleBlock(_Checkpointed):
         return img, txt, vec, pe, hw
 
 
-class JoinStreams(nn.Module):
+class JoinStreams(TupleLayer):
     cost = 0.0
 
-    def forward(self, img, txt, vec, pe, hw):
+    def run(self, img, txt, vec, pe, hw):
         return torch.cat((txt, img), 1), vec, pe, hw
 
 
@@ -121,21 +121,21 @@ class SingleBlock(_Checkpointed):
         return x, vec, pe, hw
 
 
-class FluxOutput(nn.Module):
+class FluxOutput(TupleLayer):
     cost = 0.05
 
     def __init__(self, dm, dtype):
         super().__init__()
         self.final_layer, self.patch_size, self.dtype = dm.final_layer, dm.patch_size, dtype
 
-    def forward(self, x, vec, pe, hw):
+    def run(self, x, vec, pe, hw):
         h, w = int(hw[0]), int(hw[1])
         ps = self.patch_size
         h_len, w_len = (h + ps // 2) // ps, (w + ps // 2) // ps
         img = x[:, x.shape[1] - h_len * w_len:]
         out = self.final_layer(img, reveal(vec, self.dtype))
         out = rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=ps, pw=ps)
-        return out[:, :, :h, :w].float()
+        return out[:, :, :h, :w].to(torch.promote_types(out.dtype, torch.float32))
 
 
 class FluxAdapter(ModelAdapter):
@@ -163,8 +163,13 @@ class FluxAdapter(ModelAdapter):
         layers.append(FluxOutput(dm, self.dtype))
         return layers
 
+    def probe_text(self, generator):
+        dm = self.diffusion_model
+        return [torch.randn(1, 16, dm.params.context_in_dim, generator=generator),
+                torch.randn(1, dm.params.vec_in_dim, generator=generator)]
+
     def reference_forward(self, x_t, t, text):
         context, pooled = text
         dm = self.diffusion_model
         guidance = torch.full_like(t, self.cfg.guidance) if dm.params.guidance_embed else None
-        return dm(x_t.to(self.dtype), t, context.to(self.dtype), y=pooled.to(self.dtype), guidance=guidance).float()
+        return dm(x_t.to(self.dtype), t, context.to(self.dtype), y=pooled.to(self.dtype), guidance=guidance)

@@ -89,7 +89,8 @@ class DiscreteDiffusion:
 
 
 def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(pred.float(), target.float())
+    dtype = torch.promote_types(pred.dtype, torch.float32)
+    return torch.nn.functional.mse_loss(pred.to(dtype), target.to(dtype))
 
 
 __all__ = ["FlowMatching", "DiscreteDiffusion", "flux_mu", "mse_loss", "math"]

@@ -166,9 +166,9 @@ def tensor_plan(module: torch.nn.Module) -> list[tuple[str, tuple, str]]:
             else:
                 init = "normal" if p.ndim >= 2 else "zeros"
             plan.append((f"{mname}.{pname}" if mname else pname, tuple(p.shape), init))
-        persistent = [b for b in sub._buffers if b not in sub._non_persistent_buffers_set]
-        if persistent:
-            raise ModelError(f"{type(sub).__name__} has persistent buffers {persistent}; no init rule")
+    others = sorted(set(module.state_dict(keep_vars=True)) - {key for key, _, _ in plan})
+    if others:  # persistent buffers or tied weights: no init rule for them
+        raise ModelError(f"{type(module).__name__}: cannot initialise state-dict entries {others[:5]}")
     return plan
 
 
@@ -178,7 +178,7 @@ def _make_tensor(key: str, shape: tuple, init: str, dtype: torch.dtype, seed: in
     if init == "ones":
         return torch.ones(shape, dtype=dtype)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return (torch.randn(shape, generator=gen) * INIT_STD).to(dtype)
+    return torch.empty(shape).normal_(0.0, INIT_STD, generator=gen).to(dtype)
 
 
 def _header(plan, dtype: torch.dtype, metadata: dict[str, str]) -> bytes:

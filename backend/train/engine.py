@@ -68,7 +68,7 @@ def build_engine(trainer) -> None:
             opt, lr_multiplier(cfg.lr_scheduler, cfg.warmup_steps, total_steps)),
         config=ds_config(cfg))
     trainer.engine = engine
-    trainer.feed = MicroBatchFeed(adapter, trainer.store, cfg.seed, trainer.dp_rank)
+    trainer.feed = MicroBatchFeed(adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world)
     if trainer.rank == 0:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
         trainer.reporter.event("engine", layers=len(layers), stage_bounds=bounds, trainable_params=sum(

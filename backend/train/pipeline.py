@@ -35,4 +35,4 @@ class StagedModule(PipelineModule):
 
 def stage_bounds(costs: list[float], num_stages: int) -> list[int]:
     """The layer boundaries ``compute`` partitioning picks (for logging and tests)."""
-    return ds_utils.partition_balanced(weights=[max(c, 1e-3) for c in costs], num_parts=num_stages)
+    return [int(b) for b in ds_utils.partition_balanced(weights=[max(c, 1e-3) for c in costs], num_parts=num_stages)]

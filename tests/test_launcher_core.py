@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The launcher over real detached processes (harmless Python children standing in for DeepSpeed)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from pipetrain.backend.errors import ConfigError, DatasetError, ModelError
+from pipetrain.launcher.build import check_spec, write_config
+from pipetrain.launcher.core import Launcher, LauncherError
+from pipetrain.launcher.registry import RunDirs, RunIdError, check_run_id, new_run_id, read_events, run_state
+from pipetrain.launcher.relay import EventRelay
+from pipetrain.launcher.specs import DatasetSpec, DirectorySpec, ModelSpec, ParallelismSpec, TrainSpec
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+# stands in for the backend: exits once the stop file appears, writing status "stopped"
+GRACEFUL = [sys.executable, "-c", (
+    "import json, os, time\n"
+    "while not os.path.exists('stop'): time.sleep(0.02)\n"
+    "json.dump({'state': 'stopped', 'last_checkpoint': 'x'}, open('status.json', 'w'))\n")]
+IGNORES_STOP = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"]
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("stop_timeout", 30)
+        la = Launcher(tmp_path / "runs", **kw)
+        made.append(la)
+        return la
+
+    yield make
+    for la in made:  # never leave a child behind
+        for ref in la.procs.values():
+            ref.signal_group(9)
+
+
+def test_run_ids_are_strict(tmp_path):
+    for bad in ["../x", "..", "a/b", "", ".hidden", "a b", "x" * 81, "cache", "a;rm -rf", "a\x00b"]:
+        with pytest.raises(RunIdError):
+            check_run_id(bad)
+    assert check_run_id(new_run_id("my lora/../v2")).startswith("my-lora-v2-")
+    dirs = RunDirs(tmp_path)
+    with pytest.raises(RunIdError):
+        dirs.path("..")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "link").symlink_to(tmp_path / "outside")
+    with pytest.raises(RunIdError):  # a symlink out of the root resolves outside it
+        RunDirs(tmp_path / "runs").path("link")
+
+
+def test_launch_reattach_after_restart_and_kill(launcher):
+    la = launcher()
+    ref = la.launch("run-a", SLEEPER, (0, 1))
+    info = json.loads((la.dirs.path("run-a") / "launcher.json").read_text())
+    assert info["process"]["pid"] == ref.pid and info["gpus"] == [0, 1] and info["command"] == SLEEPER
+    assert la.list()[0]["state"] == "launched" and la.list()[0]["alive"]
+
+    restarted = launcher()  # a new ComfyUI process: nothing in memory, only the files
+    assert restarted.reattach() == [] and "run-a" in restarted.procs
+    assert restarted.alive("run-a")
+    with pytest.raises(LauncherError, match="in use by run run-a"):
+        restarted.launch("run-b", SLEEPER, (1,))
+    restarted.launch("run-c", SLEEPER, (2,))  # other GPUs are fine
+
+    summary = restarted.kill("run-a")
+    assert summary["state"] == "killed" and not summary["alive"]
+    assert not la.alive("run-a")
+    restarted.launch("run-b", SLEEPER, (1,))  # GPU 1 is free again
+
+
+def test_graceful_stop_uses_the_stop_file(launcher):
+    la = launcher()
+    la.launch("run-g", GRACEFUL, (0,))
+    assert la.stop("run-g")["state"] in ("stopping", "launched", "stopped")
+    assert la.wait("run-g", 20)
+    s = la.get("run-g")
+    assert s["state"] == "stopped" and not s["alive"]
+    with pytest.raises(LauncherError, match="not running"):
+        la.stop("run-g")
+
+
+def test_stop_escalates_to_sigterm(launcher):
+    la = launcher(stop_timeout=0.2)
+    la.launch("run-t", IGNORES_STOP, (0,))
+    la.stop("run-t")
+    assert la.alive("run-t")
+    end = time.monotonic() + 20
+    while la.alive("run-t") and time.monotonic() < end:
+        la.poll()
+        time.sleep(0.05)
+    assert not la.alive("run-t")
+    s = la.get("run-t")
+    assert s["state"] == "stopped" and not s["resumable"]  # stopped before any checkpoint
+
+
+def test_unknown_runs(launcher):
+    la = launcher()
+    with pytest.raises(KeyError):
+        la.get("nope")
+    with pytest.raises(RunIdError):
+        la.stop("../etc")
+
+
+def test_state_rules():
+    assert run_state({"state": "training"}, {}, alive=True) == "training"
+    assert run_state({"state": "training"}, {"stop_requested": 1}, alive=True) == "stopping"
+    assert run_state({"state": "training"}, {}, alive=False) == "failed"
+    assert run_state({"state": "caching"}, {"stop_requested": 1}, alive=False) == "stopped"
+    assert run_state({}, {"killed": 1}, alive=False) == "killed"
+    assert run_state({"state": "finished"}, {}, alive=False) == "finished"
+
+
+def test_relay_sends_new_events_once(launcher):
+    la = launcher()
+    run_dir = la.dirs.path("run-e")
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "training", "step": 1}))
+    (run_dir / "events.jsonl").write_text(json.dumps({"type": "step", "step": 1, "loss": 0.5}) + "\n")
+    sent = []
+    relay = EventRelay(la, lambda event, data: sent.append((event, data)))
+    relay.tick()
+    assert sent and sent[0][1]["events"] == []  # history is not replayed; state change is reported
+    sent.clear()
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"type": "step", "step": 2, "loss": 0.4}) + "\n" + '{"type": "st')  # partial line
+    relay.tick()
+    assert [e["step"] for e in sent[0][1]["events"]] == [2] and sent[0][0] == "pipetrain.event"
+    sent.clear()
+    relay.tick()
+    assert sent == []
+    events, _ = read_events(run_dir / "events.jsonl")
+    assert len(events) == 2
+
+
+def _spec(tmp_path, *, folder=None, model=None, gpus=2, stages=2) -> TrainSpec:
+    files = {}
+    for name in ("dm", "vae", "te1", "te2"):
+        files[name] = tmp_path / f"{name}.safetensors"
+        files[name].write_bytes(b"x")
+    folder = folder or tmp_path / "images"
+    folder.mkdir(exist_ok=True)
+    (folder / "a.png").write_bytes(b"x")
+    return TrainSpec(
+        DatasetSpec((DirectorySpec(str(folder)),)),
+        ModelSpec("flux", str(model or files["dm"]), str(files["vae"]), (str(files["te1"]), str(files["te2"]))),
+        parallelism=ParallelismSpec(gpus=gpus, pipeline_stages=stages))
+
+
+def test_specs_become_a_run_config_the_backend_loads(tmp_path):
+    from pipetrain.backend.config import load_run_config
+
+    run_toml = write_config(_spec(tmp_path), tmp_path / "run", output_dir=tmp_path / "out", run_name="r1",
+                            lora_dir=tmp_path / "loras")
+    cfg = load_run_config(run_toml)
+    assert cfg.run_name == "r1" and cfg.pipeline_stages == 2 and cfg.model.type == "flux"
+    assert cfg.dataset_config.directory[0].path == str(tmp_path / "images")
+
+
+def test_bad_specs_are_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="pipeline_stages"):
+        check_spec(_spec(tmp_path, gpus=3, stages=2))
+    with pytest.raises(ModelError, match="not found"):
+        check_spec(_spec(tmp_path, model=tmp_path / "missing.safetensors"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    spec = _spec(tmp_path)
+    with pytest.raises(DatasetError, match="no images"):
+        check_spec(TrainSpec(DatasetSpec((DirectorySpec(str(empty)),)), spec.model))
+    with pytest.raises(DatasetError, match="does not exist"):
+        check_spec(TrainSpec(DatasetSpec((DirectorySpec(str(tmp_path / "nope")),)), spec.model))
+
+
+def test_start_writes_the_run_and_spawns_deepspeed(tmp_path, launcher):
+    """``start`` for real: the run folder, then DeepSpeed's launcher on our module, detached (killed at once)."""
+    la = launcher(lora_root=tmp_path / "loras")
+    run_id = la.start(_spec(tmp_path, gpus=1, stages=1), "my lora")
+    run_dir = la.dirs.path(run_id)
+    info = json.loads((run_dir / "launcher.json").read_text())
+    la.kill(run_id)
+    argv = info["command"]
+    assert (run_dir / "run.toml").is_file() and (run_dir / "dataset.toml").is_file()
+    assert argv[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    assert argv[argv.index("--num_gpus") + 1] == "1"
+    assert argv[-4:] == ["--module", "pipetrain", "train", str(run_dir / "run.toml")]
+    assert f'lora_dir = "{tmp_path / "loras" / run_id}"' in (run_dir / "run.toml").read_text()
+    assert info["gpus"] == [0] and info["process"]["pgid"] == info["process"]["pid"]
+    assert not la.alive(run_id)
