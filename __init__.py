@@ -8,6 +8,8 @@ WEB_DIRECTORY = "./web"
 
 
 async def comfy_entrypoint():
+    from .launcher.comfy import install
     from .nodes import PipeTrainExtension
 
+    install()  # /pipetrain routes, re-attach to live runs, event relay
     return PipeTrainExtension()

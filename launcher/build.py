@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Specs from the graph -> one validated ``RunConfig`` (+ its ``DatasetConfig``) written as TOML.
+
+Validation is the backend's own (``backend.config`` rejects unknown keys, wrong types and out-of-range
+values by name); this module only adds the checks that need the file system before anything starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..backend.config import DatasetConfig, RunConfig, load_run_config, save_toml
+from ..backend.errors import ConfigError, DatasetError, ModelError
+from ..backend.schema import from_dict
+from .specs import DatasetSpec, TrainSpec
+
+MEDIA_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".mp4", ".webm", ".mov"}
+WHERE = "the PipeTrain nodes"
+
+
+def check_dataset_folder(path: str | Path, caption_extension: str = ".txt") -> int:
+    """Number of media files in ``path``; ``DatasetError`` when the folder is missing or has none."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise DatasetError(f"dataset folder {folder} does not exist; pick a folder under ComfyUI's input "
+                           "directory or type an absolute path")
+    n = sum(1 for p in folder.iterdir() if p.is_file() and p.suffix.lower() in MEDIA_SUFFIXES
+            and not p.name.startswith("."))
+    if n == 0:
+        raise DatasetError(f"dataset folder {folder} contains no images or videos "
+                           f"({', '.join(sorted(MEDIA_SUFFIXES))}); add files, each with a {caption_extension} caption")
+    return n
+
+
+def dataset_config(spec: DatasetSpec) -> DatasetConfig:
+    table = {
+        "resolutions": list(spec.resolutions), "enable_ar_bucket": spec.enable_ar_bucket,
+        "min_ar": spec.min_ar, "max_ar": spec.max_ar, "num_ar_buckets": spec.num_ar_buckets,
+        "directory": [{"path": d.path, "num_repeats": d.num_repeats, "resolutions": list(d.resolutions),
+                       "caption_extension": d.caption_extension} for d in spec.directories],
+    }
+    return from_dict(DatasetConfig, table, file=WHERE)
+
+
+def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str | None,
+              lora_dir: str | None) -> dict:
+    s, p, m = spec.schedule, spec.parallelism, spec.memory
+    adapter = {k: v for k, v in dataclasses.asdict(spec.adapter).items() if v is not None}
+    if "target_modules" in adapter:
+        adapter["target_modules"] = list(adapter["target_modules"])
+    optimizer = dataclasses.asdict(spec.optimizer)
+    optimizer["betas"] = list(optimizer["betas"])
+    model = {k: v for k, v in dataclasses.asdict(spec.model).items() if v is not None}
+    model["text_encoders"] = list(model["text_encoders"])
+    table = {
+        "output_dir": output_dir, "dataset": dataset, "epochs": s.epochs,
+        "micro_batch_size_per_gpu": p.micro_batch_size_per_gpu, "pipeline_stages": p.pipeline_stages,
+        "gradient_accumulation_steps": p.gradient_accumulation_steps, "warmup_steps": s.warmup_steps,
+        "lr_scheduler": s.lr_scheduler, "save_every_n_epochs": s.save_every_n_epochs,
+        "checkpoint_every_n_epochs": s.checkpoint_every_n_epochs,
+        "checkpoint_every_n_minutes": s.checkpoint_every_n_minutes,
+        "activation_checkpointing": m.activation_checkpointing, "seed": s.seed,
+        "run_name": run_name, "lora_dir": lora_dir, "model": model, "adapter": adapter, "optimizer": optimizer,
+    }
+    if m.blocks_to_swap:
+        if "blocks_to_swap" not in {f.name for f in dataclasses.fields(RunConfig)}:
+            raise ConfigError(f"got {m.blocks_to_swap}; block swapping is not available in this version, set it to 0",
+                              file=WHERE, key="blocks_to_swap")
+        table["blocks_to_swap"] = m.blocks_to_swap
+    return {k: v for k, v in table.items() if v is not None}
+
+
+def check_spec(spec: TrainSpec) -> None:
+    """Everything that can be checked before a run directory exists; raises a ``PipeTrainError``."""
+    for d in spec.dataset.directories:
+        check_dataset_folder(d.path, d.caption_extension)
+    for key, path in [("diffusion_model", spec.model.diffusion_model), ("vae", spec.model.vae)] + [
+            (f"text_encoders[{i}]", p) for i, p in enumerate(spec.model.text_encoders)]:
+        if not Path(path).is_file():
+            raise ModelError(f"model file {path} ({key}) not found")
+    p = spec.parallelism
+    if p.gpus % p.pipeline_stages:
+        raise ConfigError(f"pipeline_stages={p.pipeline_stages} does not divide gpus={p.gpus}; "
+                          f"use a GPU count that is a multiple of {p.pipeline_stages}", file=WHERE, key="pipeline_stages")
+    if p.gpu_ids and len(p.gpu_ids) != p.gpus:
+        raise ConfigError(f"{len(p.gpu_ids)} gpu_ids given for gpus={p.gpus}", file=WHERE, key="gpu_ids")
+    dataset_config(spec.dataset)
+    cfg = from_dict(RunConfig, run_table(spec, output_dir="/", dataset="dataset.toml", run_name=None,
+                                         lora_dir=None), file=WHERE)
+    cfg.check_world_size(p.gpus)
+
+
+def write_config(spec: TrainSpec, folder: Path, *, output_dir: Path, run_name: str | None,
+                 lora_dir: Path | None) -> Path:
+    """Write ``dataset.toml`` + ``run.toml`` into ``folder``, load them back as the backend will; return run.toml."""
+    check_spec(spec)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_toml(dataset_config(spec.dataset), folder / "dataset.toml")
+    table = run_table(spec, output_dir=str(output_dir), dataset=str(folder / "dataset.toml"), run_name=run_name,
+                      lora_dir=str(lora_dir) if lora_dir else None)
+    save_toml(from_dict(RunConfig, table, file=folder / "run.toml"), folder / "run.toml")
+    load_run_config(folder / "run.toml")  # exactly what the backend will read
+    return folder / "run.toml"

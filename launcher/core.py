@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The launcher: a small state machine over run directories.
+
+It starts runs detached, records their process in ``launcher.json`` (atomically), finds live runs
+again after a ComfyUI restart, stops them gracefully (``stop`` file -> SIGTERM -> SIGKILL to the
+process group) and refuses a run on GPUs that a live run holds. A run is "stopped" only once its
+processes are gone.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..backend.errors import PipeTrainError
+from .build import write_config
+from .procs import ProcessRef, child_env, deepspeed_argv, spawn
+from .registry import RunDirs, details, new_run_id, read_json, summarize, write_launcher_info
+from .specs import TrainSpec
+
+
+class LauncherError(PipeTrainError):
+    pass
+
+
+class Launcher:
+    def __init__(self, runs_root: Path, *, lora_root: Path | None = None, comfyui_root: Path | None = None,
+                 before_launch: Callable[[tuple[int, ...]], None] | None = None,
+                 stop_timeout: float = 300.0, kill_timeout: float = 60.0):
+        self.dirs = RunDirs(runs_root)
+        self.dirs.root.mkdir(parents=True, exist_ok=True)
+        self.lora_root = Path(lora_root) if lora_root else None
+        self.comfyui_root = comfyui_root
+        self.before_launch = before_launch
+        self.stop_timeout, self.kill_timeout = stop_timeout, kill_timeout
+        self.procs: dict[str, ProcessRef] = {}   # runs whose processes may be alive
+        self.dead: set[str] = set()                 # runs known to have no process (checked once)
+        self.deadlines: dict[str, tuple[float, int]] = {}   # run id -> (when, signal to send)
+        self.lock = threading.RLock()
+        self.reattach()
+
+    # --- discovery ---------------------------------------------------------------------------
+    def reattach(self) -> list[str]:
+        """Pick up the live runs recorded under the root (after a ComfyUI restart); returns their ids."""
+        found = []
+        with self.lock:
+            for run_id in self.dirs.ids():
+                if run_id not in self.procs and self.alive(run_id):
+                    found.append(run_id)
+        return found
+
+    def alive(self, run_id: str) -> bool:
+        """Whether the run's processes are running; a run never seen before is looked up in its files."""
+        with self.lock:
+            ref = self.procs.get(run_id)
+            if ref is None and run_id not in self.dead:
+                ref = ProcessRef.from_dict(read_json(self.dirs.path(run_id) / "launcher.json").get("process", {}))
+                if ref is not None:
+                    self.procs[run_id] = ref
+            if ref is not None and ref.alive():
+                return True
+            self.procs.pop(run_id, None)
+            self.dead.add(run_id)
+            return False
+
+    def held_gpus(self) -> dict[int, str]:
+        held = {}
+        with self.lock:
+            for run_id in self.dirs.ids():
+                if self.alive(run_id):
+                    for gpu in read_json(self.dirs.path(run_id) / "launcher.json").get("gpus", []):
+                        held[int(gpu)] = run_id
+        return held
+
+    def list(self) -> list[dict]:
+        return [summarize(self.dirs, run_id, self.alive(run_id)) for run_id in self.dirs.ids()]
+
+    def get(self, run_id: str) -> dict:
+        self._require(run_id)
+        return details(self.dirs, run_id, self.alive(run_id))
+
+    def _require(self, run_id: str) -> Path:
+        path = self.dirs.path(run_id)          # RunIdError on a bad id
+        if not self.dirs.exists(run_id):
+            raise KeyError(run_id)
+        return path
+
+    # --- starting ----------------------------------------------------------------------------
+    def start(self, spec: TrainSpec, name: str = "") -> str:
+        """Validate, write the run directory and launch ``deepspeed ... pipetrain train``; returns the run id."""
+        devices = spec.parallelism.devices
+        self._refuse_held(devices)
+        run_id = new_run_id(name)
+        run_dir = self.dirs.path(run_id)
+        lora_dir = self.lora_root / run_id if self.lora_root else None
+        run_toml = write_config(spec, run_dir, output_dir=self.dirs.root, run_name=run_id, lora_dir=lora_dir)
+        self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id)
+        return run_id
+
+    def resume(self, run_id: str) -> None:
+        run_dir = self._require(run_id)
+        if self.alive(run_id):
+            raise LauncherError(f"run {run_id} is still running")
+        info = read_json(run_dir / "launcher.json")
+        if not summarize(self.dirs, run_id, False)["resumable"]:
+            raise LauncherError(f"run {run_id} has no checkpoint to resume from")
+        devices = tuple(info.get("gpus") or (0,))
+        (run_dir / "stop").unlink(missing_ok=True)
+        self.launch(run_id, deepspeed_argv("train", run_dir / "run.toml", devices, ["--resume", run_id]), devices,
+                    name=info.get("name", run_id))
+
+    def _refuse_held(self, devices) -> None:
+        held = self.held_gpus()
+        busy = sorted(set(devices) & set(held))
+        if busy:
+            runs = ", ".join(sorted({held[g] for g in busy}))
+            raise LauncherError(f"GPU(s) {', '.join(map(str, busy))} are in use by run {runs}; stop it first or "
+                                f"choose other gpu_ids in the Parallelism node")
+
+    def launch(self, run_id: str, argv: list[str], devices: tuple[int, ...], name: str | None = None) -> ProcessRef:
+        """Spawn ``argv`` detached for run ``run_id`` (the lower half of ``start``/``resume``)."""
+        with self.lock:
+            self._refuse_held(devices)
+            run_dir = self.dirs.path(run_id)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if self.before_launch is not None:
+                self.before_launch(tuple(devices))
+            old = read_json(run_dir / "launcher.json")
+            log = run_dir / "log.txt"
+            env = child_env(self.dirs.root / ".pythonpath", self.comfyui_root)
+            ref = spawn(argv, cwd=run_dir, log_path=log, env=env)
+            write_launcher_info(run_dir, {
+                "id": run_id, "name": name or old.get("name") or run_id, "created": old.get("created", time.time()),
+                "launched": time.time(), "launches": old.get("launches", 0) + 1, "command": argv,
+                "gpus": list(devices), "log": str(log), "process": ref.as_dict()})
+            self.procs[run_id] = ref
+            self.dead.discard(run_id)
+            self.deadlines.pop(run_id, None)
+            return ref
+
+    # --- stopping ----------------------------------------------------------------------------
+    def stop(self, run_id: str, *, kill: bool = False) -> dict:
+        """Graceful stop (the backend checkpoints and exits), escalating to SIGTERM then SIGKILL."""
+        run_dir = self._require(run_id)
+        if not self.alive(run_id):
+            raise LauncherError(f"run {run_id} is not running")
+        if kill:
+            return self.kill(run_id)
+        with self.lock:
+            (run_dir / "stop").touch()
+            self._update_info(run_dir, stop_requested=time.time())
+            self.deadlines[run_id] = (time.monotonic() + self.stop_timeout, signal.SIGTERM)
+        return summarize(self.dirs, run_id, True)
+
+    def kill(self, run_id: str) -> dict:
+        run_dir = self._require(run_id)
+        with self.lock:
+            self._update_info(run_dir, killed=time.time())
+            self.alive(run_id)
+            ref = self.procs.get(run_id)
+            if ref is not None:
+                ref.signal_group(signal.SIGKILL)
+            self.deadlines.pop(run_id, None)
+        self.wait(run_id, 10)
+        return summarize(self.dirs, run_id, self.alive(run_id))
+
+    def wait(self, run_id: str, timeout: float) -> bool:
+        """True once the run's processes are gone (polling, at most ``timeout`` seconds)."""
+        end = time.monotonic() + timeout
+        while self.alive(run_id):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def poll(self) -> None:
+        """Escalate overdue stops and forget finished processes; called by the relay thread."""
+        now = time.monotonic()
+        with self.lock:
+            for run_id, (when, sig) in list(self.deadlines.items()):
+                ref = self.procs.get(run_id)
+                if ref is None or not ref.alive():
+                    self.deadlines.pop(run_id, None)
+                elif now >= when:
+                    ref.signal_group(sig)
+                    if sig == signal.SIGTERM:
+                        self.deadlines[run_id] = (now + self.kill_timeout, signal.SIGKILL)
+                    else:
+                        self._update_info(self.dirs.path(run_id), killed=time.time())
+                        self.deadlines.pop(run_id, None)
+
+    def _update_info(self, run_dir: Path, **fields) -> None:
+        info = read_json(run_dir / "launcher.json")
+        info.update(fields)
+        write_launcher_info(run_dir, info)

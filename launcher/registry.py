@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Runs as folders: ``<root>/<run_id>/`` with ``run.toml``, ``status.json``, ``events.jsonl``,
+``launcher.json``, ``log.txt``, ``checkpoints/``. Reading a run never needs its process alive.
+
+Run ids are validated by a strict pattern and the resolved folder must lie directly inside the root,
+so nothing outside the run directories is ever read or written.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from datetime import datetime
+from pathlib import Path
+
+from ..backend.fsutil import atomic_write_json
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,79}$")
+RESERVED = {"cache"}                       # the backend's shared cache folder under the runs root
+ACTIVE = {"launched", "starting", "caching", "loading", "training"}
+LOSS_POINTS = 2000
+
+
+class RunIdError(ValueError):
+    pass
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id) or run_id in RESERVED:
+        raise RunIdError(f"invalid run id {run_id!r}: use letters, digits, '-' and '_' only (at most 80)")
+    return run_id
+
+
+def new_run_id(prefix: str = "") -> str:
+    prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", prefix).strip("-_")[:40]
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return check_run_id(f"{prefix + '-' if prefix else ''}{stamp}-{secrets.token_hex(2)}")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:
+    """Complete JSON lines from ``offset``; returns (events, offset after the last complete line)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    events = []
+    for line in data[:end].splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events, offset + end
+
+
+class RunDirs:
+    """The runs root and the rules for finding a run's folder in it."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+
+    def path(self, run_id: str) -> Path:
+        check_run_id(run_id)
+        p = (self.root / run_id).resolve()
+        if p.parent != self.root:
+            raise RunIdError(f"invalid run id {run_id!r}")
+        return p
+
+    def exists(self, run_id: str) -> bool:
+        try:
+            p = self.path(run_id)
+        except RunIdError:
+            return False
+        return p.is_dir() and any((p / n).exists() for n in ("launcher.json", "status.json", "run.toml"))
+
+    def ids(self) -> list[str]:
+        """Run ids, newest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and RUN_ID.match(p.name)
+                 and p.name not in RESERVED and self.exists(p.name)]
+        return [p.name for p in sorted(found, key=_started, reverse=True)]
+
+
+def _started(p: Path) -> float:
+    info = read_json(p / "launcher.json")
+    return float(info.get("created") or read_json(p / "status.json").get("started") or p.stat().st_mtime)
+
+
+def write_launcher_info(run_dir: Path, info: dict) -> None:
+    atomic_write_json(run_dir / "launcher.json", info)
+
+
+def run_state(status: dict, info: dict, alive: bool) -> str:
+    """The one state the UI shows, from the backend's status, the launcher's record and the process."""
+    state = status.get("state") or ("launched" if info else "unknown")
+    if info.get("killed") and not alive:
+        return "killed"
+    if alive:
+        return "stopping" if info.get("stop_requested") and state in ACTIVE else state
+    if state in ACTIVE:
+        return "stopped" if info.get("stop_requested") else "failed"
+    return state
+
+
+def summarize(run_dirs: RunDirs, run_id: str, alive: bool) -> dict:
+    d = run_dirs.path(run_id)
+    status, info = read_json(d / "status.json"), read_json(d / "launcher.json")
+    state = run_state(status, info, alive)
+    error = status.get("error")
+    if state == "failed" and not error:
+        error = f"the training process exited without reporting; see {d / 'log.txt'}"
+    keys = ("step", "total_steps", "epoch", "epochs", "loss", "lr", "samples_per_s", "eta_s", "last_checkpoint",
+            "updated", "cache")
+    return {"id": run_id, "state": state, "alive": alive, "error": error,
+            "loras": status.get("loras", []), "gpus": info.get("gpus", []),
+            "created": info.get("created"), "name": info.get("name", run_id),
+            "resumable": bool(_latest_checkpoint(d)) and not alive,
+            **{k: status.get(k) for k in keys}}
+
+
+def _latest_checkpoint(run_dir: Path) -> str | None:
+    try:
+        tag = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except OSError:
+        return None
+    return tag if tag and (run_dir / "checkpoints" / tag).is_dir() else None
+
+
+def details(run_dirs: RunDirs, run_id: str, alive: bool) -> dict:
+    """The summary plus the loss curve and the last events (for the panel)."""
+    d = run_dirs.path(run_id)
+    events, _ = read_events(d / "events.jsonl")
+    losses = [[e.get("step"), e.get("loss")] for e in events if e.get("type") == "step" and e.get("loss") is not None]
+    if len(losses) > LOSS_POINTS:
+        stride = -(-len(losses) // LOSS_POINTS)
+        losses = losses[::stride] + ([losses[-1]] if (len(losses) - 1) % stride else [])
+    out = summarize(run_dirs, run_id, alive)
+    out.update(losses=losses, events=events[-50:], run_dir=str(d))
+    return out
+
+
+def lora_for_epoch(run_dirs: RunDirs, run_id: str, epoch: int = 0) -> dict | None:
+    """The saved LoRA of ``epoch`` (0: the newest) as {epoch, step, path}, or None."""
+    loras = [x for x in read_json(run_dirs.path(run_id) / "status.json").get("loras", []) if x.get("path")]
+    loras = [x for x in loras if Path(x["path"]).is_file()]
+    if epoch > 0:
+        loras = [x for x in loras if x.get("epoch") == epoch]
+    return max(loras, key=lambda x: (x.get("epoch", 0), x.get("step", 0)), default=None)
+
+
+__all__ = ["ACTIVE", "RunDirs", "RunIdError", "check_run_id", "details", "lora_for_epoch",
+           "new_run_id", "read_events", "read_json", "run_state", "summarize", "write_launcher_info"]

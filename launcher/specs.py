@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Typed, serialisable specs that the nodes build and the launcher turns into one ``RunConfig``.
+
+Plain frozen dataclasses of plain values (strings, numbers, tuples): hashable, so ComfyUI's executor
+can cache node outputs on them, and free of ComfyUI or torch imports.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class DirectorySpec:
+    path: str                       # absolute, resolved by the Dataset node
+    num_repeats: int = 1
+    resolutions: tuple[int, ...] = (512,)
+    caption_extension: str = ".txt"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One or more folders; settings shared by the whole dataset come from the first folder's node."""
+    directories: tuple[DirectorySpec, ...]
+    resolutions: tuple[int, ...] = (512,)
+    enable_ar_bucket: bool = True
+    min_ar: float = 0.5
+    max_ar: float = 2.0
+    num_ar_buckets: int = 7
+
+    def plus(self, other: "DatasetSpec") -> "DatasetSpec":
+        return DatasetSpec(other.directories + self.directories, other.resolutions, other.enable_ar_bucket,
+                           other.min_ar, other.max_ar, other.num_ar_buckets)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    type: str                       # "flux" | "sdxl", detected from the diffusion model file
+    diffusion_model: str            # absolute paths
+    vae: str
+    text_encoders: tuple[str, ...]
+    dtype: str = "bfloat16"
+    diffusion_model_dtype: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    rank: int = 16
+    alpha: Optional[float] = None
+    dropout: float = 0.0
+    target_modules: Optional[tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    type: str = "adamw"
+    lr: float = 2e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    epochs: int = 10
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    save_every_n_epochs: int = 1
+    checkpoint_every_n_epochs: Optional[int] = None
+    checkpoint_every_n_minutes: Optional[float] = 30.0
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class ParallelismSpec:
+    gpus: int = 1
+    gpu_ids: tuple[int, ...] = ()   # empty: the first ``gpus`` devices
+    pipeline_stages: int = 1
+    micro_batch_size_per_gpu: int = 1
+    gradient_accumulation_steps: int = 1
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.gpu_ids or tuple(range(self.gpus))
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    activation_checkpointing: bool = True
+    blocks_to_swap: int = 0
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """What the Train node outputs: the run's id (its folder name under the runs root)."""
+    run_id: str
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    dataset: DatasetSpec
+    model: ModelSpec
+    adapter: AdapterSpec = field(default_factory=AdapterSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
+    memory: MemorySpec = field(default_factory=MemorySpec)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,18 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""ComfyUI V3 nodes: forms that validate their inputs and return typed specs (``launcher.specs``)."""
+from comfy_api.latest import ComfyExtension, io
+
+from .data import DatasetNode, ModelNode
+from .runs import LoadEpochLoRANode, RunStatusNode, StopNode
+from .settings import AdapterNode, MemoryNode, OptimizerNode, ParallelismNode, ScheduleNode
+from .train import CacheNode, TrainNode
+
+NODES: list[type[io.ComfyNode]] = [
+    DatasetNode, ModelNode, AdapterNode, OptimizerNode, ScheduleNode, ParallelismNode, MemoryNode,
+    CacheNode, TrainNode, RunStatusNode, StopNode, LoadEpochLoRANode,
+]
+
+
+class PipeTrainExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return NODES

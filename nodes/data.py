@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Dataset and Model: where the images are and which model files to train on."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from comfy_api.latest import io
+
+from ..backend.errors import PipeTrainError
+from ..launcher.build import check_dataset_folder
+from ..launcher.specs import DatasetSpec, DirectorySpec, ModelSpec
+from . import types as t
+
+WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+COMPUTE_DTYPES = ["bfloat16", "float16", "float32"]
+CKPT_PREFIX = "checkpoints/"
+NONE = "none"
+
+
+def dataset_folder(folder: str) -> Path:
+    import folder_paths
+    p = Path(folder.strip()).expanduser()
+    return (p if p.is_absolute() else Path(folder_paths.get_input_directory()) / p).resolve()
+
+
+def parse_resolutions(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in str(text).replace(";", ",").split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"resolutions {text!r}: write whole numbers separated by commas, e.g. 512, 768") from None
+    if not values or any(v < 64 or v % 64 for v in values):
+        raise ValueError(f"resolutions {text!r}: each must be a multiple of 64, at least 64")
+    return values
+
+
+class DatasetNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainDataset", display_name="PipeTrain Dataset", category=t.CATEGORY,
+            description="A folder of images with same-name caption files. Chain several into one dataset.",
+            inputs=[
+                io.String.Input("folder", default="", tooltip="Folder of images (+ captions): a path under ComfyUI's "
+                                "input directory, or an absolute path"),
+                io.String.Input("resolutions", default="512", tooltip="Training side length(s) in pixels, comma "
+                                "separated multiples of 64; each image trains at every resolution"),
+                io.Boolean.Input("enable_ar_bucket", default=True, tooltip="Group images by aspect ratio instead of "
+                                 "cropping them square"),
+                io.Float.Input("min_ar", default=0.5, min=0.1, max=1.0, step=0.05, tooltip="Smallest aspect ratio "
+                               "(width/height) of a bucket"),
+                io.Float.Input("max_ar", default=2.0, min=1.0, max=10.0, step=0.05, tooltip="Largest aspect ratio "
+                               "(width/height) of a bucket"),
+                io.Int.Input("num_ar_buckets", default=7, min=1, max=64, tooltip="Number of aspect-ratio buckets"),
+                io.Int.Input("num_repeats", default=1, min=1, max=1000, tooltip="How often each image of this folder "
+                             "is seen per epoch"),
+                io.String.Input("caption_extension", default=".txt", tooltip="Extension of the caption file beside "
+                                "each image (a missing caption trains with an empty one)"),
+                t.Dataset.Input("previous", optional=True, tooltip="Another PipeTrain Dataset to add this folder to"),
+            ],
+            outputs=[t.Dataset.Output(display_name="dataset")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, folder=None, resolutions=None, caption_extension=None):
+        try:
+            if folder is not None:
+                check_dataset_folder(dataset_folder(folder), caption_extension or ".txt")
+            if resolutions is not None:
+                parse_resolutions(resolutions)
+        except (PipeTrainError, ValueError) as e:
+            return str(e)
+        return True
+
+    @classmethod
+    def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
+                caption_extension, previous=None) -> io.NodeOutput:
+        res = parse_resolutions(resolutions)
+        ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
+        spec = DatasetSpec((DirectorySpec(str(dataset_folder(folder)), num_repeats, res, ext),), res,
+                           enable_ar_bucket, min_ar, max_ar, num_ar_buckets)
+        return io.NodeOutput(previous.plus(spec) if previous is not None else spec)
+
+
+def diffusion_model_options() -> list[str]:
+    import folder_paths
+    return (folder_paths.get_filename_list("diffusion_models")
+            + [CKPT_PREFIX + n for n in folder_paths.get_filename_list("checkpoints")])
+
+
+def model_path(name: str) -> str | None:
+    import folder_paths
+    found = folder_paths.get_full_path("diffusion_models", name)
+    if found is None and name.startswith(CKPT_PREFIX):
+        found = folder_paths.get_full_path("checkpoints", name[len(CKPT_PREFIX):])
+    return found
+
+
+def detect(path: str) -> str:
+    from ..backend.models.loading import SUPPORTED_ARCHS, detect_architecture
+    arch = detect_architecture(path)
+    if arch is None:
+        raise ValueError(f"{Path(path).name}: not a diffusion model of an architecture PipeTrain trains "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)}); pick the diffusion model file, not a LoRA, "
+                         "VAE or text encoder")
+    return arch
+
+
+class ModelNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        import folder_paths
+        tes = folder_paths.get_filename_list("text_encoders")
+        return io.Schema(
+            node_id="PipeTrainModel", display_name="PipeTrain Model", category=t.CATEGORY,
+            description="The model to train; its architecture (Flux, SDXL) is detected from the file.",
+            inputs=[
+                io.Combo.Input("diffusion_model", options=diffusion_model_options(), tooltip="Diffusion model from "
+                               "models/diffusion_models (or a checkpoint from models/checkpoints)"),
+                io.Combo.Input("text_encoder_1", options=tes, tooltip="First text encoder from models/text_encoders "
+                               "(Flux: CLIP-L; SDXL: CLIP-L)"),
+                io.Combo.Input("text_encoder_2", options=[NONE] + tes, tooltip="Second text encoder (Flux: T5-XXL; "
+                               "SDXL: CLIP-G)"),
+                io.Combo.Input("vae", options=folder_paths.get_filename_list("vae"), tooltip="VAE from models/vae, "
+                               "used to encode the images into latents"),
+                io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default", tooltip="Storage dtype of the "
+                               "frozen diffusion-model weights; fp8 halves memory"),
+                io.Combo.Input("compute_dtype", options=COMPUTE_DTYPES, default="bfloat16", tooltip="Dtype the "
+                               "model computes in"),
+            ],
+            outputs=[t.Model.Output(display_name="model")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, diffusion_model=None):
+        from ..backend.errors import ModelError
+        name = diffusion_model
+        if name is None:
+            return True
+        path = model_path(name)
+        if path is None:
+            return f"model file {name} not found in models/diffusion_models or models/checkpoints"
+        try:
+            detect(path)
+        except (ModelError, ValueError) as e:
+            return str(e)
+        return True
+
+    @classmethod
+    def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
+                compute_dtype) -> io.NodeOutput:
+        import folder_paths
+        path = model_path(diffusion_model)
+        tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in (text_encoder_1, text_encoder_2)
+               if n != NONE]
+        spec = ModelSpec(detect(path), path, folder_paths.get_full_path_or_raise("vae", vae), tuple(tes),
+                         compute_dtype, None if weight_dtype == "default" else weight_dtype)
+        return io.NodeOutput(spec)

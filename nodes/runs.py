@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Run Status, Stop and Load Epoch LoRA: nodes over existing runs (by id, or the Train node's RUN)."""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..backend.errors import PipeTrainError
+from . import types as t
+
+NEWEST = "newest"
+_lora_cache: dict[tuple, dict] = {}
+
+
+def _launcher():
+    from ..launcher.comfy import get_launcher
+    return get_launcher()
+
+
+def run_options() -> list[str]:
+    return [NEWEST] + _launcher().dirs.ids()
+
+
+def run_inputs() -> list:
+    return [
+        io.Combo.Input("run", options=run_options(), default=NEWEST, tooltip="Run id (folder under "
+                       "output/pipetrain); 'newest' is the most recently started run"),
+        t.Run.Input("run_handle", optional=True, tooltip="A run from the Train node; overrides 'run'"),
+    ]
+
+
+def resolve_run(run: str, run_handle=None) -> str:
+    if run_handle is not None:
+        return run_handle.run_id
+    ids = _launcher().dirs.ids()
+    if run == NEWEST:
+        if not ids:
+            raise ValueError("there is no PipeTrain run yet; start one with the Train node")
+        return ids[0]
+    if run not in ids:
+        raise ValueError(f"no PipeTrain run {run!r} under output/pipetrain")
+    return run
+
+
+def _validate_run(run) -> bool | str:
+    if run is None or run == NEWEST:
+        return True
+    return True if _launcher().dirs.exists(run) else f"no PipeTrain run {run!r} under output/pipetrain"
+
+
+def status_text(s: dict) -> str:
+    parts = [f"{s['id']}: {s['state']}"]
+    if s.get("total_steps"):
+        parts.append(f"step {s.get('step') or 0}/{s['total_steps']}")
+    if s.get("epoch") is not None:
+        parts.append(f"epoch {s['epoch']}/{s.get('epochs') or '?'}")
+    if s.get("loss") is not None:
+        parts.append(f"loss {s['loss']:.4f}")
+    if s.get("eta_s"):
+        parts.append(f"ETA {int(s['eta_s']) // 60} min")
+    if s.get("error"):
+        parts.append(f"error: {s['error']}")
+    return ", ".join(parts)
+
+
+class RunStatusNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainRunStatus", display_name="PipeTrain Run Status", category=t.CATEGORY,
+            is_output_node=True, description="The state, progress and newest epoch LoRA of a run.",
+            inputs=run_inputs(),
+            outputs=[io.String.Output(display_name="status"), io.Int.Output(display_name="step"),
+                     io.Int.Output(display_name="newest_epoch"), io.String.Output(display_name="newest_lora")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, run=None):
+        return _validate_run(run)
+
+    @classmethod
+    def fingerprint_inputs(cls, **kw):
+        return float("nan")  # a status is always read fresh
+
+    @classmethod
+    def execute(cls, run, run_handle=None) -> io.NodeOutput:
+        s = _launcher().get(resolve_run(run, run_handle))
+        newest = max(s["loras"], key=lambda x: x.get("epoch", 0), default={})
+        text = status_text(s)
+        return io.NodeOutput(text, int(s.get("step") or 0), int(newest.get("epoch", 0)), newest.get("path", ""),
+                             ui=ui.PreviewText(text))
+
+
+class StopNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainStop", display_name="PipeTrain Stop", category=t.CATEGORY, is_output_node=True,
+            description="Stop a run: it saves a checkpoint at the next step and exits (resume it from the panel).",
+            inputs=run_inputs() + [io.Boolean.Input("kill", default=False, tooltip="Kill at once without a "
+                                                    "checkpoint (for a run that does not respond)")],
+            outputs=[io.String.Output(display_name="status")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, run=None):
+        return _validate_run(run)
+
+    @classmethod
+    def fingerprint_inputs(cls, **kw):
+        return float("nan")
+
+    @classmethod
+    def execute(cls, run, kill, run_handle=None) -> io.NodeOutput:
+        run_id = resolve_run(run, run_handle)
+        try:
+            s = _launcher().stop(run_id, kill=kill)
+            text = status_text(s)
+        except PipeTrainError as e:
+            text = str(e)
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+def _lora_file(run: str, epoch: int, run_handle=None) -> dict:
+    from ..launcher.registry import lora_for_epoch
+    launcher = _launcher()
+    run_id = resolve_run(run, run_handle)
+    found = lora_for_epoch(launcher.dirs, run_id, epoch)
+    if found is None:
+        which = f"epoch {epoch}" if epoch else "any epoch"
+        have = sorted(x.get("epoch") for x in launcher.get(run_id)["loras"])
+        raise ValueError(f"run {run_id} has no saved LoRA for {which} yet (saved epochs: {have or 'none'})")
+    return found
+
+
+class LoadEpochLoRANode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainLoadEpochLoRA", display_name="PipeTrain Load Epoch LoRA", category=t.CATEGORY,
+            description="Apply the LoRA a run saved after an epoch (the newest by default) to a model.",
+            inputs=[io.Model.Input("model", tooltip="The base model to apply the LoRA to")] + run_inputs() + [
+                io.Int.Input("epoch", default=0, min=0, max=100000, tooltip="Epoch whose LoRA to load; 0 = the newest "
+                             "(re-checked each time the workflow is queued)"),
+                io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01, tooltip="LoRA strength"),
+            ],
+            outputs=[io.Model.Output(display_name="model")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, run=None):
+        return _validate_run(run)
+
+    @classmethod
+    def fingerprint_inputs(cls, **kw):
+        try:
+            found = _lora_file(kw.get("run", NEWEST), kw.get("epoch", 0), kw.get("run_handle"))
+        except (ValueError, KeyError, PipeTrainError):
+            return float("nan")
+        return (found["path"], found.get("step"), kw.get("strength"))
+
+    @classmethod
+    def execute(cls, model, run, epoch, strength, run_handle=None) -> io.NodeOutput:
+        import os
+
+        import comfy.sd
+        import comfy.utils
+        found = _lora_file(run, epoch, run_handle)
+        key = (found["path"], os.path.getmtime(found["path"]))
+        if key not in _lora_cache:
+            _lora_cache.clear()
+            _lora_cache[key] = comfy.utils.load_torch_file(found["path"], safe_load=True)
+        patched, _ = comfy.sd.load_lora_for_models(model, None, _lora_cache[key], strength, 0)
+        return io.NodeOutput(patched)

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Cache and Train: the two output nodes that do something (through the launcher)."""
+from __future__ import annotations
+
+import time
+
+from comfy_api.latest import io, ui
+
+from ..backend.errors import PipeTrainError
+from ..launcher.specs import (AdapterSpec, MemorySpec, OptimizerSpec, ParallelismSpec, RunHandle, ScheduleSpec,
+                              TrainSpec)
+from . import types as t
+
+
+class CacheNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainCache", display_name="PipeTrain Cache", category=t.CATEGORY, is_output_node=True,
+            description="Encode the dataset's latents and caption embeddings once, with ComfyUI's progress bar. "
+                        "Queued again with nothing changed it finishes at once.",
+            inputs=[
+                t.Dataset.Input("dataset", tooltip="The dataset to encode"),
+                t.Model.Input("model", tooltip="The model whose VAE and text encoders encode it"),
+            ],
+            outputs=[t.Dataset.Output(display_name="dataset")],
+        )
+
+    @classmethod
+    def execute(cls, dataset, model) -> io.NodeOutput:
+        import comfy.model_management as mm
+        import comfy.utils
+
+        from ..launcher import comfy as host
+        from ..launcher.cache_job import run_cache
+
+        bars: dict[str, comfy.utils.ProgressBar] = {}
+
+        def progress(kind: str, done: int, total: int) -> None:
+            bar = bars.setdefault(kind, comfy.utils.ProgressBar(max(total, 1)))
+            bar.update_absolute(done, max(total, 1))
+
+        spec = TrainSpec(dataset, model)
+        host.free_models((0,))
+        start = time.monotonic()
+        try:
+            result = run_cache(spec, host.runs_root(), comfyui_root=host.comfyui_root(), progress=progress,
+                               cancelled=mm.processing_interrupted)
+        except PipeTrainError as e:
+            mm.throw_exception_if_processing_interrupted()
+            raise RuntimeError(str(e)) from None
+        text = (f"cache ready: {result.get('entries', '?')} entries; encoded now: "
+                f"{result.get('latents_encoded', 0)} latents, {result.get('texts_encoded', 0)} captions "
+                f"({time.monotonic() - start:.1f} s)")
+        return io.NodeOutput(dataset, ui=ui.PreviewText(text))
+
+
+class TrainNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainTrain", display_name="PipeTrain Train", category=t.CATEGORY, is_output_node=True,
+            description="Validate the run, write its folder and start training in a detached process; returns in "
+                        "seconds and the queue stays free. Watch it in the PipeTrain panel.",
+            inputs=[
+                t.Dataset.Input("dataset", tooltip="Dataset (from PipeTrain Dataset or Cache)"),
+                t.Model.Input("model", tooltip="Model files (from PipeTrain Model)"),
+                t.Adapter.Input("adapter", optional=True, tooltip="LoRA settings (default: rank 16)"),
+                t.Optimizer.Input("optimizer", optional=True, tooltip="Optimizer settings (default: AdamW, lr 2e-4)"),
+                t.Schedule.Input("schedule", optional=True, tooltip="Epochs, LR schedule, save and checkpoint "
+                                 "frequency (default: 10 epochs)"),
+                t.Parallelism.Input("parallelism", optional=True, tooltip="GPUs, pipeline stages and batch "
+                                    "(default: 1 GPU)"),
+                t.Memory.Input("memory", optional=True, tooltip="Activation checkpointing and block swapping"),
+                io.String.Input("run_name", default="lora", tooltip="Prefix of the run id; the run folder is "
+                                "output/pipetrain/<run id> and its LoRAs models/loras/pipetrain/<run id>"),
+            ],
+            outputs=[t.Run.Output(display_name="run")],
+        )
+
+    @classmethod
+    def execute(cls, dataset, model, run_name, adapter=None, optimizer=None, schedule=None, parallelism=None,
+                memory=None) -> io.NodeOutput:
+        from ..launcher.comfy import get_launcher
+
+        spec = TrainSpec(dataset, model, adapter or AdapterSpec(), optimizer or OptimizerSpec(),
+                         schedule or ScheduleSpec(), parallelism or ParallelismSpec(), memory or MemorySpec())
+        start = time.monotonic()
+        try:
+            run_id = get_launcher().start(spec, run_name)
+        except PipeTrainError as e:
+            raise ValueError(str(e)) from None
+        text = f"started run {run_id} in {time.monotonic() - start:.1f} s on GPU(s) {list(spec.parallelism.devices)}"
+        return io.NodeOutput(RunHandle(run_id), ui=ui.PreviewText(text))

@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: GPL-3.0-or-later
+// PipeTrain panel: runs with progress and ETA, a live loss chart, epoch LoRAs (one click adds a
+// "PipeTrain Load Epoch LoRA" node), stop/resume. Fed by GET /pipetrain/runs[/{id}] and the
+// "pipetrain.event" websocket messages that the launcher's relay sends.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const state = { runs: new Map(), selected: null, losses: new Map(), root: null };
+const ACTIVE = new Set(["launched", "starting", "caching", "loading", "training", "stopping"]);
+
+const css = `
+.pipetrain-panel{font:12px sans-serif;color:var(--fg-color,#ddd);padding:8px;display:flex;flex-direction:column;gap:8px;height:100%;overflow:auto;box-sizing:border-box}
+.pipetrain-panel h3{margin:0;font-size:14px}
+.pipetrain-run{border:1px solid #555;border-radius:6px;padding:6px;cursor:pointer}
+.pipetrain-run.sel{border-color:#4a9eff}
+.pipetrain-bar{height:8px;background:#333;border-radius:4px;overflow:hidden;margin:4px 0}
+.pipetrain-bar>div{height:100%;background:#4a9eff;width:0}
+.pipetrain-row{display:flex;justify-content:space-between;gap:6px;align-items:center}
+.pipetrain-panel button{font-size:11px;padding:2px 6px;cursor:pointer}
+.pipetrain-chart{width:100%;height:160px;background:#1b1b1b;border-radius:4px}
+.pipetrain-float{position:fixed;right:12px;top:60px;width:340px;max-height:80vh;z-index:1000;background:#222;border:1px solid #555;border-radius:8px}
+`;
+
+function el(tag, attrs = {}, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "onclick") e.onclick = v; else if (k === "style") e.style.cssText = v; else e.setAttribute(k, v);
+  }
+  for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return e;
+}
+
+const fmtEta = (s) => (s == null ? "" : s >= 3600 ? `${(s / 3600).toFixed(1)} h` : s >= 60 ? `${Math.round(s / 60)} min` : `${Math.round(s)} s`);
+
+async function refreshRuns() {
+  const r = await api.fetchApi("/pipetrain/runs");
+  if (!r.ok) return;
+  const { runs } = await r.json();
+  state.runs = new Map(runs.map((x) => [x.id, x]));
+  if (!state.selected && runs.length) await select(runs[0].id);
+  render();
+}
+
+async function select(id) {
+  state.selected = id;
+  const r = await api.fetchApi(`/pipetrain/runs/${encodeURIComponent(id)}`);
+  if (r.ok) {
+    const run = await r.json();
+    state.losses.set(id, run.losses || []);
+    state.runs.set(id, run);
+  }
+  render();
+}
+
+async function post(id, action, body = {}) {
+  const r = await api.fetchApi(`/pipetrain/runs/${encodeURIComponent(id)}/${action}`, {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  });
+  if (!r.ok) {
+    const msg = (await r.json().catch(() => ({}))).error || r.statusText;
+    app.extensionManager?.toast?.add?.({ severity: "error", summary: "PipeTrain", detail: msg, life: 5000 });
+  }
+  await refreshRuns();
+}
+
+function addLoader(runId, epoch) {
+  const node = LiteGraph.createNode("PipeTrainLoadEpochLoRA");
+  if (!node) return;
+  const set = (name, value) => { const w = node.widgets?.find((w) => w.name === name); if (w) w.value = value; };
+  set("run", runId);
+  set("epoch", epoch);
+  const c = app.canvas;
+  node.pos = c?.graph_mouse ? [c.graph_mouse[0], c.graph_mouse[1]] : [100, 100];
+  app.graph.add(node);
+  app.graph.setDirtyCanvas(true, true);
+}
+
+function drawChart(canvas, points) {
+  const ctx = canvas.getContext("2d");
+  const w = (canvas.width = canvas.clientWidth || 300), h = (canvas.height = canvas.clientHeight || 160);
+  ctx.clearRect(0, 0, w, h);
+  ctx.fillStyle = "#888"; ctx.font = "10px sans-serif";
+  if (points.length < 2) { ctx.fillText("loss: waiting for steps…", 8, 14); return; }
+  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  const px = (x) => 30 + ((x - x0) / (x1 - x0 || 1)) * (w - 38), py = (y) => h - 14 - ((y - y0) / (y1 - y0 || 1)) * (h - 26);
+  ctx.strokeStyle = "#4a9eff"; ctx.lineWidth = 1.5; ctx.beginPath();
+  points.forEach(([x, y], i) => (i ? ctx.lineTo(px(x), py(y)) : ctx.moveTo(px(x), py(y))));
+  ctx.stroke();
+  ctx.fillText(y1.toPrecision(3), 2, 12); ctx.fillText(y0.toPrecision(3), 2, h - 14);
+  ctx.fillText(`step ${x0}`, 30, h - 2); ctx.fillText(`${x1}`, w - 30, h - 2);
+}
+
+function runCard(run) {
+  const pct = run.total_steps ? Math.min(100, (100 * (run.step || 0)) / run.total_steps) : 0;
+  const card = el("div", { class: `pipetrain-run${run.id === state.selected ? " sel" : ""}`, "data-run": run.id, onclick: () => select(run.id) },
+    el("div", { class: "pipetrain-row" }, el("b", {}, run.name || run.id), el("span", { class: "pipetrain-state" }, run.state)),
+    el("div", { class: "pipetrain-bar" }, el("div", { style: `width:${pct}%` })),
+    el("div", { class: "pipetrain-row" },
+      el("span", { class: "pipetrain-progress" }, run.total_steps ? `step ${run.step || 0}/${run.total_steps}` : run.state),
+      el("span", {}, run.loss != null ? `loss ${Number(run.loss).toFixed(4)}` : ""),
+      el("span", { class: "pipetrain-eta" }, run.eta_s ? `ETA ${fmtEta(run.eta_s)}` : "")));
+  const buttons = el("div", { class: "pipetrain-row" });
+  if (run.alive && ACTIVE.has(run.state)) {
+    buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "stop"); } }, "Stop"));
+    buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "stop", { kill: true }); } }, "Kill"));
+  } else if (run.resumable) {
+    buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "resume"); } }, "Resume"));
+  }
+  if (run.error) card.append(el("div", { style: "color:#f77" }, run.error));
+  card.append(buttons);
+  return card;
+}
+
+function render() {
+  const root = state.root;
+  if (!root) return;
+  root.replaceChildren(el("h3", {}, "PipeTrain runs"));
+  if (!state.runs.size) root.append(el("div", {}, "No runs yet: queue a workflow with a PipeTrain Train node."));
+  for (const run of state.runs.values()) root.append(runCard(run));
+  const run = state.runs.get(state.selected);
+  if (!run) return;
+  const canvas = el("canvas", { class: "pipetrain-chart" });
+  root.append(el("h3", {}, `Loss — ${run.id}`), canvas);
+  drawChart(canvas, state.losses.get(run.id) || []);
+  const epochs = el("div", { class: "pipetrain-epochs" }, el("h3", {}, "Epoch LoRAs"));
+  for (const l of [...(run.loras || [])].sort((a, b) => b.epoch - a.epoch)) {
+    epochs.append(el("div", { class: "pipetrain-row" }, `epoch ${l.epoch} (step ${l.step})`,
+      el("button", { onclick: () => addLoader(run.id, l.epoch) }, "Add loader node")));
+  }
+  if (!(run.loras || []).length) epochs.append(el("div", {}, "none saved yet"));
+  root.append(epochs);
+}
+
+function onEvent({ detail }) {
+  if (!detail?.run_id) return;
+  const id = detail.run_id;
+  const old = state.runs.get(id);
+  state.runs.set(id, { ...(old || {}), ...detail.run });
+  const pts = state.losses.get(id) || [];
+  for (const e of detail.events || []) if (e.type === "step" && e.loss != null) pts.push([e.step, e.loss]);
+  state.losses.set(id, pts);
+  if (!old) state.runs = new Map([...state.runs.entries()].sort((a, b) => (b[1].created || 0) - (a[1].created || 0)));
+  if (!state.selected) state.selected = id;
+  render();
+}
+
+function mount(container) {
+  state.root = el("div", { class: "pipetrain-panel", id: "pipetrain-panel" });
+  container.replaceChildren(state.root);
+  refreshRuns();
+}
+
+app.registerExtension({
+  name: "pipetrain.panel",
+  async setup() {
+    document.head.append(el("style", {}, css));
+    api.addEventListener("pipetrain.event", onEvent);
+    const mgr = app.extensionManager;
+    if (mgr?.registerSidebarTab) {
+      mgr.registerSidebarTab({ id: "pipetrain", icon: "pi pi-chart-line", title: "PipeTrain", tooltip: "PipeTrain runs",
+        type: "custom", render: (elem) => mount(elem) });
+    } else {
+      const box = el("div", { class: "pipetrain-float" });
+      document.body.append(box);
+      mount(box);
+    }
+  },
+});
