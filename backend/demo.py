@@ -43,7 +43,9 @@ def write_configs(root: Path, files, stages: int = 2, epochs: int = 2, **overrid
                      "text_encoders": [str(p) for p in files.text_encoders], "dtype": "float32"},
            "adapter": {"rank": 4, "alpha": 4.0}, "optimizer": {"type": "adamw", "lr": 2e-3}}
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(run.get(key), dict):
+        if value is None:
+            run.pop(key, None)
+        elif isinstance(value, dict) and isinstance(run.get(key), dict):
             run[key].update(value)
         else:
             run[key] = value

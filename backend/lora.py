@@ -6,6 +6,7 @@ and the saved keys are exactly ``diffusion_model.<module path>.lora_A.weight``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -26,6 +27,7 @@ class LoRASpec:
     alpha: float
     dropout: float = 0.0
     dtype: torch.dtype = torch.float32
+    seed: int = 0
 
     @property
     def scale(self) -> float:
@@ -46,7 +48,13 @@ def attach(linear: nn.Linear, name: str, spec: LoRASpec) -> None:
     device = linear.weight.device
     linear.lora_A = nn.Linear(linear.in_features, spec.rank, bias=False, device=device, dtype=spec.dtype)
     linear.lora_B = nn.Linear(spec.rank, linear.out_features, bias=False, device=device, dtype=spec.dtype)
-    nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
+    # seeded per module, so the initial adapter is the same however the model is split across ranks
+    digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    bound = 1 / math.sqrt(linear.in_features)  # what kaiming_uniform_(a=sqrt(5)) gives nn.Linear
+    with torch.no_grad():
+        init = torch.rand(linear.lora_A.weight.shape, generator=generator, dtype=torch.float64) * 2 - 1
+        linear.lora_A.weight.copy_(init * bound)
     nn.init.zeros_(linear.lora_B.weight)
     linear.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else None
     linear.lora_scale = spec.scale

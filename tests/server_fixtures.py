@@ -2,7 +2,9 @@
 """A real ComfyUI server (the pinned copy, ``--cpu``) with this repository in its ``custom_nodes``.
 
 Everything ComfyUI writes goes to a temporary ``--base-directory``; the repository is linked in as
-``custom_nodes/pipetrain``. Readiness is polled on ``/system_stats``; nothing sleeps blindly.
+``custom_nodes/pipetrain``. Readiness is polled on ``/system_stats``; nothing sleeps blindly. Also here:
+example workflows (UI format) turned into ``/prompt`` graphs, the shared tiny model files linked into a
+server's model folders, and the clean-up of every run process a test leaves behind.
 """
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ class ComfyServer:
             except ValueError:
                 return e.code, {"text": raw.decode(errors="replace")}
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def get(self, path: str):
         return self.request("GET", path)
 
@@ -78,7 +83,7 @@ class ComfyServer:
                 return hist[prompt_id]
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ComfyUI exited; log:\n{self.log_tail()}")
-            time.sleep(0.1)
+            time.sleep(0.2)
         raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s; log:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
@@ -171,3 +176,128 @@ def write_images(folder: Path, n: int = 2, size: int = 64) -> Path:
         Image.new("RGB", (size, size), (40 * i, 120, 200)).save(folder / f"img{i}.png")
         (folder / f"img{i}.txt").write_text(f"a test image number {i}")
     return folder
+
+
+def kill_runs(runs_root: Path) -> None:
+    """Kill the process group of every run recorded under ``runs_root`` (test clean-up)."""
+    from pipetrain.launcher.procs import ProcessRef
+    from pipetrain.launcher.registry import read_json
+
+    if not runs_root.is_dir():
+        return
+    for info in runs_root.glob("*/launcher.json"):
+        ref = ProcessRef.from_dict(read_json(info).get("process", {}))
+        if ref is not None and ref.alive():
+            ref.signal_group(signal.SIGKILL)
+
+
+# --- example workflows -> /prompt graphs ------------------------------------------------------------
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def _widget_inputs(spec: dict) -> list[tuple[str, dict]]:
+    """(name, options) of a node's widget inputs in the order the frontend stores their values."""
+    out = []
+    for section in ("required", "optional"):
+        for name, value in spec["input"].get(section, {}).items():
+            kind = value[0]
+            if isinstance(kind, list) or kind in WIDGET_TYPES:
+                out.append((name, value[1] if len(value) > 1 else {}))
+    return out
+
+
+def workflow_to_prompt(workflow: dict, object_info: dict, widgets: dict | None = None,
+                       replace_types: dict | None = None) -> dict:
+    """The ``/prompt`` graph the ComfyUI frontend would queue for ``workflow`` (UI format).
+
+    ``widgets``: {node id: {input name: value}} overrides; ``replace_types``: {node type: stand-in type}
+    (a stand-in takes the same inputs). Each widget value is checked against the node's schema count,
+    so a workflow whose widgets drifted from its nodes fails here."""
+    widgets, replace_types = widgets or {}, replace_types or {}
+    links = {link[0]: link for link in workflow["links"]}
+    prompt = {}
+    for node in workflow["nodes"]:
+        if node.get("mode", 0) in (2, 4):        # muted or bypassed
+            continue
+        kind = node["type"]
+        spec = object_info[kind]
+        values = list(node.get("widgets_values") or [])
+        inputs: dict = {}
+        for name, options in _widget_inputs(spec):
+            if not values:
+                raise AssertionError(f"node {node['id']} ({kind}) has no value for widget {name!r}")
+            inputs[name] = values.pop(0)
+            if options.get("control_after_generate"):
+                values.pop(0)                    # "fixed" / "randomize": a frontend-only widget
+        assert not values, f"node {node['id']} ({kind}): unused widget values {values}"
+        for slot in node.get("inputs", []):
+            if slot.get("link") is not None:
+                _, src, src_slot, *_ = links[slot["link"]]
+                inputs[slot["name"]] = [str(src), src_slot]
+        inputs.update(widgets.get(str(node["id"]), {}))
+        prompt[str(node["id"])] = {"class_type": replace_types.get(kind, kind), "inputs": inputs}
+    return prompt
+
+
+def load_example(name: str) -> dict:
+    return json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
+
+
+# --- tiny model files in a server --------------------------------------------------------------------
+# ComfyUI builds text encoders from fixed published configs; PipeTrain's tiny ones carry their config in
+# the file's metadata, which only PipeTrain's loader reads. This test-only custom node stands in for
+# DualCLIPLoader (same inputs, same output) so the example workflow runs unchanged on the tiny files.
+SHIM_NODE = "PipeTrainTestTinyDualCLIPLoader"
+_SHIM = '''
+import folder_paths
+
+
+class TinyDualCLIPLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        names = folder_paths.get_filename_list("text_encoders")
+        return {"required": {"clip_name1": (names,), "clip_name2": (names,), "type": (["flux", "sdxl"],)},
+                "optional": {"device": (["default", "cpu"],)}}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = "testing"
+
+    def load(self, clip_name1, clip_name2, type, device="default"):
+        from pipetrain.backend.models.loading import load_text_encoders
+        paths = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in (clip_name1, clip_name2)]
+        return (load_text_encoders(paths, type, None),)
+
+
+NODE_CLASS_MAPPINGS = {"%s": TinyDualCLIPLoader}
+''' % SHIM_NODE
+
+
+def install_test_shims(base: Path) -> None:
+    (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
+    (base / "custom_nodes" / "pipetrain_test_shims.py").write_text(_SHIM)
+
+
+def link_model_files(base: Path, files) -> None:
+    """Symlink ``ModelFiles`` into the server's model folders (diffusion_models, vae, text_encoders)."""
+    models = base / "models"
+    pairs = [(models / "diffusion_models", files.diffusion_model), (models / "vae", files.vae)]
+    pairs += [(models / "text_encoders", te) for te in files.text_encoders]
+    for folder, target in pairs:
+        folder.mkdir(parents=True, exist_ok=True)
+        link = folder / Path(target).name
+        if not link.exists():
+            link.symlink_to(target)
+
+
+def fetch_image(server: ComfyServer, image: dict):
+    """A history image entry ({filename, subfolder, type}) as a uint8 array, through ``/view``."""
+    import io
+    import urllib.parse
+
+    import numpy as np
+    from PIL import Image
+
+    query = urllib.parse.urlencode({k: image[k] for k in ("filename", "subfolder", "type")})
+    with urllib.request.urlopen(f"{server.url}/view?{query}", timeout=30) as r:
+        return np.asarray(Image.open(io.BytesIO(r.read())).convert("RGB"))

@@ -64,6 +64,7 @@ class DiscreteDiffusion:
             raise ValueError(prediction)
         self.prediction = prediction
         sigmas = model_sampling.sigmas.float().cpu()
+        self.sigmas = sigmas
         self.alphas_cumprod = 1.0 / (sigmas ** 2 + 1.0)
         self.num_timesteps = len(sigmas)
 
@@ -71,8 +72,11 @@ class DiscreteDiffusion:
         return torch.randint(0, self.num_timesteps, (batch,), generator=generator).float()
 
     def _coeffs(self, t, like):
-        ac = self.alphas_cumprod.to(like.device)[t.long()]
-        return _expand(ac.sqrt(), like), _expand((1 - ac).sqrt(), like)
+        # sqrt(ac) = 1/sqrt(1 + sigma^2), sqrt(1 - ac) = sigma sqrt(ac): ComfyUI's calculate_input, without the
+        # cancellation of 1 - ac in float32 at small t
+        sigma = self.sigmas.to(like.device, torch.float64)[t.long()]
+        a = (1 + sigma ** 2).rsqrt()
+        return _expand(a, like), _expand(sigma * a, like)
 
     def noisy(self, x0, noise, t):
         a, s = self._coeffs(t, x0)

@@ -33,7 +33,8 @@ from ..errors import ModelError
 from ..fsutil import temp_path_beside
 
 ARCHS = ("flux", "sdxl")
-SIZES = ("tiny", "full")
+SIZES = ("micro", "tiny", "full")
+TINY_FILES_VERSION = "1"   # bump when the files written for a size change
 INIT_STD = 0.02
 
 # Flux-dev as ComfyUI detects it (comfy/model_detection.py fixes heads, axes and widths).
@@ -42,7 +43,10 @@ FLUX_DEV = {
     "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "axes_dim": [16, 56, 56], "theta": 10000,
     "patch_size": 2, "qkv_bias": True, "guidance_embed": True,
 }
-FLUX_DEPTHS = {"tiny": (1, 1), "full": (19, 38)}  # (double blocks, single blocks)
+FLUX_DEPTHS = {"micro": (2, 2), "tiny": (1, 1), "full": (19, 38)}  # (double blocks, single blocks)
+# "micro": Flux's structure at width 256 (4 heads of 64) for fast multi-step CPU tests; ComfyUI cannot
+# detect that width, so its config travels in the file's metadata like the tiny SDXL UNet's.
+FLUX_MICRO_WIDTH = {"hidden_size": 256, "num_heads": 4, "axes_dim": [16, 24, 24]}
 
 # The SDXL base UNet exactly as comfy.model_detection derives it from the published weights.
 SDXL_UNET_FULL = {
@@ -98,7 +102,8 @@ def _comfy():
 
 def flux_config(size: str) -> dict:
     depth, single = FLUX_DEPTHS[size]
-    return {**FLUX_DEV, "depth": depth, "depth_single_blocks": single}
+    width = FLUX_MICRO_WIDTH if size == "micro" else {}
+    return {**FLUX_DEV, **width, "depth": depth, "depth_single_blocks": single}
 
 
 def build_flux(size: str) -> torch.nn.Module:
@@ -109,7 +114,7 @@ def build_flux(size: str) -> torch.nn.Module:
 
 
 def sdxl_unet_config(size: str) -> dict:
-    return dict(SDXL_UNET_TINY if size == "tiny" else SDXL_UNET_FULL)
+    return dict(SDXL_UNET_TINY if size in ("micro", "tiny") else SDXL_UNET_FULL)
 
 
 def build_sdxl_unet(size: str) -> torch.nn.Module:
@@ -219,14 +224,17 @@ def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed) -> int
     meta = {"pipetrain.arch": arch, "pipetrain.size": size}
     if arch == "flux":
         module = build_flux(size)
+        if size == "micro":
+            meta["pipetrain.unet_config"] = json.dumps(flux_config(size))
     else:
         module = build_sdxl_unet(size)
-        if size == "tiny":  # ComfyUI matches only the published SDXL config: say what this is
+        if size in ("micro", "tiny"):  # ComfyUI matches only the published SDXL config: say what this is
             meta["pipetrain.unet_config"] = json.dumps(sdxl_unet_config(size))
     return write_safetensors(module, path, dtype, seed, meta)
 
 
 def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed) -> int:
+    size = "tiny" if size == "micro" else size
     config = text_encoder_config(kind, size)
     meta = {"pipetrain.te_kind": kind, "pipetrain.size": size}
     if size == "tiny":
@@ -247,6 +255,22 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
     write_safetensors(build_vae(arch), files.vae, dtype, seed + 1, {"pipetrain.arch": arch})
     for i, (kind, path) in enumerate(zip(ARCH_TEXT_ENCODERS[arch], files.text_encoders)):
         _write_text_encoder(kind, size, path, dtype, seed + 2 + i)
+    return files
+
+
+def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) -> ModelFiles:
+    """Model files written once and shared by the demo and the tests (``.work/tiny-models`` in the repo).
+    A ``complete`` marker is written last, so an interrupted write is redone, never half-used."""
+    from ..runtime import REPO_ROOT
+
+    folder = (root or REPO_ROOT / ".work" / "tiny-models") / f"{arch}-{size}-v{TINY_FILES_VERSION}"
+    marker = folder / "complete"
+    if marker.is_file():
+        data = json.loads(marker.read_text())
+        return ModelFiles(Path(data["diffusion_model"]), Path(data["vae"]), [Path(p) for p in data["text_encoders"]])
+    files = write_model_files(arch, folder, size)
+    marker.write_text(json.dumps({"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
+                                  "text_encoders": [str(p) for p in files.text_encoders]}))
     return files
 
 

@@ -39,7 +39,7 @@ def attach_lora(trainer) -> list[str]:
     a = trainer.cfg.adapter
     dtype = DTYPES[a.dtype] if a.dtype else torch.float32
     spec = lora.LoRASpec(rank=a.rank, alpha=a.alpha if a.alpha is not None else float(a.rank),
-                         dropout=a.dropout, dtype=dtype)
+                         dropout=a.dropout, dtype=dtype, seed=trainer.cfg.seed)
     names = lora.inject(trainer.adapter.diffusion_model, spec, trainer.adapter.lora_block_prefixes, a.target_modules)
     if a.init_from_existing:
         sd = lora.read_file(trainer.cfg.resolve(a.init_from_existing))

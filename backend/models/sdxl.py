@@ -1,0 +1,257 @@
+"""SDXL through ComfyUI's ``comfy.ldm.modules.diffusionmodules.openaimodel.UNetModel``.
+
+The pipeline layers run ComfyUI's own blocks through its own ``forward_timestep_embed``; what is re-stated
+is only ``UNetModel._forward``'s loop, cut into layers:
+
+    SDXLInput        x_t, emb = time_embed(t) + label_emb(y)  ->  (emb, context, x_t)
+    InputBlock  x9   input_blocks[i]   reads the top of the stack, pushes its output (a skip connection);
+                     input_blocks[0] replaces x_t instead
+    MiddleBlock      middle_block      pushes h on top of the 9 skips
+    OutputBlock x9   output_blocks[i]  pops h and one skip, pushes the new h
+    SDXLOutput       out(h)
+
+Every tuple between layers is ``(emb, context, *stack)``: ``emb`` and ``context`` come from frozen weights
+or the data and travel bit-cast to integers (``hide``); every stack entry is a float activation that gets a
+gradient (skips carry gradient back to the input blocks). The tuple grows to 12 tensors in the middle and
+shrinks again, which DeepSpeed's pipeline passes with ``dynamic_shape=True``.
+
+Nothing in ComfyUI's SDXL path modifies an autograd input in place (``ResBlock`` without scale-shift norm,
+``BasicTransformerBlock`` without ``ff_in``, ``SpatialTransformer`` all add out of place), so no block maths is
+re-stated. Attention is routed to ComfyUI's ``attention_pytorch`` (torch SDPA) through its
+``optimized_attention_override`` seam: the backend ComfyUI picks (sub-quadratic on the CPU, sage/xformers/
+flash when installed) is made for inference. The ADM vector ``y`` is built by ComfyUI's
+``model_base.SDXL.encode_adm`` with its sampler's defaults (original = target = the latent's pixel size,
+crop 0,0), in the first layer, where the bucket size is known from the latent.
+
+LoRA goes on the linears of the SpatialTransformers (``proj_in``, ``proj_out``, ``attn1``/``attn2``
+``to_q/k/v/out.0``, ``ff.net.0.proj``, ``ff.net.2``) -- the targets of kohya's SDXL LoRA
+("Transformer2DModel"); ResBlocks (time-embedding linears, convolutions) stay untouched. SDXL's
+transformer positions are fixed by its published layout (ComfyUI detects only that layout), so they are
+module-path prefixes, checked against the loaded model.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import ModelError
+from .attention import sdpa_transformer_options
+from .base import ModelAdapter
+from .carry import TupleLayer, hide, reveal, with_grad
+from .objectives import DiscreteDiffusion
+
+# The SpatialTransformer of every SDXL UNet block that has one: input levels 1-2, middle, output levels 2-1.
+SDXL_TRANSFORMERS = (
+    "input_blocks.4.1", "input_blocks.5.1", "input_blocks.7.1", "input_blocks.8.1", "middle_block.1",
+    *(f"output_blocks.{i}.1" for i in range(6)),
+)
+VAE_SCALE = 8                  # pixels per latent position (ComfyUI's sampler hard-codes it for width/height)
+REFERENCE_LATENT = (128, 128)  # layer costs are estimated at SDXL's native 1024x1024 ...
+REFERENCE_TEXT_TOKENS = 77     # ... with one 77-token caption chunk
+
+
+def transformer_paths(dm: nn.Module) -> list[str]:
+    """Module paths of the UNet's SpatialTransformers."""
+    from comfy.ldm.modules.attention import SpatialTransformer
+    return [name for name, m in dm.named_modules() if isinstance(m, SpatialTransformer)]
+
+
+def comfy_adm(encode_adm, pooled: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's ``encode_adm`` with the defaults ``comfy.samplers.encode_model_conds`` gives it: width and
+    height from the latent, target size = size, crop 0,0. Returns y [B, 2816] on the latent's device."""
+    height, width = latent.shape[-2] * VAE_SCALE, latent.shape[-1] * VAE_SCALE
+    return encode_adm(pooled_output=pooled, width=width, height=height).to(latent.device)
+
+
+def block_tflop(block: nn.Module, pixels: int, text_tokens: int = REFERENCE_TEXT_TOKENS) -> float:
+    """Forward TFLOP of one UNet block (a sequence of ResBlock / SpatialTransformer / Up/Downsample) run on
+    ``pixels`` latent positions: 2 x (conv and linear multiply-adds + attention matmuls)."""
+    from comfy.ldm.modules.attention import CrossAttention
+    from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, Upsample
+
+    macs = 0
+    for layer in block:
+        if isinstance(layer, Upsample):
+            pixels *= 4  # its convolution runs at the upsampled size
+        out_pixels = pixels // 4 if isinstance(layer, Downsample) else pixels
+        for name, m in layer.named_modules():
+            if isinstance(m, nn.Conv2d):
+                macs += m.weight.numel() * out_pixels
+            elif isinstance(m, nn.Linear):
+                rows = 1 if "emb_layers" in name else text_tokens if re.search(r"attn2\.to_[kv]$", name) else pixels
+                macs += m.weight.numel() * rows
+            elif isinstance(m, CrossAttention):
+                keys = text_tokens if name.endswith("attn2") else pixels
+                macs += 2 * pixels * keys * m.heads * m.dim_head
+        pixels = out_pixels
+    return 2 * macs / 1e12
+
+
+def _resolution_factor(block: nn.Module) -> float:
+    from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, Upsample
+    factor = 1.0
+    for layer in block:
+        factor *= 0.25 if isinstance(layer, Downsample) else 4.0 if isinstance(layer, Upsample) else 1.0
+    return factor
+
+
+class SDXLInput(TupleLayer):
+    cost = 1e-3
+
+    def __init__(self, dm, encode_adm, objective, dtype):
+        super().__init__()
+        # only the embedders become children: the blocks belong to other layers
+        self.time_embed, self.label_emb = dm.time_embed, dm.label_emb
+        self.model_channels = dm.model_channels
+        self._encode_adm = encode_adm  # ComfyUI's model_base.SDXL.encode_adm (no weights)
+        self.objective, self.dtype = objective, dtype
+
+    def run(self, latents, noise, t, context, pooled):
+        from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
+
+        x = self.objective.noisy(latents, noise, t).to(self.dtype)
+        t_emb = timestep_embedding(self.objective.model_timestep(t), self.model_channels, repeat_only=False)
+        emb = self.time_embed(t_emb.to(self.dtype))
+        emb = emb + self.label_emb(comfy_adm(self._encode_adm, pooled, x).to(self.dtype))
+        return hide(emb), hide(context.to(self.dtype)), with_grad(x)
+
+
+class _Block(TupleLayer):
+    """One of ComfyUI's ``TimestepEmbedSequential`` blocks, run by ComfyUI's ``forward_timestep_embed``."""
+
+    def __init__(self, block, dtype, checkpoint_activations: bool, cost: float):
+        super().__init__()
+        self.block, self.dtype = block, dtype
+        self.checkpoint_activations, self.cost = checkpoint_activations, cost
+
+    def _block_forward(self, h, emb, context, output_shape):
+        from comfy.ldm.modules.diffusionmodules.openaimodel import forward_timestep_embed
+
+        return forward_timestep_embed(self.block, h, reveal(emb, self.dtype), reveal(context, self.dtype),
+                                      sdpa_transformer_options(), output_shape)
+
+    def apply(self, h, emb, context, output_shape=None):
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._block_forward, h, emb, context, output_shape, use_reentrant=False)
+        return self._block_forward(h, emb, context, output_shape)
+
+
+class InputBlock(_Block):
+    """``input_blocks[i]`` on the top of the stack; its output is pushed as a skip connection
+    (``input_blocks[0]`` replaces the noisy latent, which is no skip)."""
+
+    def __init__(self, block, dtype, checkpoint_activations, cost, replace_top: bool = False):
+        super().__init__(block, dtype, checkpoint_activations, cost)
+        self.replace_top = replace_top
+
+    def run(self, emb, context, *stack):
+        h = self.apply(stack[-1], emb, context)
+        kept = stack[:-1] if self.replace_top else stack
+        return (emb, context, *kept, h)
+
+
+class MiddleBlock(InputBlock):
+    """``middle_block`` on the last skip; its output h goes on top of the skips."""
+
+
+class OutputBlock(_Block):
+    """``output_blocks[i]``: pops h and the newest skip, runs the block on their concatenation, pushes h.
+    Upsampling is told the next skip's shape, as in ComfyUI (odd latent sizes)."""
+
+    def run(self, emb, context, *stack):
+        *skips, skip, h = stack
+        output_shape = skips[-1].shape if skips else None
+        h = self.apply(torch.cat([h, skip], dim=1), emb, context, output_shape)
+        return (emb, context, *skips, h)
+
+
+class SDXLOutput(TupleLayer):
+    cost = 1e-3
+
+    def __init__(self, dm, dtype, cost):
+        super().__init__()
+        self.out, self.dtype, self.cost = dm.out, dtype, cost
+
+    def run(self, emb, context, h):
+        out = self.out(h.type(self.dtype))
+        return out.to(torch.promote_types(out.dtype, torch.float32))
+
+
+class SDXLAdapter(ModelAdapter):
+    arch = "sdxl"
+    latent_format = "SDXL"
+    lora_block_prefixes = SDXL_TRANSFORMERS
+    text_fields = ("cond", "pooled")
+    spatial_multiple = 32  # latent sides divisible by 4: the UNet's two downsamplings stay exact
+
+    def encode_caption(self, clip, caption):
+        tokens = clip.tokenize(caption)
+        out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
+        return {"cond": out["cond"][0].float().cpu(), "pooled": out["pooled_output"][0].float().cpu()}
+
+    def collate_text(self, items):
+        """Captions of different chunk counts (77, 154, ... tokens) are batched the way ComfyUI batches
+        them (``CONDCrossAttn.concat``: repeated to a common length, which leaves attention unchanged)."""
+        from ..runtime import ensure_comfyui
+        ensure_comfyui()
+        from comfy.conds import CONDCrossAttn
+
+        conds = [CONDCrossAttn(it["cond"][None]) for it in items]
+        return [conds[0].concat(conds[1:]), torch.stack([it["pooled"] for it in items])]
+
+    def load_diffusion_model(self):
+        patcher = super().load_diffusion_model()
+        self.check_model()
+        return patcher
+
+    def check_model(self) -> None:
+        found = transformer_paths(self.diffusion_model)
+        if sorted(found) != sorted(SDXL_TRANSFORMERS):
+            raise ModelError(f"{self.cfg.diffusion_model}: not the SDXL UNet layout (SpatialTransformers at "
+                             f"{found}, expected {list(SDXL_TRANSFORMERS)})")
+        self.objective()  # rejects sampling types this adapter does not train
+
+    def objective(self):
+        import comfy.model_sampling as cms
+
+        v_pred = self.cfg.v_pred
+        if self.patcher is None:  # not loaded (yet): ComfyUI's default SDXL schedule
+            return DiscreteDiffusion(cms.ModelSamplingDiscrete(), "v" if v_pred else "eps")
+        ms = self.model_sampling
+        if not isinstance(ms, cms.ModelSamplingDiscrete) or not isinstance(ms, cms.EPS) or isinstance(ms, cms.EDM):
+            kind = " + ".join(b.__name__ for b in type(ms).__bases__)
+            raise ModelError(f"{self.cfg.diffusion_model}: ComfyUI samples this model with {kind}; SDXL "
+                             f"training supports ModelSamplingDiscrete with EPS or V_PREDICTION only")
+        v_pred = v_pred or isinstance(ms, cms.V_PREDICTION)  # a v-pred checkpoint samples as v in ComfyUI
+        return DiscreteDiffusion(ms, "v" if v_pred else "eps")
+
+    def to_layers(self, checkpoint_activations=False):
+        dm = self.diffusion_model
+        pixels = REFERENCE_LATENT[0] * REFERENCE_LATENT[1]
+        layers: list[nn.Module] = [SDXLInput(dm, self.patcher.model.encode_adm, self.objective(), self.dtype)]
+        for i, block in enumerate(dm.input_blocks):
+            layers.append(InputBlock(block, self.dtype, checkpoint_activations, block_tflop(block, pixels),
+                                     replace_top=i == 0))
+            pixels = int(pixels * _resolution_factor(block))
+        layers.append(MiddleBlock(dm.middle_block, self.dtype, checkpoint_activations,
+                                  block_tflop(dm.middle_block, pixels)))
+        for block in dm.output_blocks:
+            layers.append(OutputBlock(block, self.dtype, checkpoint_activations, block_tflop(block, pixels)))
+            pixels = int(pixels * _resolution_factor(block))
+        layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels)))
+        return layers
+
+    def probe_text(self, generator):
+        dm = self.diffusion_model
+        context_dim = dm.middle_block[1].transformer_blocks[0].attn2.to_k.in_features
+        pooled_dim = dm.label_emb[0][0].in_features - 6 * self.patcher.model.embedder.dim
+        return [torch.randn(1, REFERENCE_TEXT_TOKENS, context_dim, generator=generator),
+                torch.randn(1, pooled_dim, generator=generator)]
+
+    def reference_forward(self, x_t, t, text):
+        cond, pooled = text
+        y = comfy_adm(self.patcher.model.encode_adm, pooled, x_t)
+        return self.diffusion_model(x_t.to(self.dtype), t, context=cond.to(self.dtype), y=y.to(self.dtype))

@@ -1,0 +1,225 @@
+"""SDXL pipeline layers against ComfyUI: the same output as its UNet forward, LoRA gradients equal to finite
+differences of that forward, training inputs/targets that ComfyUI's sampler turns back into the clean latent,
+and tuples between layers that DeepSpeed's pipeline can send both ways."""
+import pytest
+import torch
+
+from pipetrain.backend import lora
+from pipetrain.backend.config import ModelConfig
+from pipetrain.backend.runtime import ensure_comfyui
+
+CONTEXT_DIM = 64  # SDXL's is 2048; the pooled vector stays 1280 (ComfyUI's encode_adm makes y 2816)
+
+
+@pytest.fixture(scope="module")
+def small_sdxl():
+    """ComfyUI's own ``model_base.SDXL`` (UNet + model_sampling + encode_adm) in float64 with tiny widths."""
+    ensure_comfyui()
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    from pipetrain.backend.models import loading, tiny
+    from pipetrain.backend.models.sdxl import SDXLAdapter
+
+    model_config = loading._model_config("sdxl", {**tiny.SDXL_UNET_TINY, "context_dim": CONTEXT_DIM})
+    model_config.set_inference_dtype(torch.float64, None)
+    model = model_config.get_model({}, "")
+    torch.manual_seed(0)
+    for p in model.diffusion_model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    adapter = SDXLAdapter(ModelConfig(type="sdxl", diffusion_model="unused", vae="unused"))
+    adapter.dtype = torch.float64
+    adapter.patcher = comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                                       offload_device=mm.unet_offload_device())
+    adapter.check_model()
+    return adapter
+
+
+def _inputs(batch=2, size=(6, 10), tokens=7, seed=1):
+    """Odd latent sides on purpose: upsampling must follow the skips' shapes (6x10 -> 3x5 -> 2x3 and back)."""
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(batch, 4, *size, generator=g, dtype=torch.float64)
+    noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
+    t = torch.tensor([10.0, 800.0, 0.0, 999.0][:batch])
+    cond = torch.randn(batch, tokens, CONTEXT_DIM, generator=g, dtype=torch.float64)
+    pooled = torch.randn(batch, 1280, generator=g, dtype=torch.float64)
+    return x0, noise, t, cond, pooled
+
+
+def _run_layers(layers, inputs):
+    h = inputs
+    for layer in layers:
+        h = layer(h)
+    return h
+
+
+def test_layout_and_layer_split(small_sdxl):
+    from pipetrain.backend.models.sdxl import SDXL_TRANSFORMERS, transformer_paths
+
+    a = small_sdxl
+    dm = a.diffusion_model
+    assert sorted(transformer_paths(dm)) == sorted(SDXL_TRANSFORMERS)
+    layers = a.to_layers()
+    assert len(layers) == 1 + len(dm.input_blocks) + 1 + len(dm.output_blocks) + 1 == 21
+    assert all(a.layer_cost(layer) > 0 for layer in layers)
+
+
+def test_full_size_costs_put_the_deep_transformer_levels_heaviest():
+    """Costs come from module shapes only, so the 2.6B UNet can be costed on the meta device."""
+    from pipetrain.backend.models.sdxl import REFERENCE_LATENT, _resolution_factor, block_tflop
+    from pipetrain.backend.models.tiny import build_sdxl_unet
+
+    dm = build_sdxl_unet("full")
+    pixels, costs = REFERENCE_LATENT[0] * REFERENCE_LATENT[1], []
+    for block in dm.input_blocks:
+        costs.append(block_tflop(block, pixels))
+        pixels = int(pixels * _resolution_factor(block))
+    assert pixels == 32 * 32
+    costs.append(block_tflop(dm.middle_block, pixels))
+    for block in dm.output_blocks:
+        costs.append(block_tflop(block, pixels))
+        pixels = int(pixels * _resolution_factor(block))
+    # about 6 TFLOP for one forward at 1024x1024 (published estimates for SDXL's UNet are ~6 TFLOP)
+    assert 4.0 < sum(costs) < 8.0, sum(costs)
+    assert max(range(len(costs)), key=costs.__getitem__) in (7, 8, 10, 11, 12)  # level-2 blocks, 10 transformers
+
+
+def test_layers_match_comfyui_forward(small_sdxl):
+    a = small_sdxl
+    x0, noise, t, cond, pooled = inputs = _inputs()
+    with torch.no_grad():
+        ours = _run_layers(a.to_layers(), inputs)
+        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, [cond, pooled])
+    assert ours.shape == x0.shape
+    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v"])
+def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sdxl, prediction, monkeypatch):
+    """What the UNet sees in training is what ComfyUI's ``apply_model`` feeds it for the same noisy latent,
+    and a perfect prediction of the training target is denoised by ComfyUI to the clean latent."""
+    import comfy.model_base
+    import comfy.samplers
+    from pipetrain.backend.models.objectives import DiscreteDiffusion
+
+    a = small_sdxl
+    model = a.patcher.model
+    if prediction == "v":
+        ms = comfy.model_base.model_sampling(model.model_config, comfy.model_base.ModelType.V_PREDICTION)
+        monkeypatch.setattr(model, "model_sampling", ms)
+    ms = model.model_sampling
+    objective = a.objective()
+    assert isinstance(objective, DiscreteDiffusion) and objective.prediction == prediction
+
+    x0, noise, t, cond, pooled = inputs = _inputs(batch=4)
+    sigma = ms.sigma(t)
+    assert torch.equal(ms.timestep(sigma).float(), t)
+    x_comfy = ms.noise_scaling(sigma, noise, x0)           # ComfyUI's noisy latent: x0 + sigma * noise
+    assert torch.allclose(ms.calculate_input(sigma, x_comfy), objective.noisy(x0, noise, t), rtol=1e-6, atol=1e-6)
+    denoised = ms.calculate_denoised(sigma, objective.target(x0, noise, t), x_comfy)
+    assert torch.allclose(denoised, x0, rtol=1e-5, atol=1e-5)
+
+    # the whole path: ComfyUI's sampler conditioning (y from its own size defaults) and apply_model
+    conds = comfy.samplers.encode_model_conds(model.extra_conds, [{"cross_attn": cond, "pooled_output": pooled,
+                                              "model_conds": {}}], x_comfy, torch.device("cpu"), "positive")
+    kwargs = {k: v.cond for k, v in conds[0]["model_conds"].items()}
+    with torch.no_grad():
+        comfy_denoised = model.apply_model(x_comfy, sigma, **kwargs)
+        ours = ms.calculate_denoised(sigma, _run_layers(a.to_layers(), inputs), x_comfy)
+    err = (comfy_denoised - ours).abs().max() / ours.abs().max()
+    assert err < 1e-6, err  # apply_model returns the model output in float32
+
+
+def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sdxl):
+    a = small_sdxl
+    dm = a.diffusion_model
+    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    assert "input_blocks.4.1.proj_in" in names and "output_blocks.5.1.transformer_blocks.0.ff.net.2" in names
+    assert "middle_block.1.transformer_blocks.0.attn2.to_v" in names
+    assert not [n for n in names if "emb_layers" in n]  # ResBlocks stay untouched
+    linears = {n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear) and ".1." in n
+               and n.split(".")[-1] not in ("lora_A", "lora_B") and "emb_layers" not in n}
+    assert set(names) == linears  # every linear of every SpatialTransformer
+    modules = list(lora.adapted_modules(dm))
+    g = torch.Generator().manual_seed(2)
+    for m in modules:  # B starts at zero; give it values so every A receives a gradient too
+        m.lora_B.weight.data.normal_(0, 0.05, generator=g)
+    x0, noise, t, cond, pooled = inputs = _inputs()
+    loss = a.loss(_run_layers(a.to_layers(checkpoint_activations=True), inputs), (x0, noise, t))
+    loss.backward()
+    params = lora.trainable_parameters(dm)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+    directions = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    analytic = sum((p.grad * d).sum() for p, d in zip(params, directions))
+
+    def comfy_loss():
+        with torch.no_grad():
+            pred = a.reference_forward(a.objective().noisy(x0, noise, t), t, [cond, pooled])
+            return a.loss(pred, (x0, noise, t))
+
+    eps = 1e-6
+    with torch.no_grad():
+        for p, d in zip(params, directions):
+            p.add_(eps * d)
+        plus = comfy_loss()
+        for p, d in zip(params, directions):
+            p.sub_(2 * eps * d)
+        minus = comfy_loss()
+        for p, d in zip(params, directions):
+            p.add_(eps * d)
+    numeric = (plus - minus) / (2 * eps)
+    for p in params:
+        p.grad = None
+    assert torch.allclose(analytic, numeric, rtol=1e-5, atol=1e-9), (analytic, numeric)
+
+
+def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_sdxl):
+    """Cut after every layer the way DeepSpeed's pipeline does (received activations are fresh leaves; a
+    stage's backward starts from its float outputs with the next stage's input gradients): every float
+    output has a graph, every float input gets a gradient, and the LoRA gradients equal an uncut run."""
+    a = small_sdxl
+    dm = a.diffusion_model
+    if not list(lora.adapted_modules(dm)):
+        lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
+        for m in lora.adapted_modules(dm):
+            m.lora_B.weight.data.normal_(0, 0.05)
+    params = lora.trainable_parameters(dm)
+    x0, noise, t, cond, pooled = inputs = _inputs()
+    layers = a.to_layers(checkpoint_activations=True)
+
+    a.loss(_run_layers(layers, inputs), (x0, noise, t)).backward()
+    uncut = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+
+    stages, h = [], tuple(x.clone().requires_grad_(x.is_floating_point()) for x in inputs)
+    for layer in layers[:-1]:
+        out = layer(h)
+        assert all(x.requires_grad for x in out if x.is_floating_point()), type(layer).__name__
+        stages.append((h, out))
+        h = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in out)
+    a.loss(layers[-1](h), (x0, noise, t)).backward()
+    received = h
+    for i, (h_in, out) in enumerate(reversed(stages)):
+        grads = [x.grad for x in received if x.is_floating_point()]
+        assert all(g is not None for g in grads), f"layer {len(stages) - i}: an input got no gradient"
+        torch.autograd.backward([x for x in out if x.is_floating_point()], grads)
+        received = h_in
+    for p, u in zip(params, uncut):
+        assert torch.allclose(p.grad, u, rtol=1e-10, atol=1e-14)
+        p.grad = None
+
+
+def test_captions_of_different_lengths_batch_like_comfyui(small_sdxl):
+    """A 2-chunk caption batched with a 1-chunk one gives each sample its own unbatched output."""
+    a = small_sdxl
+    x0, noise, t, _, pooled = _inputs()
+    short, long = torch.randn(3, CONTEXT_DIM, dtype=torch.float64), torch.randn(6, CONTEXT_DIM, dtype=torch.float64)
+    cond, pooled_b = a.collate_text([{"cond": short, "pooled": pooled[0]}, {"cond": long, "pooled": pooled[1]}])
+    assert cond.shape == (2, 6, CONTEXT_DIM)
+    with torch.no_grad():
+        layers = a.to_layers()
+        batched = _run_layers(layers, (x0, noise, t, cond, pooled_b))
+        for i, c in enumerate((short, long)):
+            alone = _run_layers(layers, (x0[i:i + 1], noise[i:i + 1], t[i:i + 1], c[None], pooled[i:i + 1]))
+            assert torch.allclose(batched[i:i + 1], alone, atol=1e-10, rtol=1e-8)
