@@ -2,9 +2,13 @@
 """The launcher: a small state machine over run directories.
 
 It starts runs detached, records their process in ``launcher.json`` (atomically), finds live runs
-again after a ComfyUI restart, stops them gracefully (``stop`` file -> SIGTERM -> SIGKILL to the
-process group) and refuses a run on GPUs that a live run holds. A run is "stopped" only once its
-processes are gone.
+again after a ComfyUI restart, stops them gracefully and refuses a run on GPUs that a live run holds.
+A run is "stopped" only once its processes are gone.
+
+Stopping follows the backend's contract: the ``<run_dir>/stop`` file, checked after every step, makes the
+ranks checkpoint and exit; after ``stop_timeout`` the ranks get SIGTERM (their handler sets the same flag);
+after ``kill_timeout`` more the whole process group gets SIGKILL. A stopped run with a checkpoint resumes
+as ``deepspeed ... --module pipetrain train <run_dir>/run.toml --resume <run id>``.
 """
 from __future__ import annotations
 
@@ -184,7 +188,12 @@ class Launcher:
                 if ref is None or not ref.alive():
                     self.deadlines.pop(run_id, None)
                 elif now >= when:
-                    ref.signal_group(sig)
+                    if sig == signal.SIGTERM:
+                        # the ranks' SIGTERM handler sets the stop flag (checkpoint, exit 0). DeepSpeed's
+                        # launch.py would answer a SIGTERM by killing the ranks 30 s later, so it is left out.
+                        ref.signal_ranks(sig) or ref.signal_group(sig)
+                    else:
+                        ref.signal_group(sig)
                     if sig == signal.SIGTERM:
                         self.deadlines[run_id] = (now + self.kill_timeout, signal.SIGKILL)
                     else:

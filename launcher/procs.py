@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+RANK_FLAG = "--local_rank="
 
 
 @dataclass
@@ -56,6 +57,27 @@ class ProcessRef:
 
     def alive(self) -> bool:
         return self.leader_alive() or (self._group_is_ours() and bool(self.group_members()))
+
+    def ranks(self) -> list[psutil.Process]:
+        """The training ranks of the group: DeepSpeed's ``launch.py`` starts each with ``--local_rank=N``."""
+        found = []
+        for p in self.group_members() if self._group_is_ours() else []:
+            try:
+                if any(arg.startswith(RANK_FLAG) for arg in p.cmdline()):
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    def signal_ranks(self, sig: int) -> bool:
+        """Signal only the ranks (not DeepSpeed's launchers); False when the group has none."""
+        ranks = self.ranks()
+        for p in ranks:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                continue
+        return bool(ranks)
 
     def _group_is_ours(self) -> bool:
         # the group id is the leader's pid; only trust it while the leader's identity is not reused

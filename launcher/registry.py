@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -108,8 +109,8 @@ def run_state(status: dict, info: dict, alive: bool) -> str:
     state = status.get("state") or ("launched" if info else "unknown")
     if info.get("killed") and not alive:
         return "killed"
-    if alive:
-        return "stopping" if info.get("stop_requested") and state in ACTIVE else state
+    if alive:  # "stopped" only once the processes are gone: the backend reports it just before exiting
+        return "stopping" if state == "stopped" or (info.get("stop_requested") and state in ACTIVE) else state
     if state in ACTIVE:
         return "stopped" if info.get("stop_requested") else "failed"
     return state
@@ -125,10 +126,40 @@ def summarize(run_dirs: RunDirs, run_id: str, alive: bool) -> dict:
     keys = ("step", "total_steps", "epoch", "epochs", "loss", "lr", "samples_per_s", "eta_s", "last_checkpoint",
             "updated", "cache")
     return {"id": run_id, "state": state, "alive": alive, "error": error,
-            "loras": status.get("loras", []), "gpus": info.get("gpus", []),
+            "loras": saved_loras(d, status), "gpus": info.get("gpus", []),
             "created": info.get("created"), "name": info.get("name", run_id),
             "resumable": bool(_latest_checkpoint(d)) and not alive,
             **{k: status.get(k) for k in keys}}
+
+
+_lora_scans: dict[Path, tuple[int, dict[str, dict]]] = {}   # events.jsonl -> (offset, LoRAs by path)
+_lora_lock = threading.Lock()
+
+
+def saved_loras(run_dir: Path, status: dict | None = None) -> list[dict]:
+    """Every epoch LoRA of the run as {epoch, step, path}, oldest first: ``status.json``'s list and the
+    ``lora_saved`` events, which also hold the LoRAs saved before a resume (the backend starts a resumed
+    run's status afresh). The events file is read incrementally, so polling a long run stays cheap."""
+    status = read_json(run_dir / "status.json") if status is None else status
+    path = run_dir / "events.jsonl"
+    with _lora_lock:
+        offset, found = _lora_scans.get(path, (0, {}))
+        try:
+            if path.stat().st_size < offset:          # rewritten: read it again
+                offset, found = 0, {}
+        except OSError:
+            offset, found = 0, {}
+        events, offset = read_events(path, offset)
+        found = dict(found)
+        for e in events:
+            if e.get("type") == "lora_saved" and e.get("path"):
+                found[e["path"]] = {"epoch": e.get("epoch"), "step": e.get("step"), "path": e["path"]}
+        _lora_scans[path] = (offset, found)
+    merged = dict(found)
+    for x in status.get("loras", []):
+        if isinstance(x, dict) and x.get("path"):
+            merged[x["path"]] = {"epoch": x.get("epoch"), "step": x.get("step"), "path": x["path"]}
+    return sorted(merged.values(), key=lambda x: (x.get("epoch") or 0, x.get("step") or 0))
 
 
 def _latest_checkpoint(run_dir: Path) -> str | None:
@@ -154,12 +185,12 @@ def details(run_dirs: RunDirs, run_id: str, alive: bool) -> dict:
 
 def lora_for_epoch(run_dirs: RunDirs, run_id: str, epoch: int = 0) -> dict | None:
     """The saved LoRA of ``epoch`` (0: the newest) as {epoch, step, path}, or None."""
-    loras = [x for x in read_json(run_dirs.path(run_id) / "status.json").get("loras", []) if x.get("path")]
-    loras = [x for x in loras if Path(x["path"]).is_file()]
+    loras = [x for x in saved_loras(run_dirs.path(run_id)) if Path(x["path"]).is_file()]
     if epoch > 0:
         loras = [x for x in loras if x.get("epoch") == epoch]
     return max(loras, key=lambda x: (x.get("epoch", 0), x.get("step", 0)), default=None)
 
 
 __all__ = ["ACTIVE", "RunDirs", "RunIdError", "check_run_id", "details", "lora_for_epoch",
-           "new_run_id", "read_events", "read_json", "run_state", "summarize", "write_launcher_info"]
+           "new_run_id", "read_events", "read_json", "run_state", "saved_loras", "summarize",
+           "write_launcher_info"]

@@ -11,7 +11,8 @@ import pytest
 from pipetrain.backend.errors import ConfigError, DatasetError, ModelError
 from pipetrain.launcher.build import check_spec, write_config
 from pipetrain.launcher.core import Launcher, LauncherError
-from pipetrain.launcher.registry import RunDirs, RunIdError, check_run_id, new_run_id, read_events, run_state
+from pipetrain.launcher.registry import (RunDirs, RunIdError, check_run_id, lora_for_epoch, new_run_id,
+                                         read_events, run_state, saved_loras)
 from pipetrain.launcher.relay import EventRelay
 from pipetrain.launcher.specs import DatasetSpec, DirectorySpec, ModelSpec, ParallelismSpec, TrainSpec
 
@@ -115,6 +116,9 @@ def test_state_rules():
     assert run_state({"state": "caching"}, {"stop_requested": 1}, alive=False) == "stopped"
     assert run_state({}, {"killed": 1}, alive=False) == "killed"
     assert run_state({"state": "finished"}, {}, alive=False) == "finished"
+    # the backend writes "stopped" just before its processes exit: not "stopped" until they are gone
+    assert run_state({"state": "stopped"}, {"stop_requested": 1}, alive=True) == "stopping"
+    assert run_state({"state": "stopped"}, {"stop_requested": 1}, alive=False) == "stopped"
 
 
 def test_relay_sends_new_events_once(launcher):
@@ -192,3 +196,69 @@ def test_start_writes_the_run_and_spawns_deepspeed(tmp_path, launcher):
     assert f'lora_dir = "{tmp_path / "loras" / run_id}"' in (run_dir / "run.toml").read_text()
     assert info["gpus"] == [0] and info["process"]["pgid"] == info["process"]["pid"]
     assert not la.alive(run_id)
+
+
+def test_loras_saved_before_a_resume_are_kept(launcher):
+    """A resumed run's ``status.json`` starts afresh; its earlier epoch LoRAs come from ``events.jsonl``."""
+    la = launcher()
+    d = la.dirs.path("run-r")
+    d.mkdir(parents=True)
+    paths = {e: d / f"e{e}.safetensors" for e in (1, 2, 3)}
+    for path in paths.values():
+        path.write_bytes(b"x")
+    with open(d / "events.jsonl", "w") as f:
+        for e in (1, 2):
+            f.write(json.dumps({"type": "lora_saved", "epoch": e, "step": 4 * e, "path": str(paths[e])}) + "\n")
+        f.write(json.dumps({"type": "resume", "step": 9}) + "\n")
+    (d / "status.json").write_text(json.dumps({"state": "training", "loras": [
+        {"epoch": 3, "step": 12, "path": str(paths[3])}]}))
+    assert [x["epoch"] for x in saved_loras(d)] == [1, 2, 3]
+    assert [x["epoch"] for x in la.get("run-r")["loras"]] == [1, 2, 3]
+    assert lora_for_epoch(la.dirs, "run-r", 1)["path"] == str(paths[1])
+    assert lora_for_epoch(la.dirs, "run-r")["epoch"] == 3
+    with open(d / "events.jsonl", "a") as f:  # read incrementally: a new event is picked up
+        f.write(json.dumps({"type": "lora_saved", "epoch": 4, "step": 16, "path": str(d / "e4.safetensors")}) + "\n")
+    (d / "e4.safetensors").write_bytes(b"x")
+    assert lora_for_epoch(la.dirs, "run-r")["epoch"] == 4
+
+
+# A stand-in for ``pipetrain train`` under DeepSpeed's real launcher: like the backend, SIGTERM only
+# sets a flag; the rank then "checkpoints" and exits 0.
+FAKE_RANK = """
+import os, signal, time
+flag = []
+signal.signal(signal.SIGTERM, lambda *a: flag.append(1))
+rank = os.environ["LOCAL_RANK"]
+open(f"rank{rank}.ready", "w").close()
+while not flag:
+    time.sleep(0.02)
+time.sleep(0.5)
+open(f"rank{rank}.stopped", "w").close()
+"""
+
+
+def test_sigterm_escalation_reaches_the_ranks_under_deepspeeds_launcher(tmp_path, launcher, monkeypatch):
+    """The escalation signals the ranks only: DeepSpeed's launch.py would turn a SIGTERM into killing
+    them; here they finish their checkpoint and every process exits 0."""
+    from pipetrain.backend.launch import free_port
+
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "fake_rank.py").write_text(FAKE_RANK)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    la = launcher(stop_timeout=0.0, kill_timeout=60)
+    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+            str(free_port()), "--module", "fake_rank"]
+    ref = la.launch("run-ds", argv, (0, 1))
+    d = la.dirs.path("run-ds")
+    end = time.monotonic() + 60
+    while not all((d / f"rank{r}.ready").exists() for r in (0, 1)):
+        assert ref.popen.poll() is None, (d / "log.txt").read_text()
+        assert time.monotonic() < end, (d / "log.txt").read_text()
+        time.sleep(0.05)
+    assert len(ref.ranks()) == 2
+    la.stop("run-ds")                        # the stand-in ignores the stop file: escalate at once
+    la.poll()
+    assert la.wait("run-ds", 30), (d / "log.txt").read_text()
+    assert all((d / f"rank{r}.stopped").exists() for r in (0, 1)), (d / "log.txt").read_text()
+    assert ref.popen.returncode == 0, (d / "log.txt").read_text()

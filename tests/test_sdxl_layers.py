@@ -94,18 +94,27 @@ def test_layers_match_comfyui_forward(small_sdxl):
 
 
 @pytest.mark.parametrize("prediction", ["eps", "v"])
-def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sdxl, prediction, monkeypatch):
+def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sdxl, prediction):
     """What the UNet sees in training is what ComfyUI's ``apply_model`` feeds it for the same noisy latent,
     and a perfect prediction of the training target is denoised by ComfyUI to the clean latent."""
     import comfy.model_base
+
+    model = small_sdxl.patcher.model
+    eps_sampling = model.model_sampling
+    if prediction == "v":
+        model.model_sampling = comfy.model_base.model_sampling(model.model_config,
+                                                               comfy.model_base.ModelType.V_PREDICTION)
+    try:
+        _check_against_comfyui_sampling(small_sdxl, prediction)
+    finally:
+        model.model_sampling = eps_sampling
+
+
+def _check_against_comfyui_sampling(a, prediction):
     import comfy.samplers
     from pipetrain.backend.models.objectives import DiscreteDiffusion
 
-    a = small_sdxl
     model = a.patcher.model
-    if prediction == "v":
-        ms = comfy.model_base.model_sampling(model.model_config, comfy.model_base.ModelType.V_PREDICTION)
-        monkeypatch.setattr(model, "model_sampling", ms)
     ms = model.model_sampling
     objective = a.objective()
     assert isinstance(objective, DiscreteDiffusion) and objective.prediction == prediction

@@ -188,7 +188,7 @@ def test_stop_route_checkpoints_and_resume_route_finishes(session):
     code, body = server.post(f"/pipetrain/runs/{run_id}/resume")
     assert code == 200 and body["alive"], body
     assert server.post(f"/pipetrain/runs/{run_id}/resume")[0] == 409          # already running
-    done = wait_run(server, run_id, lambda r: r["state"] == "finished", 300, "finished")
+    done = wait_run(server, run_id, lambda r: r["state"] == "finished" and not r["alive"], 300, "finished")
     (resume,) = events(server, run_id, "resume")
     assert resume["step"] == stopped["step"]
     steps = [e["step"] for e in events(server, run_id, "step")]

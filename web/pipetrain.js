@@ -76,6 +76,8 @@ function addLoader(runId, epoch) {
 }
 
 function drawChart(canvas, points) {
+  canvas.dataset.points = String(points.length);  // what the chart shows, readable by tests and tools
+  canvas.dataset.lastStep = points.length ? String(points[points.length - 1][0]) : "";
   const ctx = canvas.getContext("2d");
   const w = (canvas.width = canvas.clientWidth || 300), h = (canvas.height = canvas.clientHeight || 160);
   ctx.clearRect(0, 0, w, h);

@@ -133,7 +133,7 @@ class _Block(TupleLayer):
         return forward_timestep_embed(self.block, h, reveal(emb, self.dtype), reveal(context, self.dtype),
                                       sdpa_transformer_options(), output_shape)
 
-    def apply(self, h, emb, context, output_shape=None):
+    def run_block(self, h, emb, context, output_shape=None):
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(self._block_forward, h, emb, context, output_shape, use_reentrant=False)
         return self._block_forward(h, emb, context, output_shape)
@@ -148,7 +148,7 @@ class InputBlock(_Block):
         self.replace_top = replace_top
 
     def run(self, emb, context, *stack):
-        h = self.apply(stack[-1], emb, context)
+        h = self.run_block(stack[-1], emb, context)
         kept = stack[:-1] if self.replace_top else stack
         return (emb, context, *kept, h)
 
@@ -164,13 +164,11 @@ class OutputBlock(_Block):
     def run(self, emb, context, *stack):
         *skips, skip, h = stack
         output_shape = skips[-1].shape if skips else None
-        h = self.apply(torch.cat([h, skip], dim=1), emb, context, output_shape)
+        h = self.run_block(torch.cat([h, skip], dim=1), emb, context, output_shape)
         return (emb, context, *skips, h)
 
 
 class SDXLOutput(TupleLayer):
-    cost = 1e-3
-
     def __init__(self, dm, dtype, cost):
         super().__init__()
         self.out, self.dtype, self.cost = dm.out, dtype, cost

@@ -69,7 +69,8 @@ class Trainer:
 
     def setup_distributed(self) -> None:
         self.rank, self.world, self.local_rank = distributed.init()
-        self.cfg.check_world_size(self.world)
+        if not self.opts.cache_only:  # caching spreads over any number of ranks
+            self.cfg.check_world_size(self.world)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def prepare_run_dir(self) -> None:

@@ -1,0 +1,84 @@
+"""Checkpoint and resume with real ranks: a run killed with SIGKILL after a checkpoint resumes at the
+checkpointed step and ends with exactly the LoRA of an uninterrupted run (weights, optimizer state, LR
+schedule and data position all restored); no final name ever holds a partial file."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import Run, launch, train
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+SETUP = dict(stages=2, epochs=3, checkpoint_every_n_epochs=1, lr_scheduler="cosine", warmup_steps=2,
+             optimizer={"type": "adamw", "lr": 5e-3})
+
+
+def _wait_for_event(run_dir_parent, type_, timeout=600):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for events in run_dir_parent.glob("*/events.jsonl"):
+            found = [json.loads(line) for line in events.read_text().splitlines() if f'"{type_}"' in line]
+            if found:
+                return found[0]
+        time.sleep(0.2)
+    raise TimeoutError(type_)
+
+
+def _assert_no_partial_files(run_dir):
+    for path in (run_dir / "loras").glob("*.safetensors"):
+        load_file(str(path))  # a final name always holds a complete file
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest / "pipetrain.json").is_file()
+    for d in (run_dir / "checkpoints").iterdir():
+        if d.is_dir() and not d.name.startswith("."):
+            assert (d / "pipetrain.json").is_file(), f"{d} is under a final name but incomplete"
+
+
+def test_sigkill_after_checkpoint_then_resume(micro_flux_files, make_run):
+    reference = train(make_run(micro_flux_files, images=4, name="reference", **SETUP), ranks=2)
+    assert reference.returncode == 0, reference.output[-3000:]
+
+    config = make_run(micro_flux_files, images=4, name="killed", **SETUP)
+    proc = launch(config, 2)
+    checkpoint = _wait_for_event(config.parent / "output", "checkpoint")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    killed = Run(proc.returncode, "", config.parent / "output")
+    _assert_no_partial_files(killed.run_dir)
+    assert killed.status()["state"] != "finished"
+
+    resumed = train(config, 2, "--resume")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    resume_event = resumed.events("resume")[-1]
+    assert resume_event["step"] >= checkpoint["step"]
+    steps_after = [e["step"] for e in resumed.events("step") if e["time"] > resume_event["time"]]
+    assert steps_after[0] == resume_event["step"] + 1
+    assert resumed.status()["state"] == "finished"
+    _assert_no_partial_files(resumed.run_dir)
+
+    final, expected = load_file(str(resumed.loras()[-1])), load_file(str(reference.loras()[-1]))
+    for key in expected:
+        assert torch.allclose(final[key], expected[key], rtol=1e-4, atol=1e-6), key
+    ref_losses = {e["step"]: e["loss"] for e in reference.events("step")}
+    for e in resumed.events("step"):
+        if e["time"] > resume_event["time"]:
+            assert e["loss"] == pytest.approx(ref_losses[e["step"]], rel=1e-4)
+
+
+def test_stop_file_checkpoints_and_exits(micro_flux_files, make_run):
+    config = make_run(micro_flux_files, images=4, name="stopped", **{**SETUP, "epochs": 20})
+    proc = launch(config, 2)
+    _wait_for_event(config.parent / "output", "step")
+    run_dir = next((config.parent / "output").glob("2*"))
+    (run_dir / "stop").touch()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    run = Run(0, out, config.parent / "output")
+    assert run.status()["state"] == "stopped"
+    stopped = run.events("stopped")[-1]
+    assert run.events("checkpoint")[-1]["step"] == stopped["step"] < 80
+    assert not (run_dir / "stop").exists()
