@@ -34,6 +34,8 @@ def _convert(value: Any, tp, file, key: str):
         options = [a for a in get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if len(options) == 1:  # Optional[X]: X's own message is the precise one
+            return _convert(value, options[0], file, key)
         errors = []
         for option in options:
             try:

@@ -155,7 +155,8 @@ class Launcher:
         with self.lock:
             (run_dir / "stop").touch()
             self._update_info(run_dir, stop_requested=time.time())
-            self.deadlines[run_id] = (time.monotonic() + self.stop_timeout, signal.SIGTERM)
+            # a second Stop keeps the first one's escalation time
+            self.deadlines.setdefault(run_id, (time.monotonic() + self.stop_timeout, signal.SIGTERM))
         return summarize(self.dirs, run_id, True)
 
     def kill(self, run_id: str) -> dict:
