@@ -62,7 +62,7 @@ def newest_run(output_dir: Path) -> Path:
 def run_demo(workdir: str | None, ranks: int) -> int:
     from .config import load_run_config
     from .launch import deepspeed_command
-    from .models.tiny import write_model_files
+    from .models.tiny import cached_model_files
     from .runtime import ensure_comfyui
     from .verify import check_lora
 
@@ -70,8 +70,9 @@ def run_demo(workdir: str | None, ranks: int) -> int:
     root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     ensure_comfyui()
-    print(f"[demo] writing a tiny random-initialised Flux model to {root / 'models'}", flush=True)
-    files = write_model_files("flux", root / "models", size="tiny")
+    print("[demo] tiny random-initialised Flux-dev architecture (1 double + 1 single block at full width)",
+          flush=True)
+    files = cached_model_files("flux", "tiny")
     make_dataset(root / "dataset")
     config = write_configs(root, files, stages=min(2, ranks))
     cmd = deepspeed_command("train", config, ranks)

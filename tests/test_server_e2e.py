@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from server_fixtures import (SHIM_NODE, fetch_image, install_test_shims, kill_runs, link_model_files,
+from server_fixtures import (REPO, SHIM_NODE, fetch_image, install_test_shims, kill_runs, link_model_files,
                              load_example, start_server, workflow_to_prompt)
 
 pytestmark = pytest.mark.slow
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 IMAGES = 4            # 64 px, micro batch 1, 1 data-parallel rank: 4 steps per epoch
 EPOCHS = 5            # long enough that the stop lands mid-run on a slow machine; ~4 s a step on 2 cores
 STEPS = IMAGES * EPOCHS
+ARTIFACTS = REPO / "test-artifacts"
 
 
 class Session:
@@ -181,6 +182,7 @@ def test_stop_route_checkpoints_and_resume_route_finishes(session):
     stopped = wait_run(server, run_id, lambda r: r["state"] == "stopped", 120, "stopped")
     assert not stopped["alive"] and stopped["resumable"], stopped
     assert stopped["step"] < STEPS, f"the run finished before the stop landed: {stopped}"
+    print(f"\nstopped at step {stopped['step']}/{STEPS}")
     (ckpt,) = events(server, run_id, "checkpoint")
     assert ckpt["step"] == stopped["step"] and (server.runs_root / run_id / "checkpoints" / "latest").is_file()
     assert not (server.runs_root / run_id / "stop").exists()
@@ -202,6 +204,10 @@ def test_newest_epoch_lora_changes_the_sampler_output(session):
     s.need("run_id")
     base = s.need("base_image")
     lora = generate(server, sample_prompt(server, s, with_lora=True))
+    from PIL import Image
+    ARTIFACTS.mkdir(exist_ok=True)
+    Image.fromarray(base).save(ARTIFACTS / "e2e-base-model.png")
+    Image.fromarray(lora).save(ARTIFACTS / "e2e-epoch-lora.png")
     diff = abs(lora.astype(int) - base.astype(int))
     print(f"\nLoRA vs base image: max |diff| {diff.max()}, mean {diff.mean():.2f}")
     assert diff.max() > 0 and diff.mean() > 0.5

@@ -35,8 +35,12 @@ def _report_step(trainer, loss: float, step_time: float, started: float, steps_d
     lr = trainer.engine.get_lr()[0]
     elapsed = time.monotonic() - started
     eta = elapsed / steps_done * (trainer.total_steps - trainer.global_step)
+    extra = {}
+    if torch.cuda.is_available():
+        extra["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     trainer.reporter.event("step", step=trainer.global_step, epoch=trainer.epoch, loss=loss, lr=lr,
-                           samples_per_s=samples_per_s, total_steps=trainer.total_steps)
+                           samples_per_s=samples_per_s, step_time_s=step_time, total_steps=trainer.total_steps,
+                           **extra)
     trainer.reporter.update(state="training", step=trainer.global_step, total_steps=trainer.total_steps,
                             epoch=trainer.epoch, epochs=cfg.epochs, loss=loss, lr=lr,
                             samples_per_s=samples_per_s, eta_s=eta)
