@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import rope_attention

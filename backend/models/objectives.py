@@ -2,7 +2,6 @@
 predict, and which timesteps are drawn. The noise schedules come from ComfyUI's ``model_sampling``."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -96,5 +95,3 @@ def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     dtype = torch.promote_types(pred.dtype, torch.float32)
     return torch.nn.functional.mse_loss(pred.to(dtype), target.to(dtype))
 
-
-__all__ = ["FlowMatching", "DiscreteDiffusion", "flux_mu", "mse_loss", "math"]

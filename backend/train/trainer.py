@@ -2,25 +2,18 @@
 from __future__ import annotations
 
 import logging
-import math
 import signal
-import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from .. import lora
 from ..config import RunConfig, save_toml
-from ..errors import ConfigError
-from ..fsutil import atomic_write_bytes
 from ..models.base import DTYPES
 from ..models.registry import adapter_class
 from . import checkpoint, distributed
 from .events import RunReporter
-from .feed import MicroBatchFeed
 from .saving import gather_lora, write_lora
 
 log = logging.getLogger("pipetrain")
