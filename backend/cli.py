@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="use the previous cache manifest without re-reading the dataset files")
     train.add_argument("--cache-only", action="store_true", help="stop after caching")
     train.add_argument("--no-progress", action="store_true", help="no progress bar on the terminal")
+    launch = sub.add_parser("launch", help="start a multi-node run ([cluster] in the config) or one node of it")
+    launch.add_argument("config", help="the run config, or <output_dir>/<run>/run.toml to join or resume that run")
+    launch.add_argument("--node-rank", type=int, default=None, help="no_ssh: which node this machine is")
+    launch.add_argument("--print", action="store_true", dest="print_only", help="print the command(s) and exit")
+    launch.add_argument("--resume", action="store_true", help="resume the run from its newest checkpoint")
     demo = sub.add_parser("demo", help="tiny Flux model + generated dataset -> cache -> 2-rank pipeline -> LoRA in ComfyUI")
     demo.add_argument("--workdir", default=None, help="where the demo writes (default .work/demo in the repo)")
     demo.add_argument("--ranks", type=int, default=2)
@@ -42,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
             return run_demo(args.workdir, args.ranks)
+        if args.command == "launch":
+            from .cluster_cli import launch_cluster
+            return launch_cluster(args.config, args.node_rank, args.print_only, args.resume)
         from .config import load_run_config
         from .runtime import ensure_comfyui
         from .train.trainer import Trainer, TrainOptions

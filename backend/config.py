@@ -65,6 +65,10 @@ class DatasetConfig:
         if self.num_repeats < 1:
             raise ConfigError("must be 1 or more", file=file, key="num_repeats")
 
+    def with_absolute_paths(self) -> "DatasetConfig":
+        dirs = [dataclasses.replace(d, path=str(self.directory_path(d).resolve())) for d in self.directory]
+        return replace(self, directory=dirs)
+
     def directory_path(self, d: DirectoryConfig) -> Path:
         p = Path(d.path).expanduser()
         return p if p.is_absolute() or self._base is None else (self._base / p)
@@ -130,6 +134,34 @@ class OptimizerConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Several machines through DeepSpeed's own launcher."""
+    launcher: Literal["pdsh", "no_ssh", "slurm", "openmpi"] = "pdsh"
+    hostfile: Optional[str] = None              # DeepSpeed hostfile: "<host> slots=<gpus>" per line
+    hosts: Optional[list[str]] = None           # or "host:slots" entries (written to <run dir>/hostfile)
+    master_addr: Optional[str] = None
+    master_port: int = 29500
+    env: dict = field(default_factory=dict)     # forwarded to every node (DeepSpeed's .deepspeed_env)
+    nccl_socket_ifname: Optional[str] = None
+    nccl_ib_disable: Optional[bool] = None
+    nccl_p2p_disable: Optional[bool] = None
+
+    def validate(self, file):
+        if (self.hostfile is None) == (self.hosts is None):
+            raise ConfigError("give exactly one of hostfile or hosts", file=file, key="cluster.hostfile")
+        for h in self.hosts or []:
+            name, _, slots = h.partition(":")
+            if not name or not slots.isdigit() or int(slots) < 1:
+                raise ConfigError(f"got {h!r}; expected 'host:slots', e.g. 'node-a:8'", file=file, key="cluster.hosts")
+        if self.launcher == "no_ssh" and not self.master_addr:
+            raise ConfigError("launcher = 'no_ssh' needs master_addr (the address of node 0)", file=file,
+                              key="cluster.master_addr")
+        for k, v in self.env.items():
+            if not isinstance(v, (str, int, float, bool)):
+                raise ConfigError(f"got {v!r}; values must be strings or numbers", file=file, key=f"cluster.env.{k}")
+
+
+@dataclass
 class RunConfig:
     output_dir: str
     dataset: str
@@ -156,6 +188,7 @@ class RunConfig:
     run_name: Optional[str] = None
     adapter: Optional[AdapterConfig] = field(default_factory=AdapterConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    cluster: Optional[ClusterConfig] = None
     # loaded from `dataset`; not written back into run.toml
     _dataset: Optional[DatasetConfig] = None
     _file: Optional[Path] = None
@@ -192,6 +225,22 @@ class RunConfig:
         if p.is_absolute() or self._file is None:
             return p
         return (self._file.parent / p).resolve()
+
+    def with_absolute_paths(self) -> "RunConfig":
+        """A copy whose file paths no longer depend on where the TOML lives (for copies in run folders)."""
+        r = self.resolve
+        model = dataclasses.replace(self.model, diffusion_model=str(r(self.model.diffusion_model)),
+                                    vae=str(r(self.model.vae)),
+                                    text_encoders=[str(r(p)) for p in self.model.text_encoders])
+        adapter = self.adapter
+        if adapter is not None and adapter.init_from_existing:
+            adapter = dataclasses.replace(adapter, init_from_existing=str(r(adapter.init_from_existing)))
+        cluster = self.cluster
+        if cluster is not None and cluster.hostfile:
+            cluster = dataclasses.replace(cluster, hostfile=str(r(cluster.hostfile)))
+        return replace(self, output_dir=str(r(self.output_dir)), dataset=str(r(self.dataset)), model=model,
+                       adapter=adapter, cluster=cluster,
+                       lora_dir=str(r(self.lora_dir)) if self.lora_dir else None)
 
     def check_world_size(self, world_size: int) -> None:
         if world_size % self.pipeline_stages:

@@ -179,7 +179,10 @@ def write_images(folder: Path, n: int = 2, size: int = 64) -> Path:
 
 
 def kill_runs(runs_root: Path) -> None:
-    """Kill the process group of every run recorded under ``runs_root`` (test clean-up)."""
+    """Test clean-up: kill the process group of every run recorded under ``runs_root``, then any process
+    still working in a folder under it (a cache job, a rank whose launcher died)."""
+    import psutil
+
     from pipetrain.launcher.procs import ProcessRef
     from pipetrain.launcher.registry import read_json
 
@@ -189,6 +192,16 @@ def kill_runs(runs_root: Path) -> None:
         ref = ProcessRef.from_dict(read_json(info).get("process", {}))
         if ref is not None and ref.alive():
             ref.signal_group(signal.SIGKILL)
+    root = str(runs_root.resolve())
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and (p.cwd() + "/").startswith(root + "/"):
+                p.kill()
+                left.append(p)
+        except psutil.Error:
+            continue
+    psutil.wait_procs(left, timeout=10)
 
 
 # --- example workflows -> /prompt graphs ------------------------------------------------------------

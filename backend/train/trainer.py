@@ -28,6 +28,18 @@ class TrainOptions:
     progress: bool = True
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+              "Broken pipe", "ProcessGroupNCCL", "Timed out")
+
+
+def explain_failure(e: BaseException, run_name: str) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if any(marker in text for marker in _PEER_LOST):
+        return (f"lost contact with another rank (a node or a training process stopped): {text.splitlines()[0]}. "
+                f"The run is resumable from its last checkpoint: launch it again with --resume {run_name}")
+    return text
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, options: TrainOptions):
         self.cfg = cfg
@@ -54,8 +66,10 @@ class Trainer:
             return 0
         except BaseException as e:
             if self.rank == 0 and not isinstance(e, SystemExit):
-                self.reporter.event("error", message=f"{type(e).__name__}: {e}")
-                self.reporter.update(state="failed", error=f"{type(e).__name__}: {e}")
+                message = explain_failure(e, self.run_dir.name)
+                self.reporter.event("error", message=message)
+                self.reporter.update(state="failed", error=message)
+                log.error(message)
             raise
         finally:
             self.reporter.close()
@@ -82,8 +96,8 @@ class Trainer:
         if self.rank == 0:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
             if not self.opts.cache_only and not (self.run_dir / "run.toml").exists():
-                save_toml(self.cfg, self.run_dir / "run.toml")
-                save_toml(self.cfg.dataset_config, self.run_dir / "dataset.toml")
+                save_toml(self.cfg.with_absolute_paths(), self.run_dir / "run.toml")
+                save_toml(self.cfg.dataset_config.with_absolute_paths(), self.run_dir / "dataset.toml")
             self.reporter.update(state="starting", run_dir=str(self.run_dir), world_size=self.world,
                                  pipeline_stages=self.cfg.pipeline_stages)
             self.reporter.event("start", world_size=self.world, pipeline_stages=self.cfg.pipeline_stages,
