@@ -52,8 +52,9 @@ def _end_of_epoch(trainer, epoch: int) -> None:
     cfg = trainer.cfg
     trainer.reporter.event("epoch", epoch=epoch, step=trainer.global_step)
     if cfg.save_every_n_epochs and epoch % cfg.save_every_n_epochs == 0:
-        trainer.save_lora(epoch)
+        path = trainer.save_lora(epoch)
         trainer.last_saved_epoch = epoch
+        trainer.render_samples(path, epoch)
     if cfg.checkpoint_every_n_epochs and epoch % cfg.checkpoint_every_n_epochs == 0:
         trainer.save_checkpoint()
 
@@ -110,7 +111,8 @@ def _finished(trainer, bar) -> None:
         bar.close()
     last_epoch = trainer.epoch - 1 if trainer.step_in_epoch == 0 else trainer.epoch
     if trainer.last_saved_epoch != last_epoch and trainer.global_step > 0:
-        trainer.save_lora(last_epoch)
+        path = trainer.save_lora(last_epoch)
+        trainer.render_samples(path, last_epoch)
     trainer.save_checkpoint()
     if trainer.rank == 0:
         trainer.reporter.event("done", step=trainer.global_step, epoch=last_epoch)

@@ -147,11 +147,12 @@ class Trainer:
             self.reporter.event("checkpoint", step=self.global_step, epoch=self.epoch, path=str(path))
             self.reporter.update(last_checkpoint=str(path))
 
-    def save_lora(self, epoch: int) -> None:
+    def save_lora(self, epoch: int) -> Path | None:
+        """Write the epoch LoRA (global rank 0); returns its path there, None elsewhere."""
         save_dtype = DTYPES[self.cfg.save_dtype] if self.cfg.save_dtype else torch.float32
         sd = gather_lora(self.engine.module, self.dp_rank, save_dtype)
         if self.rank != 0:
-            return
+            return None
         folder = Path(self.cfg.lora_dir) if self.cfg.lora_dir else self.run_dir / "loras"
         adapter_cfg = {"type": "lora", "rank": self.cfg.adapter.rank,
                        "alpha": self.cfg.adapter.alpha or self.cfg.adapter.rank,
@@ -164,6 +165,13 @@ class Trainer:
         self.reporter.update(loras=loras)
         self.reporter.event("lora_saved", epoch=epoch, step=self.global_step, path=str(path))
         log.info("saved epoch %d LoRA: %s", epoch, path)
+        return path
+
+    def render_samples(self, lora_path: Path | None, epoch: int) -> None:
+        """Sample images with the fresh LoRA (see backend/sampling.py); every rank waits for rank 0."""
+        from ..sampling import render_epoch_samples
+
+        render_epoch_samples(self, lora_path, epoch)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
