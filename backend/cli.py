@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--node-rank", type=int, default=None, help="no_ssh: which node this machine is")
     launch.add_argument("--print", action="store_true", dest="print_only", help="print the command(s) and exit")
     launch.add_argument("--resume", action="store_true", help="resume the run from its newest checkpoint")
+    sample = sub.add_parser("sample", help="render the [samples] prompts with a LoRA through ComfyUI's sampler")
+    sample.add_argument("config")
+    sample.add_argument("lora")
     demo = sub.add_parser("demo", help="tiny Flux model + generated dataset -> cache -> 2-rank pipeline -> LoRA in ComfyUI")
     demo.add_argument("--workdir", default=None, help="where the demo writes (default .work/demo in the repo)")
     demo.add_argument("--ranks", type=int, default=2)
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
             return run_demo(args.workdir, args.ranks)
+        if args.command == "sample":
+            from .sampling import main as sample_main
+            return sample_main(args.config, args.lora)
         if args.command == "launch":
             from .cluster_cli import launch_cluster
             return launch_cluster(args.config, args.node_rank, args.print_only, args.resume)

@@ -134,6 +134,30 @@ class OptimizerConfig:
 
 
 @dataclass
+class SamplesConfig:
+    """Images rendered with ComfyUI's own sampler and each freshly saved epoch LoRA."""
+    prompts: list[str]
+    negative_prompt: str = ""
+    seed: int = 0
+    width: int = 1024
+    height: int = 1024
+    steps: int = 20
+    cfg: float = 1.0
+    guidance: float = 3.5                 # Flux-dev's distilled guidance input
+    sampler: str = "euler"
+    scheduler: str = "simple"
+
+    def validate(self, file):
+        if not self.prompts:
+            raise ConfigError("give at least one prompt (or leave [samples] out)", file=file, key="samples.prompts")
+        if self.width % 16 or self.height % 16 or min(self.width, self.height) < 16:
+            raise ConfigError(f"got {self.width}x{self.height}; width and height must be multiples of 16",
+                              file=file, key="samples.width")
+        if self.steps < 1:
+            raise ConfigError("must be 1 or more", file=file, key="samples.steps")
+
+
+@dataclass
 class ClusterConfig:
     """Several machines through DeepSpeed's own launcher."""
     launcher: Literal["pdsh", "no_ssh", "slurm", "openmpi"] = "pdsh"
@@ -189,6 +213,7 @@ class RunConfig:
     adapter: Optional[AdapterConfig] = field(default_factory=AdapterConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     cluster: Optional[ClusterConfig] = None
+    samples: Optional[SamplesConfig] = None
     # loaded from `dataset`; not written back into run.toml
     _dataset: Optional[DatasetConfig] = None
     _file: Optional[Path] = None

@@ -30,20 +30,31 @@ class RunReporter:
         self.status.update(fields, updated=time.time())
         atomic_write_json(self.run_dir / "status.json", self.status)
 
-    def scalars(self, step: int, **values) -> None:
-        if not self.enabled:
-            return
+    def _writer(self):
         if self._tb is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard is optional at run time
                 self._tb = False
-                return
+                return False
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        if self._tb:
-            for name, value in values.items():
-                self._tb.add_scalar(name, value, step)
-            self._tb.flush()
+        return self._tb
+
+    def scalars(self, step: int, **values) -> None:
+        if not self.enabled or not self._writer():
+            return
+        for name, value in values.items():
+            self._tb.add_scalar(name, value, step)
+        self._tb.flush()
+
+    def image(self, tag: str, png_path, step: int) -> None:
+        if not self.enabled or not self._writer():
+            return
+        import numpy as np
+        from PIL import Image
+
+        self._tb.add_image(tag, np.asarray(Image.open(png_path).convert("RGB")), step, dataformats="HWC")
+        self._tb.flush()
 
     def close(self) -> None:
         if self._tb:

@@ -1,0 +1,28 @@
+"""Sample images for every saved epoch LoRA, rendered by ComfyUI's sampler with the fresh LoRA: PNGs
+beside the LoRA, announced in events.jsonl and TensorBoard, different between epochs."""
+import numpy as np
+import pytest
+from conftest import train
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+
+def test_each_epoch_gets_sample_images(micro_flux_files, make_run):
+    samples = {"prompts": ["a red circle", "a blue square"], "seed": 3, "width": 64, "height": 64, "steps": 3}
+    config = make_run(micro_flux_files, images=2, stages=2, epochs=2, samples=samples,
+                      optimizer={"type": "adamw", "lr": 2e-2})
+    run = train(config, ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    announced = run.events("sample_saved")
+    assert [(e["epoch"], e["prompt"]) for e in announced] == [
+        (1, "a red circle"), (1, "a blue square"), (2, "a red circle"), (2, "a blue square")]
+    loras = run.loras()
+    for e in announced:
+        png = Image.open(e["path"])
+        assert png.size == (64, 64)
+        assert e["path"].startswith(str(loras[e["epoch"] - 1].with_suffix("")))
+    first = np.asarray(Image.open(announced[0]["path"]), dtype=np.int16)
+    second = np.asarray(Image.open(announced[2]["path"]), dtype=np.int16)
+    assert np.abs(first - second).max() > 0          # same prompt and seed, another epoch's LoRA
+    assert list((run.run_dir / "tensorboard").glob("events.out.tfevents.*"))
