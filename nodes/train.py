@@ -90,5 +90,5 @@ class TrainNode(io.ComfyNode):
             run_id = get_launcher().start(spec, run_name)
         except PipeTrainError as e:
             raise ValueError(str(e)) from None
-        text = f"started run {run_id} in {time.monotonic() - start:.1f} s on GPU(s) {list(spec.parallelism.devices)}"
+        text = f"started run {run_id} in {time.monotonic() - start:.2f} s on GPU(s) {list(spec.parallelism.devices)}"
         return io.NodeOutput(RunHandle(run_id), ui=ui.PreviewText(text))

@@ -61,4 +61,9 @@ if ! "$VPY" -c "import pipetrain, pytest" 2>/dev/null; then
   pipi -r requirements.txt pytest pytest-timeout
   pipi --no-deps --no-build-isolation -e .
 fi
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing Debian's chromium for the headless web-panel test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "[setup] warning: chromium not installed; the web-panel test will be skipped"
+fi
 echo "[setup] ready: $VPY (ComfyUI $COMFY_VERSION at .comfyui/ComfyUI)"

@@ -8,8 +8,12 @@ server's model folders, and the clean-up of every run process a test leaves behi
 """
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,6 +106,10 @@ class ComfyServer:
 def make_base(base: Path) -> Path:
     for sub in ("custom_nodes", "input", "output", "user", "temp"):
         (base / sub).mkdir(parents=True, exist_ok=True)
+    settings = base / "user" / "default" / "comfy.settings.json"
+    if not settings.exists():  # a first visit would open the template browser over the page
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     for sub in MODEL_FOLDERS:
         (base / "models" / sub).mkdir(parents=True, exist_ok=True)
     link = base / "custom_nodes" / "pipetrain"
@@ -314,3 +322,137 @@ def fetch_image(server: ComfyServer, image: dict):
     query = urllib.parse.urlencode({k: image[k] for k in ("filename", "subfolder", "type")})
     with urllib.request.urlopen(f"{server.url}/view?{query}", timeout=30) as r:
         return np.asarray(Image.open(io.BytesIO(r.read())).convert("RGB"))
+
+
+# --- headless Chromium over the DevTools protocol -----------------------------------------------------
+# Debian's ``chromium``, driven with aiohttp's websocket client (already a ComfyUI requirement).
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+
+
+class Page:
+    """One page target: ``call`` a DevTools method, evaluate ``js``, poll with ``wait_for``."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.next_id = 0
+        self.exceptions: list[str] = []       # uncaught page exceptions seen so far
+
+    async def call(self, method: str, **params) -> dict:
+        self.next_id += 1
+        await self.ws.send_json({"id": self.next_id, "method": method, "params": params})
+        while True:
+            msg = await asyncio.wait_for(self.ws.receive_json(), 30)
+            if msg.get("method") == "Runtime.exceptionThrown":
+                details = msg["params"]["exceptionDetails"]
+                self.exceptions.append(str(details.get("exception", {}).get("description") or details)[:500])
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    async def js(self, expression: str):
+        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression!r}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    async def wait_for(self, expression: str, timeout: float, what: str):
+        """Poll ``expression`` until it is truthy and return its value; fail with the panel's text."""
+        end = time.monotonic() + timeout
+        value = None
+        while time.monotonic() < end:
+            value = await self.js(expression)
+            if value:
+                return value
+            await asyncio.sleep(0.2)
+        panel = await self.js("document.querySelector('#pipetrain-panel')?.innerText ?? '(no panel)'")
+        raise AssertionError(f"page: not {what} after {timeout} s (last value {value!r}); panel:\n{panel}")
+
+    async def screenshot(self, path: Path) -> Path:
+        shot = await self.call("Page.captureScreenshot", format="png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(shot["data"]))
+        return path
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to the process group of ``proc`` (started in its own session)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def start_chromium(url: str, profile: Path) -> tuple[subprocess.Popen, int]:
+    """Headless Chromium on ``url`` with a fresh profile; returns it and its DevTools port."""
+    profile.mkdir(parents=True, exist_ok=True)
+    log_path = profile.parent / f"{profile.name}.log"
+    args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--remote-debugging-port=0",
+            "--remote-debugging-address=127.0.0.1", "--window-size=1600,1000", url]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    port_file = profile / "DevToolsActivePort"
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"chromium exited with {proc.returncode}: {tail}")
+        text = port_file.read_text() if port_file.is_file() else ""
+        if text.strip():
+            return proc, int(text.split()[0])
+        time.sleep(0.1)
+    stop_process(proc)
+    raise TimeoutError("chromium did not open its DevTools port in 60 s")
+
+
+async def _page_target(http, port: int, url_prefix: str) -> str:
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
+            for target in await r.json():
+                if target.get("type") == "page" and target.get("url", "").startswith(url_prefix):
+                    return target["webSocketDebuggerUrl"]
+        await asyncio.sleep(0.1)
+    raise TimeoutError("chromium shows no page of the server")
+
+
+@contextlib.asynccontextmanager
+async def panel_page(server: ComfyServer, profile: Path):
+    """ComfyUI's page in headless Chromium with the PipeTrain sidebar tab opened by a click."""
+    import aiohttp
+
+    browser, port = start_chromium(server.url + "/", profile)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(await _page_target(http, port, server.url), max_msg_size=0) as ws:
+                page = Page(ws)
+                await page.call("Runtime.enable")
+                await page.wait_for("!!document.querySelector('.pipetrain-tab-button')", 90,
+                                    "showing the PipeTrain sidebar button")
+                await page.js("document.querySelector('.pipetrain-tab-button').click()")
+                await page.wait_for("!!document.querySelector('#pipetrain-panel')", 30, "showing the panel")
+                yield page
+    finally:
+        stop_process(browser)
+
+
+def card(run_id: str, selector: str) -> str:
+    """JS: the element ``selector`` in the panel's card of ``run_id``."""
+    return f"document.querySelector('#pipetrain-panel [data-run=\"{run_id}\"] {selector}')"
+
+
+def progress_js(run_id: str) -> str:
+    return f"{card(run_id, '.pipetrain-progress')}?.textContent"
+
+
+def progress_step_js(run_id: str) -> str:
+    return f"Number(({progress_js(run_id)} ?? '').match(/step (\\d+)/)?.[1] ?? -1)"
+
+
+CHART_POINTS_JS = "Number(document.querySelector('#pipetrain-panel canvas.pipetrain-chart')?.dataset.points ?? -1)"

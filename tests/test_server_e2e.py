@@ -1,18 +1,24 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """End to end through a real ComfyUI (``--cpu``): both example workflows queued through ``/prompt`` on
 the tiny Flux model; training with 2 DeepSpeed CPU ranks in 2 pipeline stages; the queue free while it
-trains; ComfyUI restarted mid-run; stop through the route -> checkpoint -> resume through the route ->
-finished; the newest epoch LoRA changes the sampler output.
+trains; ComfyUI restarted mid-run; stop through the route -> checkpoint -> resume through the route;
+the panel in headless Chromium following the resumed run (when ``chromium`` is installed); finished
+with every epoch LoRA; the newest epoch LoRA changes the sampler output.
 
-One training run serves every test, so the tests run in file order and each needs the one before.
+One training run serves every test, so the tests run in file order and each needs the one before
+(a test whose predecessor failed skips). The test workflow's DualCLIPLoader is swapped for a test-only
+stand-in (``server_fixtures.SHIM_NODE``) because ComfyUI cannot build PipeTrain's tiny text encoders.
+Sampled images go to ``test-artifacts/``.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
-from server_fixtures import (REPO, SHIM_NODE, fetch_image, install_test_shims, kill_runs, link_model_files,
-                             load_example, start_server, workflow_to_prompt)
+from server_fixtures import (CHART_POINTS_JS, CHROMIUM, REPO, SHIM_NODE, fetch_image, install_test_shims, kill_runs,
+                             link_model_files, load_example, panel_page, progress_step_js, start_server,
+                             workflow_to_prompt)
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +37,8 @@ class Session:
         self.files = None
         self.run_id: str | None = None
         self.base_image = None
-        self.failed = False
+        self.stopped_step: int | None = None
+        self.finished: bool | None = None
 
     def need(self, attr: str):
         if getattr(self, attr) is None:
@@ -173,7 +180,7 @@ def test_run_keeps_training_across_a_comfyui_restart(session):
     assert "re-attached to running run(s): " + run_id in s.server.log.read_text()
 
 
-def test_stop_route_checkpoints_and_resume_route_finishes(session):
+def test_stop_route_leaves_a_checkpoint(session):
     s, server = session, session.server
     run_id = s.need("run_id")
     assert not events(server, run_id, "checkpoint")        # this schedule checkpoints only on stop and at the end
@@ -186,22 +193,60 @@ def test_stop_route_checkpoints_and_resume_route_finishes(session):
     (ckpt,) = events(server, run_id, "checkpoint")
     assert ckpt["step"] == stopped["step"] and (server.runs_root / run_id / "checkpoints" / "latest").is_file()
     assert not (server.runs_root / run_id / "stop").exists()
+    s.stopped_step = stopped["step"]
 
+
+def test_resume_route_continues_from_the_checkpoint(session):
+    s, server = session, session.server
+    run_id, stopped_step = s.need("run_id"), s.need("stopped_step")
     code, body = server.post(f"/pipetrain/runs/{run_id}/resume")
     assert code == 200 and body["alive"], body
-    assert server.post(f"/pipetrain/runs/{run_id}/resume")[0] == 409          # already running
-    done = wait_run(server, run_id, lambda r: r["state"] == "finished" and not r["alive"], 300, "finished")
+    code, body = server.post(f"/pipetrain/runs/{run_id}/resume")
+    assert code == 409 and "still running" in body["error"], body
+    wait_run(server, run_id, lambda r: r["alive"] and (r["step"] or 0) > stopped_step, 180, "training again")
     (resume,) = events(server, run_id, "resume")
-    assert resume["step"] == stopped["step"]
+    assert resume["step"] == stopped_step
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_panel_follows_the_real_run(session):
+    """Headless Chromium on the restarted server: the panel's progress and loss chart move with the
+    resumed run's own events, relayed by the launcher."""
+    s = session
+    run_id = s.need("run_id")
+    step = progress_step_js(run_id)
+
+    async def watch() -> dict:
+        async with panel_page(s.server, s.base / "chromium-profile") as page:
+            await page.wait_for(f"{step} > 0", 60, "showing the run's step")
+            before = {"step": await page.js(step), "points": await page.js(CHART_POINTS_JS)}
+            await page.wait_for(f"{step} > {before['step']} && {CHART_POINTS_JS} > {before['points']}", 90,
+                                "moving on with the run")
+            shot = await page.screenshot(ARTIFACTS / "pipetrain-panel-real-run.png")
+            return {"before": before, "after": await page.js(step), "shot": shot, "exceptions": page.exceptions}
+
+    result = asyncio.run(asyncio.wait_for(watch(), 240))
+    assert result["before"]["points"] >= 1 and not [e for e in result["exceptions"] if "pipetrain" in e], result
+    print(f"\npanel followed the run from step {result['before']['step']} to {result['after']}; "
+          f"screenshot: {result['shot']}")
+
+
+def test_resumed_run_finishes_with_every_epoch_lora(session):
+    s, server = session, session.server
+    run_id = s.need("run_id")
+    s.need("stopped_step")
+    done = wait_run(server, run_id, lambda r: r["state"] == "finished" and not r["alive"], 300, "finished")
     steps = [e["step"] for e in events(server, run_id, "step")]
     assert steps == list(range(1, STEPS + 1)), steps          # no step lost or repeated across stop/resume
-    assert done["step"] == STEPS and not done["alive"]
+    assert done["step"] == STEPS
+    # the LoRAs saved before the stop are still listed (the resumed status.json starts afresh)
     assert sorted(x["epoch"] for x in done["loras"]) == list(range(1, EPOCHS + 1)), done["loras"]
+    s.finished = True
 
 
 def test_newest_epoch_lora_changes_the_sampler_output(session):
     s, server = session, session.server
-    s.need("run_id")
+    s.need("finished")
     base = s.need("base_image")
     lora = generate(server, sample_prompt(server, s, with_lora=True))
     from PIL import Image

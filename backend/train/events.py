@@ -15,6 +15,12 @@ class RunReporter:
         self.run_dir = run_dir
         self.enabled = enabled
         self.status: dict = {"state": "starting", "pid": os.getpid(), "started": time.time()}
+        if enabled:  # a resumed run keeps what it reported before (its epoch LoRAs above all)
+            try:
+                previous = json.loads((run_dir / "status.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                previous = {}
+            self.status = {**previous, **self.status, "error": None}
         self._tb = None
 
     def event(self, type_: str, **fields) -> None:

@@ -60,6 +60,8 @@ class Trainer:
                 self.reporter.update(state="cached")
                 self.reporter.event("done", reason="cache_only")
                 return 0
+            if self.stop_before_training():
+                return 0
             self.build_engine()
             self.restore()
             self.train_loop()
@@ -116,6 +118,19 @@ class Trainer:
         self.reporter.update(state="loading")
         build_engine(self)
 
+    def stop_before_training(self) -> bool:
+        """A stop asked for while caching ends the run before the engine is built (nothing to checkpoint)."""
+        stop = None
+        if self.rank == 0:
+            stop = self.stop_requested or (self.run_dir / "stop").exists()
+        if not distributed.broadcast_object(stop):
+            return False
+        if self.rank == 0:
+            (self.run_dir / "stop").unlink(missing_ok=True)
+            self.reporter.event("stopped", step=self.global_step, epoch=self.epoch, before_training=True)
+            self.reporter.update(state="stopped")
+        return True
+
     def restore(self) -> None:
         if self.opts.resume is None:
             return
@@ -147,8 +162,9 @@ class Trainer:
             self.reporter.event("checkpoint", step=self.global_step, epoch=self.epoch, path=str(path))
             self.reporter.update(last_checkpoint=str(path))
 
-    def save_lora(self, epoch: int) -> Path | None:
-        """Write the epoch LoRA (global rank 0); returns its path there, None elsewhere."""
+    def save_lora(self, epoch: int, *, at_step: bool = False) -> Path | None:
+        """Write the epoch LoRA, or with ``at_step`` the step LoRA (save_every_n_steps) (global rank 0);
+        returns its path there, None elsewhere."""
         save_dtype = DTYPES[self.cfg.save_dtype] if self.cfg.save_dtype else torch.float32
         sd = gather_lora(self.engine.module, self.dp_rank, save_dtype)
         if self.rank != 0:
@@ -159,8 +175,12 @@ class Trainer:
                        "dropout": self.cfg.adapter.dropout, "target_blocks": list(self.adapter.lora_block_prefixes),
                        "target_modules": self.cfg.adapter.target_modules, "model_type": self.cfg.model.type}
         run_toml = (self.run_dir / "run.toml").read_text()
-        path = write_lora(sd, folder, f"{self.run_dir.name}-epoch{epoch:04d}", adapter_cfg, run_toml,
+        stem = f"{self.run_dir.name}-step{self.global_step:08d}" if at_step else f"{self.run_dir.name}-epoch{epoch:04d}"
+        path = write_lora(sd, folder, stem, adapter_cfg, run_toml,
                           {"epoch": epoch, "step": self.global_step, "run": self.run_dir.name})
+        if at_step:   # not an epoch LoRA: its own event, outside the epoch list
+            self.reporter.event("step_lora_saved", epoch=epoch, step=self.global_step, path=str(path))
+            return path
         loras = self.reporter.status.get("loras", []) + [{"epoch": epoch, "step": self.global_step, "path": str(path)}]
         self.reporter.update(loras=loras)
         self.reporter.event("lora_saved", epoch=epoch, step=self.global_step, path=str(path))
