@@ -9,10 +9,11 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import tomli_w
 
+from . import compat
 from .errors import ConfigError
 from .schema import from_dict, to_dict
 
@@ -27,14 +28,42 @@ WeightDtype = Literal["float32", "bfloat16", "float16", "float8", "float8_e4m3fn
 
 @dataclass
 class DirectoryConfig:
+    """One [[directory]]; unset keys take the dataset file's top-level value."""
     path: str
     num_repeats: Optional[int] = None
     resolutions: Optional[list[int]] = None
     caption_extension: Optional[str] = None
+    caption_prefix: Optional[str] = None
+    shuffle_tags: Optional[bool] = None
+    cache_shuffle_num: Optional[int] = None
+    cache_shuffle_delimiter: Optional[str] = None
+    skip_empty_caption: Optional[bool] = None
+    frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
+
+    UNSUPPORTED = compat.DIRECTORY
+    preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_dataset(data, file, prefix))
 
     def validate(self, file):
         if self.num_repeats is not None and self.num_repeats < 1:
             raise ConfigError(f"got {self.num_repeats}; must be 1 or more", file=file, key="directory.num_repeats")
+        if self.cache_shuffle_num is not None and self.cache_shuffle_num < 0:
+            raise ConfigError("must be 0 or more", file=file, key="directory.cache_shuffle_num")
+        if self.frame_buckets is not None:
+            _check_frame_buckets(self.frame_buckets, file, "directory.frame_buckets")
+
+
+def _check_frame_buckets(buckets: list[int], file, key: str) -> None:
+    if not buckets or any(f < 1 for f in buckets):
+        raise ConfigError(f"got {buckets}; give frame counts of 1 or more, e.g. [1, 17, 33]", file=file, key=key)
+
+
+@dataclass(frozen=True)
+class CaptionOptions:
+    """How one directory's captions become the texts that are encoded and trained on."""
+    prefix: str = ""
+    shuffle_num: int = 0          # shuffled variants per caption, each its own example (0: the caption as is)
+    delimiter: str = ", "
+    skip_empty: bool = False
 
 
 @dataclass
@@ -48,8 +77,19 @@ class DatasetConfig:
     num_repeats: int = 1
     caption_extension: str = ".txt"
     on_unreadable: Literal["skip", "error"] = "skip"
+    caption_prefix: str = ""               # prepended to every caption (outside any shuffling)
+    shuffle_tags: bool = False             # true alone = cache_shuffle_num 1 (one shuffled variant)
+    cache_shuffle_num: int = 0             # N shuffled variants of each caption, each its own example
+    cache_shuffle_delimiter: str = ", "
+    skip_empty_caption: bool = False       # true: leave out images without a caption (else: empty caption)
+    # video models: each video trains as one clip of the largest of these frame counts it fills at the
+    # model's frame rate, taken from its start (1 = still images; a video never goes to 1)
+    frame_buckets: list[int] = field(default_factory=lambda: [1])
     # where relative directory paths are resolved; set from the file's location, not written back
     _base: Optional[Path] = None
+
+    UNSUPPORTED = compat.DATASET
+    preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_dataset(data, file, prefix))
 
     def validate(self, file):
         if not self.directory:
@@ -64,6 +104,19 @@ class DatasetConfig:
             raise ConfigError("must be 1 or more", file=file, key="num_ar_buckets")
         if self.num_repeats < 1:
             raise ConfigError("must be 1 or more", file=file, key="num_repeats")
+        if self.cache_shuffle_num < 0:
+            raise ConfigError("must be 0 or more", file=file, key="cache_shuffle_num")
+        _check_frame_buckets(self.frame_buckets, file, "frame_buckets")
+
+    def caption_options(self, d: DirectoryConfig) -> CaptionOptions:
+        def pick(name):
+            value = getattr(d, name)
+            return getattr(self, name) if value is None else value
+        shuffle_num = pick("cache_shuffle_num")
+        if shuffle_num == 0 and pick("shuffle_tags"):
+            shuffle_num = 1
+        return CaptionOptions(prefix=pick("caption_prefix"), shuffle_num=shuffle_num,
+                              delimiter=pick("cache_shuffle_delimiter"), skip_empty=pick("skip_empty_caption"))
 
     def with_absolute_paths(self) -> "DatasetConfig":
         dirs = [dataclasses.replace(d, path=str(self.directory_path(d).resolve())) for d in self.directory]
@@ -75,11 +128,29 @@ class DatasetConfig:
 
 
 @dataclass
+class TextEncoderConfig:
+    """diffusion-pipe's table form of a text encoder entry: {path = ...} or {paths = [...]}, with a type."""
+    path: Optional[str] = None
+    paths: Optional[list[str]] = None
+    type: Optional[str] = None
+
+    def validate(self, file):
+        if (self.path is None) == (self.paths is None):
+            raise ConfigError("give exactly one of path or paths", file=file, key="model.text_encoders")
+
+
+# ComfyUI CLIPType names (lower case) a text-encoder table may give, per model type
+TEXT_ENCODER_TYPES = {"flux": ("flux",), "sdxl": ("sdxl", "stable_diffusion"), "sd3": ("sd3",),
+                      "chroma": ("chroma", "pixart"), "wan": ("wan",)}
+
+
+@dataclass
 class ModelConfig:
     type: str
     diffusion_model: str
     vae: str
-    text_encoders: list[str] = field(default_factory=list)
+    # file paths; diffusion-pipe's [{path|paths, type}] tables are accepted and flattened into paths
+    text_encoders: list[Union[str, TextEncoderConfig]] = field(default_factory=list)
     dtype: Dtype = "bfloat16"
     diffusion_model_dtype: Optional[WeightDtype] = None
     timestep_sample_method: Literal["logit_normal", "uniform"] = "logit_normal"
@@ -89,23 +160,46 @@ class ModelConfig:
     guidance: float = 1.0
     v_pred: bool = False
 
-    def validate(self, file):
-        from .models.registry import ADAPTERS
+    UNSUPPORTED = compat.MODEL
+    preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_model(data, file, prefix))
 
-        if self.type not in ADAPTERS:
-            raise ConfigError(f"got {self.type!r}; supported model types: {', '.join(sorted(ADAPTERS))}",
-                              file=file, key="model.type")
+    def validate(self, file):
+        from .models.registry import unavailable_reason
+
+        reason = unavailable_reason(self.type)  # unknown, or needs a newer ComfyUI (named in the message)
+        if reason:
+            raise ConfigError(reason, file=file, key="model.type")
+        paths = []
+        for i, te in enumerate(self.text_encoders):
+            if isinstance(te, str):
+                paths.append(te)
+                continue
+            allowed = TEXT_ENCODER_TYPES.get(self.type)
+            if te.type is not None and allowed and te.type.lower() not in allowed:
+                raise ConfigError(f"got type = {te.type!r}; a {self.type} model takes text encoders of type "
+                                  f"{' or '.join(repr(a) for a in allowed)}", file=file,
+                                  key=f"model.text_encoders[{i}]")
+            paths += [te.path] if te.path is not None else list(te.paths)
+        self.text_encoders = paths
+
+    def file_paths(self) -> list[tuple[str, str]]:
+        """(key, path) of every model file."""
+        return [("model.diffusion_model", self.diffusion_model), ("model.vae", self.vae)] + [
+            (f"model.text_encoders[{i}]", p) for i, p in enumerate(self.text_encoders)]
 
 
 @dataclass
 class AdapterConfig:
     type: Literal["lora"] = "lora"
     rank: int = 16
-    alpha: Optional[float] = None
+    alpha: Optional[float] = None       # diffusion-pipe forbids it (alpha = rank); allowed here, default rank
     dropout: float = 0.0
-    dtype: Optional[Dtype] = None
+    dtype: Optional[Dtype] = None       # LoRA weight dtype; default float32 (diffusion-pipe: the model dtype)
     target_modules: Optional[list[str]] = None
-    init_from_existing: Optional[str] = None
+    init_from_existing: Optional[str] = None   # a LoRA .safetensors, or a folder holding adapter_model.safetensors
+
+    UNSUPPORTED = compat.ADAPTER
+    preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_adapter(data, file, prefix))
 
     def validate(self, file):
         if self.rank < 1:
@@ -120,17 +214,38 @@ class AdapterConfig:
 
 @dataclass
 class OptimizerConfig:
-    type: Literal["adamw", "AdamW", "adamw_optimi", "sgd"] = "adamw"
-    lr: float = 2e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    weight_decay: float = 0.01
-    eps: float = 1e-8
+    """As in diffusion-pipe, every key but ``type`` goes to the optimizer's constructor (keys left out take
+    the constructor's defaults). ``type``: adamw | adamw8bit | adamw_optimi | stableadamw | sgd (any case),
+    or the name of any ``pytorch_optimizer`` class (e.g. Prodigy). See ``backend/optim.py``."""
+    type: str = "adamw"
+    lr: Optional[float] = None
+    betas: Optional[list[float]] = None
+    weight_decay: Optional[float] = None
+    eps: Optional[float] = None
+    beta2_half_life: Optional[float] = None    # sets betas[1] = 0.5 ** (global batch / half-life)
+    _extra: dict = field(default_factory=dict)  # the other keys, passed to the constructor as they are
+
+    EXTRA_KEYS = True
+    UNSUPPORTED = compat.OPTIMIZER
 
     def validate(self, file):
-        if self.lr <= 0:
+        if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"got {self.lr}; must be > 0", file=file, key="optimizer.lr")
-        if len(self.betas) != 2:
+        if self.betas is not None and len(self.betas) != 2:
             raise ConfigError(f"got {self.betas}; expected two numbers", file=file, key="optimizer.betas")
+        if self.beta2_half_life is not None and (self.beta2_half_life <= 0 or not self.betas):
+            raise ConfigError("must be > 0 and needs betas", file=file, key="optimizer.beta2_half_life")
+        reason = compat.OPTIMIZER_NOT_SUPPORTED.get(self.type.lower())
+        if reason:
+            raise ConfigError(f"got {self.type!r}; not supported by PipeTrain: {reason}", file=file,
+                              key="optimizer.type")
+
+    def kwargs(self) -> dict:
+        """Constructor keyword arguments: the keys the config sets, extras included."""
+        out = {k: getattr(self, k) for k in ("lr", "betas", "weight_decay", "eps") if getattr(self, k) is not None}
+        if "betas" in out:
+            out["betas"] = tuple(out["betas"])
+        return {**out, **self._extra}
 
 
 @dataclass
@@ -186,6 +301,12 @@ class ClusterConfig:
 
 
 @dataclass
+class EvalDatasetConfig:
+    name: str      # TensorBoard tags eval/<name>/...
+    config: str    # a dataset TOML, relative to the run config
+
+
+@dataclass
 class RunConfig:
     output_dir: str
     dataset: str
@@ -198,7 +319,17 @@ class RunConfig:
     gradient_clipping: float = 1.0
     warmup_steps: int = 0
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    save_every_n_epochs: Optional[int] = 1
+    save_every_n_epochs: Optional[int] = 1      # diffusion-pipe has no default (one save_every_* is required)
+    save_every_n_steps: Optional[int] = None
+    save_every_n_examples: Optional[int] = None  # converted to steps: // global batch size
+    eval_datasets: list[Union[str, EvalDatasetConfig]] = field(default_factory=list)  # a bare path: eval<i>
+    eval_every_n_epochs: Optional[int] = None
+    eval_every_n_steps: Optional[int] = None
+    eval_every_n_examples: Optional[int] = None
+    eval_before_first_step: bool = True
+    eval_micro_batch_size_per_gpu: Optional[int] = None   # default micro_batch_size_per_gpu
+    eval_gradient_accumulation_steps: int = 1
+    uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = None
     activation_checkpointing: bool = False
@@ -218,15 +349,28 @@ class RunConfig:
     _dataset: Optional[DatasetConfig] = None
     _file: Optional[Path] = None
 
+    UNSUPPORTED = compat.RUN
+    preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_run(data, file, prefix))
+
     def validate(self, file):
         for key in ("epochs", "micro_batch_size_per_gpu", "pipeline_stages", "gradient_accumulation_steps",
-                    "caching_batch_size", "steps_per_print"):
+                    "caching_batch_size", "steps_per_print", "eval_gradient_accumulation_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"got {getattr(self, key)}; must be 1 or more", file=file, key=key)
-        for key in ("save_every_n_epochs", "checkpoint_every_n_epochs", "max_steps"):
+        for key in ("save_every_n_epochs", "save_every_n_steps", "save_every_n_examples", "checkpoint_every_n_epochs",
+                    "max_steps", "eval_every_n_epochs", "eval_every_n_steps", "eval_every_n_examples",
+                    "eval_micro_batch_size_per_gpu"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"got {value}; must be 1 or more (or leave it out)", file=file, key=key)
+        if not 0 <= self.uncond_fraction < 1:
+            raise ConfigError(f"got {self.uncond_fraction}; must be in [0, 1)", file=file, key="uncond_fraction")
+        self.eval_datasets = [EvalDatasetConfig(f"eval{i}", e) if isinstance(e, str) else e
+                              for i, e in enumerate(self.eval_datasets)]
+        names = [e.name for e in self.eval_datasets]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"got names {names}; each eval dataset needs its own name", file=file,
+                              key="eval_datasets")
         if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
             raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
         if self.adapter is None:
@@ -244,6 +388,16 @@ class RunConfig:
             self._dataset = load_dataset_config(self.resolve(self.dataset))
         return self._dataset
 
+    def eval_dataset_configs(self) -> dict[str, DatasetConfig]:
+        return {e.name: load_dataset_config(self.resolve(e.config)) for e in self.eval_datasets}
+
+    def check_model_paths(self) -> None:
+        """A model path that is a folder (a diffusers checkpoint?) fails here, naming the key."""
+        for key, path in self.model.file_paths():
+            if self.resolve(path).is_dir():
+                raise ConfigError(f"{self.resolve(path)} is a folder (a diffusers model?). {compat.SINGLE_FILES_HINT}",
+                                  file=self._file, key=key)
+
     def resolve(self, path: str | Path) -> Path:
         """Resolve a path from this config relative to the TOML file it came from."""
         p = Path(path).expanduser()
@@ -260,11 +414,12 @@ class RunConfig:
         adapter = self.adapter
         if adapter is not None and adapter.init_from_existing:
             adapter = dataclasses.replace(adapter, init_from_existing=str(r(adapter.init_from_existing)))
+        evals = [dataclasses.replace(e, config=str(r(e.config))) for e in self.eval_datasets]
         cluster = self.cluster
         if cluster is not None and cluster.hostfile:
             cluster = dataclasses.replace(cluster, hostfile=str(r(cluster.hostfile)))
         return replace(self, output_dir=str(r(self.output_dir)), dataset=str(r(self.dataset)), model=model,
-                       adapter=adapter, cluster=cluster,
+                       adapter=adapter, cluster=cluster, eval_datasets=evals,
                        lora_dir=str(r(self.lora_dir)) if self.lora_dir else None)
 
     def check_world_size(self, world_size: int) -> None:
@@ -296,8 +451,10 @@ def load_run_config(path: str | Path, *, check_dataset: bool = True) -> RunConfi
     path = Path(path).resolve()
     cfg = from_dict(RunConfig, _read_toml(path), file=path)
     cfg._file = path
+    cfg.check_model_paths()
     if check_dataset:
         cfg.dataset_config  # noqa: B018  (fail early on a bad dataset file)
+        cfg.eval_dataset_configs()
     return cfg
 
 

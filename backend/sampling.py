@@ -66,8 +66,7 @@ def _text(adapter, store: CacheStore, prompt: str, state: dict) -> dict[str, tor
 
 
 def _conditioning(adapter, text: dict[str, torch.Tensor], guidance: float) -> list:
-    cond, pooled = (text[name] for name in adapter.text_fields)
-    return [[cond[None], {"pooled_output": pooled[None], "guidance": guidance}]]
+    return adapter.sample_conditioning(text, guidance)
 
 
 def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
@@ -93,14 +92,14 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     vae = adapter.load_vae()
     negative = _conditioning(adapter, texts[-1], s.guidance)
     paths = sample_paths(lora_path, len(s.prompts))
-    channels = model.model.latent_format.latent_channels
     for text, png in zip(texts[:-1], paths):
-        latent = torch.zeros(1, channels, s.height // 8, s.width // 8)
+        latent = adapter.empty_latent(s.width, s.height)
         noise = comfy.sample.prepare_noise(latent, s.seed)
         with torch.no_grad():
             out = comfy.sample.sample(model, noise, s.steps, s.cfg, s.sampler, s.scheduler,
                                       _conditioning(adapter, text, s.guidance), negative, latent, seed=s.seed)
-            pixels = vae.decode(out)[0].clamp(0, 1)
+            pixels = vae.decode(out)
+            pixels = pixels.reshape(-1, *pixels.shape[-3:])[0].clamp(0, 1)   # a video model's first frame
         Image.fromarray((pixels.cpu().float().numpy() * 255).round().astype(np.uint8)).save(png)
     return paths
 

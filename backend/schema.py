@@ -83,11 +83,50 @@ def _convert(value: Any, tp, file, key: str):
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A key another trainer (diffusion-pipe) accepts that PipeTrain does not act on.
+
+    ``inert``: values that change nothing here, accepted and dropped (a callable, or values compared
+    with ==; ``ANY`` accepts every value). Any other value fails with ``reason`` (what to do instead).
+    """
+    reason: str
+    inert: Any = ()
+
+    def accepts(self, value) -> bool:
+        if self.inert is ANY:
+            return True
+        if callable(self.inert):
+            return bool(self.inert(value))
+        return any(value == v and type(value) is type(v) for v in self.inert)
+
+
+ANY = object()
+
+
 def from_dict(cls, data: dict, *, file=None, prefix: str = ""):
-    """Build dataclass ``cls`` from a TOML table, rejecting unknown keys and wrong types."""
+    """Build dataclass ``cls`` from a TOML table, rejecting unknown keys and wrong types.
+
+    Class attributes a config class may set: ``UNSUPPORTED`` ({key: Unsupported}) for known keys
+    PipeTrain does not support (distinct from typos, which list the accepted keys); ``preprocess(data,
+    file, prefix)`` (a classmethod) to rewrite aliases and reject unsupported forms before checking;
+    ``EXTRA_KEYS = True`` to collect the remaining keys into the ``_extra`` dict (passed on elsewhere).
+    """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    data = dict(data)
+    if hasattr(cls, "preprocess"):
+        data = cls.preprocess(data, file, prefix)
+    for name, rule in getattr(cls, "UNSUPPORTED", {}).items():
+        if name in data and name not in fields:
+            if not rule.accepts(data[name]):
+                key = f"{prefix}.{name}" if prefix else name
+                raise ConfigError(f"got {data[name]!r}; not supported by PipeTrain: {rule.reason}", file=file, key=key)
+            del data[name]
     unknown = [k for k in data if k not in fields]
+    extra = {}
+    if unknown and getattr(cls, "EXTRA_KEYS", False):
+        extra, unknown = {k: data.pop(k) for k in unknown}, []
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(
@@ -101,6 +140,8 @@ def from_dict(cls, data: dict, *, file=None, prefix: str = ""):
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError("required key is missing", file=file, key=key)
     obj = cls(**kwargs)
+    if getattr(cls, "EXTRA_KEYS", False):
+        obj._extra = extra
     check = getattr(obj, "validate", None)
     if check is not None:
         check(file)
@@ -117,6 +158,8 @@ def to_dict(obj) -> dict:
         value = _plain(value)
         if value is not None:
             out[f.name] = value
+    if getattr(obj, "EXTRA_KEYS", False):
+        out.update({k: _plain(v) for k, v in obj._extra.items()})
     return out
 
 

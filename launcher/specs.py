@@ -35,7 +35,7 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    type: str                       # "flux" | "sdxl", detected from the diffusion model file
+    type: str                       # a model type (models/registry.py), detected from the diffusion model file
     diffusion_model: str            # absolute paths
     vae: str
     text_encoders: tuple[str, ...]

@@ -112,14 +112,17 @@ class ModelNode(io.ComfyNode):
         tes = folder_paths.get_filename_list("text_encoders")
         return io.Schema(
             node_id="PipeTrainModel", display_name="PipeTrain Model", category=t.CATEGORY,
-            description="The model to train; its architecture (Flux, SDXL) is detected from the file.",
+            description="The model to train; its architecture (Flux, SDXL, SD3, Chroma, Wan 2.1) is detected "
+                        "from the file.",
             inputs=[
                 io.Combo.Input("diffusion_model", options=diffusion_model_options(), tooltip="Diffusion model from "
                                "models/diffusion_models (or a checkpoint from models/checkpoints)"),
                 io.Combo.Input("text_encoder_1", options=tes, tooltip="First text encoder from models/text_encoders "
-                               "(Flux: CLIP-L; SDXL: CLIP-L)"),
+                               "(Flux, SDXL, SD3: CLIP-L; Chroma: T5-XXL; Wan: UMT5-XXL)"),
                 io.Combo.Input("text_encoder_2", options=[NONE] + tes, tooltip="Second text encoder (Flux: T5-XXL; "
-                               "SDXL: CLIP-G)"),
+                               "SDXL, SD3: CLIP-G)"),
+                io.Combo.Input("text_encoder_3", options=[NONE] + tes, default=NONE, optional=True,
+                               tooltip="Third text encoder (SD3: T5-XXL)"),
                 io.Combo.Input("vae", options=folder_paths.get_filename_list("vae"), tooltip="VAE from models/vae, "
                                "used to encode the images into latents"),
                 io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default", tooltip="Storage dtype of the "
@@ -147,11 +150,11 @@ class ModelNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
-                compute_dtype) -> io.NodeOutput:
+                compute_dtype, text_encoder_3=NONE) -> io.NodeOutput:
         import folder_paths
         path = model_path(diffusion_model)
-        tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in (text_encoder_1, text_encoder_2)
-               if n != NONE]
+        names = (text_encoder_1, text_encoder_2, text_encoder_3)
+        tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in names if n not in (NONE, None)]
         spec = ModelSpec(detect(path), path, folder_paths.get_full_path_or_raise("vae", vae), tuple(tes),
                          compute_dtype, None if weight_dtype == "default" else weight_dtype)
         return io.NodeOutput(spec)

@@ -56,10 +56,12 @@ if ! "$VPY" -c "import deepspeed" 2>/dev/null; then
   DS_BUILD_OPS=0 pipi --no-build-isolation deepspeed
 fi
 
-if ! "$VPY" -c "import pipetrain, pytest" 2>/dev/null; then
-  echo "[setup] installing PipeTrain (editable) and test tools"
+reqs_stamp=.venv/.pipetrain-requirements
+if ! cmp -s requirements.txt "$reqs_stamp" || ! "$VPY" -c "import pipetrain, pytest" 2>/dev/null; then
+  echo "[setup] installing PipeTrain (editable), its requirements and test tools"
   pipi -r requirements.txt pytest pytest-timeout
   pipi --no-deps --no-build-isolation -e .
+  cp requirements.txt "$reqs_stamp"
 fi
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   echo "[setup] installing Debian's chromium for the headless web-panel test"

@@ -35,6 +35,14 @@ def tiny_sdxl_files():
     return cached_model_files("sdxl", "tiny")
 
 
+@pytest.fixture(scope="session")
+def model_files():
+    """``model_files(arch, size="tiny")``: random-initialised files of any registered architecture, written
+    once per machine (``.work/tiny-models``)."""
+    from pipetrain.backend.models.tiny import cached_model_files
+    return cached_model_files
+
+
 @dataclass
 class Run:
     returncode: int

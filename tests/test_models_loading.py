@@ -10,6 +10,8 @@ import torch
 
 from pipetrain.backend.errors import ModelError
 from pipetrain.backend.models import loading, tiny
+from pipetrain.backend.models.flux import build_flux
+from pipetrain.backend.models.sdxl import SDXL_UNET_FULL, SDXL_UNET_TINY, build_sdxl_unet
 from pipetrain.backend.runtime import ensure_comfyui
 
 ensure_comfyui()
@@ -79,11 +81,11 @@ def test_tiny_flux_is_detected_by_comfyui_as_flux_dev(flux_files, flux_model):
 
 
 def test_full_size_configs_match_comfyui_detection_without_weights():
-    sdxl = meta_state_dict(tiny.build_sdxl_unet("full"))
+    sdxl = meta_state_dict(build_sdxl_unet("full"))
     assert type(comfy.model_detection.model_config_from_unet(sdxl, "")) is comfy.supported_models.SDXL
     detected = comfy.model_detection.detect_unet_config(sdxl, "")
-    assert {k: v for k, v in tiny.SDXL_UNET_FULL.items() if k != "num_head_channels"} == detected
-    flux = meta_state_dict(tiny.build_flux("full"))
+    assert {k: v for k, v in SDXL_UNET_FULL.items() if k != "num_head_channels"} == detected
+    flux = meta_state_dict(build_flux("full"))
     assert type(comfy.model_detection.model_config_from_unet(flux, "")) is comfy.supported_models.Flux
     assert comfy.model_detection.detect_unet_config(flux, "")["depth_single_blocks"] == 38
     assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sdxl.items()}) == "sdxl"
@@ -96,7 +98,7 @@ def test_full_size_configs_match_comfyui_detection_without_weights():
 def test_tiny_sdxl_loads_through_its_metadata(sdxl_files, sdxl_model):
     shapes, metadata = loading.read_header(sdxl_files.diffusion_model)
     assert loading.arch_from_state_dict_shapes(shapes) is None  # ComfyUI alone matches only the real SDXL
-    assert json.loads(metadata["pipetrain.unet_config"]) == tiny.SDXL_UNET_TINY
+    assert json.loads(metadata["pipetrain.unet_config"]) == SDXL_UNET_TINY
     assert loading.detect_architecture(sdxl_files.diffusion_model) == "sdxl"
     assert type(sdxl_model.model).__name__ == "SDXL"
     assert isinstance(sdxl_model.model.model_config, comfy.supported_models.SDXL)
@@ -154,7 +156,7 @@ def test_tiny_sdxl_forward_through_apply_model(sdxl_model, sdxl_conds):
 # --- the writer ------------------------------------------------------------------------------------
 def test_writer_streams_a_valid_deterministic_safetensors_file(tmp_path):
     from safetensors.torch import load_file
-    module = tiny.build_sdxl_unet("tiny")
+    module = build_sdxl_unet("tiny")
     n = tiny.write_safetensors(module, tmp_path / "a.safetensors", torch.bfloat16, 3, {"k": "v"})
     tiny.write_safetensors(module, tmp_path / "b.safetensors", torch.float32, 3, {})
     a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
@@ -179,7 +181,7 @@ def test_missing_and_unreadable_files_name_the_file(tmp_path, flux_files):
 
 
 def test_wrong_files_say_what_was_expected(flux_files, sdxl_files):
-    with pytest.raises(ModelError, match="Flux or SDXL diffusion model"):
+    with pytest.raises(ModelError, match="diffusion model PipeTrain trains"):
         loading.load_diffusion_model(flux_files.vae, torch.float32)
     with pytest.raises(ModelError, match="expected a sdxl diffusion model"):
         loading.load_diffusion_model(flux_files.diffusion_model, torch.float32, arch="sdxl")

@@ -17,10 +17,10 @@ def small_sdxl():
     ensure_comfyui()
     import comfy.model_management as mm
     import comfy.model_patcher
-    from pipetrain.backend.models import loading, tiny
-    from pipetrain.backend.models.sdxl import SDXLAdapter
+    from pipetrain.backend.models import loading
+    from pipetrain.backend.models.sdxl import SDXL_UNET_TINY, SDXLAdapter
 
-    model_config = loading._model_config("sdxl", {**tiny.SDXL_UNET_TINY, "context_dim": CONTEXT_DIM})
+    model_config = loading._model_config("sdxl", {**SDXL_UNET_TINY, "context_dim": CONTEXT_DIM})
     model_config.set_inference_dtype(torch.float64, None)
     model = model_config.get_model({}, "")
     torch.manual_seed(0)
@@ -65,8 +65,7 @@ def test_layout_and_layer_split(small_sdxl):
 
 def test_full_size_costs_put_the_deep_transformer_levels_heaviest():
     """Costs come from module shapes only, so the 2.6B UNet can be costed on the meta device."""
-    from pipetrain.backend.models.sdxl import REFERENCE_LATENT, _resolution_factor, block_tflop
-    from pipetrain.backend.models.tiny import build_sdxl_unet
+    from pipetrain.backend.models.sdxl import REFERENCE_LATENT, _resolution_factor, block_tflop, build_sdxl_unet
 
     dm = build_sdxl_unet("full")
     pixels, costs = REFERENCE_LATENT[0] * REFERENCE_LATENT[1], []

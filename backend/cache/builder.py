@@ -33,6 +33,7 @@ def _mine(keys, rank: int, world: int) -> list[str]:
 def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batch_size: int,
                    progress: Progress) -> None:
     from ..data import load_pixels
+    from ..data.video import load_video
 
     by_bucket = defaultdict(list)
     for key, e in work.items():
@@ -42,9 +43,13 @@ def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batc
     for bucket, keys in sorted(by_bucket.items()):
         for i in range(0, len(keys), batch_size):
             chunk = keys[i:i + batch_size]
-            pixels = torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
             with torch.no_grad():
-                latents = adapter.encode_images(vae, pixels)
+                if len(bucket) == 3:  # video clips (width, height, frames), one at a time
+                    latents = [adapter.encode_video(vae, load_video(Path(work[k].path), bucket, adapter.framerate))
+                               for k in chunk]
+                else:
+                    pixels = torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
+                    latents = adapter.encode_images(vae, pixels)
             for k, lat in zip(chunk, latents):
                 store.put("latents", k, {"latent": lat})
             done += len(chunk)
@@ -64,9 +69,11 @@ def encode_texts(adapter, store: CacheStore, work: dict[str, str], progress: Pro
 
 
 def fill(adapter, store: CacheStore, entries: list[CacheEntry], rank: int, world: int, batch_size: int,
-         progress: Progress) -> tuple[int, int]:
-    """Encode this rank's share of what is missing; returns (latents, texts) encoded here."""
+         progress: Progress, extra_texts: dict[str, str] | None = None) -> tuple[int, int]:
+    """Encode this rank's share of what is missing (``extra_texts``: {key: caption} needed besides the
+    entries', e.g. the empty caption for caption dropout); returns (latents, texts) encoded here."""
     latents, texts = missing_work(entries, store)
+    texts.update({k: c for k, c in (extra_texts or {}).items() if not store.has("text", k)})
     my_latents = {k: latents[k] for k in _mine(latents, rank, world)}
     my_texts = {k: texts[k] for k in _mine(texts, rank, world)}
     if my_latents:

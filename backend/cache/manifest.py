@@ -51,6 +51,8 @@ def manifest_path(cache_dir: Path, dataset_file: Path, arch: str) -> Path:
 
 def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheEntry]:
     from ..data import PREPROCESS_VERSION
+    from ..data.video import VIDEO_PREPROCESS_VERSION
+    VIDEO_PREPROCESS = f"{PREPROCESS_VERSION}/video{VIDEO_PREPROCESS_VERSION}"
 
     vae_fp = model_fingerprint(files["vae"][0])
     te_fps = [model_fingerprint(p) for p in files["text_encoders"]]
@@ -60,10 +62,12 @@ def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheE
         path = s.item.path
         if path not in digests:
             digests[path] = file_digest(path)
+        text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
         entries.append(CacheEntry(
-            path=str(path), bucket=tuple(s.bucket), caption=s.item.caption, num_repeats=s.item.num_repeats,
-            latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION, vae_fp, adapter.arch, adapter.latent_format),
-            text=text_key(s.item.caption, te_fps, adapter.arch)))
+            path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
+            latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS,
+                              vae_fp, adapter.arch, adapter.latent_format),
+            text=text_key(text, te_fps, adapter.arch)))
     return entries
 
 

@@ -1,5 +1,6 @@
 """Reading the dataset: images and captions, aspect-ratio buckets, repeats and per-rank batches."""
 from .buckets import assign_bucket, build_samples, make_buckets
+from .captions import caption_variants, drops_caption, expand_captions
 from .epoch_plan import EpochPlan
 from .items import MediaItem, Sample
 from .pixels import PREPROCESS_VERSION, load_pixels
@@ -7,5 +8,6 @@ from .scan import ScanResult, scan_dataset
 
 __all__ = [
     "PREPROCESS_VERSION", "EpochPlan", "MediaItem", "Sample", "ScanResult", "assign_bucket",
-    "build_samples", "load_pixels", "make_buckets", "scan_dataset",
+    "build_samples", "caption_variants", "drops_caption", "expand_captions", "load_pixels", "make_buckets",
+    "scan_dataset",
 ]

@@ -1,10 +1,14 @@
 """Aspect-ratio buckets: which (width, height) sizes exist, and which one an image trains at."""
 from __future__ import annotations
 
+import logging
 import math
 
 from ..config import DatasetConfig
+from ..errors import DatasetError
 from .items import MediaItem, Sample
+
+log = logging.getLogger(__name__)
 
 # Latent patches of the supported models need pixel sides divisible by 16.
 SIDE_MULTIPLE = 16
@@ -43,15 +47,38 @@ def assign_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tu
     return min(buckets, key=lambda b: abs(log_ar - math.log(b[0] / b[1])))
 
 
-def build_samples(cfg: DatasetConfig, items: list[MediaItem]) -> list[Sample]:
-    """One sample per item and resolution, at the item's bucket; repeats are expanded later."""
+def check_frame_buckets(items: list[MediaItem], frame_multiple: int) -> None:
+    """A video model whose clips must be ``frame_multiple`` k + 1 frames long (Wan: 4k + 1) rejects others."""
+    bad = sorted({f for item in items for f in item.frame_buckets if (f - 1) % frame_multiple})
+    if bad:
+        fits = ", ".join(str(frame_multiple * k + 1) for k in range(5))
+        raise DatasetError(f"frame_buckets {bad}: this model trains on clips of {frame_multiple}k + 1 frames "
+                           f"({fits}, ...); change the dataset's frame_buckets")
+
+
+def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float | None = None) -> list[Sample]:
+    """One sample per item and resolution, at the item's bucket; repeats are expanded later. A video (video
+    models: ``model_fps`` set) trains as one clip: its bucket is (width, height, frames), the frames the
+    largest of its frame buckets it fills at ``model_fps`` (see ``video.py``)."""
+    from .video import frame_bucket, frames_at_rate
+
     buckets_by_resolution: dict[int, list[tuple[int, int]]] = {}
-    samples = []
+    samples, too_short = [], []
     for item in items:
+        frames = None
+        if item.frames > 1 and model_fps:
+            frames = frame_bucket(frames_at_rate(item.frames, item.fps, model_fps), list(item.frame_buckets))
+            if frames is None:
+                too_short.append(item)
+                continue
         for resolution in item.resolutions:
             if resolution not in buckets_by_resolution:
                 buckets_by_resolution[resolution] = make_buckets(
                     resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets)
             bucket = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
-            samples.append(Sample(item=item, bucket=bucket))
+            samples.append(Sample(item=item, bucket=bucket if frames is None else (*bucket, frames)))
+    if too_short:
+        log.warning("leaving out %d video(s) shorter than every frame bucket above 1 at %g fps:%s", len(too_short),
+                    model_fps, "".join(f"\n  {i.path}: {frames_at_rate(i.frames, i.fps, model_fps)} frames, "
+                                       f"frame_buckets {list(i.frame_buckets)}" for i in too_short))
     return samples

@@ -7,7 +7,7 @@ from collections import defaultdict
 from ..errors import DatasetError
 from .items import Sample
 
-Bucket = tuple[int, int]
+Bucket = tuple[int, ...]   # (width, height), or (width, height, frames) for video clips
 
 
 def _plural(count: int, noun: str) -> str:
@@ -15,7 +15,7 @@ def _plural(count: int, noun: str) -> str:
 
 
 def _bucket_name(bucket: Bucket) -> str:
-    return f"{bucket[0]}x{bucket[1]}"
+    return "x".join(str(v) for v in bucket[:2]) + (f", {bucket[2]} frames" if len(bucket) > 2 else "")
 
 
 class EpochPlan:

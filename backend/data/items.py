@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import CaptionOptions
+
 
 @dataclass(frozen=True)
 class MediaItem:
@@ -15,6 +17,10 @@ class MediaItem:
     height: int
     num_repeats: int
     resolutions: tuple[int, ...]
+    captions: CaptionOptions = CaptionOptions()  # prefix / tag shuffling of its directory
+    frames: int = 1       # a video's source frames (1: an image)
+    fps: float = 0.0      # a video's source frame rate
+    frame_buckets: tuple[int, ...] = (1,)  # its directory's frame buckets (video models)
 
 
 @dataclass(frozen=True)
@@ -22,4 +28,9 @@ class Sample:
     """One training example: an item at one bucket size (pixels, multiples of 16)."""
 
     item: MediaItem
-    bucket: tuple[int, int]  # (width, height)
+    bucket: tuple[int, ...]  # (width, height) for an image, (width, height, frames) for a video clip
+    caption: str | None = None  # the text trained on (prefix, shuffled variant); None: item.caption as is
+
+    @property
+    def text(self) -> str:
+        return self.item.caption if self.caption is None else self.caption

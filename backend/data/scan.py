@@ -26,6 +26,7 @@ class ScanResult:
     items: list[MediaItem]
     missing_captions: list[Path] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (file, reason)
+    skipped_empty: list[Path] = field(default_factory=list)  # no or empty caption, skip_empty_caption = true
 
 
 @dataclass
@@ -34,6 +35,7 @@ class _DirectoryScan:
     items: list[MediaItem] = field(default_factory=list)
     missing_captions: list[Path] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)
+    skipped_empty: list[Path] = field(default_factory=list)
 
 
 def _caption_extension(cfg: DatasetConfig, directory: DirectoryConfig) -> str:
@@ -69,7 +71,22 @@ def _candidate_files(directory: Path, caption_extension: str) -> list[Path]:
     )
 
 
-def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: ThreadPoolExecutor) -> _DirectoryScan:
+def _probe_media(path: Path):
+    """Video models: a video's ``VideoInfo``; anything else as ``_probe_size`` sees it."""
+    from .video import may_be_video, probe_video
+
+    if may_be_video(path):
+        try:
+            info = probe_video(path)
+        except DatasetError as e:
+            return str(e).split(": ", 1)[-1]
+        if info is not None:
+            return info
+    return _probe_size(path)
+
+
+def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: ThreadPoolExecutor,
+                    videos: bool = False) -> _DirectoryScan:
     path = Path(os.path.abspath(cfg.directory_path(directory)))
     if not path.is_dir():
         raise DatasetError(f"dataset directory not found: {path} (key 'directory.path' = {directory.path!r}); "
@@ -77,22 +94,30 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     caption_extension = _caption_extension(cfg, directory)
     resolutions = tuple(directory.resolutions or cfg.resolutions)
     num_repeats = directory.num_repeats if directory.num_repeats is not None else cfg.num_repeats
+    captions = cfg.caption_options(directory)
     scan = _DirectoryScan(path)
     files = _candidate_files(path, caption_extension)
-    for file, size in zip(files, pool.map(_probe_size, files)):
+    frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
+    for file, size in zip(files, pool.map(_probe_media if videos else _probe_size, files)):
         if isinstance(size, str):
             scan.unreadable.append((file, size))
             continue
+        video = {} if isinstance(size, tuple) else {"frames": size.frames, "fps": size.fps}
+        size = size if isinstance(size, tuple) else (size.width, size.height)
         caption_path = file.parent / (file.stem + caption_extension)
         try:
             caption = _read_caption(caption_path)
         except (OSError, UnicodeDecodeError) as e:
             scan.unreadable.append((caption_path, f"caption file is not readable UTF-8 text ({e})"))
             continue
+        if not caption and captions.skip_empty:
+            scan.skipped_empty.append(file)
+            continue
         if caption is None:
             scan.missing_captions.append(file)
         scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
-                                    num_repeats=num_repeats, resolutions=resolutions))
+                                    num_repeats=num_repeats, resolutions=resolutions, captions=captions,
+                                    frame_buckets=frame_buckets, **video))
     return scan
 
 
@@ -112,22 +137,29 @@ def _report_unreadable(cfg: DatasetConfig, unreadable: list[tuple[Path, str]]) -
                 len(unreadable), listing)
 
 
-def scan_dataset(cfg: DatasetConfig) -> ScanResult:
-    """Every readable image of every [[directory]] (not recursive), with its caption, in sorted order."""
+def scan_dataset(cfg: DatasetConfig, videos: bool = False) -> ScanResult:
+    """Every readable image of every [[directory]] (not recursive), with its caption, in sorted order;
+    with ``videos`` (a video model) also every video (``video.py``)."""
     with ThreadPoolExecutor(PROBE_THREADS) as pool:
-        scans = [_scan_directory(cfg, directory, pool) for directory in cfg.directory]
+        scans = [_scan_directory(cfg, directory, pool, videos) for directory in cfg.directory]
     result = ScanResult(
         items=[item for scan in scans for item in scan.items],
         missing_captions=[file for scan in scans for file in scan.missing_captions],
         unreadable=[entry for scan in scans for entry in scan.unreadable],
+        skipped_empty=[file for scan in scans for file in scan.skipped_empty],
     )
     _report_unreadable(cfg, result.unreadable)
     if result.missing_captions:
         log.warning("%d image(s) have no caption file and train with an empty caption:%s",
                     len(result.missing_captions), _listing(result.missing_captions))
+    if result.skipped_empty:
+        log.warning("leaving out %d image(s) without a caption (skip_empty_caption = true):%s",
+                    len(result.skipped_empty), _listing(result.skipped_empty))
     for scan in scans:
         if not scan.items:
             skipped = f" ({len(scan.unreadable)} unreadable file(s) skipped)" if scan.unreadable else ""
+            if scan.skipped_empty:
+                skipped += f" ({len(scan.skipped_empty)} without a caption left out: skip_empty_caption = true)"
             raise DatasetError(f"dataset directory {scan.path} contains no readable images{skipped}; "
                                "add images or remove this [[directory]] from the dataset config")
     return result

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ModelError
+from .spec import ArchSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -21,10 +22,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelAdapter(ABC):
     arch: str
+    spec: "ArchSpec"                         # its files and how ComfyUI recognises them (spec.py)
     latent_format: str                       # class name in comfy.latent_formats
     lora_block_prefixes: tuple[str, ...]     # LoRA goes on the linears under these module paths
     text_fields: tuple[str, ...]             # cached text tensors, in the order layers receive them
     spatial_multiple: int = 16               # bucket sides are multiples of this many pixels
+    framerate: float | None = None           # video models: frames per second clips are resampled to
+    frame_multiple: int = 1                  # video models: clips are frame_multiple k + 1 frames long
 
     def __init__(self, cfg: ModelConfig, resolve=lambda p: Path(p)):
         self.cfg = cfg
@@ -56,6 +60,10 @@ class ModelAdapter(ABC):
         import comfy.latent_formats
         fmt = getattr(comfy.latent_formats, self.latent_format)()
         return fmt.process_in(vae.encode(pixels).float()).cpu()
+
+    def encode_video(self, vae, frames: torch.Tensor) -> torch.Tensor:
+        """Video models: frames [F, H, W, 3] in 0..1 -> one latent [C, T, h, w] (float32, CPU)."""
+        raise ModelError(f"{self.arch} trains on images only")
 
     @abstractmethod
     def encode_caption(self, clip, caption: str) -> dict[str, torch.Tensor]:
@@ -104,6 +112,26 @@ class ModelAdapter(ABC):
         from .objectives import mse_loss
         latents, noise, t = labels[:3]
         return mse_loss(pred, self.objective().target(latents, noise, t))
+
+    def probe_latent(self, generator: torch.Generator, size: tuple[int, int] = (8, 8)) -> torch.Tensor:
+        """A random clean latent [1, C, H, W] (video models: [1, C, T, H, W]) for checks."""
+        import comfy.latent_formats
+        channels = getattr(comfy.latent_formats, self.latent_format)().latent_channels
+        return torch.randn(1, channels, *size, generator=generator)
+
+    # --- sampling with ComfyUI (backend/sampling.py) -----------------------------------------------
+    def sample_conditioning(self, text: dict[str, torch.Tensor], guidance: float) -> list:
+        """ComfyUI's CONDITIONING for one cached caption: the first text field is the cross-attention
+        conditioning, a ``pooled`` field the pooled vector; ``guidance`` is Flux-dev's distilled guidance."""
+        extra = {"guidance": guidance}
+        if "pooled" in text:
+            extra["pooled_output"] = text["pooled"][None]
+        return [[text[self.text_fields[0]][None], extra]]
+
+    def empty_latent(self, width: int, height: int) -> torch.Tensor:
+        import comfy.latent_formats
+        channels = getattr(comfy.latent_formats, self.latent_format)().latent_channels
+        return torch.zeros(1, channels, height // 8, width // 8)
 
     def reference_forward(self, x_t, t, text: list[torch.Tensor]) -> torch.Tensor:
         """ComfyUI's own forward of the diffusion model on the same inputs the layers see (for tests)."""

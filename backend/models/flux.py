@@ -15,6 +15,47 @@ from .attention import rope_attention
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
 from .objectives import FlowMatching
+from .spec import ArchSpec
+
+# Flux-dev as ComfyUI detects it (comfy/model_detection.py fixes heads, axes and widths).
+FLUX_DEV = {
+    "in_channels": 16, "out_channels": 16, "vec_in_dim": 768, "context_in_dim": 4096,
+    "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "axes_dim": [16, 56, 56], "theta": 10000,
+    "patch_size": 2, "qkv_bias": True, "guidance_embed": True,
+}
+FLUX_DEPTHS = {"micro": (2, 2), "tiny": (1, 1), "full": (19, 38)}  # (double blocks, single blocks)
+# "micro": Flux's structure at width 256 (4 heads of 64) for fast multi-step CPU tests; ComfyUI cannot
+# detect that width, so its config travels in the file's metadata like the tiny SDXL UNet's.
+FLUX_MICRO_WIDTH = {"hidden_size": 256, "num_heads": 4, "axes_dim": [16, 24, 24]}
+
+
+def flux_config(size: str) -> dict:
+    depth, single = FLUX_DEPTHS[size]
+    width = FLUX_MICRO_WIDTH if size == "micro" else {}
+    return {**FLUX_DEV, **width, "depth": depth, "depth_single_blocks": single}
+
+
+def build_flux(config: dict | str) -> torch.nn.Module:
+    """ComfyUI's Flux on the meta device, from a config or a size name."""
+    from ..runtime import ensure_comfyui
+    ensure_comfyui()
+    import comfy.ldm.flux.model
+    import comfy.ops
+    config = flux_config(config) if isinstance(config, str) else config
+    return comfy.ldm.flux.model.Flux(device="meta", operations=comfy.ops.disable_weight_init, **config)
+
+
+def _flux_clip_target():
+    import comfy.supported_models_base
+    import comfy.text_encoders.flux
+    return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
+                                                  comfy.text_encoders.flux.flux_clip())
+
+
+FLUX_SPEC = ArchSpec(
+    title="Flux", comfy_configs=("Flux", "FluxSchnell"), unet_config=flux_config, build=build_flux,
+    detected_sizes=("tiny", "full"), text_encoders=("clip_l", "t5xxl"), clip_type="FLUX",
+    clip_target=_flux_clip_target, vae="kl16", example_file="flux1-dev.safetensors")
 
 
 class FluxInput(TupleLayer):
@@ -68,6 +109,34 @@ class _Checkpointed(TupleLayer):
         return self.block_forward(*args)
 
 
+def double_block(blk, img, txt, mods, pe, mask=None):
+    """ComfyUI's ``DoubleStreamBlock.forward`` out of place: ``mods`` = (img_mod1, img_mod2, txt_mod1,
+    txt_mod2), ``mask`` an optional key mask over [txt, img] (``attention.text_key_mask``)."""
+    img_mod1, img_mod2, txt_mod1, txt_mod2 = mods
+    img_q, img_k, img_v = _heads(blk.img_attn.qkv(_modulate(blk.img_norm1(img), img_mod1)), blk.num_heads)
+    img_q, img_k = blk.img_attn.norm(img_q, img_k, img_v)
+    txt_q, txt_k, txt_v = _heads(blk.txt_attn.qkv(_modulate(blk.txt_norm1(txt), txt_mod1)), blk.num_heads)
+    txt_q, txt_k = blk.txt_attn.norm(txt_q, txt_k, txt_v)
+    attn = rope_attention(torch.cat((txt_q, img_q), 2), torch.cat((txt_k, img_k), 2),
+                          torch.cat((txt_v, img_v), 2), pe, mask)
+    txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
+    img = img + img_mod1.gate * blk.img_attn.proj(img_attn)
+    img = img + img_mod2.gate * blk.img_mlp(_modulate(blk.img_norm2(img), img_mod2))
+    txt = txt + txt_mod1.gate * blk.txt_attn.proj(txt_attn)
+    txt = txt + txt_mod2.gate * blk.txt_mlp(_modulate(blk.txt_norm2(txt), txt_mod2))
+    return img, txt
+
+
+def single_block(blk, x, mod, pe, mask=None):
+    """ComfyUI's ``SingleStreamBlock.forward`` out of place, with the block's modulation ``mod``."""
+    qkv, mlp = torch.split(blk.linear1(_modulate(blk.pre_norm(x), mod)),
+                           [3 * blk.hidden_size, blk.mlp_hidden_dim_first], dim=-1)
+    q, k, v = _heads(qkv, blk.num_heads)
+    q, k = blk.norm(q, k, v)
+    attn = rope_attention(q, k, v, pe, mask)
+    return x + mod.gate * blk.linear2(torch.cat((attn, blk.mlp_act(mlp)), 2))
+
+
 class DoubleBlock(_Checkpointed):
     cost = 1.0
 
@@ -77,20 +146,9 @@ class DoubleBlock(_Checkpointed):
 
     def block_forward(self, img, txt, vec, pe, hw):
         blk = self.block
-        v, p = reveal(vec, self.dtype), reveal(pe, torch.float32)
-        img_mod1, img_mod2 = blk.img_mod(v)
-        txt_mod1, txt_mod2 = blk.txt_mod(v)
-        img_q, img_k, img_v = _heads(blk.img_attn.qkv(_modulate(blk.img_norm1(img), img_mod1)), blk.num_heads)
-        img_q, img_k = blk.img_attn.norm(img_q, img_k, img_v)
-        txt_q, txt_k, txt_v = _heads(blk.txt_attn.qkv(_modulate(blk.txt_norm1(txt), txt_mod1)), blk.num_heads)
-        txt_q, txt_k = blk.txt_attn.norm(txt_q, txt_k, txt_v)
-        attn = rope_attention(torch.cat((txt_q, img_q), 2), torch.cat((txt_k, img_k), 2),
-                              torch.cat((txt_v, img_v), 2), p)
-        txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
-        img = img + img_mod1.gate * blk.img_attn.proj(img_attn)
-        img = img + img_mod2.gate * blk.img_mlp(_modulate(blk.img_norm2(img), img_mod2))
-        txt = txt + txt_mod1.gate * blk.txt_attn.proj(txt_attn)
-        txt = txt + txt_mod2.gate * blk.txt_mlp(_modulate(blk.txt_norm2(txt), txt_mod2))
+        v = reveal(vec, self.dtype)
+        mods = (*blk.img_mod(v), *blk.txt_mod(v))
+        img, txt = double_block(blk, img, txt, mods, reveal(pe, torch.float32))
         return img, txt, vec, pe, hw
 
 
@@ -109,15 +167,8 @@ class SingleBlock(_Checkpointed):
         self.block, self.dtype = block, dtype
 
     def block_forward(self, x, vec, pe, hw):
-        blk = self.block
-        mod, _ = blk.modulation(reveal(vec, self.dtype))
-        qkv, mlp = torch.split(blk.linear1(_modulate(blk.pre_norm(x), mod)),
-                               [3 * blk.hidden_size, blk.mlp_hidden_dim_first], dim=-1)
-        q, k, v = _heads(qkv, blk.num_heads)
-        q, k = blk.norm(q, k, v)
-        attn = rope_attention(q, k, v, reveal(pe, torch.float32))
-        x = x + mod.gate * blk.linear2(torch.cat((attn, blk.mlp_act(mlp)), 2))
-        return x, vec, pe, hw
+        mod, _ = self.block.modulation(reveal(vec, self.dtype))
+        return single_block(self.block, x, mod, reveal(pe, torch.float32)), vec, pe, hw
 
 
 class FluxOutput(TupleLayer):
@@ -139,6 +190,7 @@ class FluxOutput(TupleLayer):
 
 class FluxAdapter(ModelAdapter):
     arch = "flux"
+    spec = FLUX_SPEC
     latent_format = "Flux"
     lora_block_prefixes = ("double_blocks", "single_blocks")
     text_fields = ("t5", "pooled")

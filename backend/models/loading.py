@@ -5,6 +5,7 @@ Real files go through ComfyUI's loaders and detection unchanged. PipeTrain's tin
 ``tiny.py``), whose configs ComfyUI cannot detect, carry their config in the safetensors metadata; they
 are built from ComfyUI's classes with that config and come back as the same objects (``ModelPatcher``,
 ``comfy.sd.CLIP``), so callers never tell the two apart. Every failure is a ``ModelError`` naming the file.
+Nothing here names an architecture: each one's facts are its adapter's ``spec`` (``spec.py``).
 """
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ import torch
 
 from ..errors import ModelError
 from ..runtime import ensure_comfyui
+from .registry import ADAPTERS, arch_spec, arch_specs
+from .spec import TEXT_ENCODERS, UMT5_MARKER, VAES
 
-SUPPORTED_ARCHS = ("flux", "sdxl")
-TEXT_ENCODER_KINDS = {"flux": ("clip_l", "t5xxl"), "sdxl": ("clip_l", "clip_g")}
-TEXT_ENCODER_NAMES = {"clip_l": "CLIP-L", "clip_g": "CLIP-G", "t5xxl": "T5-XXL"}
-VAE_LATENT_CHANNELS = {"flux": 16, "sdxl": 4}
+SUPPORTED_ARCHS = tuple(ADAPTERS)
 META_ARCH, META_UNET, META_TE_KIND, META_TE = (
     "pipetrain.arch", "pipetrain.unet_config", "pipetrain.te_kind", "pipetrain.te_config")
 
@@ -67,11 +67,11 @@ def _meta_state_dict(shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
 # --- diffusion models ----------------------------------------------------------------------------
 def _config_classes() -> dict[type, str]:
     import comfy.supported_models as sm
-    return {sm.Flux: "flux", sm.FluxSchnell: "flux", sm.SDXL: "sdxl"}
+    return {getattr(sm, name): arch for arch, spec in arch_specs().items() for name in spec.comfy_configs}
 
 
 def arch_from_state_dict_shapes(shapes: dict[str, tuple]) -> str | None:
-    """ComfyUI's own detection run on key shapes only (no weights): "flux", "sdxl" or None."""
+    """ComfyUI's own detection run on key shapes only (no weights): a model type PipeTrain trains, or None."""
     ensure_comfyui()
     import comfy.model_detection as md
     import comfy.supported_models as sm
@@ -91,7 +91,7 @@ def arch_from_state_dict_shapes(shapes: dict[str, tuple]) -> str | None:
 
 
 def detect_architecture(path) -> str | None:
-    """"flux" / "sdxl" for a diffusion-model file (ComfyUI's detection or PipeTrain's metadata), else None."""
+    """The model type of a diffusion-model file (ComfyUI's detection or PipeTrain's metadata), else None."""
     return _arch_of(*read_header(path))
 
 
@@ -104,14 +104,17 @@ def _arch_of(shapes: dict, metadata: dict) -> str | None:
 
 def _undetected(path: Path, shapes: dict) -> ModelError:
     first = next(iter(shapes), "no tensors")
+    specs = arch_specs().values()
+    titles = ", ".join(s.title for s in specs)
+    examples = ", ".join(s.example_file for s in specs if s.example_file)
     return ModelError(
-        f"{path}: ComfyUI does not recognise this file as a Flux or SDXL diffusion model (expected the "
-        f"diffusion-model weights, e.g. flux1-dev.safetensors or an SDXL UNet/checkpoint; found "
-        f"{len(shapes)} tensors, first '{first}'). Pick the diffusion model file, not a LoRA, VAE or text encoder.")
+        f"{path}: ComfyUI does not recognise this file as a diffusion model PipeTrain trains ({titles}; "
+        f"expected the diffusion-model weights, e.g. {examples}; found {len(shapes)} tensors, first '{first}'). "
+        "Pick the diffusion model file, not a LoRA, VAE or text encoder.")
 
 
 def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = None):
-    """A ``comfy.model_patcher.ModelPatcher`` for a Flux or SDXL diffusion model (real or tiny).
+    """A ``comfy.model_patcher.ModelPatcher`` for a diffusion model of a supported type (real or tiny).
 
     ``arch``, when given, is what the caller expects; another architecture raises ``ModelError``.
     """
@@ -132,7 +135,8 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
 
 def _model_config(arch: str, unet_config: dict):
     import comfy.supported_models as sm
-    config_cls = {"flux": sm.Flux, "sdxl": sm.SDXL}[arch]
+    candidates = [getattr(sm, name) for name in arch_spec(arch).comfy_configs]
+    config_cls = next((c for c in candidates if c.matches(unet_config)), candidates[0])
     model_config = config_cls(unet_config)
     # BASE.__init__ overwrites head settings with the published ones; the file's own values win.
     model_config.unet_config.update({k: unet_config[k] for k in config_cls.unet_extra_config if k in unet_config})
@@ -165,22 +169,28 @@ def _load_from_config(path: Path, arch: str, unet_config: dict, dtype):
 def _real_te_kind(shapes: dict) -> str:
     import comfy.sd
     kind = comfy.sd.detect_te_model(_meta_state_dict(shapes))
-    names = {comfy.sd.TEModel.CLIP_L: "clip_l", comfy.sd.TEModel.CLIP_G: "clip_g",
-             comfy.sd.TEModel.T5_XXL: "t5xxl"}
-    return names.get(kind, "unknown" if kind is None else kind.name.lower())
+    if kind is None:
+        return "unknown"
+    if kind.name == "T5_XXL" and UMT5_MARKER in shapes:
+        return "umt5xxl"
+    return next((k for k, spec in TEXT_ENCODERS.items() if spec.te_model == kind.name), kind.name.lower())
+
+
+def _te_title(kind: str) -> str:
+    return TEXT_ENCODERS[kind].title if kind in TEXT_ENCODERS else kind
 
 
 def _check_kinds(paths: list[Path], kinds: list[str], arch: str) -> None:
-    want = TEXT_ENCODER_KINDS[arch]
+    want = arch_spec(arch).text_encoders
     if sorted(kinds) != sorted(want):
-        got = ", ".join(f"{p.name}: {TEXT_ENCODER_NAMES.get(k, k)}" for p, k in zip(paths, kinds))
-        need = " + ".join(TEXT_ENCODER_NAMES[k] for k in want)
+        got = ", ".join(f"{p.name}: {_te_title(k)}" for p, k in zip(paths, kinds))
+        need = " + ".join(_te_title(k) for k in want)
         raise ModelError(f"{arch} needs the text encoders {need}, one file each; got {got or 'no files'}")
 
 
 def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
     """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny)."""
-    if arch not in TEXT_ENCODER_KINDS:
+    if arch not in ADAPTERS:
         raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     paths = [_require_file(p) for p in paths]
     headers = [read_header(p) for p in paths]
@@ -193,23 +203,12 @@ def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
         return _load_tiny_text_encoders(paths, headers, arch, dtype)
     _check_kinds(paths, [_real_te_kind(shapes) for shapes, _ in headers], arch)
     import comfy.sd
-    clip_type = {"flux": comfy.sd.CLIPType.FLUX, "sdxl": comfy.sd.CLIPType.STABLE_DIFFUSION}[arch]
+    clip_type = getattr(comfy.sd.CLIPType, arch_spec(arch).clip_type)
     options = {} if dtype is None else {"dtype": dtype}
     try:
         return comfy.sd.load_clip([str(p) for p in paths], clip_type=clip_type, model_options=options)
     except Exception as exc:
         raise ModelError(f"{', '.join(map(str, paths))}: ComfyUI could not load these text encoders ({exc})") from exc
-
-
-def _clip_target(arch: str):
-    import comfy.sdxl_clip
-    import comfy.supported_models_base
-    import comfy.text_encoders.flux
-    if arch == "flux":
-        parts = (comfy.text_encoders.flux.FluxTokenizer, comfy.text_encoders.flux.flux_clip())
-    else:
-        parts = (comfy.sdxl_clip.SDXLTokenizer, comfy.sdxl_clip.SDXLClipModel)
-    return comfy.supported_models_base.ClipTarget(*parts)
 
 
 def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
@@ -221,19 +220,22 @@ def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
     if dtype is not None:
         options["dtype"] = dtype
     params = sum(math.prod(s) for shapes, _ in headers for s in shapes.values())
-    clip = comfy.sd.CLIP(_clip_target(arch), parameters=params, model_options=options)
-    for path, kind in zip(paths, kinds):
-        sd, _ = _load_state_dict(path)
+    state_dicts = [_load_state_dict(path)[0] for path in paths]
+    # what ComfyUI's load_clip hands the tokenizer: a SentencePiece model stored in the file (UMT5)
+    tokenizer_data = {k: sd[k] for sd in state_dicts for k in ("spiece_model",) if k in sd}
+    clip = comfy.sd.CLIP(arch_spec(arch).clip_target(), parameters=params, model_options=options,
+                         tokenizer_data=tokenizer_data)
+    for path, kind, sd in zip(paths, kinds, state_dicts):
         missing, _ = getattr(clip.cond_stage_model, kind).load_sd(sd)
         if missing:
-            raise ModelError(f"{path}: {len(missing)} {TEXT_ENCODER_NAMES[kind]} weights are missing, "
+            raise ModelError(f"{path}: {len(missing)} {_te_title(kind)} weights are missing, "
                              f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
     return clip
 
 
 # --- VAE -----------------------------------------------------------------------------------------
 def load_vae(path, *, arch: str | None = None):
-    """A ``comfy.sd.VAE``; ``arch``, when given, checks the latent channels (Flux 16, SDXL 4)."""
+    """A ``comfy.sd.VAE``; ``arch``, when given, checks the latent channels (its spec's VAE kind)."""
     path = _require_file(path)
     read_header(path)
     sd, metadata = _load_state_dict(path)
@@ -245,7 +247,13 @@ def load_vae(path, *, arch: str | None = None):
     if vae.first_stage_model is None:
         raise ModelError(f"{path}: ComfyUI does not recognise this file as a VAE (expected e.g. the Flux "
                          f"ae.safetensors or the SDXL VAE)")
-    want = VAE_LATENT_CHANNELS.get(arch)
-    if want is not None and vae.latent_channels != want:
-        raise ModelError(f"{path}: a {arch} VAE has {want} latent channels, this one has {vae.latent_channels}")
+    if arch is not None:
+        kind = VAES[arch_spec(arch).vae]
+        if vae.latent_channels != kind.latent_channels:
+            raise ModelError(f"{path}: a {arch} VAE ({kind.title}) has {kind.latent_channels} latent channels, "
+                             f"this one has {vae.latent_channels}")
+        if vae.latent_dim != kind.latent_dim:
+            what = {2: "images", 3: "videos"}
+            raise ModelError(f"{path}: a {arch} VAE ({kind.title}) encodes {what.get(kind.latent_dim)}, this one "
+                             f"encodes {what.get(vae.latent_dim, 'something else')}")
     return vae

@@ -17,18 +17,32 @@ class FlowMatching:
 
     ``sample_method`` logit_normal or uniform; ``shift`` a constant shift (SD3-style, ComfyUI's
     ``time_snr_shift``); ``flux_shift`` the resolution-dependent shift of Flux (ComfyUI's ``flux_time_shift``
-    with mu interpolated on the image token count).
+    with mu interpolated on the image token count). ``multiplier`` maps t to the timestep the network takes
+    (ComfyUI's ``ModelSamplingDiscreteFlow.timestep``: 1000 for SD3 and Wan; Flux takes t itself).
     """
     sample_method: str = "logit_normal"
     sigmoid_scale: float = 1.0
     shift: float | None = None
     flux_shift: bool = False
+    multiplier: float = 1.0
 
     def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
         if self.sample_method == "logit_normal":
             t = torch.sigmoid(torch.randn(batch, generator=generator) * self.sigmoid_scale)
         else:
             t = torch.rand(batch, generator=generator)
+        return self._shift(t, seq_len)
+
+    def quantile_t(self, q: float, seq_len: int) -> torch.Tensor:
+        """The q-quantile of the timestep distribution ``sample_t`` draws from (eval at fixed timesteps)."""
+        q = torch.tensor([q], dtype=torch.float64)
+        if self.sample_method == "logit_normal":
+            t = torch.sigmoid(torch.special.ndtri(q) * self.sigmoid_scale)
+        else:
+            t = q
+        return self._shift(t.float(), seq_len)
+
+    def _shift(self, t: torch.Tensor, seq_len: int) -> torch.Tensor:
         from comfy.model_sampling import flux_time_shift, time_snr_shift
 
         if self.flux_shift:
@@ -43,7 +57,7 @@ class FlowMatching:
         return (1 - t) * x0 + t * noise
 
     def model_timestep(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+        return t * self.multiplier if self.multiplier != 1.0 else t
 
     def target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return noise - x0
@@ -69,6 +83,9 @@ class DiscreteDiffusion:
 
     def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
         return torch.randint(0, self.num_timesteps, (batch,), generator=generator).float()
+
+    def quantile_t(self, q: float, seq_len: int) -> torch.Tensor:
+        return torch.tensor([min(self.num_timesteps - 1, int(q * self.num_timesteps))]).float()
 
     def _coeffs(self, t, like):
         # sqrt(ac) = 1/sqrt(1 + sigma^2), sqrt(1 - ac) = sigma sqrt(ac): ComfyUI's calculate_input, without the

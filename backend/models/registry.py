@@ -7,13 +7,52 @@ import importlib
 ADAPTERS: dict[str, str] = {
     "flux": "pipetrain.backend.models.flux:FluxAdapter",
     "sdxl": "pipetrain.backend.models.sdxl:SDXLAdapter",
+    "sd3": "pipetrain.backend.models.sd3:SD3Adapter",
+    "chroma": "pipetrain.backend.models.chroma:ChromaAdapter",
+    "wan": "pipetrain.backend.models.wan:WanAdapter",
 }
+
+# Models whose code the pinned ComfyUI (0.3.75) does not have: type string -> (name, the first ComfyUI
+# release known to have it, or None when unknown). Once PipeTrain runs on such a ComfyUI, the model's adapter
+# module goes into ADAPTERS and its line leaves this table.
+NEEDS_NEWER_COMFYUI: dict[str, tuple[str, str | None]] = {
+    "flux2_klein": ("Flux 2 Klein (4B / 9B)", None),   # released 2026-01-15; ComfyUI had it on the day
+    "anima": ("Anima", None),
+    "ernie_image": ("Ernie-Image", "0.19.0"),
+    "ltx2": ("LTX 2.3", None),
+    "ideogram4": ("Ideogram 4", None),
+    "krea2": ("Krea 2", "0.27.0"),                     # merged 2026-06-22 (Comfy-Org/ComfyUI#14589)
+    "minimax_h3": ("MiniMax H3", None),
+}
+
+
+def unavailable_reason(model_type: str) -> str | None:
+    """Why ``model_type`` cannot train here, or None when it can."""
+    from ..runtime import PINNED_VERSION
+
+    if model_type in ADAPTERS:
+        return None
+    if model_type in NEEDS_NEWER_COMFYUI:
+        name, version = NEEDS_NEWER_COMFYUI[model_type]
+        needs = f"ComfyUI {version} or newer" if version else f"a ComfyUI newer than {PINNED_VERSION}"
+        return (f"{model_type!r} ({name}) needs model code that ComfyUI {PINNED_VERSION}, which PipeTrain runs on, "
+                f"does not have; it is in {needs}. Supported model types: {', '.join(sorted(ADAPTERS))}")
+    return f"got {model_type!r}; supported model types: {', '.join(sorted(ADAPTERS))}"
 
 
 def adapter_class(model_type: str):
     try:
         target = ADAPTERS[model_type]
     except KeyError:
-        raise KeyError(f"unknown model type {model_type!r}; supported: {', '.join(sorted(ADAPTERS))}") from None
+        raise KeyError(unavailable_reason(model_type)) from None
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def arch_spec(model_type: str):
+    """The ``spec.ArchSpec`` of a supported model type (its files and how ComfyUI recognises them)."""
+    return adapter_class(model_type).spec
+
+
+def arch_specs() -> dict:
+    return {name: arch_spec(name) for name in ADAPTERS}

@@ -42,12 +42,57 @@ from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
 from .objectives import DiscreteDiffusion
+from .spec import ArchSpec
 
 # The SpatialTransformer of every SDXL UNet block that has one: input levels 1-2, middle, output levels 2-1.
 SDXL_TRANSFORMERS = (
     "input_blocks.4.1", "input_blocks.5.1", "input_blocks.7.1", "input_blocks.8.1", "middle_block.1",
     *(f"output_blocks.{i}.1" for i in range(6)),
 )
+# The SDXL base UNet exactly as comfy.model_detection derives it from the published weights.
+SDXL_UNET_FULL = {
+    "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+    "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
+    "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
+    "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
+    "context_dim": 2048, "num_head_channels": 64,
+    "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+    "use_temporal_attention": False, "use_temporal_resblock": False,
+}
+# Same structure (3 levels, linear transformers, context 2048, adm 2816), small widths and depths; ComfyUI
+# matches only the published config, so tiny files carry this one in their metadata.
+SDXL_UNET_TINY = {
+    **SDXL_UNET_FULL, "model_channels": 32, "num_head_channels": 16, "num_heads": -1,
+    "transformer_depth": [0, 0, 1, 1, 1, 1], "transformer_depth_middle": 1,
+    "transformer_depth_output": [0, 0, 0, 1, 1, 1, 1, 1, 1],
+}
+
+
+def sdxl_unet_config(size: str) -> dict:
+    return dict(SDXL_UNET_TINY if size in ("micro", "tiny") else SDXL_UNET_FULL)
+
+
+def build_sdxl_unet(config: dict | str) -> nn.Module:
+    """ComfyUI's SDXL ``UNetModel`` on the meta device, from a config or a size name."""
+    from ..runtime import ensure_comfyui
+    ensure_comfyui()
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    config = sdxl_unet_config(config) if isinstance(config, str) else config
+    return UNetModel(**config, device="meta", operations=comfy.ops.disable_weight_init)
+
+
+def _sdxl_clip_target():
+    import comfy.sdxl_clip
+    import comfy.supported_models_base
+    return comfy.supported_models_base.ClipTarget(comfy.sdxl_clip.SDXLTokenizer, comfy.sdxl_clip.SDXLClipModel)
+
+
+SDXL_SPEC = ArchSpec(
+    title="SDXL", comfy_configs=("SDXL",), unet_config=sdxl_unet_config, build=build_sdxl_unet,
+    detected_sizes=("full",), text_encoders=("clip_l", "clip_g"), clip_type="STABLE_DIFFUSION",
+    clip_target=_sdxl_clip_target, vae="kl4", example_file="an SDXL UNet or checkpoint")
+
 VAE_SCALE = 8                  # pixels per latent position (ComfyUI's sampler hard-codes it for width/height)
 REFERENCE_LATENT = (128, 128)  # layer costs are estimated at SDXL's native 1024x1024 ...
 REFERENCE_TEXT_TOKENS = 77     # ... with one 77-token caption chunk
@@ -180,6 +225,7 @@ class SDXLOutput(TupleLayer):
 
 class SDXLAdapter(ModelAdapter):
     arch = "sdxl"
+    spec = SDXL_SPEC
     latent_format = "SDXL"
     lora_block_prefixes = SDXL_TRANSFORMERS
     text_fields = ("cond", "pooled")

@@ -1,9 +1,10 @@
-"""The cache phase of a run: rank 0 maps samples to cache keys, every rank encodes its share."""
+"""The cache phase of a run: rank 0 maps the samples of the train dataset and of every eval dataset to
+cache keys (one manifest per dataset file), every rank encodes its share of what is missing."""
 from __future__ import annotations
 
 import logging
 
-from ..cache import CacheStore
+from ..cache import CacheStore, model_fingerprint, text_key
 from ..cache.builder import fill
 from ..cache.manifest import CacheManifest, build_or_load_manifest, manifest_path
 from . import distributed
@@ -11,50 +12,87 @@ from . import distributed
 log = logging.getLogger("pipetrain")
 
 
-def _samples(cfg, reporter):
-    from ..data import build_samples, scan_dataset
+def _samples(ds, seed: int, reporter, label: str, adapter=None):
+    from ..data import build_samples, expand_captions, scan_dataset
+    from ..data.buckets import check_frame_buckets
 
-    ds = cfg.dataset_config
-    scan = scan_dataset(ds)
+    fps = getattr(adapter, "framerate", None)   # video models read videos, resampled to their frame rate
+    scan = scan_dataset(ds, videos=fps is not None)
+    if fps is not None:
+        check_frame_buckets(scan.items, adapter.frame_multiple)
     if scan.missing_captions:
-        reporter.event("warning", message=f"{len(scan.missing_captions)} images have no caption file and train "
-                       "with an empty caption", files=[str(p) for p in scan.missing_captions])
+        reporter.event("warning", message=f"{label}: {len(scan.missing_captions)} images have no caption file and "
+                       "train with an empty caption", files=[str(p) for p in scan.missing_captions])
+    if scan.skipped_empty:
+        reporter.event("warning", message=f"{label}: {len(scan.skipped_empty)} images without a caption are left "
+                       "out (skip_empty_caption = true)", files=[str(p) for p in scan.skipped_empty])
     if scan.unreadable:
-        reporter.event("warning", message=f"{len(scan.unreadable)} files could not be read and are skipped",
+        reporter.event("warning", message=f"{label}: {len(scan.unreadable)} files could not be read and are skipped",
                        files=[f"{p}: {why}" for p, why in scan.unreadable])
-    return build_samples(ds, scan.items)
+    return expand_captions(build_samples(ds, scan.items, model_fps=fps), seed)
+
+
+def _datasets(cfg) -> dict[str, tuple]:
+    """{None: the train dataset, name: each eval dataset} -> (DatasetConfig, its file)."""
+    out = {None: (cfg.dataset_config, cfg.resolve(cfg.dataset))}
+    for e, ds in zip(cfg.eval_datasets, cfg.eval_dataset_configs().values()):
+        out[e.name] = (ds, cfg.resolve(e.config))
+    return out
+
+
+def check_optimizer_early(trainer) -> None:
+    """Fail before the (possibly long) cache phase on an optimizer that cannot be built."""
+    if trainer.opts.cache_only:
+        return
+    from ..optim import resolve_optimizer
+    resolve_optimizer(trainer.cfg)
 
 
 def prepare_cache(trainer):
     cfg, adapter, rank = trainer.cfg, trainer.adapter, trainer.rank
+    check_optimizer_early(trainer)
     store = CacheStore(cfg.resolve(cfg.output_dir) / "cache")
-    path = manifest_path(store.root, cfg.resolve(cfg.dataset), adapter.arch)
+    datasets = _datasets(cfg)
+    paths = {name: manifest_path(store.root, file, adapter.arch) for name, (_, file) in datasets.items()}
     error = None
     if rank == 0:
         try:
             if trainer.opts.regenerate_cache:
                 store.clear()
             files = adapter.model_files()
-            build_or_load_manifest(path, lambda: _samples(cfg, trainer.reporter), adapter, files,
-                                   trainer.opts.trust_cache)
+            for name, (ds, _) in datasets.items():
+                label = "dataset" if name is None else f"eval dataset {name!r}"
+                build_or_load_manifest(paths[name], lambda ds=ds, label=label: _samples(ds, cfg.seed, trainer.reporter,
+                                                                                         label, adapter),
+                                       adapter, files, trainer.opts.trust_cache)
         except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
             error = e
     if distributed.broadcast_object(error is not None):
         if rank == 0:
             raise error
         raise SystemExit(1)
-    entries = CacheManifest.load(path).entries
+    manifests = {name: CacheManifest.load(path).entries for name, path in paths.items()}
+    entries = manifests.pop(None)
+    trainer.eval_entries = manifests
+    extra = {}
+    trainer.uncond_text = None
+    if cfg.uncond_fraction > 0:
+        te_fps = [model_fingerprint(p) for p in adapter.model_files()["text_encoders"]]
+        trainer.uncond_text = text_key("", te_fps, adapter.arch)
+        extra[trainer.uncond_text] = ""
 
     def progress(kind, done, total):
         if rank == 0:
             trainer.reporter.update(state="caching", cache={"kind": kind, "done": done, "total": total})
             trainer.reporter.event("cache", kind=kind, done=done, total=total)
 
-    n_lat, n_txt = fill(adapter, store, entries, rank, trainer.world, cfg.caching_batch_size, progress)
+    every = entries + [e for es in manifests.values() for e in es]
+    n_lat, n_txt = fill(adapter, store, every, rank, trainer.world, cfg.caching_batch_size, progress, extra)
     counts = distributed.all_gather_object((n_lat, n_txt))
     distributed.barrier()
     if rank == 0:
         total_lat, total_txt = sum(c[0] for c in counts), sum(c[1] for c in counts)
-        trainer.reporter.event("cached", latents_encoded=total_lat, texts_encoded=total_txt, entries=len(entries))
+        trainer.reporter.event("cached", latents_encoded=total_lat, texts_encoded=total_txt, entries=len(entries),
+                               eval_entries={name: len(es) for name, es in manifests.items()})
         log.info("cache ready: %d entries (%d latents and %d captions encoded now)", len(entries), total_lat, total_txt)
     return store, entries

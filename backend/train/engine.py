@@ -7,22 +7,15 @@ import deepspeed
 import torch
 
 from .. import lora
+from ..errors import ConfigError
 from ..models.base import DTYPES
+from ..optim import make_optimizer
+from .eval import build_eval_sets, every_n_steps
 from .feed import MicroBatchFeed
 from .pipeline import StagedModule, stage_bounds
 from .schedule import lr_multiplier
 
 log = logging.getLogger("pipetrain")
-
-
-def make_optimizer(cfg):
-    o = cfg.optimizer
-
-    def build(params):
-        if o.type.lower() == "sgd":
-            return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
-    return build
 
 
 def ds_config(cfg) -> dict:
@@ -42,10 +35,31 @@ def attach_lora(trainer) -> list[str]:
                          dropout=a.dropout, dtype=dtype, seed=trainer.cfg.seed)
     names = lora.inject(trainer.adapter.diffusion_model, spec, trainer.adapter.lora_block_prefixes, a.target_modules)
     if a.init_from_existing:
-        sd = lora.read_file(trainer.cfg.resolve(a.init_from_existing))
-        matched = lora.load_into(trainer.adapter.diffusion_model, sd)
-        log.info("init_from_existing: %d of %d adapted modules loaded", matched, len(names))
+        load_existing(trainer, names)
     return names
+
+
+def load_existing(trainer, names: list[str]) -> None:
+    """``[adapter] init_from_existing``: a LoRA file, or a folder holding adapter_model.safetensors (what
+    diffusion-pipe saves), with ComfyUI keys for the same model and rank."""
+    path = trainer.cfg.resolve(trainer.cfg.adapter.init_from_existing)
+    if path.is_dir():
+        path = path / "adapter_model.safetensors"
+    where = dict(file=trainer.cfg._file, key="adapter.init_from_existing")
+    sd = lora.read_file(path)
+    rank = trainer.cfg.adapter.rank
+    ranks = {tuple(v.shape)[0] for k, v in sd.items() if k.endswith(".lora_A.weight")}
+    if ranks and ranks != {rank}:
+        raise ConfigError(f"{path} has LoRA rank {sorted(ranks)}, the config rank {rank}; set [adapter] rank to "
+                          "match", **where)
+    matched = lora.load_into(trainer.adapter.diffusion_model, sd)
+    if matched == 0:
+        raise ConfigError(f"no tensor of {path} matches this model's adapted modules (expected keys like "
+                          f"'diffusion_model.{names[0]}.lora_A.weight'): a LoRA of another model or key format",
+                          **where)
+    if trainer.rank == 0:
+        trainer.reporter.event("init_from_existing", path=str(path), modules_loaded=matched, modules=len(names))
+    log.info("init_from_existing: %d of %d adapted modules loaded from %s", matched, len(names), path)
 
 
 def build_engine(trainer) -> None:
@@ -62,17 +76,39 @@ def build_engine(trainer) -> None:
         total_steps = min(total_steps, cfg.max_steps)
     trainer.total_steps = total_steps
     params = [p for p in module.parameters() if p.requires_grad]
+    global_batch = cfg.micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * trainer.dp_world
     engine, _, _, _ = deepspeed.initialize(
-        model=module, model_parameters=params, optimizer=make_optimizer(cfg),
+        model=module, model_parameters=params, optimizer=make_optimizer(cfg, global_batch),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lr_multiplier(cfg.lr_scheduler, cfg.warmup_steps, total_steps)),
         config=ds_config(cfg))
     trainer.engine = engine
-    trainer.feed = MicroBatchFeed(adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world)
+    record_grad_norm(trainer)
+    trainer.feed = MicroBatchFeed(adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world,
+                                  getattr(trainer, "uncond_text", None), cfg.uncond_fraction)
+    trainer.save_every_steps = every_n_steps(cfg.save_every_n_steps, cfg.save_every_n_examples, global_batch)
+    trainer.eval_every_steps = every_n_steps(cfg.eval_every_n_steps, cfg.eval_every_n_examples, global_batch)
+    trainer.eval_sets = build_eval_sets(trainer)
     if trainer.rank == 0:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
         trainer.reporter.event("engine", layers=len(layers), stage_bounds=bounds, trainable_params=sum(
             p.numel() for p in params), steps_per_epoch=trainer.plan.steps_per_epoch(), total_steps=total_steps)
+
+
+def record_grad_norm(trainer) -> None:
+    """Keep the global gradient norm DeepSpeed computes when it clips (before clipping) for the step event;
+    with gradient_clipping = 0 nothing is clipped and no norm is computed."""
+    engine = trainer.engine
+    trainer.grad_norm = None
+    if trainer.cfg.gradient_clipping <= 0:
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_record():
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)
+        trainer.grad_norm = float(norm)
+    engine.clip_fp32_gradients = clip_and_record
 
 
 def trainer_plan(trainer):

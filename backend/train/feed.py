@@ -22,15 +22,25 @@ def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
 
 
 class MicroBatchFeed:
-    def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int):
+    def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int,
+                 uncond_text: str | None = None, uncond_fraction: float = 0.0):
         self.adapter = adapter
         self.store = store
         self.seed = seed
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.objective = adapter.objective()
+        self.uncond_text = uncond_text          # cache key of the empty caption (caption dropout)
+        self.uncond_fraction = uncond_fraction if uncond_text else 0.0
 
-    def _noise_and_t(self, latent: torch.Tensor, epoch: int, step: int, position: int):
+    def _text_key(self, entry, epoch: int, step: int, position: int) -> str:
+        from ..data import drops_caption
+
+        if drops_caption(self.seed, epoch, step, position, self.uncond_fraction):
+            return self.uncond_text
+        return entry.text
+
+    def _noise_and_t(self, latent: torch.Tensor, epoch: int, step: int, position: int, entry=None):
         g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, step, position))
         noise = torch.randn(latent.shape, generator=g)
         seq_len = latent.shape[-1] * latent.shape[-2] // 4
@@ -38,9 +48,10 @@ class MicroBatchFeed:
 
     def build(self, entries, epoch: int, step: int, micro: int):
         latents = torch.stack([self.store.get("latents", e.latent)["latent"] for e in entries]).float()
-        text = self.adapter.collate_text([self.store.get("text", e.text) for e in entries])
         first = (micro * self.dp_world + self.dp_rank) * len(entries)
-        drawn = [self._noise_and_t(lat, epoch, step, first + i) for i, lat in enumerate(latents)]
+        keys = [self._text_key(e, epoch, step, first + i) for i, e in enumerate(entries)]
+        text = self.adapter.collate_text([self.store.get("text", k) for k in keys])
+        drawn = [self._noise_and_t(lat, epoch, step, first + i, e) for i, (lat, e) in enumerate(zip(latents, entries))]
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
         return (latents, noise, t, *text), (latents, noise, t)

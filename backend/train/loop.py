@@ -1,4 +1,4 @@
-"""The training loop: steps, reporting, epoch LoRAs, checkpoints, graceful stop."""
+"""The training loop: steps, reporting, evals, epoch and step LoRAs, checkpoints, graceful stop."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +6,9 @@ import time
 
 import torch
 
+from ..optim import prodigy_d
 from . import distributed
+from .eval import eval_due, evaluate
 
 log = logging.getLogger("pipetrain")
 
@@ -29,23 +31,27 @@ def _control_flags(trainer) -> tuple[bool, bool]:
     return distributed.broadcast_object(flags)
 
 
-def _report_step(trainer, loss: float, step_time: float, started: float, steps_done: int) -> None:
+def _report_step(trainer, loss: float, lr: float, step_time: float, started: float, steps_done: int) -> None:
+    """``lr``: the learning rate this step used (read before the step; the schedule has moved on since)."""
     cfg = trainer.cfg
     samples_per_s = cfg.micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * trainer.dp_world / step_time
-    lr = trainer.engine.get_lr()[0]
     elapsed = time.monotonic() - started
     eta = elapsed / steps_done * (trainer.total_steps - trainer.global_step)
-    extra = {}
+    extra, scalars = {}, {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s}
     if torch.cuda.is_available():
         extra["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    if trainer.grad_norm is not None:
+        extra["grad_norm"] = scalars["train/grad_norm"] = trainer.grad_norm
+    d = prodigy_d(trainer.engine.optimizer)
+    if d is not None:
+        extra["prodigy_d"] = scalars["train/prodigy_d"] = d
     trainer.reporter.event("step", step=trainer.global_step, epoch=trainer.epoch, loss=loss, lr=lr,
                            samples_per_s=samples_per_s, step_time_s=step_time, total_steps=trainer.total_steps,
                            **extra)
     trainer.reporter.update(state="training", step=trainer.global_step, total_steps=trainer.total_steps,
                             epoch=trainer.epoch, epochs=cfg.epochs, loss=loss, lr=lr,
                             samples_per_s=samples_per_s, eta_s=eta)
-    trainer.reporter.scalars(trainer.global_step, **{"train/loss": loss, "train/lr": lr,
-                                                     "train/samples_per_s": samples_per_s})
+    trainer.reporter.scalars(trainer.global_step, **scalars)
 
 
 def _end_of_epoch(trainer, epoch: int) -> None:
@@ -64,6 +70,8 @@ def run_loop(trainer) -> None:
     steps_per_epoch = plan.steps_per_epoch()
     trainer.last_checkpoint_time = time.monotonic()
     trainer.last_saved_epoch = None
+    if trainer.global_step == 0 and trainer.cfg.eval_before_first_step:
+        evaluate(trainer)
     bar = _progress_bar(trainer)
     started, steps_done = time.monotonic(), 0
     batches, batches_epoch = None, None
@@ -71,6 +79,7 @@ def run_loop(trainer) -> None:
         if batches_epoch != trainer.epoch:
             batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
         t0 = time.monotonic()
+        lr = engine.get_lr()[0]
         engine.reset_activation_shape()
         loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
                                                          trainer.step_in_epoch))
@@ -79,14 +88,20 @@ def run_loop(trainer) -> None:
         trainer.step_in_epoch += 1
         steps_done += 1
         if trainer.rank == 0:
-            _report_step(trainer, loss, time.monotonic() - t0, started, steps_done)
+            _report_step(trainer, loss, lr, time.monotonic() - t0, started, steps_done)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", epoch=trainer.epoch)
+        if trainer.save_every_steps and trainer.global_step % trainer.save_every_steps == 0:
+            trainer.save_lora(trainer.epoch, at_step=True)
+        finished_epoch = None
         if trainer.step_in_epoch == steps_per_epoch:
             trainer.step_in_epoch = 0
             trainer.epoch += 1
-            _end_of_epoch(trainer, trainer.epoch - 1)
+            finished_epoch = trainer.epoch - 1
+            _end_of_epoch(trainer, finished_epoch)
+        if eval_due(trainer, finished_epoch):
+            evaluate(trainer)
         checkpoint_now, stop_now = _control_flags(trainer)
         if checkpoint_now:
             trainer.save_checkpoint()

@@ -1,0 +1,108 @@
+"""Optimizers by name, as diffusion-pipe names them; every ``[optimizer]`` key but ``type`` goes to the
+constructor, so any option the class takes can be set from the config.
+
+| type (any case)  | class                                   | package            |
+|------------------|-----------------------------------------|--------------------|
+| adamw            | torch.optim.AdamW                       | torch              |
+| sgd              | torch.optim.SGD                         | torch              |
+| adamw8bit        | bitsandbytes.optim.AdamW8bit            | bitsandbytes       |
+| adamw_optimi     | optimi.AdamW (Kahan summation for bf16) | torch-optimi       |
+| stableadamw      | optimi.StableAdamW                      | torch-optimi       |
+| anything else    | that class of pytorch_optimizer (Prodigy, CAME, ADOPT, ...) | pytorch-optimizer |
+
+``pytorch_optimizer`` is diffusion-pipe's own fallback, so a diffusion-pipe config naming one of its
+classes (``type = 'Prodigy'``) means the same here; it is maintained (monthly releases), pure Python, and
+its Prodigy is the reference algorithm with the same arguments as ``prodigyopt``.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from .errors import ConfigError
+
+BUILTIN = {
+    "adamw": ("torch.optim", "AdamW"),
+    "sgd": ("torch.optim", "SGD"),
+    "adamw8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "adamw_optimi": ("optimi", "AdamW"),
+    "stableadamw": ("optimi", "StableAdamW"),
+}
+PIP_NAMES = {"bitsandbytes": "bitsandbytes", "optimi": "torch-optimi", "pytorch_optimizer": "pytorch-optimizer"}
+
+
+def _where(cfg):
+    return getattr(cfg, "_file", None)
+
+
+def _import(module: str, cfg):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        package = PIP_NAMES.get(module.split(".")[0], module.split(".")[0])
+        raise ConfigError(f"optimizer {cfg.optimizer.type!r} needs the Python package {package} ({e}); install it "
+                          f"with `pip install {package}`", file=_where(cfg), key="optimizer.type") from None
+
+
+def optimizer_class(cfg):
+    name = cfg.optimizer.type
+    module, attr = BUILTIN.get(name.lower(), ("pytorch_optimizer", name))
+    mod = _import(module, cfg)
+    klass = getattr(mod, attr, None)
+    if klass is None and module == "pytorch_optimizer":
+        try:
+            klass = mod.load_optimizer(name)   # case-insensitive lookup of its registry
+        except Exception:  # noqa: BLE001  (it raises NotImplementedError for unknown names)
+            klass = None
+    if klass is None:
+        raise ConfigError(f"got {name!r}: not a known optimizer; use one of {', '.join(BUILTIN)} or a class of "
+                          "pytorch_optimizer (e.g. 'Prodigy', 'CAME', 'ADOPT')", file=_where(cfg), key="optimizer.type")
+    return klass
+
+
+def _check_kwargs(klass, kwargs: dict, cfg) -> None:
+    sig = inspect.signature(klass.__init__)
+    params = list(sig.parameters.values())[2:]   # self, params
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in names and not takes_any:
+            raise ConfigError(f"{klass.__name__} takes no argument {key!r}; it takes: {', '.join(names)}",
+                              file=_where(cfg), key=f"optimizer.{key}")
+    for p in params:
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs:
+            raise ConfigError(f"{klass.__name__} needs {p.name!r}; set it in [optimizer]", file=_where(cfg),
+                              key=f"optimizer.{p.name}")
+
+
+def resolve_optimizer(cfg):
+    """(class, constructor kwargs) for the run, checked against the constructor's signature."""
+    klass = optimizer_class(cfg)
+    kwargs = cfg.optimizer.kwargs()
+    _check_kwargs(klass, kwargs, cfg)
+    return klass, kwargs
+
+
+def optimizer_kwargs(cfg, global_batch_size: int) -> dict:
+    kwargs = cfg.optimizer.kwargs()
+    half_life = cfg.optimizer.beta2_half_life
+    if half_life:   # diffusion-pipe: beta2 from a half-life in samples
+        kwargs["betas"] = (kwargs["betas"][0], 0.5 ** (global_batch_size / half_life))
+    return kwargs
+
+
+def make_optimizer(cfg, global_batch_size: int):
+    """A builder for ``deepspeed.initialize(optimizer=...)``: params -> the configured optimizer."""
+    klass, _ = resolve_optimizer(cfg)
+    kwargs = optimizer_kwargs(cfg, global_batch_size)
+
+    def build(params):
+        return klass(params, **kwargs)
+    return build
+
+
+def prodigy_d(optimizer) -> float | None:
+    """Prodigy's adapted step size d (the mean over parameter groups), None for other optimizers."""
+    groups = getattr(optimizer, "param_groups", [])
+    ds = [g["d"] for g in groups if "d" in g]
+    return sum(ds) / len(ds) if ds else None

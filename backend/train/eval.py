@@ -1,0 +1,126 @@
+"""Held-out loss on the eval datasets (diffusion-pipe's eval, deterministic).
+
+Each eval dataset is run once per timestep quantile in 0.1 .. 0.9: every sample at the timestep
+``objective.quantile_t(q)`` (the q-quantile of the training distribution, shift included), through
+``engine.eval_batch`` (no_grad, LoRA dropout off). The loss per quantile and their mean are reported.
+The noise of a sample is a pure function of (seed, its latent and caption keys): the same weights
+always give the same eval loss, whatever the pipeline / data-parallel layout and whenever it runs, so
+changes between evaluations are the training's alone. Training's RNG state is left untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..data import EpochPlan
+from ..errors import DatasetError
+from .feed import MicroBatchFeed
+
+log = logging.getLogger("pipetrain")
+
+TIMESTEP_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class EvalFeed(MicroBatchFeed):
+    """Cached eval samples at one fixed timestep quantile, with per-sample seeded noise and no caption dropout."""
+    quantile = 0.5
+
+    def _text_key(self, entry, epoch, step, position):
+        return entry.text
+
+    def _noise_and_t(self, latent, epoch, step, position, entry=None):
+        digest = hashlib.sha256(f"pipetrain-eval:{self.seed}:{entry.latent}:{entry.text}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        noise = torch.randn(latent.shape, generator=g)
+        seq_len = latent.shape[-1] * latent.shape[-2] // 4
+        return noise, self.objective.quantile_t(self.quantile, seq_len)
+
+
+@dataclass
+class EvalSet:
+    name: str
+    plan: EpochPlan
+    feed: EvalFeed
+
+
+def build_eval_sets(trainer) -> list[EvalSet]:
+    cfg = trainer.cfg
+    micro = cfg.eval_micro_batch_size_per_gpu or cfg.micro_batch_size_per_gpu
+    sets = []
+    for name, entries in trainer.eval_entries.items():
+        try:
+            plan = EpochPlan(entries, [e.num_repeats for e in entries], micro, cfg.eval_gradient_accumulation_steps,
+                             trainer.dp_rank, trainer.dp_world, cfg.seed)
+        except DatasetError as e:
+            raise DatasetError(f"eval dataset {name!r}: {e} (eval_micro_batch_size_per_gpu and "
+                               "eval_gradient_accumulation_steps set the eval batch)") from None
+        if trainer.rank == 0:
+            for message in plan.warnings():
+                trainer.reporter.event("warning", message=f"eval dataset {name!r}: {message}")
+                log.warning("eval dataset %r: %s", name, message)
+        feed = EvalFeed(trainer.adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world)
+        sets.append(EvalSet(name, plan, feed))
+    return sets
+
+
+def every_n_steps(steps: int | None, examples: int | None, global_batch: int) -> int | None:
+    """A step interval given in steps, or in examples (diffusion-pipe: // the global batch size)."""
+    if steps:
+        return steps
+    return max(1, examples // global_batch) if examples else None
+
+
+def eval_due(trainer, finished_epoch: int | None) -> bool:
+    """diffusion-pipe's rule: every eval_every_n_steps steps, or at the end of every eval_every_n_epochs-th epoch."""
+    every = trainer.eval_every_steps
+    if every and trainer.global_step % every == 0:
+        return True
+    n = trainer.cfg.eval_every_n_epochs
+    return bool(finished_epoch and n and finished_epoch % n == 0)
+
+
+def _evaluate_set(engine, s: EvalSet, micro_batches: int) -> list[float]:
+    batches = s.plan.epoch(0)
+    losses = []
+    for q in TIMESTEP_QUANTILES:
+        s.feed.quantile = q
+        total = 0.0
+        for i, step_batches in enumerate(batches):
+            engine.reset_activation_shape()
+            loss = engine.eval_batch(s.feed.step_iter(step_batches, 0, i), num_micro_batches=micro_batches)
+            total += float(loss.item()) if torch.is_tensor(loss) else float(loss)
+        losses.append(total / len(batches))
+    return losses
+
+
+def evaluate(trainer) -> None:
+    """Evaluate every eval dataset now (all ranks); rank 0 reports."""
+    sets = getattr(trainer, "eval_sets", [])
+    if not sets:
+        return
+    started = time.monotonic()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    results = {}
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        for s in sets:
+            results[s.name] = _evaluate_set(trainer.engine, s, trainer.cfg.eval_gradient_accumulation_steps)
+    if trainer.rank != 0:
+        return
+    seconds = time.monotonic() - started
+    step = trainer.global_step
+    epoch = trainer.epoch - 1 if trainer.step_in_epoch == 0 and step > 0 else trainer.epoch   # the step's epoch
+    for name, losses in results.items():
+        mean = sum(losses) / len(losses)
+        per_q = {f"{q:.2f}": loss for q, loss in zip(TIMESTEP_QUANTILES, losses)}
+        trainer.reporter.event("eval", name=name, step=step, epoch=epoch, loss=mean, quantiles=per_q)
+        trainer.reporter.scalars(step, **{f"eval/{name}/loss": mean},
+                                 **{f"eval/{name}/loss_quantile_{q}": v for q, v in per_q.items()})
+        log.info("eval %s at step %d: loss %.5f", name, step, mean)
+    trainer.reporter.scalars(step, **{"eval/eval_time_sec": seconds})
+    evals = dict(trainer.reporter.status.get("eval", {}))
+    evals.update({name: {"step": step, "loss": sum(v) / len(v)} for name, v in results.items()})
+    trainer.reporter.update(eval=evals)

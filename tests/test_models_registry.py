@@ -1,0 +1,68 @@
+"""The adapter registry: every model type names its adapter and file facts; models whose code the pinned
+ComfyUI lacks fail config validation at once, naming the ComfyUI that has them."""
+import pytest
+
+from pipetrain.backend.config import load_run_config
+from pipetrain.backend.errors import ConfigError
+from pipetrain.backend.models import registry
+from pipetrain.backend.models.spec import SIZES, TEXT_ENCODERS, VAES
+from pipetrain.backend.runtime import PINNED_VERSION
+
+RUN = """
+output_dir = "out"
+dataset = "dataset.toml"
+[model]
+type = "{type}"
+diffusion_model = "model.safetensors"
+vae = "vae.safetensors"
+"""
+
+
+def _config(tmp_path, model_type):
+    (tmp_path / "dataset.toml").write_text('[[directory]]\npath = "images"\n')
+    (tmp_path / "run.toml").write_text(RUN.format(type=model_type))
+    return tmp_path / "run.toml"
+
+
+@pytest.mark.parametrize("model_type", sorted(registry.NEEDS_NEWER_COMFYUI))
+def test_models_our_comfyui_lacks_fail_validation_naming_the_comfyui_that_has_them(tmp_path, model_type):
+    name, version = registry.NEEDS_NEWER_COMFYUI[model_type]
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_config(tmp_path, model_type))
+    message = str(err.value)
+    assert "model.type" in message and name in message and f"ComfyUI {PINNED_VERSION}" in message
+    assert (f"ComfyUI {version} or newer" if version else f"a ComfyUI newer than {PINNED_VERSION}") in message
+    with pytest.raises(KeyError, match="needs model code"):
+        registry.adapter_class(model_type)
+
+
+def test_unknown_type_lists_the_supported_ones(tmp_path):
+    with pytest.raises(ConfigError, match="supported model types: " + ", ".join(sorted(registry.ADAPTERS))):
+        load_run_config(_config(tmp_path, "fluxx"))
+
+
+@pytest.mark.parametrize("model_type", sorted(registry.ADAPTERS))
+def test_every_adapter_declares_its_files(model_type):
+    """What loading.py and tiny.py read: a spec whose components exist, for every size."""
+    cls = registry.adapter_class(model_type)
+    assert cls.arch == model_type and not set(registry.NEEDS_NEWER_COMFYUI) & {model_type}
+    spec = registry.arch_spec(model_type)
+    assert spec.vae in VAES and spec.text_encoders and all(k in TEXT_ENCODERS for k in spec.text_encoders)
+    assert spec.comfy_configs and set(spec.detected_sizes) <= set(SIZES)
+    assert all(isinstance(spec.unet_config(size), dict) for size in SIZES)
+    assert registry.unavailable_reason(model_type) is None
+
+
+def test_only_adapters_and_the_registry_name_architectures():
+    """Adding a model touches its adapter file and one registry line: the loaders, the tiny-file writer, the
+    data, cache and training code never branch on a model type."""
+    from pathlib import Path
+
+    backend = Path(registry.__file__).resolve().parents[1]
+    generic = [backend / "models" / "loading.py", backend / "models" / "tiny.py", backend / "sampling.py",
+               backend / "verify.py", *(backend / "data").glob("*.py"), *(backend / "cache").glob("*.py"),
+               *(backend / "train").glob("*.py")]
+    for path in generic:
+        text = path.read_text()
+        named = [t for t in registry.ADAPTERS if f'"{t}"' in text or f"'{t}'" in text]
+        assert not named, f"{path.name} names {named}"

@@ -1,0 +1,117 @@
+"""Wan 2.1 pipeline layers against ComfyUI's WanModel on 5-D video latents: the same output as its forward,
+LoRA gradients equal to finite differences of that forward, training targets ComfyUI's flow sampling turns
+back into the clean latent, and tuples DeepSpeed's pipeline can cut anywhere; plus the real-layout files."""
+import pytest
+import torch
+from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
+                          lora_gradients_match_finite_differences, run_layers)
+
+from pipetrain.backend import lora
+from pipetrain.backend.config import ModelConfig
+from pipetrain.backend.runtime import ensure_comfyui
+
+ensure_comfyui()
+TEXT = 48   # UMT5-XXL's width is 4096
+
+
+@pytest.fixture(scope="module")
+def small_wan():
+    """ComfyUI's own ``model_base.WAN21`` in float64: width 64 (2 heads of 32), 2 blocks."""
+    from pipetrain.backend.models.wan import WanAdapter, wan_config
+
+    config = {**wan_config(64, 96, 2), "num_heads": 2, "text_dim": TEXT, "freq_dim": 32}
+    adapter = WanAdapter(ModelConfig(type="wan", diffusion_model="unused", vae="unused"))
+    adapter.dtype = torch.float64
+    adapter.patcher = comfy_model("wan", config, std=0.08)
+    return adapter
+
+
+def _inputs(batch=2, size=(3, 6, 10), tokens=7, seed=1):
+    """3 latent frames (a 9-frame clip) of 6 x 10: odd patch counts on purpose."""
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(batch, 16, *size, generator=g, dtype=torch.float64)
+    noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
+    t = torch.tensor([0.25, 0.8, 0.05][:batch], dtype=torch.float64)
+    return x0, noise, t, torch.randn(batch, tokens, TEXT, generator=g, dtype=torch.float64)
+
+
+def test_comfyui_detects_the_tiny_and_full_layouts_as_wan21_t2v():
+    import comfy.model_detection
+    import comfy.supported_models
+
+    from pipetrain.backend.models import loading, tiny
+    from pipetrain.backend.models.wan import WAN_CONFIGS
+
+    for size in ("tiny", "full"):
+        sd = {k: torch.empty(s, device="meta") for k, s, _ in tiny.tensor_plan(tiny.build_diffusion_model("wan", size))}
+        assert type(comfy.model_detection.model_config_from_unet(sd, "")) is comfy.supported_models.WAN21_T2V
+        assert comfy.model_detection.detect_unet_config(sd, "") == WAN_CONFIGS[size]
+        assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sd.items()}) == "wan"
+
+
+def test_tiny_wan_files_load_through_comfyui(model_files):
+    """The diffusion model and VAE through ComfyUI's own detection; UMT5 through its metadata, with the
+    SentencePiece tokenizer stored in the file as real UMT5 files store theirs."""
+    import comfy.sd
+
+    from pipetrain.backend.models import loading
+
+    files = model_files("wan")
+    patcher = loading.load_diffusion_model(files.diffusion_model, torch.float32)
+    assert type(patcher.model).__name__ == "WAN21" and patcher.model.diffusion_model.dim == 256
+    vae = loading.load_vae(files.vae, arch="wan")
+    assert type(vae.first_stage_model).__name__ == "WanVAE"
+    assert vae.encode(torch.rand(9, 32, 48, 3)).shape == (1, 16, 3, 4, 6)   # 9 frames -> 3 latent frames
+    with pytest.raises(Exception, match="encodes videos"):
+        loading.load_vae(model_files("sd3").vae, arch="wan")
+    shapes, meta = loading.read_header(files.text_encoders[0])
+    assert meta["pipetrain.te_kind"] == "umt5xxl" and "spiece_model" in shapes
+    # 2 narrow layers: ComfyUI alone would not take it for UMT5-XXL, the file's metadata says what it is
+    assert comfy.sd.detect_te_model({k: torch.empty(s, device="meta") for k, s in shapes.items()
+                                     if k != "spiece_model"}) is not comfy.sd.TEModel.T5_XXL
+    clip = loading.load_text_encoders(files.text_encoders, "wan", torch.float32)
+    cond = clip.encode_from_tokens(clip.tokenize("a red cube slides left"), return_dict=True)["cond"]
+    assert cond.shape == (1, 512, 4096)
+    assert cond[0, 20:].abs().sum() == 0 and cond[0, :5].abs().sum() > 0   # padding zeroed, as ComfyUI does
+
+
+def test_layers_match_comfyui_forward(small_wan):
+    a = small_wan
+    x0, noise, t, *text = inputs = _inputs()
+    with torch.no_grad():
+        ours = run_layers(a.to_layers(), inputs)
+        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
+    assert ours.shape == x0.shape
+    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+
+
+def test_training_targets_agree_with_comfyui_flow_sampling(small_wan):
+    a = small_wan
+    model, objective = a.patcher.model, a.objective()
+    ms = model.model_sampling
+    assert objective.multiplier == ms.multiplier == 1000.0 and objective.shift is None
+    x0, noise, t, context = inputs = _inputs()
+    x_comfy = ms.noise_scaling(t, noise, x0)
+    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
+    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
+    with torch.no_grad():
+        comfy_denoised = model.apply_model(x_comfy, t, c_crossattn=context)
+        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_comfy)
+    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6
+
+
+def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_wan):
+    a = small_wan
+    dm = a.diffusion_model
+    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    assert len(names) == 2 * 10 and "blocks.1.cross_attn.v" in names and "blocks.0.ffn.2" in names
+    give_lora_b_values(dm)
+    lora_gradients_match_finite_differences(a, _inputs(), eps=1e-4)   # ComfyUI's RoPE runs in float32
+
+
+def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_wan):
+    a = small_wan
+    if not list(lora.adapted_modules(a.diffusion_model)):
+        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
+        give_lora_b_values(a.diffusion_model)
+    every_boundary_is_a_stage_boundary(a, _inputs())
