@@ -63,7 +63,7 @@ def test_tiny_wan_files_load_through_comfyui(model_files):
     assert type(vae.first_stage_model).__name__ == "WanVAE"
     assert vae.encode(torch.rand(9, 32, 48, 3)).shape == (1, 16, 3, 4, 6)   # 9 frames -> 3 latent frames
     with pytest.raises(Exception, match="encodes videos"):
-        loading.load_vae(model_files("sd3").vae, arch="wan")
+        loading.load_vae(model_files("chroma").vae, arch="wan")   # Flux's 16-channel image VAE
     shapes, meta = loading.read_header(files.text_encoders[0])
     assert meta["pipetrain.te_kind"] == "umt5xxl" and "spiece_model" in shapes
     # 2 narrow layers: ComfyUI alone would not take it for UMT5-XXL, the file's metadata says what it is
