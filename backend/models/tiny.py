@@ -108,13 +108,16 @@ def tensor_plan(module: torch.nn.Module) -> list[tuple[str, tuple, str]]:
     return plan
 
 
-def _make_tensor(key: str, shape: tuple, init: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def _make_tensor(key: str, shape: tuple, init: str, dtype: torch.dtype, seed: int,
+                 device: str = "cpu") -> torch.Tensor:
+    """One initialised tensor on the CPU; the random draw happens on ``device`` (a GPU draws a 12B model in
+    seconds; values then differ from the CPU's for the same seed)."""
     if init == "zeros":
         return torch.zeros(shape, dtype=dtype)
     if init == "ones":
         return torch.ones(shape, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return torch.empty(shape).normal_(0.0, INIT_STD, generator=gen).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.empty(shape, device=device).normal_(0.0, INIT_STD, generator=gen).to(dtype).cpu()
 
 
 def _header(plan, dtype: torch.dtype, metadata: dict[str, str], extras: dict[str, torch.Tensor]) -> bytes:
@@ -131,7 +134,8 @@ def _header(plan, dtype: torch.dtype, metadata: dict[str, str], extras: dict[str
 
 
 def write_safetensors(module: torch.nn.Module, path: Path, dtype: torch.dtype, seed: int,
-                      metadata: dict[str, str], extras: dict[str, torch.Tensor] | None = None) -> int:
+                      metadata: dict[str, str], extras: dict[str, torch.Tensor] | None = None,
+                      device: str = "cpu") -> int:
     """Write ``module``'s state dict, randomly initialised, one tensor at a time, then ``extras`` as they are
     (e.g. a tokenizer stored in the file). Returns #parameters of the module."""
     if dtype not in DTYPE_NAMES.values():
@@ -145,7 +149,7 @@ def write_safetensors(module: torch.nn.Module, path: Path, dtype: torch.dtype, s
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             for key, shape, init in plan:
-                f.write(_make_tensor(key, shape, init, dtype, seed).reshape(-1).view(torch.uint8).numpy())
+                f.write(_make_tensor(key, shape, init, dtype, seed, device).reshape(-1).view(torch.uint8).numpy())
             for t in extras.values():
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
         os.chmod(tmp, 0o644)  # mkstemp made it private; a model file is an ordinary file
@@ -157,27 +161,31 @@ def write_safetensors(module: torch.nn.Module, path: Path, dtype: torch.dtype, s
 
 
 # --- the files for one architecture --------------------------------------------------------------
-def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed) -> int:
+def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed, device: str = "cpu") -> int:
     spec = arch_spec(arch)
     config = spec.unet_config(size)
     meta = {"pipetrain.arch": arch, "pipetrain.size": size}
     if size not in spec.detected_sizes:  # ComfyUI cannot tell this config from the weights: say what it is
         meta["pipetrain.unet_config"] = json.dumps(config)
-    return write_safetensors(spec.build(config), path, dtype, seed, meta)
+    return write_safetensors(spec.build(config), path, dtype, seed, meta, device=device)
 
 
-def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed) -> int:
+def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: str = "cpu") -> int:
     size = "tiny" if size == "micro" else size
     config = text_encoder_config(kind, size)
     meta = {"pipetrain.te_kind": kind, "pipetrain.size": size}
     if size == "tiny":
         meta["pipetrain.te_config"] = json.dumps(config)
     extras = {name: make() for name, make in TEXT_ENCODERS[kind].extras.items()}
-    return write_safetensors(build_text_encoder(kind, config), path, dtype, seed, meta, extras)
+    return write_safetensors(build_text_encoder(kind, config), path, dtype, seed, meta, extras, device)
 
 
-def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.float32, seed=0) -> ModelFiles:
-    """Write a random-initialised diffusion model, VAE and text encoders for ``arch`` into ``out_dir``."""
+def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.float32, seed=0, *,
+                      text_encoder_size: str | None = None, init_device: str = "cpu") -> ModelFiles:
+    """Write a random-initialised diffusion model, VAE and text encoders for ``arch`` into ``out_dir``.
+
+    ``text_encoder_size`` (default ``size``): benchmarks pair a full diffusion model with tiny text encoders,
+    whose outputs keep the real widths, so the training step is the full-size one."""
     if arch not in ARCHS or size not in SIZES:
         raise ModelError(f"unknown arch/size {arch!r}/{size!r}; supported: {ARCHS} x {SIZES}")
     spec = arch_spec(arch)
@@ -186,11 +194,12 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
     vae_kind = VAES[spec.vae]
     files = ModelFiles(out_dir / f"{arch}_{size}_diffusion_model.safetensors",
                        out_dir / (f"{arch}_{size}_vae.safetensors" if vae_kind.sized else f"{arch}_vae.safetensors"),
-                       [out_dir / f"{arch}_{size}_{kind}.safetensors" for kind in spec.text_encoders])
-    _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed)
-    write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1, {"pipetrain.arch": arch})
+                       [out_dir / f"{arch}_{text_encoder_size or size}_{kind}.safetensors"
+                        for kind in spec.text_encoders])
+    _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed, init_device)
+    write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1, {"pipetrain.arch": arch}, device=init_device)
     for i, (kind, path) in enumerate(zip(spec.text_encoders, files.text_encoders)):
-        _write_text_encoder(kind, size, path, dtype, seed + 2 + i)
+        _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + i, init_device)
     return files
 
 

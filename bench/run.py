@@ -1,0 +1,164 @@
+"""PipeTrain's GPU benchmark: steady-state samples/s, peak memory and MFU of real-size LoRA training,
+measured in the same job as the baselines (the bare eager loop and ComfyUI's native trainer, whose
+scripts live outside this repository: pass their paths).
+
+    python bench/run.py --cases flux-1024,flux-1024-ckpt --out $OUT \
+        [--bare /path/to/bare_ceiling.py] [--native /path/to/native_trainer.py] [--comfyui PATH]
+
+Weights are random with the real architecture configs (step time does not depend on their values);
+text encoders are tiny with the real output widths (their cost is in caching, not in the step). Prints a
+table and writes ``bench.json``. Needs a CUDA GPU with PipeTrain's dependencies installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PEAK_TFLOPS = 790.0   # bf16 matrix product measured on this H200 (KINDS.md)
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    resolution: int
+    batch: int
+    checkpointing: bool = False
+    stages: int = 1
+    gradient_accumulation: int = 1
+    bare_case: str | None = None      # the bare loop's CASES name for the same model
+    native_case: str | None = None    # native_trainer.py's CASE name
+
+
+CASES = {
+    "flux-1024": Case("flux", 1024, 1, bare_case="flux", native_case="flux"),
+    "flux-1024-ckpt": Case("flux", 1024, 1, checkpointing=True, native_case="flux"),
+    "sdxl-1024-b8": Case("sdxl", 1024, 8, bare_case="sdxl", native_case="sdxl"),
+    "flux-1024-2stages-ga8": Case("flux", 1024, 1, stages=2, gradient_accumulation=8),
+    "flux-1024-1stage-ga8": Case("flux", 1024, 1, gradient_accumulation=8),
+}
+
+
+def write_models(arch: str, root: Path):
+    from pipetrain.backend.models.tiny import write_model_files
+
+    marker = root / f"{arch}-full.json"
+    if marker.exists():
+        return json.loads(marker.read_text())
+    t = time.monotonic()
+    import torch
+    files = write_model_files(arch, root / arch, "full", torch.bfloat16, text_encoder_size="tiny",
+                              init_device="cuda")
+    data = {"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
+            "text_encoders": [str(p) for p in files.text_encoders], "write_s": round(time.monotonic() - t, 1)}
+    marker.write_text(json.dumps(data))
+    return data
+
+
+def write_config(name: str, case: Case, files: dict, root: Path, steps: int) -> Path:
+    import tomli_w
+    from pipetrain.backend.demo import make_dataset
+
+    folder = root / name
+    make_dataset(folder / "dataset", max(8, case.batch * case.gradient_accumulation))
+    for caption in (folder / "dataset").glob("*.txt"):  # ~510 T5 tokens, like the bare loop's 512 text tokens
+        caption.write_text(" ".join(["a red circle on a white background"] * 72))
+    dataset = {"resolutions": [case.resolution], "enable_ar_bucket": False,
+               "directory": [{"path": str(folder / "dataset"), "num_repeats": 4}]}
+    run = {"output_dir": str(folder / "output"), "dataset": str(folder / "dataset.toml"), "epochs": 100,
+           "max_steps": steps, "micro_batch_size_per_gpu": case.batch, "pipeline_stages": case.stages,
+           "gradient_accumulation_steps": case.gradient_accumulation, "save_every_n_epochs": 1000,
+           "activation_checkpointing": case.checkpointing, "run_name": "bench",
+           "model": {"type": case.arch, "diffusion_model": files["diffusion_model"], "vae": files["vae"],
+                     "text_encoders": files["text_encoders"], "dtype": "bfloat16"},
+           "adapter": {"rank": 32, "alpha": 32.0}, "optimizer": {"type": "adamw", "lr": 1e-4}}
+    (folder / "dataset.toml").write_text(tomli_w.dumps(dataset))
+    (folder / "run.toml").write_text(tomli_w.dumps(run))
+    return folder / "run.toml"
+
+
+def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int) -> dict:
+    from pipetrain.backend.launch import deepspeed_command
+
+    config = write_config(name, case, files, root, steps)
+    cmd = deepspeed_command("train", config, case.stages, ["--no-progress"])
+    log = root / f"{name}.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT).returncode
+    events_file = config.parent / "output" / "bench" / "events.jsonl"
+    events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
+    steps_ = [e for e in events if e["type"] == "step"][warmup:]
+    if rc != 0 or not steps_:
+        return {"rc": rc, "log": str(log)}
+    samples = case.batch * case.gradient_accumulation
+    step_time = statistics.median(e["step_time_s"] for e in steps_)
+    return {"rc": rc, "samples_per_s": samples / step_time, "step_s": step_time,
+            "peak_gib": max(e.get("peak_mem_gib", 0) for e in steps_), "steps_measured": len(steps_)}
+
+
+def run_script(script: str, env: dict, pick=lambda record: True) -> dict:
+    """Run a baseline script in its own process; its result is the JSON line ``pick`` accepts."""
+    out = subprocess.run([sys.executable, script], env={**os.environ, **env}, capture_output=True, text=True)
+    records = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    chosen = [r for r in records if pick(r)]
+    return chosen[-1] if chosen else {"rc": out.returncode, "stderr": out.stderr[-2000:], "records": records}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="flux-1024,flux-1024-ckpt")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--work", default="/tmp/pipetrain-bench")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--bare", help="path to bare_ceiling.py (the bare eager loop)")
+    p.add_argument("--native", help="path to native_trainer.py (ComfyUI's TrainLoraNode)")
+    p.add_argument("--comfyui", default=None, help="ComfyUI folder for the baselines (default: PipeTrain's)")
+    args = p.parse_args()
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    comfy_root = str(args.comfyui or ensure_comfyui())
+    root, out = Path(args.work), Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in args.cases.split(","):
+        case = CASES[name]
+        r = {"case": asdict(case), "ours": run_ours(name, case, write_models(case.arch, root), root, args.steps,
+                                                    args.warmup)}
+        if args.bare and case.bare_case:
+            r["bare"] = run_script(args.bare, {"COMFYUI_PATH": comfy_root, "CASES": case.bare_case})
+        if args.native and case.native_case:
+            r["native"] = run_script(args.native, {"COMFYUI_PATH": comfy_root, "CASE": case.native_case},
+                                     pick=lambda rec, ckpt=case.checkpointing: rec.get("gc") == ckpt)
+        results[name] = r
+        (out / "bench.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    return 0
+
+
+def table(results: dict) -> str:
+    rows = [f"{'case':24s} {'ours s/s':>9s} {'peak GiB':>8s} {'bare s/s':>9s} {'ours/bare':>9s} {'native s/s':>10s} "
+            f"{'ours/native':>11s} {'MFU':>5s}"]
+    for name, r in results.items():
+        ours, bare, native = r["ours"], r.get("bare") or {}, r.get("native") or {}
+        sps = ours.get("samples_per_s")
+        b, n = bare.get("samples_s"), native.get("samples_s")
+        mfu = (bare["tflop_per_step"] / bare.get("bs", 1) * sps / PEAK_TFLOPS) if sps and bare.get("tflop_per_step") else None
+        rows.append(f"{name:24s} {_f(sps):>9s} {_f(ours.get('peak_gib')):>8s} {_f(b):>9s} {_f(sps / b if sps and b else None):>9s} "
+                    f"{_f(n):>10s} {_f(sps / n if sps and n else None):>11s} {_f(mfu):>5s}")
+    return "\n".join(rows)
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
