@@ -1,6 +1,7 @@
 """Process-group set-up for the DeepSpeed launcher (N ranks) and for a plain single process."""
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 
@@ -31,6 +32,10 @@ def init() -> tuple[int, int, int]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     if not dist.is_initialized():
         import deepspeed
+        if not cuda:
+            # DeepSpeed JIT-compiles a C++ shared-memory all-reduce for CPU ranks at start-up (minutes on
+            # 2 cores, and again for every other interpreter path); gloo's all-reduce is all we need there.
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
     return dist.get_rank(), dist.get_world_size(), local_rank
 
