@@ -120,9 +120,6 @@ def preprocess_run(data: dict, file, prefix: str) -> dict:
                           ("image_eval_micro_batch_size_per_gpu", "eval_micro_batch_size_per_gpu")):
         if alias in data:
             data[target] = data.pop(alias)
-    if data.get("activation_checkpointing") == "unsloth":
-        raise ConfigError("got 'unsloth'; CPU-offloaded activation checkpointing is not supported yet: use true",
-                          file=file, key="activation_checkpointing")
     if ("save_every_n_steps" in data or "save_every_n_examples" in data) and "save_every_n_epochs" not in data:
         data["save_every_n_epochs"] = None   # as in diffusion-pipe: saving by steps alone means no epoch saves
     return data

@@ -332,7 +332,7 @@ class RunConfig:
     uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, Literal["unsloth"]] = False   # 'unsloth': inputs parked in CPU memory
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None

@@ -79,6 +79,22 @@ def ensure_comfyui(cpu: bool | None = None) -> Path:
     return root
 
 
+def comfy_nodes():
+    """ComfyUI's own ``nodes`` module (LoraLoaderModelOnly & co.), even where another top-level ``nodes``
+    package (e.g. this repository's, when its root is on ``sys.path``) would shadow it."""
+    import importlib.util
+
+    loaded = sys.modules.get("nodes")
+    if loaded is not None and hasattr(loaded, "LoraLoaderModelOnly"):
+        return loaded
+    root = ensure_comfyui()
+    spec = importlib.util.spec_from_file_location("nodes", root / "nodes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nodes"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def comfyui_version() -> str:
     root = ensure_comfyui()
     text = (root / "comfyui_version.py").read_text()

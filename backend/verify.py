@@ -33,10 +33,11 @@ def probe_inputs(adapter, seed: int = 0, size: tuple[int, int] = (8, 8)):
 
 def comfy_lora_model(patcher, lora_path: Path, strength: float = 1.0):
     import folder_paths
-    import nodes
+
+    from .runtime import comfy_nodes
 
     folder_paths.add_model_folder_path("loras", str(lora_path.parent))
-    (patched,) = nodes.LoraLoaderModelOnly().load_lora_model_only(patcher, lora_path.name, strength)
+    (patched,) = comfy_nodes().LoraLoaderModelOnly().load_lora_model_only(patcher, lora_path.name, strength)
     return patched
 
 

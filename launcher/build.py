@@ -12,6 +12,7 @@ from pathlib import Path
 from ..backend.config import DatasetConfig, RunConfig, load_run_config, save_toml
 from ..backend.errors import ConfigError, DatasetError, ModelError
 from ..backend.schema import from_dict
+from .cluster import check_cluster, cluster_table
 from .specs import DatasetSpec, TrainSpec
 
 MEDIA_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".mp4", ".webm", ".mov"}
@@ -37,9 +38,14 @@ def dataset_config(spec: DatasetSpec) -> DatasetConfig:
         "resolutions": list(spec.resolutions), "enable_ar_bucket": spec.enable_ar_bucket,
         "min_ar": spec.min_ar, "max_ar": spec.max_ar, "num_ar_buckets": spec.num_ar_buckets,
         "directory": [{"path": d.path, "num_repeats": d.num_repeats, "resolutions": list(d.resolutions),
-                       "caption_extension": d.caption_extension} for d in spec.directories],
+                       "caption_extension": d.caption_extension, "caption_prefix": d.caption_prefix,
+                       "shuffle_tags": d.shuffle_tags, "cache_shuffle_num": d.cache_shuffle_num,
+                       "frame_buckets": list(d.frame_buckets)} for d in spec.directories],
     }
     return from_dict(DatasetConfig, table, file=WHERE)
+
+
+EVAL_DATASET = "eval_dataset.toml"   # beside dataset.toml; the eval set's name is "eval"
 
 
 def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str | None,
@@ -48,8 +54,11 @@ def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str |
     adapter = {k: v for k, v in dataclasses.asdict(spec.adapter).items() if v is not None}
     if "target_modules" in adapter:
         adapter["target_modules"] = list(adapter["target_modules"])
-    optimizer = dataclasses.asdict(spec.optimizer)
-    optimizer["betas"] = list(optimizer["betas"])
+    o = spec.optimizer
+    optimizer = {"type": o.type, "lr": o.lr, "weight_decay": o.weight_decay}
+    if o.use_betas:
+        optimizer.update(betas=list(o.betas), eps=o.eps)
+    optimizer.update({k: list(v) if isinstance(v, tuple) else v for k, v in o.extra})
     model = {k: v for k, v in dataclasses.asdict(spec.model).items() if v is not None}
     model["text_encoders"] = list(model["text_encoders"])
     table = {
@@ -59,35 +68,56 @@ def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str |
         "lr_scheduler": s.lr_scheduler, "save_every_n_epochs": s.save_every_n_epochs,
         "checkpoint_every_n_epochs": s.checkpoint_every_n_epochs,
         "checkpoint_every_n_minutes": s.checkpoint_every_n_minutes,
-        "activation_checkpointing": m.activation_checkpointing, "seed": s.seed,
+        "activation_checkpointing": "unsloth" if m.activation_checkpointing and m.offload_activations
+        else m.activation_checkpointing, "seed": s.seed,
         "run_name": run_name, "lora_dir": lora_dir, "model": model, "adapter": adapter, "optimizer": optimizer,
+        "save_every_n_steps": s.save_every_n_steps, "uncond_fraction": spec.dataset.uncond_fraction,
     }
+    if spec.eval_dataset is not None:
+        table["eval_datasets"] = [{"name": "eval", "config": str(Path(dataset).with_name(EVAL_DATASET))}]
+        table["eval_every_n_epochs"] = s.eval_every_n_epochs
+        table["eval_every_n_steps"] = s.eval_every_n_steps
+    if spec.samples is not None:
+        samples = dataclasses.asdict(spec.samples)
+        table["samples"] = {**samples, "prompts": list(samples["prompts"])}
     if m.blocks_to_swap:
         if "blocks_to_swap" not in {f.name for f in dataclasses.fields(RunConfig)}:
             raise ConfigError(f"got {m.blocks_to_swap}; block swapping is not available in this version, set it to 0",
                               file=WHERE, key="blocks_to_swap")
         table["blocks_to_swap"] = m.blocks_to_swap
+    if p.cluster is not None:
+        table["cluster"] = cluster_table(p.cluster)
     return {k: v for k, v in table.items() if v is not None}
 
 
 def check_spec(spec: TrainSpec) -> None:
     """Everything that can be checked before a run directory exists; raises a ``PipeTrainError``."""
-    for d in spec.dataset.directories:
+    for d in spec.dataset.directories + (spec.eval_dataset.directories if spec.eval_dataset else ()):
         check_dataset_folder(d.path, d.caption_extension)
     for key, path in [("diffusion_model", spec.model.diffusion_model), ("vae", spec.model.vae)] + [
             (f"text_encoders[{i}]", p) for i, p in enumerate(spec.model.text_encoders)]:
         if not Path(path).is_file():
             raise ModelError(f"model file {path} ({key}) not found")
     p = spec.parallelism
-    if p.gpus % p.pipeline_stages:
+    world = p.gpus
+    if p.cluster is not None:
+        world = check_cluster(p.cluster, p.pipeline_stages)   # the hosts' slots, not ``gpus``
+        if p.gpu_ids:
+            raise ConfigError(f"gpu_ids {list(p.gpu_ids)} apply to one machine; on a cluster each host uses its "
+                              "first <slots> GPUs: leave gpu_ids empty", file=WHERE, key="gpu_ids")
+    elif p.gpus % p.pipeline_stages:
         raise ConfigError(f"pipeline_stages={p.pipeline_stages} does not divide gpus={p.gpus}; "
                           f"use a GPU count that is a multiple of {p.pipeline_stages}", file=WHERE, key="pipeline_stages")
-    if p.gpu_ids and len(p.gpu_ids) != p.gpus:
+    elif p.gpu_ids and len(p.gpu_ids) != p.gpus:
         raise ConfigError(f"{len(p.gpu_ids)} gpu_ids given for gpus={p.gpus}", file=WHERE, key="gpu_ids")
     dataset_config(spec.dataset)
+    if spec.eval_dataset is not None:
+        dataset_config(spec.eval_dataset)
     cfg = from_dict(RunConfig, run_table(spec, output_dir="/", dataset="dataset.toml", run_name=None,
                                          lora_dir=None), file=WHERE)
-    cfg.check_world_size(p.gpus)
+    cfg.check_world_size(world)
+    from ..backend.optim import resolve_optimizer
+    resolve_optimizer(cfg)   # the optimizer exists and takes every argument given (before a run folder exists)
 
 
 def write_config(spec: TrainSpec, folder: Path, *, output_dir: Path, run_name: str | None,
@@ -96,6 +126,8 @@ def write_config(spec: TrainSpec, folder: Path, *, output_dir: Path, run_name: s
     check_spec(spec)
     folder.mkdir(parents=True, exist_ok=True)
     save_toml(dataset_config(spec.dataset), folder / "dataset.toml")
+    if spec.eval_dataset is not None:
+        save_toml(dataset_config(spec.eval_dataset), folder / EVAL_DATASET)
     table = run_table(spec, output_dir=str(output_dir), dataset=str(folder / "dataset.toml"), run_name=run_name,
                       lora_dir=str(lora_dir) if lora_dir else None)
     save_toml(from_dict(RunConfig, table, file=folder / "run.toml"), folder / "run.toml")

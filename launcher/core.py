@@ -9,6 +9,12 @@ Stopping follows the backend's contract: the ``<run_dir>/stop`` file, checked af
 ranks checkpoint and exit; after ``stop_timeout`` the ranks get SIGTERM (their handler sets the same flag);
 after ``kill_timeout`` more the whole process group gets SIGKILL. A stopped run with a checkpoint resumes
 as ``deepspeed ... --module pipetrain train <run_dir>/run.toml --resume <run id>``.
+
+A run on several machines (``[cluster]``) starts as ``python -m pipetrain launch`` would, through
+``backend/cluster.py``: one detached launcher command for pdsh/slurm/openmpi; for ``no_ssh`` node 0 starts here
+and the other nodes' commands are recorded (``launcher.json`` ``node_commands``, the log, the run's route) for
+the user to run. Only this machine's slots count as held GPUs. The shared ``stop`` file reaches every node
+(global rank 0 reads it and tells the others); the SIGTERM/SIGKILL escalation reaches this machine's processes.
 """
 from __future__ import annotations
 
@@ -18,9 +24,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..backend.cluster import launch_environment, node_commands, prepare_run_folder, read_hosts
+from ..backend.config import load_run_config
 from ..backend.errors import PipeTrainError
 from .build import write_config
-from .procs import ProcessRef, child_env, deepspeed_argv, spawn
+from .cluster import cluster_hosts, join_command, local_devices
+from .procs import ProcessRef, child_env, deepspeed_argv, package_path, spawn
 from .registry import RunDirs, details, new_run_id, read_json, summarize, write_launcher_info
 from .specs import TrainSpec
 
@@ -94,13 +103,17 @@ class Launcher:
     # --- starting ----------------------------------------------------------------------------
     def start(self, spec: TrainSpec, name: str = "") -> str:
         """Validate, write the run directory and launch ``deepspeed ... pipetrain train``; returns the run id."""
-        devices = spec.parallelism.devices
+        cluster = spec.parallelism.cluster
+        devices = local_devices(cluster.launcher, cluster_hosts(cluster)) if cluster else spec.parallelism.devices
         self._refuse_held(devices)
         run_id = new_run_id(name)
         run_dir = self.dirs.path(run_id)
         lora_dir = self.lora_root / run_id if self.lora_root else None
         run_toml = write_config(spec, run_dir, output_dir=self.dirs.root, run_name=run_id, lora_dir=lora_dir)
-        self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id)
+        if cluster is not None:
+            self._launch_cluster(run_id, run_toml, resume=False, name=name or run_id)
+        else:
+            self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id)
         return run_id
 
     def resume(self, run_id: str) -> None:
@@ -110,8 +123,11 @@ class Launcher:
         info = read_json(run_dir / "launcher.json")
         if not summarize(self.dirs, run_id, False)["resumable"]:
             raise LauncherError(f"run {run_id} has no checkpoint to resume from")
-        devices = tuple(info.get("gpus") or (0,))
         (run_dir / "stop").unlink(missing_ok=True)
+        if info.get("cluster"):
+            self._launch_cluster(run_id, run_dir / "run.toml", resume=True, name=info.get("name", run_id))
+            return
+        devices = tuple(info.get("gpus") or (0,))
         self.launch(run_id, deepspeed_argv("train", run_dir / "run.toml", devices, ["--resume", run_id]), devices,
                     name=info.get("name", run_id))
 
@@ -123,8 +139,39 @@ class Launcher:
             raise LauncherError(f"GPU(s) {', '.join(map(str, busy))} are in use by run {runs}; stop it first or "
                                 f"choose other gpu_ids in the Parallelism node")
 
-    def launch(self, run_id: str, argv: list[str], devices: tuple[int, ...], name: str | None = None) -> ProcessRef:
-        """Spawn ``argv`` detached for run ``run_id`` (the lower half of ``start``/``resume``)."""
+    def _launch_cluster(self, run_id: str, run_toml: Path, *, resume: bool, name: str) -> ProcessRef:
+        """``python -m pipetrain launch`` semantics: the hostfile and ``.deepspeed_env`` in the shared run folder,
+        then the one launcher command (pdsh/slurm/openmpi), or node 0's here and the others' recorded (no_ssh)."""
+        cfg = load_run_config(run_toml)
+        hosts = read_hosts(cfg)
+        hostfile = prepare_run_folder(cfg, run_toml.parent)
+        commands = node_commands(cfg, run_toml, hostfile, ["--resume", run_id] if resume else [])
+        shim = self.dirs.root / ".pythonpath"
+        join_env = {"PYTHONPATH": package_path(shim)} | (
+            {"COMFYUI_PATH": str(self.comfyui_root)} if self.comfyui_root else {})
+        others = [{"node_rank": n.node_rank, "host": n.host, "deepspeed": n.shell(),
+                   "command": join_command(run_toml, n.node_rank, resume, join_env)} for n in commands[1:]]
+        cc = cfg.cluster
+        cluster = {"launcher": cc.launcher, "hosts": [f"{h}:{s}" for h, s in hosts], "master_addr": cc.master_addr,
+                   "master_port": cc.master_port}
+        if others:
+            with open(run_toml.parent / "log.txt", "a") as log:
+                log.write(f"[pipetrain] {nodes_text(cluster, others)}\n")
+        env = child_env(shim, self.comfyui_root, base=launch_environment(cfg))
+        return self.launch(run_id, commands[0].argv, local_devices(cc.launcher, hosts), name=name, env=env,
+                           info={"cluster": cluster, "node_commands": others})
+
+    def where(self, run_id: str) -> str:
+        """Where a started run runs, for the Train node: its GPUs, or its nodes and the commands left to run."""
+        info = read_json(self._require(run_id) / "launcher.json")
+        if not info.get("cluster"):
+            return f"on GPU(s) {info.get('gpus', [])}"
+        return nodes_text(info["cluster"], info.get("node_commands") or [], info.get("gpus", []))
+
+    def launch(self, run_id: str, argv: list[str], devices: tuple[int, ...], name: str | None = None, *,
+               env: dict[str, str] | None = None, info: dict | None = None) -> ProcessRef:
+        """Spawn ``argv`` detached for run ``run_id`` (the lower half of ``start``/``resume``); ``env`` replaces
+        the default child environment; ``info`` adds fields to ``launcher.json``."""
         with self.lock:
             self._refuse_held(devices)
             run_dir = self.dirs.path(run_id)
@@ -133,12 +180,12 @@ class Launcher:
                 self.before_launch(tuple(devices))
             old = read_json(run_dir / "launcher.json")
             log = run_dir / "log.txt"
-            env = child_env(self.dirs.root / ".pythonpath", self.comfyui_root)
+            env = env or child_env(self.dirs.root / ".pythonpath", self.comfyui_root)
             ref = spawn(argv, cwd=run_dir, log_path=log, env=env)
             write_launcher_info(run_dir, {
                 "id": run_id, "name": name or old.get("name") or run_id, "created": old.get("created", time.time()),
                 "launched": time.time(), "launches": old.get("launches", 0) + 1, "command": argv,
-                "gpus": list(devices), "log": str(log), "process": ref.as_dict()})
+                "gpus": list(devices), "log": str(log), "process": ref.as_dict(), **(info or {})})
             self.procs[run_id] = ref
             self.dead.discard(run_id)
             self.deadlines.pop(run_id, None)
@@ -205,3 +252,15 @@ class Launcher:
         info = read_json(run_dir / "launcher.json")
         info.update(fields)
         write_launcher_info(run_dir, info)
+
+
+def nodes_text(cluster: dict, joins: list[dict], gpus: list[int] | None = None) -> str:
+    """A cluster run in words: its nodes, and for ``no_ssh`` the command each other node must run."""
+    hosts = cluster.get("hosts", [])
+    text = f"on {len(hosts)} nodes ({cluster.get('launcher')}: {', '.join(hosts)})"
+    if gpus:
+        text += f", GPU(s) {gpus} of this machine"
+    if joins:
+        text += ("; node 0 starts here and waits for the others: run on each other node (same paths, shared "
+                 "run folder)") + "".join(f"\n# node {j['node_rank']} ({j['host']}):\n{j['command']}" for j in joins)
+    return text

@@ -6,7 +6,6 @@ A process is identified by (pid, creation time) so that a recycled pid is never 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -126,8 +125,9 @@ def package_path(shim_dir: Path) -> str:
     return str(shim_dir)
 
 
-def child_env(shim_dir: Path, comfyui_root: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
+def child_env(shim_dir: Path, comfyui_root: Path | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) + the package on PYTHONPATH and ComfyUI's location."""
+    env = dict(os.environ if base is None else base)
     paths = [package_path(shim_dir)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if comfyui_root is not None:

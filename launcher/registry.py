@@ -129,6 +129,8 @@ def summarize(run_dirs: RunDirs, run_id: str, alive: bool) -> dict:
             "loras": saved_loras(d, status), "gpus": info.get("gpus", []),
             "created": info.get("created"), "name": info.get("name", run_id),
             "resumable": bool(_latest_checkpoint(d)) and not alive,
+            # several machines: {launcher, hosts, ...}; for no_ssh the commands the other nodes run
+            "cluster": info.get("cluster"), "node_commands": info.get("node_commands", []),
             **{k: status.get(k) for k in keys}}
 
 

@@ -16,6 +16,10 @@ class DirectorySpec:
     num_repeats: int = 1
     resolutions: tuple[int, ...] = (512,)
     caption_extension: str = ".txt"
+    caption_prefix: str = ""            # before every caption of this folder
+    shuffle_tags: bool = False          # one tag-shuffled variant per caption (cache_shuffle_num 1)
+    cache_shuffle_num: int = 0          # N tag-shuffled variants per caption, each its own example
+    frame_buckets: tuple[int, ...] = (1,)   # video models: clip lengths in frames
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,11 @@ class DatasetSpec:
     min_ar: float = 0.5
     max_ar: float = 2.0
     num_ar_buckets: int = 7
+    uncond_fraction: float = 0.0    # caption dropout (a run key: the training dataset's value counts)
 
     def plus(self, other: "DatasetSpec") -> "DatasetSpec":
         return DatasetSpec(other.directories + self.directories, other.resolutions, other.enable_ar_bucket,
-                           other.min_ar, other.max_ar, other.num_ar_buckets)
+                           other.min_ar, other.max_ar, other.num_ar_buckets, other.uncond_fraction)
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class OptimizerSpec:
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.01
     eps: float = 1e-8
+    # further constructor arguments, as sorted (key, value) pairs (lists as tuples, so the spec stays hashable)
+    extra: tuple[tuple[str, object], ...] = ()
+    use_betas: bool = True          # False for optimizers without betas / eps (sgd)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,23 @@ class ScheduleSpec:
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = 30.0
     seed: int = 42
+    save_every_n_steps: Optional[int] = None
+    eval_every_n_epochs: Optional[int] = None
+    eval_every_n_steps: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Several machines through DeepSpeed's launcher (``[cluster]``; see ``launcher/cluster.py``)."""
+    launcher: str = "pdsh"                      # pdsh | no_ssh | slurm | openmpi
+    hosts: tuple[str, ...] = ()                 # "host:slots" entries, or
+    hostfile: str = ""                          # an absolute path of a DeepSpeed hostfile
+    master_addr: str = ""
+    master_port: int = 29500
+    env: tuple[tuple[str, str], ...] = ()       # forwarded to every node
+    nccl_socket_ifname: str = ""
+    nccl_ib_disable: Optional[bool] = None
+    nccl_p2p_disable: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,7 @@ class ParallelismSpec:
     pipeline_stages: int = 1
     micro_batch_size_per_gpu: int = 1
     gradient_accumulation_steps: int = 1
+    cluster: Optional[ClusterSpec] = None       # None: this machine only (``gpus``/``gpu_ids``)
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -88,6 +114,22 @@ class ParallelismSpec:
 class MemorySpec:
     activation_checkpointing: bool = True
     blocks_to_swap: int = 0
+    offload_activations: bool = False   # with activation_checkpointing: 'unsloth' (block inputs in CPU memory)
+
+
+@dataclass(frozen=True)
+class SamplesSpec:
+    """[samples]: images rendered with each saved epoch LoRA."""
+    prompts: tuple[str, ...]
+    negative_prompt: str = ""
+    seed: int = 0
+    width: int = 1024
+    height: int = 1024
+    steps: int = 20
+    cfg: float = 1.0
+    guidance: float = 3.5
+    sampler: str = "euler"
+    scheduler: str = "simple"
 
 
 @dataclass(frozen=True)
@@ -105,6 +147,8 @@ class TrainSpec:
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     memory: MemorySpec = field(default_factory=MemorySpec)
+    eval_dataset: Optional[DatasetSpec] = None     # held-out set (eval loss per timestep quantile)
+    samples: Optional[SamplesSpec] = None
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -23,6 +23,16 @@ def dataset_folder(folder: str) -> Path:
     return (p if p.is_absolute() else Path(folder_paths.get_input_directory()) / p).resolve()
 
 
+def parse_frame_buckets(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in str(text).replace(";", ",").split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"frame_buckets {text!r}: write whole numbers separated by commas, e.g. 1, 33") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"frame_buckets {text!r}: each must be 1 or more")
+    return values
+
+
 def parse_resolutions(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in str(text).replace(";", ",").split(",") if v.strip())
@@ -55,29 +65,44 @@ class DatasetNode(io.ComfyNode):
                              "is seen per epoch"),
                 io.String.Input("caption_extension", default=".txt", tooltip="Extension of the caption file beside "
                                 "each image (a missing caption trains with an empty one)"),
+                io.String.Input("caption_prefix", optional=True, default="", tooltip="Text put before every caption of this "
+                                "folder, e.g. a trigger word 'sks, ' (outside any tag shuffling)"),
+                io.Boolean.Input("shuffle_tags", optional=True, default=False, tooltip="Train on a copy of each caption with its "
+                                 "comma-separated tags shuffled (the same as 1 shuffled variant)"),
+                io.Int.Input("cache_shuffle_num", optional=True, default=0, min=0, max=64, tooltip="Tag-shuffled variants of each "
+                             "caption, each trained as its own example (0: the caption as written)"),
+                io.String.Input("frame_buckets", optional=True, default="1", tooltip="Video models: clip lengths in frames, comma "
+                                "separated (Wan: 4k+1, e.g. 1, 33, 65); each video trains as the longest it fills"),
+                io.Float.Input("uncond_fraction", optional=True, default=0.0, min=0.0, max=0.99, step=0.01, tooltip="Caption "
+                               "dropout: train this fraction of samples with the empty caption (the run uses the "
+                               "training dataset's value; an eval dataset's is ignored)"),
                 t.Dataset.Input("previous", optional=True, tooltip="Another PipeTrain Dataset to add this folder to"),
             ],
             outputs=[t.Dataset.Output(display_name="dataset")],
         )
 
     @classmethod
-    def validate_inputs(cls, folder=None, resolutions=None, caption_extension=None):
+    def validate_inputs(cls, folder=None, resolutions=None, caption_extension=None, frame_buckets=None):
         try:
             if folder is not None:
                 check_dataset_folder(dataset_folder(folder), caption_extension or ".txt")
             if resolutions is not None:
                 parse_resolutions(resolutions)
+            if frame_buckets is not None:
+                parse_frame_buckets(frame_buckets)
         except (PipeTrainError, ValueError) as e:
             return str(e)
         return True
 
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
-                caption_extension, previous=None) -> io.NodeOutput:
+                caption_extension, caption_prefix="", shuffle_tags=False, cache_shuffle_num=0, frame_buckets="1",
+                uncond_fraction=0.0, previous=None) -> io.NodeOutput:
         res = parse_resolutions(resolutions)
         ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
-        spec = DatasetSpec((DirectorySpec(str(dataset_folder(folder)), num_repeats, res, ext),), res,
-                           enable_ar_bucket, min_ar, max_ar, num_ar_buckets)
+        directory = DirectorySpec(str(dataset_folder(folder)), num_repeats, res, ext, caption_prefix, shuffle_tags,
+                                  cache_shuffle_num, parse_frame_buckets(frame_buckets))
+        spec = DatasetSpec((directory,), res, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, uncond_fraction)
         return io.NodeOutput(previous.plus(spec) if previous is not None else spec)
 
 

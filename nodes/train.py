@@ -74,21 +74,28 @@ class TrainNode(io.ComfyNode):
                 t.Memory.Input("memory", optional=True, tooltip="Activation checkpointing and block swapping"),
                 io.String.Input("run_name", default="lora", tooltip="Prefix of the run id; the run folder is "
                                 "output/pipetrain/<run id> and its LoRAs models/loras/pipetrain/<run id>"),
+                t.Dataset.Input("eval_dataset", optional=True, tooltip="Held-out images (a PipeTrain Dataset): eval "
+                                "loss per timestep quantile, as often as the Schedule's eval_every_n_* say"),
+                t.Samples.Input("samples", optional=True, tooltip="Prompts rendered with every saved epoch LoRA"),
             ],
             outputs=[t.Run.Output(display_name="run")],
         )
 
     @classmethod
     def execute(cls, dataset, model, run_name, adapter=None, optimizer=None, schedule=None, parallelism=None,
-                memory=None) -> io.NodeOutput:
+                memory=None, eval_dataset=None, samples=None) -> io.NodeOutput:
         from ..launcher.comfy import get_launcher
 
         spec = TrainSpec(dataset, model, adapter or AdapterSpec(), optimizer or OptimizerSpec(),
-                         schedule or ScheduleSpec(), parallelism or ParallelismSpec(), memory or MemorySpec())
+                         schedule or ScheduleSpec(), parallelism or ParallelismSpec(), memory or MemorySpec(),
+                         eval_dataset, samples)
         start = time.monotonic()
         try:
             run_id = get_launcher().start(spec, run_name)
         except PipeTrainError as e:
             raise ValueError(str(e)) from None
-        text = f"started run {run_id} in {time.monotonic() - start:.2f} s on GPU(s) {list(spec.parallelism.devices)}"
+        elapsed = time.monotonic() - start
+        where = (get_launcher().where(run_id) if spec.parallelism.cluster is not None  # nodes; no_ssh: commands
+                 else f"on GPU(s) {list(spec.parallelism.devices)}")
+        text = f"started run {run_id} in {elapsed:.2f} s {where}"
         return io.NodeOutput(RunHandle(run_id), ui=ui.PreviewText(text))

@@ -10,5 +10,6 @@ Schedule = io.Custom("PIPETRAIN_SCHEDULE")
 Parallelism = io.Custom("PIPETRAIN_PARALLELISM")
 Memory = io.Custom("PIPETRAIN_MEMORY")
 Run = io.Custom("PIPETRAIN_RUN")
+Samples = io.Custom("PIPETRAIN_SAMPLES")
 
 CATEGORY = "PipeTrain"

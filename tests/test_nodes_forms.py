@@ -42,3 +42,102 @@ def test_specs_are_hashable_and_datasets_chain(forms):
                   settings.MemoryNode]
     assert all(n in nodes for n in forms_only)
     assert {n.define_schema().category for n in forms_only} == {"PipeTrain"}
+
+
+# --- every option reachable from the nodes: node inputs -> specs -> run.toml -> RunConfig ------------------------
+
+def _files(tmp_path):
+    paths = {}
+    for name in ("dm", "vae", "te1", "te2"):
+        paths[name] = tmp_path / f"{name}.safetensors"
+        paths[name].write_bytes(b"x")
+    for folder in ("train", "held_out"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.png").write_bytes(b"x")
+    return paths
+
+
+def _dataset(data, folder, **kw):
+    args = dict(folder=str(folder), resolutions="512", enable_ar_bucket=True, min_ar=0.5, max_ar=2.0,
+                num_ar_buckets=7, num_repeats=1, caption_extension=".txt")
+    return data.DatasetNode.execute(**{**args, **kw}).result[0]
+
+
+def test_every_node_option_reaches_the_run_config(forms, tmp_path, monkeypatch):
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.launcher import comfy as host
+    from pipetrain.launcher.build import write_config
+    from pipetrain.launcher.specs import ModelSpec
+    from pipetrain.nodes import samples as samples_node
+    from pipetrain.nodes import train as train_node
+
+    _, data, settings = forms
+    f = _files(tmp_path)
+    dataset = _dataset(data, tmp_path / "train", caption_prefix="sks, ", shuffle_tags=True, cache_shuffle_num=3,
+                       frame_buckets="1, 33", uncond_fraction=0.25)
+    held_out = _dataset(data, tmp_path / "held_out")
+    samples = samples_node.SamplesNode.execute(
+        prompts="a fox\n\n  an owl  ", negative_prompt="blurry", seed=7, width=512, height=768, steps=9, cfg=2.5,
+        guidance=4.0, sampler="dpmpp_2m", scheduler="karras").result[0]
+    optimizer = settings.OptimizerNode.execute(type="Prodigy", lr=1.0, beta1=0.9, beta2=0.99, weight_decay=0.01,
+                                               eps=1e-8, extra_args="d_coef = 2, decouple = true").result[0]
+    schedule = settings.ScheduleNode.execute(epochs=3, lr_scheduler="cosine", warmup_steps=2, save_every_n_epochs=0,
+                                             checkpoint_every_n_epochs=0, checkpoint_every_n_minutes=0, seed=5,
+                                             save_every_n_steps=4, eval_every_n_epochs=2, eval_every_n_steps=6).result[0]
+    model = ModelSpec("flux", str(f["dm"]), str(f["vae"]), (str(f["te1"]), str(f["te2"])))
+
+    captured = {}
+
+    class FakeLauncher:
+        def start(self, spec, run_name):
+            captured["spec"] = spec
+            return "run-1"
+    monkeypatch.setattr(host, "get_launcher", lambda: FakeLauncher())
+    memory = settings.MemoryNode.execute(activation_checkpointing=True, blocks_to_swap=0,
+                                         offload_activations=True).result[0]
+    train_node.TrainNode.execute(dataset=dataset, model=model, run_name="x", optimizer=optimizer, schedule=schedule,
+                                 memory=memory, eval_dataset=held_out, samples=samples)
+    spec = captured["spec"]
+    assert spec.eval_dataset == held_out and spec.samples == samples
+
+    cfg = load_run_config(write_config(spec, tmp_path / "run", output_dir=tmp_path / "out", run_name="r",
+                                       lora_dir=None))
+    d = cfg.dataset_config.directory[0]
+    assert (d.caption_prefix, d.shuffle_tags, d.cache_shuffle_num, d.frame_buckets) == ("sks, ", True, 3, [1, 33])
+    assert cfg.uncond_fraction == 0.25
+    assert [e.name for e in cfg.eval_datasets] == ["eval"]
+    assert cfg.eval_dataset_configs()["eval"].directory[0].path == str(tmp_path / "held_out")
+    assert (cfg.eval_every_n_epochs, cfg.eval_every_n_steps) == (2, 6)
+    assert (cfg.save_every_n_epochs, cfg.save_every_n_steps) == (None, 4)
+    assert cfg.optimizer.type == "Prodigy" and cfg.optimizer.kwargs() == {
+        "lr": 1.0, "betas": (0.9, 0.99), "weight_decay": 0.01, "eps": 1e-8, "d_coef": 2, "decouple": True}
+    s = cfg.samples
+    assert (s.prompts, s.negative_prompt, s.seed, s.width, s.height, s.steps, s.cfg, s.guidance, s.sampler,
+            s.scheduler) == (["a fox", "an owl"], "blurry", 7, 512, 768, 9, 2.5, 4.0, "dpmpp_2m", "karras")
+    assert (cfg.lr_scheduler, cfg.warmup_steps, cfg.seed, cfg.epochs) == ("cosine", 2, 5, 3)
+    assert cfg.activation_checkpointing == "unsloth"
+
+
+def test_node_option_errors_are_caught_when_queued(forms, tmp_path):
+    from pipetrain.backend.errors import ConfigError
+    from pipetrain.launcher.build import check_spec
+    from pipetrain.launcher.specs import ModelSpec, TrainSpec
+    from pipetrain.nodes import samples as samples_node
+
+    _, data, settings = forms
+    f = _files(tmp_path)
+    model = ModelSpec("flux", str(f["dm"]), str(f["vae"]), (str(f["te1"]), str(f["te2"])))
+    assert "prompt" in samples_node.SamplesNode.validate_inputs(prompts="\n  \n")
+    assert "extra_args" in settings.OptimizerNode.validate_inputs(extra_args="d_coef = ")
+    assert settings.parse_kwargs("a = 1\nb = [1, 2]") == (("a", 1), ("b", (1, 2)))
+    assert "nothing would be saved" in settings.ScheduleNode.validate_inputs(save_every_n_epochs=0,
+                                                                            save_every_n_steps=0)
+    assert "frame_buckets" in data.DatasetNode.validate_inputs(frame_buckets="1, x")
+    sgd = settings.OptimizerNode.execute(type="sgd", lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+                                         extra_args="momentum = 0.9").result[0]
+    dataset = _dataset(data, tmp_path / "train")
+    check_spec(TrainSpec(dataset, model, optimizer=sgd))   # sgd gets no betas / eps
+    bad = settings.OptimizerNode.execute(type="adamw", lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+                                         extra_args="d_coef = 2").result[0]
+    with pytest.raises(ConfigError, match="d_coef"):
+        check_spec(TrainSpec(dataset, model, optimizer=bad))

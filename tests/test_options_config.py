@@ -165,8 +165,6 @@ def test_the_flux_example_shows_every_option():
     (("blocks_to_swap = 0", "blocks_to_swap = 20"), "blocks_to_swap", "pipeline_stages"),
     (("compile = false", "compile = true"), "compile", "torch.compile"),
     (("enable_wandb = false", "enable_wandb = true"), "monitoring", "TensorBoard"),
-    (("activation_checkpointing = true", "activation_checkpointing = 'unsloth'"), "activation_checkpointing",
-     "use true"),
     (("micro_batch_size_per_gpu = 1", "micro_batch_size_per_gpu = [[512, 4], [1024, 1]]"),
      "micro_batch_size_per_gpu", "one integer"),
     (("epochs = 1000", "epochs = 1000\nforce_constant_lr = 1e-5"), "force_constant_lr", "lr_scheduler = 'constant'"),

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: GPL-3.0-or-later
 // PipeTrain panel: runs with progress and ETA, a live loss chart, epoch LoRAs (one click adds a
 // "PipeTrain Load Epoch LoRA" node), stop/resume. Fed by GET /pipetrain/runs[/{id}] and the
-// "pipetrain.event" websocket messages that the launcher's relay sends.
+// "pipetrain.event" websocket messages that the launcher's relay sends. A run on several machines shows its
+// nodes and, while a no_ssh run is alive, the command each other node must run (events come from global rank 0).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -18,6 +19,8 @@ const css = `
 .pipetrain-row{display:flex;justify-content:space-between;gap:6px;align-items:center}
 .pipetrain-panel button{font-size:11px;padding:2px 6px;cursor:pointer}
 .pipetrain-chart{width:100%;height:160px;background:#1b1b1b;border-radius:4px}
+.pipetrain-nodes{margin-top:4px;cursor:auto}
+.pipetrain-cmd{white-space:pre-wrap;word-break:break-all;background:#1b1b1b;padding:4px;border-radius:4px;font:11px monospace;margin:2px 0 4px;user-select:text}
 .pipetrain-float{position:fixed;right:12px;top:60px;width:340px;max-height:80vh;z-index:1000;background:#222;border:1px solid #555;border-radius:8px}
 `;
 
@@ -93,6 +96,18 @@ function drawChart(canvas, points) {
   ctx.fillText(`step ${x0}`, 30, h - 2); ctx.fillText(`${x1}`, w - 30, h - 2);
 }
 
+function nodeCommands(run) {
+  // no_ssh: node 0 runs here; every other node joins with its own command (sent again on resume)
+  const box = el("div", { class: "pipetrain-nodes", onclick: (e) => e.stopPropagation() },
+    el("div", {}, "Start the other nodes (same paths, shared run folder):"));
+  for (const c of run.node_commands) {
+    box.append(el("div", { class: "pipetrain-row" }, `node ${c.node_rank} (${c.host})`,
+      el("button", { onclick: () => navigator.clipboard?.writeText(c.command) }, "Copy")),
+    el("pre", { class: "pipetrain-cmd", "data-node": c.node_rank }, c.command));
+  }
+  return box;
+}
+
 function runCard(run) {
   const pct = run.total_steps ? Math.min(100, (100 * (run.step || 0)) / run.total_steps) : 0;
   const card = el("div", { class: `pipetrain-run${run.id === state.selected ? " sel" : ""}`, "data-run": run.id, onclick: () => select(run.id) },
@@ -109,6 +124,11 @@ function runCard(run) {
   } else if (run.resumable) {
     buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "resume"); } }, "Resume"));
   }
+  if (run.cluster) {
+    const hosts = run.cluster.hosts || [];
+    card.append(el("div", { class: "pipetrain-cluster" }, `${hosts.length} nodes (${run.cluster.launcher}): ${hosts.join(", ")}`));
+  }
+  if (run.alive && (run.node_commands || []).length) card.append(nodeCommands(run));
   if (run.error) card.append(el("div", { style: "color:#f77" }, run.error));
   card.append(buttons);
   return card;

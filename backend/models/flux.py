@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
 
+from .checkpointing import run_checkpointed
 from .attention import rope_attention
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
@@ -105,7 +105,7 @@ class _Checkpointed(TupleLayer):
 
     def run(self, *args):
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self.block_forward, *args, use_reentrant=False)
+            return run_checkpointed(self.checkpoint_activations, self.block_forward, *args)
         return self.block_forward(*args)
 
 

@@ -143,21 +143,39 @@ def _model_config(arch: str, unet_config: dict):
     return model_config
 
 
+SCALE_KEYS = (".scale_weight", ".scale_input")   # scaled-fp8 linears default them to 1 when a file leaves them out
+
+
+def _detect_quantization(model_config, sd: dict, metadata: dict) -> None:
+    """ComfyUI's own detection of fp8_scaled files (a ``scaled_fp8`` marker tensor, per-layer ``scale_weight``)
+    and of per-layer quantization metadata, as ``comfy.model_detection.model_config_from_unet`` does it."""
+    from comfy.model_detection import detect_layer_quantization
+    marker = sd.pop("scaled_fp8", None)
+    if marker is not None:
+        model_config.scaled_fp8 = torch.float8_e4m3fn if marker.dtype == torch.float32 else marker.dtype
+        model_config.optimizations["fp8"] = marker.nelement() != 2
+    layers = detect_layer_quantization(dict(metadata))
+    if layers:
+        model_config.layer_quant_config = layers
+
+
 def _load_from_config(path: Path, arch: str, unet_config: dict, dtype):
     """Mirror of ``comfy.sd.load_diffusion_model_state_dict`` with the config from the file's metadata."""
     import comfy.model_management as mm
     import comfy.model_patcher
     model_config = _model_config(arch, unet_config)
-    sd, _ = _load_state_dict(path)
+    sd, metadata = _load_state_dict(path)
+    _detect_quantization(model_config, sd, metadata)
     load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
     supported = model_config.supported_inference_dtypes
     dtype = dtype or mm.unet_dtype(model_params=sum(v.numel() for v in sd.values()), supported_dtypes=supported)
-    model_config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, load_device, supported))
+    manual_cast = mm.unet_manual_cast(None if model_config.layer_quant_config else dtype, load_device, supported)
+    model_config.set_inference_dtype(dtype, manual_cast)
     try:
         model = model_config.get_model(sd, "").to(offload_device)
     except Exception as exc:
         raise ModelError(f"{path}: cannot build the {arch} model from its '{META_UNET}' metadata ({exc})") from exc
-    missing = sorted(set(model.diffusion_model.state_dict()) - set(sd))
+    missing = sorted(k for k in set(model.diffusion_model.state_dict()) - set(sd) if not k.endswith(SCALE_KEYS))
     if missing:
         raise ModelError(f"{path}: {len(missing)} weights of the {arch} model in its metadata are missing, "
                          f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")

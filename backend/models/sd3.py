@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from .checkpointing import run_checkpointed
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
@@ -122,7 +122,8 @@ class SD3Block(TupleLayer):
 
     def run(self, x, context, c, hw, text_lengths):
         if self.checkpoint_activations and torch.is_grad_enabled():
-            context, x = checkpoint(self.block_forward, x, context, c, text_lengths, use_reentrant=False)
+            context, x = run_checkpointed(self.checkpoint_activations, self.block_forward, x, context, c,
+                                          text_lengths)
         else:
             context, x = self.block_forward(x, context, c, text_lengths)
         if context is None:  # the last block: its context stream only feeds the image stream's attention

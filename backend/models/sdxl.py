@@ -35,9 +35,9 @@ import re
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..errors import ModelError
+from .checkpointing import run_checkpointed
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
@@ -180,7 +180,8 @@ class _Block(TupleLayer):
 
     def run_block(self, h, emb, context, output_shape=None):
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self._block_forward, h, emb, context, output_shape, use_reentrant=False)
+            return run_checkpointed(self.checkpoint_activations, self._block_forward, h, emb, context,
+                                    output_shape)
         return self._block_forward(h, emb, context, output_shape)
 
 

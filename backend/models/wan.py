@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from .checkpointing import run_checkpointed
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
@@ -114,7 +114,7 @@ class WanBlock(TupleLayer):
 
     def run(self, x, e0, e, context, freqs, grid, size):
         if self.checkpoint_activations and torch.is_grad_enabled():
-            x = checkpoint(self.block_forward, x, e0, context, freqs, use_reentrant=False)
+            x = run_checkpointed(self.checkpoint_activations, self.block_forward, x, e0, context, freqs)
         else:
             x = self.block_forward(x, e0, context, freqs)
         return x, e0, e, context, freqs, grid, size

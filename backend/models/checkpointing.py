@@ -1,0 +1,74 @@
+"""Activation checkpointing for every architecture's block layers: one function, three modes.
+
+``activation_checkpointing``: false (keep activations), true (torch's non-reentrant checkpoint: keep each
+block's inputs, recompute the block in backward) or ``'unsloth'`` (diffusion-pipe's / Unsloth's variant:
+the block's saved inputs wait in CPU memory, copied out and back with ``non_blocking`` copies, and the block
+is recomputed from them in backward; on the CPU the "copy" keeps the tensor as it is). The recompute
+replays the forward's RNG state, so LoRA dropout draws the same mask.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+UNSLOTH = "unsloth"
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t.detach()
+    pin = device.type == "cpu" and t.device.type == "cuda"
+    out = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+    return out.copy_(t.detach(), non_blocking=True)
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """forward(run, grad_anchor, *args): ``run(*args)`` without keeping activations; its tensor args are parked in
+    CPU memory. ``grad_anchor`` requires grad, so the output does even when no input does (frozen embedders
+    upstream): the adapters inside the block still get their gradients."""
+
+    @staticmethod
+    def forward(ctx, run, grad_anchor, *args):
+        ctx.run = run
+        ctx.devices = [a.device if torch.is_tensor(a) else None for a in args]
+        ctx.needs_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        ctx.parked = [_to(a, torch.device("cpu")) if torch.is_tensor(a) else a for a in args]
+        ctx.cuda = any(d is not None and d.type == "cuda" for d in ctx.devices)
+        ctx.rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state() if ctx.cuda else None
+        with torch.no_grad():
+            out = run(*args)
+        ctx.tuple_out = isinstance(out, tuple)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = []
+        for a, device, needs in zip(ctx.parked, ctx.devices, ctx.needs_grad):
+            if torch.is_tensor(a):
+                a = _to(a, device).requires_grad_(needs)
+            args.append(a)
+        devices = [torch.cuda.current_device()] if ctx.cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.rng)
+            if ctx.cuda:
+                torch.cuda.set_rng_state(ctx.cuda_rng)
+            with torch.enable_grad():
+                out = ctx.run(*args)
+        outs = out if ctx.tuple_out else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        ctx.parked = None
+        return (None, None) + tuple(a.grad if torch.is_tensor(a) and needs else None
+                                    for a, needs in zip(args, ctx.needs_grad))
+
+
+def run_checkpointed(mode, fn, *args):
+    """``fn(*args)`` under the configured activation checkpointing (``mode``: False, True or 'unsloth')."""
+    if not mode or not torch.is_grad_enabled():
+        return fn(*args)
+    if mode == UNSLOTH:
+        anchor = torch.empty(0, requires_grad=True)
+        return _OffloadedCheckpoint.apply(fn, anchor, *args)
+    return checkpoint(fn, *args, use_reentrant=False)
