@@ -3,6 +3,7 @@ differences of that forward, training inputs/targets that ComfyUI's sampler turn
 and tuples between layers that DeepSpeed's pipeline can send both ways."""
 import pytest
 import torch
+from layer_checks import every_boundary_is_a_stage_boundary, give_lora_b_values, lora_gradients_match_finite_differences
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -147,75 +148,18 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sdxl):
     linears = {n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear) and ".1." in n
                and n.split(".")[-1] not in ("lora_A", "lora_B") and "emb_layers" not in n}
     assert set(names) == linears  # every linear of every SpatialTransformer
-    modules = list(lora.adapted_modules(dm))
-    g = torch.Generator().manual_seed(2)
-    for m in modules:  # B starts at zero; give it values so every A receives a gradient too
-        m.lora_B.weight.data.normal_(0, 0.05, generator=g)
-    x0, noise, t, cond, pooled = inputs = _inputs()
-    loss = a.loss(_run_layers(a.to_layers(checkpoint_activations=True), inputs), (x0, noise, t))
-    loss.backward()
-    params = lora.trainable_parameters(dm)
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
-
-    directions = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
-    analytic = sum((p.grad * d).sum() for p, d in zip(params, directions))
-
-    def comfy_loss():
-        with torch.no_grad():
-            pred = a.reference_forward(a.objective().noisy(x0, noise, t), t, [cond, pooled])
-            return a.loss(pred, (x0, noise, t))
-
-    eps = 1e-6
-    with torch.no_grad():
-        for p, d in zip(params, directions):
-            p.add_(eps * d)
-        plus = comfy_loss()
-        for p, d in zip(params, directions):
-            p.sub_(2 * eps * d)
-        minus = comfy_loss()
-        for p, d in zip(params, directions):
-            p.add_(eps * d)
-    numeric = (plus - minus) / (2 * eps)
-    for p in params:
-        p.grad = None
-    assert torch.allclose(analytic, numeric, rtol=1e-5, atol=1e-9), (analytic, numeric)
+    give_lora_b_values(dm)
+    lora_gradients_match_finite_differences(a, _inputs())
 
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_sdxl):
-    """Cut after every layer the way DeepSpeed's pipeline does (received activations are fresh leaves; a
-    stage's backward starts from its float outputs with the next stage's input gradients): every float
-    output has a graph, every float input gets a gradient, and the LoRA gradients equal an uncut run."""
+    """Every layer boundary can be where DeepSpeed cuts the pipeline (see layer_checks)."""
     a = small_sdxl
     dm = a.diffusion_model
     if not list(lora.adapted_modules(dm)):
         lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        for m in lora.adapted_modules(dm):
-            m.lora_B.weight.data.normal_(0, 0.05)
-    params = lora.trainable_parameters(dm)
-    x0, noise, t, cond, pooled = inputs = _inputs()
-    layers = a.to_layers(checkpoint_activations=True)
-
-    a.loss(_run_layers(layers, inputs), (x0, noise, t)).backward()
-    uncut = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-
-    stages, h = [], tuple(x.clone().requires_grad_(x.is_floating_point()) for x in inputs)
-    for layer in layers[:-1]:
-        out = layer(h)
-        assert all(x.requires_grad for x in out if x.is_floating_point()), type(layer).__name__
-        stages.append((h, out))
-        h = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in out)
-    a.loss(layers[-1](h), (x0, noise, t)).backward()
-    received = h
-    for i, (h_in, out) in enumerate(reversed(stages)):
-        grads = [x.grad for x in received if x.is_floating_point()]
-        assert all(g is not None for g in grads), f"layer {len(stages) - i}: an input got no gradient"
-        torch.autograd.backward([x for x in out if x.is_floating_point()], grads)
-        received = h_in
-    for p, u in zip(params, uncut):
-        assert torch.allclose(p.grad, u, rtol=1e-10, atol=1e-14)
-        p.grad = None
+        give_lora_b_values(dm)
+    every_boundary_is_a_stage_boundary(a, _inputs())
 
 
 def test_captions_of_different_lengths_batch_like_comfyui(small_sdxl):
