@@ -26,7 +26,7 @@ from torch import nn
 from .attention import text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .flux import FluxOutput, JoinStreams, _Checkpointed, double_block, single_block
+from .flux import FluxOutput, JoinStreams, _Checkpointed, double_block, image_tokens, single_block, unpatchify
 from .objectives import FlowMatching
 from .spec import ArchSpec
 
@@ -159,13 +159,9 @@ class ChromaOutput(FluxOutput):
         self._get_modulations = dm.get_modulations
 
     def run(self, x, mods, pe, hw, text_lengths):
-        h, w = int(hw[0]), int(hw[1])
-        ps = self.patch_size
-        h_len, w_len = (h + ps // 2) // ps, (w + ps // 2) // ps
-        img = x[:, x.shape[1] - h_len * w_len:]
+        img, grid = image_tokens(x, hw, self.patch_size)
         out = self.final_layer(img, vec=self._get_modulations(reveal(mods, self.dtype), "final"))
-        out = rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=ps, pw=ps)
-        return out[:, :, :h, :w].to(torch.promote_types(out.dtype, torch.float32))
+        return unpatchify(out, grid, self.patch_size)
 
 
 class ChromaAdapter(ModelAdapter):

@@ -179,13 +179,21 @@ class FluxOutput(TupleLayer):
         self.final_layer, self.patch_size, self.dtype = dm.final_layer, dm.patch_size, dtype
 
     def run(self, x, vec, pe, hw):
-        h, w = int(hw[0]), int(hw[1])
-        ps = self.patch_size
-        h_len, w_len = (h + ps // 2) // ps, (w + ps // 2) // ps
-        img = x[:, x.shape[1] - h_len * w_len:]
-        out = self.final_layer(img, reveal(vec, self.dtype))
-        out = rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=ps, pw=ps)
-        return out[:, :, :h, :w].to(torch.promote_types(out.dtype, torch.float32))
+        img, grid = image_tokens(x, hw, self.patch_size)
+        return unpatchify(self.final_layer(img, reveal(vec, self.dtype)), grid, self.patch_size)
+
+
+def image_tokens(x: torch.Tensor, hw: torch.Tensor, patch_size: int):
+    """The image tokens at the end of a joint (text, image) sequence, and the latent grid they cover."""
+    h, w = int(hw[0]), int(hw[1])
+    h_len, w_len = (h + patch_size // 2) // patch_size, (w + patch_size // 2) // patch_size
+    return x[:, x.shape[1] - h_len * w_len:], (h, w, h_len, w_len)
+
+
+def unpatchify(out: torch.Tensor, grid, patch_size: int) -> torch.Tensor:
+    h, w, h_len, w_len = grid
+    out = rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=patch_size, pw=patch_size)
+    return out[:, :, :h, :w].to(torch.promote_types(out.dtype, torch.float32))
 
 
 class FluxAdapter(ModelAdapter):
