@@ -82,3 +82,24 @@ def test_stop_file_checkpoints_and_exits(micro_flux_files, make_run):
     stopped = run.events("stopped")[-1]
     assert run.events("checkpoint")[-1]["step"] == stopped["step"] < 80
     assert not (run_dir / "stop").exists()
+
+
+def test_resume_with_more_data_parallel_ranks(micro_flux_files, make_run):
+    """Resume a 2-rank (2 stages x 1) run on 4 ranks (2 stages x 2), as after adding a node: the epoch
+    position carries over in examples, the remaining epochs run with the larger global batch."""
+    config = make_run(micro_flux_files, images=4, name="grow", stages=2, epochs=3, checkpoint_every_n_epochs=1)
+    dataset = config.with_name("dataset.toml")
+    dataset.write_text(dataset.read_text().replace("enable_ar_bucket = true", "enable_ar_bucket = false"))
+    proc = launch(config, 2)
+    checkpoint = _wait_for_event(config.parent / "output", "checkpoint")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert checkpoint["step"] == 4                       # epoch 1: 4 images, global batch 1
+
+    resumed = train(config, 4, "--resume")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    event = resumed.events("resume")[-1]
+    assert (event["saved_global_batch"], event["global_batch"], event["step"]) == (1, 2, 4)
+    assert resumed.status()["state"] == "finished" and resumed.status()["step"] == 8   # + 2 epochs of 2 steps
+    assert [e["epoch"] for e in resumed.events("lora_saved")][-2:] == [2, 3]
+    assert resumed.events("start")[-1]["world_size"] == 4

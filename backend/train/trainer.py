@@ -143,8 +143,21 @@ class Trainer:
         self.global_step = state["global_step"]
         self.epoch = state["epoch"]
         self.step_in_epoch = state["step_in_epoch"]
+        saved_batch = state.get("global_batch", self.global_batch)
+        if saved_batch != self.global_batch:  # another number of data-parallel ranks (e.g. more nodes)
+            examples = self.step_in_epoch * saved_batch
+            self.step_in_epoch = min(examples // self.global_batch, self.plan.steps_per_epoch())
+            if self.rank == 0 and examples % self.global_batch:
+                log.warning("resuming with a global batch of %d instead of %d: the epoch continues after %d of "
+                            "its %d examples", self.global_batch, saved_batch, self.step_in_epoch * self.global_batch,
+                            examples)
+        remaining = (self.cfg.epochs - self.epoch + 1) * self.plan.steps_per_epoch() - self.step_in_epoch
+        self.total_steps = self.global_step + remaining
+        if self.cfg.max_steps:
+            self.total_steps = min(self.total_steps, self.cfg.max_steps)
         if self.rank == 0:
-            self.reporter.event("resume", checkpoint=tag, step=self.global_step, epoch=self.epoch)
+            self.reporter.event("resume", checkpoint=tag, step=self.global_step, epoch=self.epoch,
+                                global_batch=self.global_batch, saved_global_batch=saved_batch)
 
     def train_loop(self) -> None:
         from .loop import run_loop
@@ -152,8 +165,14 @@ class Trainer:
         run_loop(self)
 
     # --- helpers used by the phases ---------------------------------------------------------
+    @property
+    def global_batch(self) -> int:
+        c = self.cfg
+        return c.micro_batch_size_per_gpu * c.gradient_accumulation_steps * self.dp_world
+
     def client_state(self) -> dict:
-        return {"global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+        return {"global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "global_batch": self.global_batch}
 
     def save_checkpoint(self) -> None:
         path = checkpoint.save(self.engine, self.ckpt_root, self.global_step, self.client_state())
