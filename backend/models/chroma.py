@@ -182,9 +182,7 @@ class ChromaAdapter(ModelAdapter):
         return [t5, torch.tensor([it["t5"].shape[0] for it in items])]
 
     def objective(self):
-        c = self.cfg
-        return FlowMatching(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale,
-                            shift=c.shift, flux_shift=c.flux_shift)
+        return FlowMatching.from_model_config(self.cfg)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

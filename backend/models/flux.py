@@ -209,9 +209,7 @@ class FluxAdapter(ModelAdapter):
         return {"t5": out["cond"][0].float().cpu(), "pooled": out["pooled_output"][0].float().cpu()}
 
     def objective(self):
-        c = self.cfg
-        return FlowMatching(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale,
-                            shift=c.shift, flux_shift=c.flux_shift)
+        return FlowMatching.from_model_config(self.cfg)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

@@ -26,6 +26,13 @@ class FlowMatching:
     flux_shift: bool = False
     multiplier: float = 1.0
 
+    @classmethod
+    def from_model_config(cls, c, default_shift: float | None = None, multiplier: float = 1.0) -> "FlowMatching":
+        """The objective a ``[model]`` table asks for; ``default_shift`` applies when it sets no ``shift``."""
+        return cls(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale,
+                   shift=default_shift if c.shift is None else c.shift, flux_shift=c.flux_shift,
+                   multiplier=float(multiplier))
+
     def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
         if self.sample_method == "logit_normal":
             t = torch.sigmoid(torch.randn(batch, generator=generator) * self.sigmoid_scale)

@@ -163,11 +163,8 @@ class SD3Adapter(ModelAdapter):
         return [cond, pooled, torch.tensor([it["cond"].shape[0] for it in items])]
 
     def objective(self):
-        c = self.cfg
         multiplier = self.model_sampling.multiplier if self.patcher is not None else 1000.0
-        return FlowMatching(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale,
-                            shift=SD3_SHIFT if c.shift is None else c.shift, flux_shift=c.flux_shift,
-                            multiplier=float(multiplier))
+        return FlowMatching.from_model_config(self.cfg, default_shift=SD3_SHIFT, multiplier=multiplier)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

@@ -160,10 +160,8 @@ class WanAdapter(ModelAdapter):
         return {"context": out["cond"][0].float().cpu()}
 
     def objective(self):
-        c = self.cfg
         multiplier = self.model_sampling.multiplier if self.patcher is not None else 1000.0
-        return FlowMatching(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale,
-                            shift=c.shift, flux_shift=c.flux_shift, multiplier=float(multiplier))
+        return FlowMatching.from_model_config(self.cfg, multiplier=multiplier)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model
