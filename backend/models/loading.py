@@ -239,8 +239,9 @@ def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
         options["dtype"] = dtype
     params = sum(math.prod(s) for shapes, _ in headers for s in shapes.values())
     state_dicts = [_load_state_dict(path)[0] for path in paths]
-    # what ComfyUI's load_clip hands the tokenizer: a SentencePiece model stored in the file (UMT5)
-    tokenizer_data = {k: sd[k] for sd in state_dicts for k in ("spiece_model",) if k in sd}
+    # what ComfyUI's load_clip hands the tokenizer: e.g. a SentencePiece model stored in the file (UMT5)
+    tokenizer_data = {k: sd.pop(k) for kind, sd in zip(kinds, state_dicts)
+                      for k in TEXT_ENCODERS[kind].extras if k in sd}
     clip = comfy.sd.CLIP(arch_spec(arch).clip_target(), parameters=params, model_options=options,
                          tokenizer_data=tokenizer_data)
     for path, kind, sd in zip(paths, kinds, state_dicts):

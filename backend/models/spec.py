@@ -34,13 +34,36 @@ class ArchSpec:
 
 @dataclass(frozen=True)
 class TextEncoderKind:
+    """A text-encoder file kind. Its key in ``TEXT_ENCODERS`` is ComfyUI's name for the encoder (the
+    ``name`` of its ``SD1ClipModel``: ``clip_l``, ``t5xxl``, ``qwen25_7b``, ...), which is also the
+    ``<name>_model_config`` option that tiny files' configs travel in."""
     title: str                                   # "CLIP-L"
-    config: str                                  # ComfyUI's JSON config, relative to its root
+    config: str | Callable[[], dict]             # ComfyUI's JSON config (relative to its root), or a function
     tiny: dict                                   # overrides for the tiny size (output width stays real)
-    module: str                                  # "clip" (CLIPTextModel) or "t5" (T5)
+    build: Callable[[dict], torch.nn.Module]     # config -> the module whose state dict is the file (meta device)
     te_model: str                                # comfy.sd.TEModel that ComfyUI's detection gives a real file
-    # extra tensors a file of this kind carries besides the weights (name -> () -> tensor)
+    # extra tensors a file of this kind carries besides the weights, e.g. a tokenizer (name -> () -> tensor);
+    # they reach ComfyUI's tokenizer as ``tokenizer_data``, as comfy.sd.load_clip hands them over
     extras: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+
+
+def _comfy_text_model(path: str):
+    """``build`` for a ComfyUI text-model class taking (config, dtype, device, operations), e.g.
+    ``comfy.text_encoders.t5:T5``."""
+    def build(config: dict) -> torch.nn.Module:
+        import importlib
+
+        from ..runtime import ensure_comfyui
+        ensure_comfyui()
+        import comfy.ops
+        module, _, name = path.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(config, torch.float32, "meta", comfy.ops.disable_weight_init)
+    return build
+
+
+CLIP_TEXT_MODEL = _comfy_text_model("comfy.clip_model:CLIPTextModel")
+T5_MODEL = _comfy_text_model("comfy.text_encoders.t5:T5")
 
 
 def _umt5_spiece() -> torch.Tensor:
@@ -70,13 +93,13 @@ UMT5_TINY_VOCAB = 2000
 # Output widths stay real: CLIP-L 768, CLIP-G 1280, T5 / UMT5 4096 (the diffusion models' context widths).
 TEXT_ENCODERS: dict[str, TextEncoderKind] = {
     "clip_l": TextEncoderKind("CLIP-L", "comfy/sd1_clip_config.json",
-                              {"num_hidden_layers": 3, "intermediate_size": 256}, "clip", "CLIP_L"),
+                              {"num_hidden_layers": 3, "intermediate_size": 256}, CLIP_TEXT_MODEL, "CLIP_L"),
     "clip_g": TextEncoderKind("CLIP-G", "comfy/clip_config_bigg.json",
-                              {"num_hidden_layers": 3, "intermediate_size": 256}, "clip", "CLIP_G"),
+                              {"num_hidden_layers": 3, "intermediate_size": 256}, CLIP_TEXT_MODEL, "CLIP_G"),
     "t5xxl": TextEncoderKind("T5-XXL", "comfy/text_encoders/t5_config_xxl.json",
-                             {"num_layers": 2, "num_heads": 4, "d_ff": 256}, "t5", "T5_XXL"),
+                             {"num_layers": 2, "num_heads": 4, "d_ff": 256}, T5_MODEL, "T5_XXL"),
     "umt5xxl": TextEncoderKind("UMT5-XXL", "comfy/text_encoders/umt5_config_xxl.json",
-                               {"num_layers": 2, "num_heads": 4, "d_ff": 256, "vocab_size": UMT5_TINY_VOCAB}, "t5",
+                               {"num_layers": 2, "num_heads": 4, "d_ff": 256, "vocab_size": UMT5_TINY_VOCAB}, T5_MODEL,
                                "T5_XXL", extras={"spiece_model": _umt5_spiece}),
 }
 # ComfyUI's detection calls UMT5 files T5_XXL too; UMT5 has a relative-attention bias in every layer

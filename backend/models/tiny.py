@@ -66,19 +66,13 @@ def build_vae(arch: str, size: str = "tiny") -> torch.nn.Module:
 def text_encoder_config(kind: str, size: str) -> dict:
     from ..runtime import ensure_comfyui
     spec = TEXT_ENCODERS[kind]
-    config = json.loads((ensure_comfyui() / spec.config).read_text())
+    config = spec.config() if callable(spec.config) else json.loads((ensure_comfyui() / spec.config).read_text())
     return {**config, **spec.tiny} if size == "tiny" else config
 
 
 def build_text_encoder(kind: str, config: dict) -> torch.nn.Module:
     """The module whose state dict is a text-encoder file (``SDClipModel.transformer``)."""
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.clip_model
-    import comfy.ops
-    import comfy.text_encoders.t5
-    cls = comfy.text_encoders.t5.T5 if TEXT_ENCODERS[kind].module == "t5" else comfy.clip_model.CLIPTextModel
-    return cls(config, torch.float32, "meta", comfy.ops.disable_weight_init)
+    return TEXT_ENCODERS[kind].build(config)
 
 
 # --- streaming a meta module to safetensors ------------------------------------------------------
