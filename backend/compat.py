@@ -71,7 +71,7 @@ OPTIMIZER = {
     "gradient_release": Unsupported("not implemented; remove the key", inert=(False,)),
 }
 
-_MASKS = "masked and edit (control image) training are not supported"
+_MASKS = "masked training is not supported"
 _DATASET_COMMON = {
     "shuffle_metadata": Unsupported("the order is reshuffled every epoch anyway", inert=ANY),
     "online_captions": Unsupported("captions are always cached as embeddings", inert=(False,)),
@@ -81,10 +81,10 @@ _DATASET_COMMON = {
                                 "enable_ar_bucket, min_ar, max_ar and num_ar_buckets"),
     "mask_path": Unsupported(_MASKS),
     "default_mask_file": Unsupported(_MASKS),
-    "control_path": Unsupported(_MASKS),
 }
 DATASET = {
     **_DATASET_COMMON,
+    "control_path": Unsupported("set control_path in each [[directory]] of an edit model's dataset"),
     "subsample_ratio": Unsupported("not implemented; use a smaller directory or num_repeats"),
 }
 DIRECTORY = {

@@ -39,6 +39,7 @@ class DirectoryConfig:
     cache_shuffle_delimiter: Optional[str] = None
     skip_empty_caption: Optional[bool] = None
     frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
+    control_path: Optional[str] = None          # edit models: control images paired by file stem
 
     UNSUPPORTED = compat.DIRECTORY
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_dataset(data, file, prefix))
@@ -123,7 +124,13 @@ class DatasetConfig:
         return replace(self, directory=dirs)
 
     def directory_path(self, d: DirectoryConfig) -> Path:
-        p = Path(d.path).expanduser()
+        return self._relative(d.path)
+
+    def control_path(self, d: DirectoryConfig) -> Path | None:
+        return None if d.control_path is None else self._relative(d.control_path)
+
+    def _relative(self, path: str) -> Path:
+        p = Path(path).expanduser()
         return p if p.is_absolute() or self._base is None else (self._base / p)
 
 

@@ -45,17 +45,33 @@ def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batc
             chunk = keys[i:i + batch_size]
             with torch.no_grad():
                 if len(bucket) == 3:  # video clips (width, height, frames), one at a time
-                    latents = [adapter.encode_video(vae, load_video(Path(work[k].path), bucket, adapter.framerate))
-                               for k in chunk]
+                    media = [load_video(Path(work[k].path), bucket, adapter.framerate) for k in chunk]
+                    latents = [adapter.encode_video(vae, frames) for frames in media]
                 else:
                     pixels = torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
                     latents = adapter.encode_images(vae, pixels)
-            for k, lat in zip(chunk, latents):
-                store.put("latents", k, {"latent": lat})
+                    media = [pixels[j:j + 1] for j in range(len(chunk))]
+                payloads = [{"latent": lat} for lat in latents]
+                if adapter.conditioning_fields:
+                    for k, m, payload in zip(chunk, media, payloads):
+                        payload.update(_conditioning(adapter, vae, work[k], m, bucket))
+            for k, payload in zip(chunk, payloads):
+                store.put("latents", k, payload)
             done += len(chunk)
             progress("latents", done, total)
     del vae
     _free()
+
+
+def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
+    from ..data import load_pixels
+
+    control = load_pixels(Path(entry.control), bucket[:2])[None] if entry.control else None
+    out = adapter.encode_conditioning(vae, media, control)
+    if set(out) != set(adapter.conditioning_fields):
+        raise RuntimeError(f"{type(adapter).__name__}.encode_conditioning returned {sorted(out)}, "
+                           f"expected {list(adapter.conditioning_fields)}")
+    return out
 
 
 def encode_texts(adapter, store: CacheStore, work: dict[str, str], progress: Progress) -> None:

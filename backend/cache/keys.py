@@ -43,10 +43,13 @@ def model_fingerprint(path: Path) -> str:
 
 
 def latent_key(image_digest: str, bucket: tuple[int, int], preprocess_version: str, vae_fingerprint: str,
-               arch: str, latent_format: str) -> str:
+               arch: str, latent_format: str, conditioning: dict | None = None) -> str:
+    """``conditioning`` (edit and i2v models): the cached conditioning fields and the control image's digest,
+    which are stored with the latent."""
+    extra = {} if conditioning is None else {"conditioning": conditioning}
     return _sha({"kind": "latent", "format": CACHE_FORMAT, "image": image_digest, "bucket": list(bucket),
                  "preprocess": preprocess_version, "vae": vae_fingerprint, "arch": arch,
-                 "latent_format": latent_format})
+                 "latent_format": latent_format, **extra})
 
 
 def text_key(caption: str, te_fingerprints: list[str], arch: str) -> str:

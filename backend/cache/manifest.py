@@ -23,6 +23,7 @@ class CacheEntry:
     num_repeats: int
     latent: str
     text: str
+    control: str = ""     # edit models: the paired control image
 
 
 @dataclass
@@ -60,14 +61,18 @@ def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheE
     entries = []
     for s in samples:
         path = s.item.path
-        if path not in digests:
-            digests[path] = file_digest(path)
+        control = s.item.control
+        for p in (path, control):
+            if p is not None and p not in digests:
+                digests[p] = file_digest(p)
         text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
+        conditioning = {"fields": list(adapter.conditioning_fields),
+                        "control": digests[control] if control else None} if adapter.conditioning_fields else None
         entries.append(CacheEntry(
             path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
             latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS,
-                              vae_fp, adapter.arch, adapter.latent_format),
-            text=text_key(text, te_fps, adapter.arch)))
+                              vae_fp, adapter.arch, adapter.latent_format, conditioning),
+            text=text_key(text, te_fps, adapter.arch), control=str(control) if control else ""))
     return entries
 
 

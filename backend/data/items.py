@@ -21,6 +21,7 @@ class MediaItem:
     frames: int = 1       # a video's source frames (1: an image)
     fps: float = 0.0      # a video's source frame rate
     frame_buckets: tuple[int, ...] = (1,)  # its directory's frame buckets (video models)
+    control: Path | None = None  # edit models: the paired control image (same stem, the directory's control_path)
 
 
 @dataclass(frozen=True)

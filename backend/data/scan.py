@@ -1,6 +1,7 @@
 """Finding the dataset's images and captions on disk, and reporting what cannot be used."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ class ScanResult:
 @dataclass
 class _DirectoryScan:
     path: Path
+    control: Path | None = None
     items: list[MediaItem] = field(default_factory=list)
     missing_captions: list[Path] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)
@@ -95,7 +97,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     resolutions = tuple(directory.resolutions or cfg.resolutions)
     num_repeats = directory.num_repeats if directory.num_repeats is not None else cfg.num_repeats
     captions = cfg.caption_options(directory)
-    scan = _DirectoryScan(path)
+    scan = _DirectoryScan(path, control=_control_dir(cfg, directory))
     files = _candidate_files(path, caption_extension)
     frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
     for file, size in zip(files, pool.map(_probe_media if videos else _probe_size, files)):
@@ -118,7 +120,37 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
         scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
                                     num_repeats=num_repeats, resolutions=resolutions, captions=captions,
                                     frame_buckets=frame_buckets, **video))
+    if scan.control is not None:
+        _pair_controls(scan, caption_extension)
     return scan
+
+
+def _control_dir(cfg: DatasetConfig, directory: DirectoryConfig) -> Path | None:
+    control = cfg.control_path(directory)
+    if control is not None and not control.is_dir():
+        raise DatasetError(f"control image directory not found: {control} (key 'directory.control_path' = "
+                           f"{directory.control_path!r} for directory {directory.path!r}); fix the path or create it")
+    return None if control is None else Path(os.path.abspath(control))
+
+
+def _pair_controls(scan: _DirectoryScan, caption_extension: str) -> None:
+    """Give every item its control image (same file stem in the control directory); any file on either side
+    without a partner fails the scan with the full list, before anything is encoded."""
+    controls: dict[str, list[Path]] = {}
+    for p in _candidate_files(scan.control, caption_extension):
+        controls.setdefault(p.stem, []).append(p)
+    stems = {item.path.stem for item in scan.items}
+    problems = [f"{item.path}: no control image named {item.path.stem}.* in {scan.control}"
+                for item in scan.items if item.path.stem not in controls]
+    problems += [f"{files[0]}: no training file named {stem}.* in {scan.path}"
+                 for stem, files in sorted(controls.items()) if stem not in stems]
+    problems += [f"{scan.control}: several control images for {stem}: {', '.join(p.name for p in files)}"
+                 for stem, files in sorted(controls.items()) if len(files) > 1]
+    if problems:
+        raise DatasetError(f"{len(problems)} unpaired file(s) between {scan.path} and its control_path:"
+                           f"{_listing(problems)}\nEach training file needs exactly one control image with the same "
+                           "name (any image extension) and vice versa; add, rename or remove these files.")
+    scan.items = [dataclasses.replace(item, control=controls[item.path.stem][0]) for item in scan.items]
 
 
 def _listing(lines) -> str:

@@ -29,6 +29,9 @@ class ModelAdapter(ABC):
     spatial_multiple: int = 16               # bucket sides are multiples of this many pixels
     framerate: float | None = None           # video models: frames per second clips are resampled to
     frame_multiple: int = 1                  # video models: clips are frame_multiple k + 1 frames long
+    conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
+    #                                            after the text fields (encode_conditioning makes them)
+    needs_control: bool = False              # edit models: every dataset directory needs a control_path
 
     def __init__(self, cfg: ModelConfig, resolve=lambda p: Path(p)):
         self.cfg = cfg
@@ -64,6 +67,12 @@ class ModelAdapter(ABC):
     def encode_video(self, vae, frames: torch.Tensor) -> torch.Tensor:
         """Video models: frames [F, H, W, 3] in 0..1 -> one latent [C, T, h, w] (float32, CPU)."""
         raise ModelError(f"{self.arch} trains on images only")
+
+    def encode_conditioning(self, vae, media: torch.Tensor, control: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Edit and i2v models: the ``conditioning_fields`` of one sample (no batch dimension), from the same
+        pixels its latent was encoded from (``media``: an image [1, H, W, 3] or a clip's frames [F, H, W, 3])
+        and its paired control image at the same bucket ([1, H, W, 3], or None without a control_path)."""
+        raise ModelError(f"{self.arch} declares conditioning_fields but does not encode them")
 
     @abstractmethod
     def encode_caption(self, clip, caption: str) -> dict[str, torch.Tensor]:

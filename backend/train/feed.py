@@ -47,14 +47,16 @@ class MicroBatchFeed:
         return noise, self.objective.sample_t(1, seq_len, g)
 
     def build(self, entries, epoch: int, step: int, micro: int):
-        latents = torch.stack([self.store.get("latents", e.latent)["latent"] for e in entries]).float()
+        payloads = [self.store.get("latents", e.latent) for e in entries]
+        latents = torch.stack([p["latent"] for p in payloads]).float()
+        conditioning = [torch.stack([p[name] for p in payloads]) for name in self.adapter.conditioning_fields]
         first = (micro * self.dp_world + self.dp_rank) * len(entries)
         keys = [self._text_key(e, epoch, step, first + i) for i, e in enumerate(entries)]
         text = self.adapter.collate_text([self.store.get("text", k) for k in keys])
         drawn = [self._noise_and_t(lat, epoch, step, first + i, e) for i, (lat, e) in enumerate(zip(latents, entries))]
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
-        return (latents, noise, t, *text), (latents, noise, t)
+        return (latents, noise, t, *text, *conditioning), (latents, noise, t)
 
     def step_iter(self, micro_batches, epoch: int, step: int):
         for micro, entries in enumerate(micro_batches):

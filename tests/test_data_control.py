@@ -1,0 +1,86 @@
+"""Edit datasets: control images pair with training files by file stem, unpaired files are listed before
+anything is encoded, and the cache key of a sample covers its control image's bytes."""
+import pytest
+from test_data_scan import dataset, write_image
+
+from pipetrain.backend.cache.manifest import build_entries
+from pipetrain.backend.config import DirectoryConfig, load_dataset_config
+from pipetrain.backend.data import build_samples, scan_dataset
+from pipetrain.backend.errors import ConfigError, DatasetError
+from pipetrain.backend.train.caching import check_control_paths
+
+
+def _edit_folder(root, names=("a", "b"), controls=("a", "b")):
+    (root / "targets").mkdir(parents=True)
+    (root / "controls").mkdir()
+    for n in names:
+        write_image(root / "targets" / f"{n}.png", (32, 32))
+        (root / "targets" / f"{n}.txt").write_text(f"make {n} red")
+    for n in controls:
+        write_image(root / "controls" / f"{n}.jpg", (32, 32))
+    return DirectoryConfig(str(root / "targets"), control_path=str(root / "controls"))
+
+
+def test_each_file_gets_the_control_image_with_its_stem(tmp_path):
+    result = scan_dataset(dataset(_edit_folder(tmp_path)))
+    assert [(i.path.name, i.control.name) for i in result.items] == [("a.png", "a.jpg"), ("b.png", "b.jpg")]
+
+
+def test_unpaired_files_on_both_sides_are_listed(tmp_path):
+    directory = _edit_folder(tmp_path, names=("a", "b", "c"), controls=("a", "b", "z"))
+    with pytest.raises(DatasetError) as e:
+        scan_dataset(dataset(directory))
+    message = str(e.value)
+    assert "2 unpaired file(s)" in message
+    assert "c.png: no control image named c.*" in message and "z.jpg: no training file named z.*" in message
+
+
+def test_missing_control_directory_names_the_key(tmp_path):
+    directory = _edit_folder(tmp_path)
+    directory.control_path = str(tmp_path / "nope")
+    with pytest.raises(DatasetError, match="directory.control_path"):
+        scan_dataset(dataset(directory))
+
+
+def test_control_path_in_a_dataset_toml_is_relative_to_it_and_top_level_is_refused(tmp_path):
+    _edit_folder(tmp_path)
+    (tmp_path / "dataset.toml").write_text('resolutions = [64]\n[[directory]]\npath = "targets"\n'
+                                           'control_path = "controls"\n')
+    cfg = load_dataset_config(tmp_path / "dataset.toml")
+    assert scan_dataset(cfg).items[0].control == tmp_path / "controls" / "a.jpg"
+    (tmp_path / "bad.toml").write_text('control_path = "controls"\n[[directory]]\npath = "targets"\n')
+    with pytest.raises(ConfigError, match="control_path"):
+        load_dataset_config(tmp_path / "bad.toml")
+
+
+class _Adapter:
+    arch, latent_format = "edit", "Flux"
+    conditioning_fields = ("reference",)
+
+    def __init__(self, needs_control=True):
+        self.needs_control = needs_control
+
+
+def test_edit_models_need_a_control_path_and_other_models_refuse_one(tmp_path):
+    directory = _edit_folder(tmp_path)
+    check_control_paths(dataset(directory), _Adapter(), "dataset")
+    with pytest.raises(DatasetError, match="not an edit model"):
+        check_control_paths(dataset(directory), _Adapter(needs_control=False), "dataset")
+    directory.control_path = None
+    with pytest.raises(DatasetError, match="has no control_path"):
+        check_control_paths(dataset(directory), _Adapter(), "dataset")
+
+
+def test_cache_key_covers_the_control_image(tmp_path, micro_flux_files):
+    cfg = dataset(_edit_folder(tmp_path), resolutions=[64])
+    files = {"vae": [micro_flux_files.vae], "text_encoders": micro_flux_files.text_encoders}
+
+    def keys():
+        samples = build_samples(cfg, scan_dataset(cfg).items)
+        return {e.path.rsplit("/", 1)[-1]: (e.latent, e.control) for e in build_entries(samples, _Adapter(), files)}
+
+    before = keys()
+    assert before["a.png"][1].endswith("controls/a.jpg")
+    write_image(tmp_path / "controls" / "a.jpg", (33, 32))       # a new control image, same name
+    after = keys()
+    assert after["a.png"][0] != before["a.png"][0] and after["b.png"] == before["b.png"]
