@@ -2,7 +2,7 @@
 
 A diffusion-pipe main + dataset TOML pair loads as is when it trains a model PipeTrain supports: keys
 with the same meaning are config fields (``config.py``); keys whose value changes nothing here (``inert``
-values, e.g. ``blocks_to_swap = 0`` or ``compile = false``) are accepted and dropped;
+values, e.g. ``compile = false``) are accepted and dropped;
 any other value of a key listed here fails naming the key and the fix. A key in neither place is a
 typo and fails listing the accepted keys.
 """
@@ -19,10 +19,7 @@ SINGLE_FILES_HINT = ("PipeTrain loads single-file ComfyUI weights: set diffusion
                      "instead")
 
 RUN = {
-    "blocks_to_swap": Unsupported("block swapping is not implemented; split the model over GPUs with "
-                                  "pipeline_stages, and/or set activation_checkpointing = true", inert=(0,)),
-    "disable_block_swap_for_eval": Unsupported("no block swapping here", inert=ANY),
-    "compile": Unsupported("torch.compile is not used; remove the key or set it to false", inert=(False,)),
+    "disable_block_swap_for_eval": Unsupported("eval swaps blocks as training does", inert=ANY),
     "x_axis_examples": Unsupported("TensorBoard's x-axis is the optimizer step; remove the key", inert=(False,)),
     "reentrant_activation_checkpointing": Unsupported(
         "activation checkpointing here is non-reentrant; remove the key", inert=(False,)),
@@ -55,14 +52,14 @@ MODEL = {
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
     "min_snr_gamma": Unsupported("not implemented; remove the key"),
     "debiased_estimation_loss": Unsupported("not implemented; remove the key", inert=(False,)),
-    "unet_lr": Unsupported("only the LoRA trains: set [optimizer] lr"),
+    "unet_lr": Unsupported("one learning rate for everything that trains: set [optimizer] lr"),
     "text_encoder_1_lr": Unsupported("text encoders are not trained; remove the key"),
     "text_encoder_2_lr": Unsupported("text encoders are not trained; remove the key"),
 }
 
 ADAPTER = {
-    "decompose_factor": Unsupported("a LoKr option; LoKr is not supported yet, use type = 'lora'"),
-    "rank_dropout": Unsupported("a LoKr option; LoKr is not supported yet, use type = 'lora'"),
+    "rank_dropout": Unsupported("LoKr's rank dropout is not implemented; use dropout (on the adapter's input)",
+                                inert=(0, 0.0)),
     "exclude_modules": Unsupported("list the modules to adapt as regexes in target_modules instead"),
     "fuse_adapters": Unsupported("merge the LoRA into the base model in ComfyUI and train on the merged file"),
 }
@@ -95,9 +92,6 @@ DIRECTORY = {
 }
 
 OPTIMIZER_NOT_SUPPORTED = {
-    "adamw8bitkahan": "diffusion-pipe's own bitsandbytes subclass; use type = 'adamw8bit' (Kahan summation only "
-                      "matters for bfloat16 adapter weights, and PipeTrain's are float32 unless [adapter] dtype says "
-                      "otherwise)",
     "offload": "CPU-offloaded AdamW is not supported; use 'adamw8bit' to save optimizer memory",
     "automagic": "diffusion-pipe's own optimizer; use 'Prodigy' for an adaptive learning rate",
     "genericoptim": "diffusion-pipe's own optimizer; any pytorch_optimizer class works by name (e.g. 'Prodigy', "
@@ -135,9 +129,6 @@ def preprocess_model(data: dict, file, prefix: str) -> dict:
 
 
 def preprocess_adapter(data: dict, file, prefix: str) -> dict:
-    if data.get("type") == "lokr":
-        raise ConfigError("got 'lokr'; LoKr is not supported yet: use type = 'lora'", file=file,
-                          key=_key(prefix, "type"))
     return data
 
 

@@ -148,7 +148,8 @@ class TextEncoderConfig:
 
 # ComfyUI CLIPType names (lower case) a text-encoder table may give, per model type
 TEXT_ENCODER_TYPES = {"flux": ("flux",), "sdxl": ("sdxl", "stable_diffusion"), "sd3": ("sd3",),
-                      "chroma": ("chroma", "pixart"), "wan": ("wan",)}
+                      "chroma": ("chroma", "pixart"), "wan": ("wan",), "wan22_5b": ("wan",), "wan22_5b_i2v": ("wan",),
+                      "wan_i2v": ("wan",)}
 
 
 @dataclass
@@ -166,16 +167,29 @@ class ModelConfig:
     flux_shift: bool = False
     guidance: float = 1.0
     v_pred: bool = False
+    min_t: float = 0.0                  # Wan: training timesteps restricted to [min_t, max_t] (Wan 2.2 experts)
+    max_t: float = 1.0
+    clip_vision: Optional[str] = None   # Wan 2.1 i2v: the CLIP-vision file (clip_vision_h.safetensors)
 
     UNSUPPORTED = compat.MODEL
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_model(data, file, prefix))
 
     def validate(self, file):
-        from .models.registry import unavailable_reason
+        from .models.registry import adapter_class, unavailable_reason
 
         reason = unavailable_reason(self.type)  # unknown, or needs a newer ComfyUI (named in the message)
         if reason:
             raise ConfigError(reason, file=file, key="model.type")
+        if not 0.0 <= self.min_t < self.max_t <= 1.0:
+            raise ConfigError(f"got min_t = {self.min_t}, max_t = {self.max_t}; need 0 <= min_t < max_t <= 1 "
+                              "(Wan 2.2 14B: high-noise expert min_t = 0.875, low-noise max_t = 0.875 for t2v, "
+                              "0.9 for i2v)", file=file, key="model.min_t")
+        if (self.min_t, self.max_t) != (0.0, 1.0) and not adapter_class(self.type).timestep_range:
+            raise ConfigError(f"a {self.type} model trains on every timestep; min_t and max_t are for Wan models "
+                              "(remove them)", file=file, key="model.min_t")
+        if self.clip_vision is not None and not adapter_class(self.type).takes_clip_vision:
+            raise ConfigError(f"a {self.type} model takes no CLIP-vision file (Wan 2.1 i2v does); remove the key",
+                              file=file, key="model.clip_vision")
         paths = []
         for i, te in enumerate(self.text_encoders):
             if isinstance(te, str):
@@ -192,18 +206,21 @@ class ModelConfig:
     def file_paths(self) -> list[tuple[str, str]]:
         """(key, path) of every model file."""
         return [("model.diffusion_model", self.diffusion_model), ("model.vae", self.vae)] + [
-            (f"model.text_encoders[{i}]", p) for i, p in enumerate(self.text_encoders)]
+            (f"model.text_encoders[{i}]", p) for i, p in enumerate(self.text_encoders)] + (
+            [("model.clip_vision", self.clip_vision)] if self.clip_vision else [])
 
 
 @dataclass
 class AdapterConfig:
-    type: Literal["lora"] = "lora"
+    """``[adapter]``: a LoRA or LoKr on the model's linears. No ``[adapter]`` table means a full fine-tune."""
+    type: Literal["lora", "lokr"] = "lora"
     rank: int = 16
     alpha: Optional[float] = None       # diffusion-pipe forbids it (alpha = rank); allowed here, default rank
     dropout: float = 0.0
     dtype: Optional[Dtype] = None       # LoRA weight dtype; default float32 (diffusion-pipe: the model dtype)
     target_modules: Optional[list[str]] = None
     init_from_existing: Optional[str] = None   # a LoRA .safetensors, or a folder holding adapter_model.safetensors
+    decompose_factor: int = -1          # lokr: Kronecker factor size (-1: as square as possible)
 
     UNSUPPORTED = compat.ADAPTER
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_adapter(data, file, prefix))
@@ -213,6 +230,12 @@ class AdapterConfig:
             raise ConfigError(f"got {self.rank}; must be 1 or more", file=file, key="adapter.rank")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"got {self.dropout}; must be in [0, 1)", file=file, key="adapter.dropout")
+        if self.decompose_factor == 0 or self.decompose_factor < -1:
+            raise ConfigError(f"got {self.decompose_factor}; give a factor of 1 or more, or -1", file=file,
+                              key="adapter.decompose_factor")
+        if self.decompose_factor != -1 and self.type != "lokr":
+            raise ConfigError("a LoKr option: set type = 'lokr' or remove it", file=file,
+                              key="adapter.decompose_factor")
 
     @property
     def scale(self) -> float:
@@ -340,6 +363,8 @@ class RunConfig:
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = None
     activation_checkpointing: Union[bool, Literal["unsloth"]] = False   # 'unsloth': inputs parked in CPU memory
+    blocks_to_swap: int = 0                      # per stage: frozen block weights kept in CPU memory (swap.py)
+    compile: bool = False                        # torch.compile each transformer block (compiled once, reused)
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None
@@ -348,7 +373,7 @@ class RunConfig:
     seed: int = 42
     lora_dir: Optional[str] = None
     run_name: Optional[str] = None
-    adapter: Optional[AdapterConfig] = field(default_factory=AdapterConfig)
+    adapter: Optional[AdapterConfig] = None      # no [adapter] table: full fine-tune (diffusion-pipe's meaning)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     cluster: Optional[ClusterConfig] = None
     samples: Optional[SamplesConfig] = None
@@ -380,8 +405,12 @@ class RunConfig:
                               key="eval_datasets")
         if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
             raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
-        if self.adapter is None:
-            raise ConfigError("full fine-tuning is not supported yet; add an [adapter] table", file=file, key="adapter")
+        if self.blocks_to_swap < 0:
+            raise ConfigError(f"got {self.blocks_to_swap}; must be 0 or more", file=file, key="blocks_to_swap")
+        if self.blocks_to_swap and self.adapter is None:
+            raise ConfigError("block swapping keeps frozen weights in CPU memory, and a full fine-tune (no [adapter] "
+                              "table) trains them all; set blocks_to_swap = 0, or train an adapter", file=file,
+                              key="blocks_to_swap")
         if self.partition_method == "manual":
             if not self.partition_split or len(self.partition_split) != self.pipeline_stages - 1:
                 raise ConfigError(

@@ -30,6 +30,7 @@ class Case:
     resolution: int
     batch: int
     checkpointing: bool = False
+    compile: bool = False
     stages: int = 1
     gradient_accumulation: int = 1
     bare_case: str | None = None      # the bare loop's CASES name for the same model
@@ -39,7 +40,10 @@ class Case:
 CASES = {
     "flux-1024": Case("flux", 1024, 1, bare_case="flux", native_case="flux"),
     "flux-1024-ckpt": Case("flux", 1024, 1, checkpointing=True, native_case="flux"),
+    "flux-1024-compile": Case("flux", 1024, 1, compile=True, bare_case="flux", native_case="flux"),
+    "flux-1024-ckpt-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, native_case="flux"),
     "sdxl-1024-b8": Case("sdxl", 1024, 8, bare_case="sdxl", native_case="sdxl"),
+    "sdxl-1024-b8-compile": Case("sdxl", 1024, 8, compile=True, bare_case="sdxl", native_case="sdxl"),
     "flux-1024-2stages-ga8": Case("flux", 1024, 1, stages=2, gradient_accumulation=8),
     "flux-1024-1stage-ga8": Case("flux", 1024, 1, gradient_accumulation=8),
 }
@@ -74,7 +78,7 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int) -> 
     run = {"output_dir": str(folder / "output"), "dataset": str(folder / "dataset.toml"), "epochs": 100,
            "max_steps": steps, "micro_batch_size_per_gpu": case.batch, "pipeline_stages": case.stages,
            "gradient_accumulation_steps": case.gradient_accumulation, "save_every_n_epochs": 1000,
-           "activation_checkpointing": case.checkpointing, "run_name": "bench",
+           "activation_checkpointing": case.checkpointing, "compile": case.compile, "run_name": "bench",
            "model": {"type": case.arch, "diffusion_model": files["diffusion_model"], "vae": files["vae"],
                      "text_encoders": files["text_encoders"], "dtype": "bfloat16"},
            "adapter": {"rank": 32, "alpha": 32.0}, "optimizer": {"type": "adamw", "lr": 1e-4}}
@@ -117,6 +121,7 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/pipetrain-bench")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--baselines", default="all", help="'all', 'none', or e.g. 'bare' (skip native)")
     p.add_argument("--bare", help="path to bare_ceiling.py (the bare eager loop)")
     p.add_argument("--native", help="path to native_trainer.py (ComfyUI's TrainLoraNode)")
     p.add_argument("--comfyui", default=None, help="ComfyUI folder for the baselines (default: PipeTrain's)")
@@ -132,9 +137,9 @@ def main() -> int:
         case = CASES[name]
         r = {"case": asdict(case), "ours": run_ours(name, case, write_models(case.arch, root), root, args.steps,
                                                     args.warmup)}
-        if args.bare and case.bare_case:
+        if args.bare and case.bare_case and args.baselines in ("all", "bare"):
             r["bare"] = run_script(args.bare, {"COMFYUI_PATH": comfy_root, "CASES": case.bare_case})
-        if args.native and case.native_case:
+        if args.native and case.native_case and args.baselines in ("all", "native"):
             r["native"] = run_script(args.native, {"COMFYUI_PATH": comfy_root, "CASE": case.native_case},
                                      pick=lambda rec, ckpt=case.checkpointing: rec.get("gc") == ckpt)
         results[name] = r

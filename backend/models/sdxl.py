@@ -172,7 +172,7 @@ class _Block(TupleLayer):
         self.block, self.dtype = block, dtype
         self.checkpoint_activations, self.cost = checkpoint_activations, cost
 
-    def _block_forward(self, h, emb, context, output_shape):
+    def block_forward(self, h, emb, context, output_shape):
         from comfy.ldm.modules.diffusionmodules.openaimodel import forward_timestep_embed
 
         return forward_timestep_embed(self.block, h, reveal(emb, self.dtype), reveal(context, self.dtype),
@@ -180,9 +180,9 @@ class _Block(TupleLayer):
 
     def run_block(self, h, emb, context, output_shape=None):
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return run_checkpointed(self.checkpoint_activations, self._block_forward, h, emb, context,
+            return run_checkpointed(self.checkpoint_activations, self.block_forward, h, emb, context,
                                     output_shape)
-        return self._block_forward(h, emb, context, output_shape)
+        return self.block_forward(h, emb, context, output_shape)
 
 
 class InputBlock(_Block):

@@ -9,6 +9,7 @@ import torch
 from .. import lora
 from ..errors import ConfigError
 from ..models.base import DTYPES
+from ..models.compiling import compile_blocks
 from ..optim import make_optimizer
 from .eval import build_eval_sets, every_n_steps
 from .feed import MicroBatchFeed
@@ -67,6 +68,8 @@ def build_engine(trainer) -> None:
     adapter.load_diffusion_model()
     attach_lora(trainer)
     layers = adapter.to_layers(cfg.activation_checkpointing)
+    if cfg.compile:
+        compile_blocks(layers)
     costs = [adapter.layer_cost(layer) for layer in layers]
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
                           loss_fn=adapter.loss)

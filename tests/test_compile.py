@@ -1,0 +1,69 @@
+"""``compile = true``: the compiled block layers give the eager layers' outputs and LoRA gradients, and a
+new bucket shape costs one recompile, not one per block or per bucket."""
+import pytest
+import torch
+from layer_checks import Patcher, give_lora_b_values, run_layers
+
+from pipetrain.backend import lora
+from pipetrain.backend.config import ModelConfig
+from pipetrain.backend.models.compiling import compile_blocks
+from pipetrain.backend.runtime import ensure_comfyui
+
+pytestmark = pytest.mark.slow   # inductor compiles C++ kernels on the CPU: ~1 minute
+
+
+def _small_flux():
+    ensure_comfyui()
+    import comfy.ops
+    from comfy.ldm.flux.model import Flux
+    from pipetrain.backend.models.flux import FluxAdapter
+
+    torch.manual_seed(0)
+    dm = Flux(operations=comfy.ops.disable_weight_init, in_channels=16, out_channels=16, vec_in_dim=32,
+              context_in_dim=48, hidden_size=64, mlp_ratio=4.0, num_heads=4, depth=2, depth_single_blocks=3,
+              axes_dim=[4, 6, 6], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
+    for p in dm.parameters():
+        torch.nn.init.normal_(p, std=0.08)
+    adapter = FluxAdapter(ModelConfig(type="flux", diffusion_model="unused", vae="unused", guidance=3.5))
+    adapter.dtype = torch.float32
+    adapter.patcher = Patcher(dm)
+    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    give_lora_b_values(dm)
+    return adapter
+
+
+def _inputs(h, w, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(2, 16, h, w, generator=g)
+    return (x0, torch.randn(x0.shape, generator=g), torch.tensor([0.25, 0.8]), torch.randn(2, 5, 48, generator=g),
+            torch.randn(2, 32, generator=g))
+
+
+def _loss_and_grads(adapter, layers, inputs):
+    params = lora.trainable_parameters(adapter.diffusion_model)
+    for p in params:
+        p.grad = None
+    loss = adapter.loss(run_layers(layers, inputs), inputs[:3])
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+def test_compiled_blocks_match_eager_and_compile_once_per_kind_and_shape_regime():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    adapter = _small_flux()
+    eager = adapter.to_layers()
+    compiled = adapter.to_layers(checkpoint_activations=True)
+    assert compile_blocks(compiled) == 5            # 2 double + 3 single blocks; embedders stay eager
+    counters.clear()
+    for h, w in ((6, 10), (8, 8), (4, 12)):        # three buckets
+        inputs = _inputs(h, w)
+        loss_e, grads_e = _loss_and_grads(adapter, eager, inputs)
+        loss_c, grads_c = _loss_and_grads(adapter, compiled, inputs)
+        assert torch.allclose(loss_c, loss_e, rtol=1e-5)
+        for ge, gc in zip(grads_e, grads_c):
+            assert torch.allclose(gc, ge, rtol=1e-4, atol=1e-6), (gc - ge).abs().max()
+    # double and single blocks: one static graph each for the first bucket, one dynamic graph each after the
+    # second; the third bucket reuses the dynamic graphs
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
