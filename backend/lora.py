@@ -1,8 +1,10 @@
-"""LoRA adapters on ComfyUI's linear layers, saved in the key layout ComfyUI loads unchanged.
+"""LoRA and LoKr adapters on ComfyUI's linear layers, saved in the key layouts ComfyUI loads unchanged.
 
-Adapters are attached as child modules ``lora_A`` / ``lora_B`` of the existing ``Linear`` (ComfyUI's
-``comfy.ops`` classes included) plus a forward hook, so module paths and base weights stay untouched
-and the saved keys are exactly ``diffusion_model.<module path>.lora_A.weight``.
+Adapters are attached as child modules of the existing ``Linear`` (ComfyUI's ``comfy.ops`` classes
+included) plus a forward hook, so module paths and base weights stay untouched. LoRA: children ``lora_A`` /
+``lora_B``, saved as ``diffusion_model.<module path>.lora_A.weight`` (+ ``.alpha``). LoKr (LyCORIS' Kronecker
+product, as diffusion-pipe trains it through PEFT): a child ``lokr`` holding ``lokr_w1`` and ``lokr_w2`` (or its
+factors ``lokr_w2_a`` / ``lokr_w2_b``), saved under those names, which ``comfy/weight_adapter/lokr.py`` reads.
 """
 from __future__ import annotations
 
@@ -28,10 +30,33 @@ class LoRASpec:
     dropout: float = 0.0
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    kind: str = "lora"              # lora | lokr
+    decompose_factor: int = -1      # lokr: the Kronecker factor sizes (-1: as close to square as possible)
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def spec_from_config(adapter, seed: int = 0, dtype: torch.dtype | None = None) -> LoRASpec:
+    """The ``[adapter]`` table (``config.AdapterConfig``) as a spec."""
+    return LoRASpec(rank=adapter.rank, alpha=adapter.alpha if adapter.alpha is not None else float(adapter.rank),
+                    dropout=adapter.dropout, dtype=dtype or torch.float32, seed=seed, kind=adapter.type,
+                    decompose_factor=adapter.decompose_factor)
+
+
+def _generator(spec: LoRASpec, name: str) -> torch.Generator:
+    """Seeded per module, so the initial adapter is the same however the model is split across ranks."""
+    digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _uniform_(weight: torch.Tensor, generator: torch.Generator) -> None:
+    """What kaiming_uniform_(a=sqrt(5)) gives nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded."""
+    bound = 1 / math.sqrt(weight.shape[1])
+    with torch.no_grad():
+        init = torch.rand(weight.shape, generator=generator, dtype=torch.float64) * 2 - 1
+        weight.copy_(init * bound)
 
 
 def _lora_forward_hook(module, args, output):
@@ -45,22 +70,29 @@ def _lora_forward_hook(module, args, output):
 
 def attach(linear: nn.Linear, name: str, spec: LoRASpec) -> None:
     """Give ``linear`` a trainable low-rank update; ``name`` is its path inside ComfyUI's diffusion model."""
-    device = linear.weight.device
-    linear.lora_A = nn.Linear(linear.in_features, spec.rank, bias=False, device=device, dtype=spec.dtype)
-    linear.lora_B = nn.Linear(spec.rank, linear.out_features, bias=False, device=device, dtype=spec.dtype)
-    # seeded per module, so the initial adapter is the same however the model is split across ranks
-    digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    bound = 1 / math.sqrt(linear.in_features)  # what kaiming_uniform_(a=sqrt(5)) gives nn.Linear
-    with torch.no_grad():
-        init = torch.rand(linear.lora_A.weight.shape, generator=generator, dtype=torch.float64) * 2 - 1
-        linear.lora_A.weight.copy_(init * bound)
-    nn.init.zeros_(linear.lora_B.weight)
     linear.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else None
     linear.lora_scale = spec.scale
     linear.lora_alpha = spec.alpha
     linear.lora_name = name
+    if spec.kind == "lokr":
+        from .lokr import LoKr
+        linear.lokr = LoKr(linear.in_features, linear.out_features, spec, _generator(spec, name),
+                           linear.weight.device)
+        linear.register_forward_hook(_lokr_forward_hook)
+        return
+    device = linear.weight.device
+    linear.lora_A = nn.Linear(linear.in_features, spec.rank, bias=False, device=device, dtype=spec.dtype)
+    linear.lora_B = nn.Linear(spec.rank, linear.out_features, bias=False, device=device, dtype=spec.dtype)
+    _uniform_(linear.lora_A.weight, _generator(spec, name))
+    nn.init.zeros_(linear.lora_B.weight)
     linear.register_forward_hook(_lora_forward_hook)
+
+
+def _lokr_forward_hook(module, args, output):
+    x = args[0]
+    if module.lora_dropout is not None and module.training:
+        x = module.lora_dropout(x)
+    return output + module.lokr(x) * module.lora_scale
 
 
 def inject(model: nn.Module, spec: LoRASpec, block_prefixes: tuple[str, ...],
@@ -71,9 +103,9 @@ def inject(model: nn.Module, spec: LoRASpec, block_prefixes: tuple[str, ...],
     regexes = [re.compile(p) for p in patterns or []]
     names = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or hasattr(module, "lora_A"):
+        if not isinstance(module, nn.Linear) or hasattr(module, "lora_name"):
             continue
-        if name.split(".")[-1] in ("lora_A", "lora_B"):
+        if name.split(".")[-1] in ("lora_A", "lora_B") or ".lokr" in name:
             continue
         if not any(name == p or name.startswith(p + ".") for p in block_prefixes):
             continue
@@ -88,35 +120,41 @@ def inject(model: nn.Module, spec: LoRASpec, block_prefixes: tuple[str, ...],
 
 def adapted_modules(model: nn.Module):
     for module in model.modules():
-        if hasattr(module, "lora_A") and hasattr(module, "lora_name"):
+        if hasattr(module, "lora_name") and (hasattr(module, "lora_A") or hasattr(module, "lokr")):
             yield module
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     params = []
     for m in adapted_modules(model):
-        params += [m.lora_A.weight, m.lora_B.weight]
+        params += list(m.lokr.parameters()) if hasattr(m, "lokr") else [m.lora_A.weight, m.lora_B.weight]
     return params
 
 
 def state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """ComfyUI-keyed LoRA tensors of every adapter in ``model`` (on the CPU)."""
+    """ComfyUI-keyed adapter tensors of every adapter in ``model`` (on the CPU)."""
     out = {}
     for m in adapted_modules(model):
         key = KEY_PREFIX + m.lora_name
-        for part in ("lora_A", "lora_B"):
-            w = getattr(m, part).weight.detach().to("cpu")
-            out[f"{key}.{part}.weight"] = w.to(dtype) if dtype is not None else w.clone()
-        out[f"{key}.alpha"] = torch.tensor(float(m.lora_alpha))
+        if hasattr(m, "lokr"):
+            parts = m.lokr.saved_tensors(m.lora_scale, m.lora_alpha)
+        else:
+            parts = {f"{p}.weight": getattr(m, p).weight for p in ("lora_A", "lora_B")}
+            parts["alpha"] = torch.tensor(float(m.lora_alpha))
+        for part, w in parts.items():
+            w = w.detach().to("cpu")
+            out[f"{key}.{part}"] = w.to(dtype) if dtype is not None and part != "alpha" else w.clone()
     return out
 
 
 def load_into(model: nn.Module, sd: dict[str, torch.Tensor]) -> int:
-    """Copy saved LoRA tensors into the matching adapters of ``model``; returns how many modules matched."""
+    """Copy saved adapter tensors into the matching adapters of ``model``; returns how many modules matched."""
     matched = 0
     for m in adapted_modules(model):
         key = KEY_PREFIX + m.lora_name
-        if f"{key}.lora_A.weight" in sd:
+        if hasattr(m, "lokr"):
+            matched += m.lokr.load(sd, key, m.lora_scale)
+        elif f"{key}.lora_A.weight" in sd:
             with torch.no_grad():
                 m.lora_A.weight.copy_(sd[f"{key}.lora_A.weight"])
                 m.lora_B.weight.copy_(sd[f"{key}.lora_B.weight"])

@@ -6,6 +6,7 @@ constructor, so any option the class takes can be set from the config.
 | adamw            | torch.optim.AdamW                       | torch              |
 | sgd              | torch.optim.SGD                         | torch              |
 | adamw8bit        | bitsandbytes.optim.AdamW8bit            | bitsandbytes       |
+| AdamW8bitKahan   | optim_kahan.AdamW8bitKahan (see below)  | bitsandbytes       |
 | adamw_optimi     | optimi.AdamW (Kahan summation for bf16) | torch-optimi       |
 | stableadamw      | optimi.StableAdamW                      | torch-optimi       |
 | anything else    | that class of pytorch_optimizer (Prodigy, CAME, ADOPT, ...) | pytorch-optimizer |
@@ -13,6 +14,12 @@ constructor, so any option the class takes can be set from the config.
 ``pytorch_optimizer`` is diffusion-pipe's own fallback, so a diffusion-pipe config naming one of its
 classes (``type = 'Prodigy'``) means the same here; it is maintained (monthly releases), pure Python, and
 its Prodigy is the reference algorithm with the same arguments as ``prodigyopt``.
+
+``AdamW8bitKahan`` (diffusion-pipe's class of that name, for bfloat16 weights, e.g. a full fine-tune): no
+maintained library ships 8-bit states together with Kahan summation (torchao's ``AdamW8bit`` rounds bf16
+updates stochastically and needs torch.compile; torch-optimi's and pytorch_optimizer's ``kahan_sum`` keep
+32-bit states), so ``optim_kahan.py`` adds the Kahan buffer to bitsandbytes' ``AdamW8bit`` (already a
+dependency; diffusion-pipe subclasses it too), whose 8-bit kernels run on GPUs and on the CPU.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ BUILTIN = {
     "adamw": ("torch.optim", "AdamW"),
     "sgd": ("torch.optim", "SGD"),
     "adamw8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "adamw8bitkahan": (f"{__package__}.optim_kahan", "AdamW8bitKahan"),
     "adamw_optimi": ("optimi", "AdamW"),
     "stableadamw": ("optimi", "StableAdamW"),
 }
@@ -39,7 +47,8 @@ def _import(module: str, cfg):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        package = PIP_NAMES.get(module.split(".")[0], module.split(".")[0])
+        top = (e.name or module).split(".")[0]
+        package = PIP_NAMES.get(top, top)
         raise ConfigError(f"optimizer {cfg.optimizer.type!r} needs the Python package {package} ({e}); install it "
                           f"with `pip install {package}`", file=_where(cfg), key="optimizer.type") from None
 

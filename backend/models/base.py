@@ -29,6 +29,8 @@ class ModelAdapter(ABC):
     spatial_multiple: int = 16               # bucket sides are multiples of this many pixels
     framerate: float | None = None           # video models: frames per second clips are resampled to
     frame_multiple: int = 1                  # video models: clips are frame_multiple k + 1 frames long
+    timestep_range: bool = False             # honours [model] min_t / max_t (Wan)
+    takes_clip_vision: bool = False          # [model] clip_vision names a CLIP-vision file it encodes (Wan 2.1 i2v)
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
@@ -112,6 +114,10 @@ class ModelAdapter(ABC):
     @abstractmethod
     def to_layers(self, checkpoint_activations: bool = False) -> list[nn.Module]:
         """The network as a flat list of pipeline layers (each maps a tuple of tensors to a tuple)."""
+
+    def seq_len(self, latent: torch.Tensor) -> int:
+        """The token count a resolution-dependent timestep shift reads (Flux's: 2x2 patches of one frame)."""
+        return latent.shape[-1] * latent.shape[-2] // 4
 
     def layer_cost(self, layer: nn.Module) -> float:
         """Relative compute of a layer, for balancing pipeline stages (override per family)."""

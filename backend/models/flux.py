@@ -71,11 +71,16 @@ class FluxInput(TupleLayer):
         self.objective, self.dtype, self.guidance = objective, dtype, guidance
 
     def run(self, latents, noise, t, context, pooled):
+        x = self.objective.noisy(latents, noise, t).to(self.dtype)
+        img, img_ids = self._process_img(x)
+        return self.embed(x, img, img_ids, t, context, pooled)
+
+    def embed(self, x, img, img_ids, t, context, pooled):
+        """The first stage's outputs for the noisy latent ``x`` as image tokens ``img`` at positions ``img_ids``
+        (Flux Kontext appends its reference image's tokens to both)."""
         from comfy.ldm.flux.layers import timestep_embedding
 
         dtype = self.dtype
-        x = self.objective.noisy(latents, noise, t).to(dtype)
-        img, img_ids = self._process_img(x)
         txt_ids = torch.zeros(x.shape[0], context.shape[1], img_ids.shape[-1], device=x.device, dtype=img_ids.dtype)
         pe = self.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
         img = self.img_in(img)
@@ -184,10 +189,12 @@ class FluxOutput(TupleLayer):
 
 
 def image_tokens(x: torch.Tensor, hw: torch.Tensor, patch_size: int):
-    """The image tokens at the end of a joint (text, image) sequence, and the latent grid they cover."""
+    """The image tokens at the end of a joint (text, image) sequence, and the latent grid they cover.
+    ``hw`` is the latent's [h, w], or [h, w, n] where n more tokens follow the image's (Kontext's reference)."""
     h, w = int(hw[0]), int(hw[1])
+    end = x.shape[1] - (int(hw[2]) if hw.numel() > 2 else 0)
     h_len, w_len = (h + patch_size // 2) // patch_size, (w + patch_size // 2) // patch_size
-    return x[:, x.shape[1] - h_len * w_len:], (h, w, h_len, w_len)
+    return x[:, end - h_len * w_len:end], (h, w, h_len, w_len)
 
 
 def unpatchify(out: torch.Tensor, grid, patch_size: int) -> torch.Tensor:
@@ -202,6 +209,7 @@ class FluxAdapter(ModelAdapter):
     latent_format = "Flux"
     lora_block_prefixes = ("double_blocks", "single_blocks")
     text_fields = ("t5", "pooled")
+    input_layer = FluxInput
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
@@ -213,7 +221,7 @@ class FluxAdapter(ModelAdapter):
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model
-        layers = [FluxInput(dm, self.objective(), self.dtype, self.cfg.guidance)]
+        layers = [self.input_layer(dm, self.objective(), self.dtype, self.cfg.guidance)]
         layers += [DoubleBlock(b, self.dtype, checkpoint_activations) for b in dm.double_blocks]
         layers.append(JoinStreams())
         layers += [SingleBlock(b, self.dtype, checkpoint_activations) for b in dm.single_blocks]

@@ -9,6 +9,8 @@ Nothing here names an architecture: each one's facts are its adapter's ``spec`` 
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import math
 from pathlib import Path
@@ -23,6 +25,7 @@ from .spec import TEXT_ENCODERS, UMT5_MARKER, VAES
 SUPPORTED_ARCHS = tuple(ADAPTERS)
 META_ARCH, META_UNET, META_TE_KIND, META_TE = (
     "pipetrain.arch", "pipetrain.unet_config", "pipetrain.te_kind", "pipetrain.te_config")
+META_VAE_KIND, META_VAE = "pipetrain.vae_kind", "pipetrain.vae_config"   # tiny VAEs ComfyUI cannot size
 
 
 # --- reading files -------------------------------------------------------------------------------
@@ -65,9 +68,14 @@ def _meta_state_dict(shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
 
 
 # --- diffusion models ----------------------------------------------------------------------------
-def _config_classes() -> dict[type, str]:
+def _arch_of_config(config_cls: type, unet_config: dict) -> str | None:
+    """The model type of a ComfyUI config class; where several share it, their specs' ``accepts`` decide."""
     import comfy.supported_models as sm
-    return {getattr(sm, name): arch for arch, spec in arch_specs().items() for name in spec.comfy_configs}
+    for arch, spec in arch_specs().items():
+        if any(getattr(sm, name) is config_cls for name in spec.comfy_configs) and (
+                spec.accepts is None or spec.accepts(unet_config)):
+            return arch
+    return None
 
 
 def arch_from_state_dict_shapes(shapes: dict[str, tuple]) -> str | None:
@@ -86,7 +94,7 @@ def arch_from_state_dict_shapes(shapes: dict[str, tuple]) -> str | None:
         return None
     for config_cls in sm.models:  # first match wins, as in comfy.model_detection
         if config_cls.matches(unet_config, sd):
-            return _config_classes().get(config_cls)
+            return _arch_of_config(config_cls, unet_config)
     return None
 
 
@@ -191,7 +199,8 @@ def _real_te_kind(shapes: dict) -> str:
         return "unknown"
     if kind.name == "T5_XXL" and UMT5_MARKER in shapes:
         return "umt5xxl"
-    return next((k for k, spec in TEXT_ENCODERS.items() if spec.te_model == kind.name), kind.name.lower())
+    return next((k for k, spec in TEXT_ENCODERS.items() if kind.name in (spec.te_model, *spec.also_detected_as)),
+                kind.name.lower())
 
 
 def _te_title(kind: str) -> str:
@@ -234,7 +243,9 @@ def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
     import comfy.sd
     kinds = [meta.get(META_TE_KIND, "unknown") for _, meta in headers]
     _check_kinds(paths, kinds, arch)
-    options = {f"{kind}_model_config": json.loads(meta[META_TE]) for kind, (_, meta) in zip(kinds, headers)}
+    options = {TEXT_ENCODERS[kind].model_option or f"{TEXT_ENCODERS[kind].comfy_name or kind}_model_config":
+               json.loads(meta[META_TE])
+               for kind, (_, meta) in zip(kinds, headers)}
     if dtype is not None:
         options["dtype"] = dtype
     params = sum(math.prod(s) for shapes, _ in headers for s in shapes.values())
@@ -245,14 +256,69 @@ def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
     clip = comfy.sd.CLIP(arch_spec(arch).clip_target(), parameters=params, model_options=options,
                          tokenizer_data=tokenizer_data)
     for path, kind, sd in zip(paths, kinds, state_dicts):
-        missing, _ = getattr(clip.cond_stage_model, kind).load_sd(sd)
+        missing, _ = getattr(clip.cond_stage_model, TEXT_ENCODERS[kind].comfy_name or kind).load_sd(sd)
+        omitted = tuple(name + "." for name in TEXT_ENCODERS[kind].tiny_omits)
+        missing = [k for k in missing if not k.startswith(omitted)] if omitted else missing
         if missing:
             raise ModelError(f"{path}: {len(missing)} {_te_title(kind)} weights are missing, "
                              f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
     return clip
 
 
+# --- CLIP vision ---------------------------------------------------------------------------------
+META_CLIP_VISION = "pipetrain.clip_vision_config"
+
+
+def load_clip_vision(path):
+    """ComfyUI's ``ClipVisionModel`` for a CLIP-vision file: a real one through ComfyUI's own detection, a tiny
+    one (``tiny.write_clip_vision``) built from the config in its metadata."""
+    import os
+    import tempfile
+
+    path = _require_file(path)
+    _, metadata = read_header(path)
+    ensure_comfyui()
+    import comfy.clip_vision
+    if META_CLIP_VISION not in metadata:
+        try:
+            model = comfy.clip_vision.load(str(path))
+        except Exception as exc:
+            raise ModelError(f"{path}: ComfyUI could not load this CLIP-vision file ({exc})") from exc
+        if model is None:
+            raise ModelError(f"{path}: ComfyUI does not recognise this file as a CLIP-vision model "
+                             "(expected e.g. clip_vision_h.safetensors from models/clip_vision)")
+        return model
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:   # ComfyUI reads a JSON file
+        f.write(metadata[META_CLIP_VISION])
+    try:
+        model = comfy.clip_vision.ClipVisionModel(f.name)
+    finally:
+        os.unlink(f.name)
+    missing, _ = model.load_sd(_load_state_dict(path)[0])
+    if missing:
+        raise ModelError(f"{path}: {len(missing)} CLIP-vision weights are missing, e.g. '{missing[0]}'")
+    return model
+
+
 # --- VAE -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _narrowed_vae_class(metadata: dict):
+    """A tiny file of a VAE whose width ComfyUI fixes (``VAEKind.widths``, e.g. Wan 2.2's) names its widths in
+    its metadata: while ComfyUI's detection builds the VAE, its class takes them."""
+    kind = VAES.get(metadata.get(META_VAE_KIND, ""))
+    if META_VAE not in metadata or kind is None or not kind.narrowed_class:
+        yield
+        return
+    module_name, _, name = kind.narrowed_class.partition(":")
+    module = importlib.import_module(module_name)
+    cls, widths = getattr(module, name), json.loads(metadata[META_VAE])
+    setattr(module, name, lambda *args, **kwargs: cls(*args, **{**kwargs, **widths}))
+    try:
+        yield
+    finally:
+        setattr(module, name, cls)
+
+
 def load_vae(path, *, arch: str | None = None):
     """A ``comfy.sd.VAE``; ``arch``, when given, checks the latent channels (its spec's VAE kind)."""
     path = _require_file(path)
@@ -260,7 +326,8 @@ def load_vae(path, *, arch: str | None = None):
     sd, metadata = _load_state_dict(path)
     import comfy.sd
     try:
-        vae = comfy.sd.VAE(sd=sd, metadata=metadata)
+        with _narrowed_vae_class(metadata):
+            vae = comfy.sd.VAE(sd=sd, metadata=metadata)
     except Exception as exc:
         raise ModelError(f"{path}: ComfyUI could not build a VAE from this file ({exc})") from exc
     if vae.first_stage_model is None:

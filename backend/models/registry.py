@@ -10,6 +10,23 @@ ADAPTERS: dict[str, str] = {
     "sd3": "pipetrain.backend.models.sd3:SD3Adapter",
     "chroma": "pipetrain.backend.models.chroma:ChromaAdapter",
     "wan": "pipetrain.backend.models.wan:WanAdapter",
+    "flux2": "pipetrain.backend.models.flux2:Flux2Adapter",
+    "flux_kontext": "pipetrain.backend.models.flux_kontext:FluxKontextAdapter",
+    "hunyuan_video": "pipetrain.backend.models.hunyuan_video:HunyuanAdapter",
+    "hunyuan_video_15": "pipetrain.backend.models.hunyuan_video:HunyuanVideo15Adapter",
+    "hunyuan_image_21": "pipetrain.backend.models.hunyuan_video:HunyuanImage21Adapter",
+    "wan_i2v": "pipetrain.backend.models.wan:WanI2VAdapter",
+    "wan22_5b": "pipetrain.backend.models.wan22:Wan22Adapter",
+    "wan22_5b_i2v": "pipetrain.backend.models.wan22:Wan22I2VAdapter",
+    "qwen_image": "pipetrain.backend.models.qwen_image:QwenImageAdapter",
+    "qwen_image_edit": "pipetrain.backend.models.qwen_image:QwenImageEditAdapter",
+    "ltx_video": "pipetrain.backend.models.ltx_video:LTXVideoAdapter",
+    "cosmos_predict2": "pipetrain.backend.models.cosmos:CosmosPredict2Adapter",
+    "auraflow": "pipetrain.backend.models.auraflow:AuraFlowAdapter",
+    "hidream": "pipetrain.backend.models.hidream:HiDreamAdapter",
+    "omnigen2": "pipetrain.backend.models.omnigen2:OmniGen2Adapter",
+    "z_image": "pipetrain.backend.models.lumina:ZImageAdapter",
+    "lumina2": "pipetrain.backend.models.lumina:Lumina2Adapter",
 }
 
 # Models whose code the pinned ComfyUI (0.3.75) does not have: type string -> (name, the first ComfyUI

@@ -129,13 +129,14 @@ def _header(plan, dtype: torch.dtype, metadata: dict[str, str], extras: dict[str
 
 def write_safetensors(module: torch.nn.Module, path: Path, dtype: torch.dtype, seed: int,
                       metadata: dict[str, str], extras: dict[str, torch.Tensor] | None = None,
-                      device: str = "cpu") -> int:
+                      device: str = "cpu", init: dict[str, str] | None = None) -> int:
     """Write ``module``'s state dict, randomly initialised, one tensor at a time, then ``extras`` as they are
-    (e.g. a tokenizer stored in the file). Returns #parameters of the module."""
+    (e.g. a tokenizer stored in the file). ``init``: key -> init rule overriding the generic one.
+    Returns #parameters of the module."""
     if dtype not in DTYPE_NAMES.values():
         raise ModelError(f"{path}: cannot write dtype {dtype}; use one of {sorted(DTYPE_NAMES)}")
     extras = extras or {}
-    plan = tensor_plan(module)
+    plan = [(key, shape, (init or {}).get(key, rule)) for key, shape, rule in tensor_plan(module)]
     header = _header(plan, dtype, metadata, extras)
     tmp = temp_path_beside(path)
     try:
@@ -171,7 +172,20 @@ def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: s
     if size == "tiny":
         meta["pipetrain.te_config"] = json.dumps(config)
     extras = {name: make() for name, make in TEXT_ENCODERS[kind].extras.items()}
-    return write_safetensors(build_text_encoder(kind, config), path, dtype, seed, meta, extras, device)
+    module = build_text_encoder(kind, config)
+    if size == "tiny":   # e.g. a VL model's vision tower: text encoding never runs it
+        for name in TEXT_ENCODERS[kind].tiny_omits:
+            delattr(module, name)
+    return write_safetensors(module, path, dtype, seed, meta, extras, device)
+
+
+def _vae_metadata(kind: str, size: str) -> dict[str, str]:
+    """A VAE whose width ComfyUI fixes (``VAEKind.widths``): a narrower file names its widths for loading.py."""
+    widths = VAES[kind].widths(size) if VAES[kind].widths else {}
+    meta = {"pipetrain.vae_kind": kind, "pipetrain.vae_config": json.dumps(widths)} if widths else {}
+    if VAES[kind].file_metadata:   # what ComfyUI reads from the file itself (e.g. the LTX VAE's config)
+        meta.update(VAES[kind].file_metadata(size))
+    return meta
 
 
 def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.float32, seed=0, *,
@@ -191,10 +205,28 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
                        [out_dir / f"{arch}_{text_encoder_size or size}_{kind}.safetensors"
                         for kind in spec.text_encoders])
     _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed, init_device)
-    write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1, {"pipetrain.arch": arch}, device=init_device)
+    write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1,
+                      {"pipetrain.arch": arch, **_vae_metadata(spec.vae, size)}, device=init_device,
+                      init=vae_kind.init)
     for i, (kind, path) in enumerate(zip(spec.text_encoders, files.text_encoders)):
         _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + i, init_device)
     return files
+
+
+def write_clip_vision(path: Path, size: str = "tiny", dtype=torch.float32, seed: int = 0) -> int:
+    """A CLIP-vision file (ViT-H/14, as Wan 2.1 i2v takes); tiny ones carry their config in the metadata."""
+    from ..runtime import ensure_comfyui
+    from .spec import CLIP_VISION_H_CONFIG, CLIP_VISION_TINY
+    ensure_comfyui()
+    import comfy.clip_model
+    import comfy.ops
+    config = json.loads((ensure_comfyui() / CLIP_VISION_H_CONFIG).read_text())
+    meta = {"pipetrain.size": size}
+    if size != "full":
+        config = {**config, **CLIP_VISION_TINY}
+        meta["pipetrain.clip_vision_config"] = json.dumps(config)
+    module = comfy.clip_model.CLIPVisionModelProjection(config, torch.float32, "meta", comfy.ops.disable_weight_init)
+    return write_safetensors(module, Path(path), dtype, seed, meta)
 
 
 def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) -> ModelFiles:

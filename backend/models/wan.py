@@ -1,4 +1,4 @@
-"""Wan 2.1 text-to-video through ComfyUI's ``comfy.ldm.wan.model.WanModel``.
+"""Wan 2.1 / 2.2 14B (text-to-video and image-to-video) through ComfyUI's ``comfy.ldm.wan.model.WanModel``.
 
 Latents are 5-D [B, 16, T, H, W] from ComfyUI's Wan VAE (``comfy.ldm.wan.vae``: 8x spatial, 4x temporal
 with a causal first frame, so a clip of 4k + 1 frames gives k + 1 latent frames); a still image is a
@@ -8,43 +8,67 @@ ComfyUI's ``WanAttentionBlock`` adds its residuals out of place, so the layers r
 (attention routed to SDPA); what is re-stated is only ``WanModel._forward``'s loop:
 
     WanInput        patch_embedding, RoPE table, time embedding and its 6 modulations, text_embedding
+                    (i2v: the conditioning channels concatenated to the noisy latent, the CLIP-vision tokens
+                    put before the text)
     WanBlock  xN    blocks[i](x, e0, freqs, context)            (x, e0, e, context, freqs, grid, size)
     WanOutput       head(x, e), unpatchify, crop
 
 Everything but x comes from frozen weights or the data and travels bit-cast to integers. Training is
 rectified flow (target noise - x0; ``shift`` as configured -- ComfyUI samples Wan with shift 8); the network
-takes t x 1000, ComfyUI's ``ModelSamplingDiscreteFlow`` multiplier. The text is UMT5-XXL's, 512 tokens with
-the padding zeroed, as ComfyUI encodes it. LoRA goes on every linear of the blocks (self- and
-cross-attention q/k/v/o, feed-forward).
+takes t x 1000, ComfyUI's ``ModelSamplingDiscreteFlow`` multiplier. ``min_t`` / ``max_t`` restrict the
+timesteps to a range of that (shifted) distribution, as the two experts of Wan 2.2 14B divide the range
+(``RangedFlowMatching``). The text is UMT5-XXL's, 512 tokens with the padding zeroed, as ComfyUI encodes it.
+LoRA goes on every linear of the blocks (self- and cross-attention q/k/v/o, i2v's k_img/v_img, feed-forward).
+
+Types: ``wan`` -- Wan 2.1 t2v (1.3B, 14B) and the Wan 2.2 14B t2v experts (same network, ComfyUI's
+WAN21_T2V); ``wan_i2v`` -- Wan 2.1 i2v 14B (WAN21_I2V, with CLIP-vision tokens) and Wan 2.2 i2v 14B
+(WAN21_T2V with 36 input channels, no CLIP vision). Wan 2.2 TI2V 5B is ``wan22.py``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .checkpointing import run_checkpointed
+from ..errors import ModelError
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
+from .checkpointing import run_checkpointed
 from .objectives import FlowMatching
 from .spec import ArchSpec
 
 WAN_FPS = 16
 
 
-def wan_config(dim: int, ffn_dim: int, num_layers: int) -> dict:
-    """The ``unet_config`` ComfyUI's detection derives from a Wan 2.1 t2v checkpoint (heads of 128)."""
-    return {"image_model": "wan2.1", "dim": dim, "out_dim": 16, "num_heads": dim // 128, "ffn_dim": ffn_dim,
+def wan_config(dim: int, ffn_dim: int, num_layers: int, in_dim: int = 16, out_dim: int = 16,
+               model_type: str = "t2v") -> dict:
+    """The ``unet_config`` ComfyUI's detection derives from a Wan checkpoint (heads of 128)."""
+    return {"image_model": "wan2.1", "dim": dim, "out_dim": out_dim, "num_heads": dim // 128, "ffn_dim": ffn_dim,
             "num_layers": num_layers, "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1),
-            "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v"}
+            "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "in_dim": in_dim, "model_type": model_type}
 
 
-# full: Wan2.1-T2V-14B. tiny: 2 blocks at width 256 (2 heads of 128), which ComfyUI still detects.
+# full: Wan2.1-T2V-14B (= each Wan2.2-T2V-A14B expert). tiny: 2 blocks at width 256 (2 heads of 128), which
+# ComfyUI still detects.
 WAN_CONFIGS = {"full": wan_config(5120, 13824, 40), "tiny": wan_config(256, 512, 2)}
+# i2v: 16 latent + 4 mask + 16 image-latent channels in. Wan 2.1 has the CLIP-vision projection (img_emb) and
+# ComfyUI calls it i2v; Wan 2.2's experts have none and ComfyUI detects them as t2v with 36 channels.
+WAN_I2V_CONFIGS = {
+    "full": wan_config(5120, 13824, 40, in_dim=36, model_type="i2v"),
+    "tiny": wan_config(256, 512, 2, in_dim=36, model_type="i2v"),
+    "full_22": wan_config(5120, 13824, 40, in_dim=36),
+    "tiny_22": wan_config(256, 512, 2, in_dim=36),
+}
 
 
 def wan21_config(size: str) -> dict:
     return dict(WAN_CONFIGS["full" if size == "full" else "tiny"])
+
+
+def wan_i2v_config(size: str) -> dict:
+    return dict(WAN_I2V_CONFIGS["full" if size == "full" else "tiny"])
 
 
 def build_wan(config: dict) -> nn.Module:
@@ -62,42 +86,115 @@ def _wan_clip_target():
 
 
 WAN_SPEC = ArchSpec(
-    title="Wan 2.1 t2v", comfy_configs=("WAN21_T2V",), unet_config=wan21_config, build=build_wan,
+    title="Wan 2.1 / 2.2 14B t2v", comfy_configs=("WAN21_T2V",), unet_config=wan21_config, build=build_wan,
     detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN", clip_target=_wan_clip_target,
-    vae="wan21", example_file="wan2.1_t2v_14B_bf16.safetensors")
+    vae="wan21", example_file="wan2.1_t2v_14B_bf16.safetensors", accepts=lambda c: c.get("in_dim") == 16)
+
+WAN_I2V_SPEC = ArchSpec(
+    title="Wan 2.1 / 2.2 14B i2v", comfy_configs=("WAN21_I2V", "WAN21_T2V"), unet_config=wan_i2v_config,
+    build=build_wan, detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN",
+    clip_target=_wan_clip_target, vae="wan21", example_file="wan2.2_i2v_high_noise_14B_fp16.safetensors",
+    accepts=lambda c: c.get("in_dim") == 36)
+
+
+@dataclass
+class RangedFlowMatching(FlowMatching):
+    """Flow matching whose timesteps are drawn from the configured (shifted) distribution restricted to
+    [min_t, max_t]: the quantile range of the two bounds is sampled uniformly and mapped back."""
+    min_t: float = 0.0
+    max_t: float = 1.0
+
+    @property
+    def ranged(self) -> bool:
+        return (self.min_t, self.max_t) != (0.0, 1.0)
+
+    def _t_of_q(self, q: torch.Tensor, seq_len: int) -> torch.Tensor:
+        q = q.double().clamp(1e-7, 1 - 1e-7)
+        t = torch.sigmoid(torch.special.ndtri(q) * self.sigmoid_scale) if self.sample_method == "logit_normal" else q
+        return self._shift(t.float(), seq_len)
+
+    def _q_range(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantiles of min_t and max_t, by bisection (the shifted distribution's CDF has no common closed form)."""
+        bounds = torch.tensor([self.min_t, self.max_t])
+        lo, hi = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            below = self._t_of_q(mid, seq_len) < bounds
+            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+        q = (lo + hi) / 2
+        q[0] = 0.0 if self.min_t <= 0 else q[0]
+        q[1] = 1.0 if self.max_t >= 1 else q[1]
+        return q[0], q[1]
+
+    def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+        if not self.ranged:
+            return super().sample_t(batch, seq_len, generator)
+        q0, q1 = self._q_range(seq_len)
+        u = torch.rand(batch, generator=generator, dtype=torch.float64)
+        return self._t_of_q(q0 + u * (q1 - q0), seq_len).clamp(self.min_t, self.max_t)
+
+    def quantile_t(self, q: float, seq_len: int) -> torch.Tensor:
+        if not self.ranged:
+            return super().quantile_t(q, seq_len)
+        q0, q1 = self._q_range(seq_len)
+        return self._t_of_q((q0 + q * (q1 - q0)).reshape(1), seq_len).clamp(self.min_t, self.max_t)
 
 
 class WanInput(TupleLayer):
+    """``conditioning``: the names of the tensors after the text (``WanAdapter.conditioning_fields``):
+    ``concat`` (i2v: mask + image-latent channels), ``clip_fea`` (Wan 2.1 i2v: CLIP-vision tokens),
+    ``first_frame`` (Wan 2.2 5B ti2v: the clean first latent frame, taken as given at timestep 0)."""
     cost = 0.05
 
-    def __init__(self, dm, objective, dtype):
+    def __init__(self, dm, objective, dtype, conditioning: tuple[str, ...] = ()):
         super().__init__()
         # only the embedders become children: the blocks belong to other layers
         self.patch_embedding, self.text_embedding = dm.patch_embedding, dm.text_embedding
         self.time_embedding, self.time_projection = dm.time_embedding, dm.time_projection
         self.rope_embedder = dm.rope_embedder
+        self.img_emb = dm.img_emb   # Wan 2.1 i2v's CLIP-vision projection; None in the other variants
         self._rope_encode = dm.rope_encode
         self.patch_size, self.freq_dim, self.dim = dm.patch_size, dm.freq_dim, dm.dim
-        self.objective, self.dtype = objective, dtype
+        self.objective, self.dtype, self.conditioning = objective, dtype, conditioning
 
-    def run(self, latents, noise, t, context):
+    def run(self, latents, noise, t, context, *conditioning):
         import comfy.ldm.common_dit
         from comfy.ldm.wan.model import sinusoidal_embedding_1d
 
-        x = self.objective.noisy(latents, noise, t).to(self.dtype)
+        cond = dict(zip(self.conditioning, conditioning))
+        x = self.objective.noisy(latents, noise, t)
+        timestep = self.objective.model_timestep(t)
+        if "first_frame" in cond:   # ComfyUI's ti2v: the first frame clean, its timestep 0 (WAN22.process_timestep)
+            x = torch.cat([cond["first_frame"].to(x.dtype), x[:, :, 1:]], dim=2)
+            timestep = timestep[:, None] * first_frame_mask(x.shape[2], timestep)
+        x = x.to(self.dtype)
         b, _, frames, h, w = x.shape
+        if "concat" in cond:
+            x = torch.cat([x, cond["concat"].to(self.dtype)], dim=1)
         x = comfy.ldm.common_dit.pad_to_patch_size(x, self.patch_size)
         freqs = self._rope_encode(frames, h, w, device=x.device, dtype=x.dtype)
         x = self.patch_embedding(x.float()).to(x.dtype)
         grid = torch.tensor(x.shape[2:], device=x.device)
         x = x.flatten(2).transpose(1, 2)
-        timestep = self.objective.model_timestep(t)
         e = self.time_embedding(sinusoidal_embedding_1d(self.freq_dim, timestep.flatten()).to(dtype=x.dtype))
         e = e.reshape(b, -1, e.shape[-1])
         e0 = self.time_projection(e).unflatten(2, (6, self.dim))
         context = self.text_embedding(context.to(self.dtype))
-        size = torch.tensor([frames, h, w], device=x.device)
+        image_tokens = 0
+        if "clip_fea" in cond:    # as ComfyUI: a model without img_emb (Wan 2.2) ignores the CLIP tokens
+            clip = cond["clip_fea"].to(self.dtype)
+            if self.img_emb is not None:
+                context = torch.cat([self.img_emb(clip), context], dim=1)
+            image_tokens = clip.shape[-2]
+        size = torch.tensor([frames, h, w, image_tokens], device=x.device)
         return with_grad(x), hide(e0), hide(e), hide(context), hide(freqs.float()), grid, size
+
+
+def first_frame_mask(frames: int, like: torch.Tensor) -> torch.Tensor:
+    """[1, frames]: 0 for the given first latent frame, 1 for the frames to denoise."""
+    mask = torch.ones(1, frames, dtype=like.dtype, device=like.device)
+    mask[:, 0] = 0
+    return mask
 
 
 class WanBlock(TupleLayer):
@@ -107,16 +204,17 @@ class WanBlock(TupleLayer):
         super().__init__()
         self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
 
-    def block_forward(self, x, e0, context, freqs):
+    def block_forward(self, x, e0, context, freqs, image_tokens):
         return self.block(x, e=reveal(e0, self.dtype), freqs=reveal(freqs, torch.float32),
-                          context=reveal(context, self.dtype), context_img_len=None,
+                          context=reveal(context, self.dtype), context_img_len=image_tokens or None,
                           transformer_options=sdpa_transformer_options())
 
     def run(self, x, e0, e, context, freqs, grid, size):
+        image_tokens = int(size[3])
         if self.checkpoint_activations and torch.is_grad_enabled():
-            x = run_checkpointed(self.checkpoint_activations, self.block_forward, x, e0, context, freqs)
+            x = run_checkpointed(self.checkpoint_activations, self.block_forward, x, e0, context, freqs, image_tokens)
         else:
-            x = self.block_forward(x, e0, context, freqs)
+            x = self.block_forward(x, e0, context, freqs, image_tokens)
         return x, e0, e, context, freqs, grid, size
 
 
@@ -130,7 +228,7 @@ class WanOutput(TupleLayer):
 
     def run(self, x, e0, e, context, freqs, grid, size):
         out = self._unpatchify(self.head(x, reveal(e, self.dtype)), [int(g) for g in grid])
-        frames, h, w = (int(v) for v in size)
+        frames, h, w = (int(v) for v in size[:3])
         out = out[:, :, :frames, :h, :w]
         return out.to(torch.promote_types(out.dtype, torch.float32))
 
@@ -143,9 +241,12 @@ class WanAdapter(ModelAdapter):
     text_fields = ("context",)
     framerate = WAN_FPS
     frame_multiple = 4          # clips of 4k + 1 frames (the VAE's causal 4x temporal compression)
+    timestep_range = True
+    latent_channels = 16
+    vae_scale = 8               # pixels per latent side
 
     def encode_images(self, vae, pixels):
-        """Each image as a one-frame clip: [B, H, W, 3] -> [B, 16, 1, h, w] (ComfyUI's Wan VAE would take a
+        """Each image as a one-frame clip: [B, H, W, 3] -> [B, C, 1, h, w] (ComfyUI's Wan VAE would take a
         batch of images as the frames of one video)."""
         return torch.cat([self.encode_video(vae, pixels[i:i + 1])[None] for i in range(pixels.shape[0])])
 
@@ -161,24 +262,94 @@ class WanAdapter(ModelAdapter):
 
     def objective(self):
         multiplier = self.model_sampling.multiplier if self.patcher is not None else 1000.0
-        return FlowMatching.from_model_config(self.cfg, multiplier=multiplier)
+        base = FlowMatching.from_model_config(self.cfg, multiplier=multiplier)
+        return RangedFlowMatching(**vars(base), min_t=self.cfg.min_t, max_t=self.cfg.max_t)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model
-        layers: list[nn.Module] = [WanInput(dm, self.objective(), self.dtype)]
+        layers: list[nn.Module] = [WanInput(dm, self.objective(), self.dtype, self.conditioning_fields)]
         layers += [WanBlock(b, self.dtype, checkpoint_activations) for b in dm.blocks]
         layers.append(WanOutput(dm, self.dtype))
         return layers
 
-    def empty_latent(self, width, height):
-        return torch.zeros(1, 16, 1, height // 8, width // 8)   # one frame: epoch samples are stills
+    def empty_latent(self, width, height):   # one frame: epoch samples are stills
+        return torch.zeros(1, self.latent_channels, 1, height // self.vae_scale, width // self.vae_scale)
 
     def probe_latent(self, generator, size=(8, 8)):
-        return torch.randn(1, 16, 2, *size, generator=generator)
+        return torch.randn(1, self.latent_channels, 2, *size, generator=generator)
 
     def probe_text(self, generator):
+        """The caption, then any conditioning fields (``check_lora`` hands both to the layers and ComfyUI)."""
         return [torch.randn(1, 16, self.diffusion_model.text_dim, generator=generator)]
 
     def reference_forward(self, x_t, t, text):
         (context,) = text
         return self.diffusion_model(x_t.to(self.dtype), self.objective().model_timestep(t), context.to(self.dtype))
+
+
+# --- image to video (14B) -------------------------------------------------------------------------
+CLIP_VISION_TOKENS, CLIP_VISION_WIDTH = 257, 1280   # ViT-H/14 at 224 px: 16 x 16 patches + class token
+
+
+class WanI2VAdapter(WanAdapter):
+    """Wan 2.1 / 2.2 14B image-to-video: the clip's first frame conditions the rest, as ComfyUI's
+    ``WanImageToVideo`` gives it: ``concat`` = [4-channel mask (1 on the first latent frame), the latent of
+    the first frame followed by mid-grey frames] concatenated to the noisy latent's channels; Wan 2.1 also
+    takes the first frame's CLIP-vision penultimate tokens (``clip_fea``, from [model] clip_vision, as
+    ``CLIPVisionEncode`` with crop 'none' gives them)."""
+    arch = "wan_i2v"
+    spec = WAN_I2V_SPEC
+    takes_clip_vision = True
+
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        self.conditioning_fields = ("concat", "clip_fea") if cfg.clip_vision else ("concat",)
+        self._clip_vision = None
+
+    def model_files(self):
+        files = super().model_files()
+        if self.cfg.clip_vision:
+            files["conditioning"] = [self._clip_vision_file()]   # its fingerprint enters the conditioning's keys
+        return files
+
+    def _clip_vision_file(self):
+        path = self.resolve(self.cfg.clip_vision)
+        if not path.is_file():
+            raise ModelError(f"[model] clip_vision: file not found: {path}")
+        return path
+
+    def encode_conditioning(self, vae, media, control):
+        import comfy.latent_formats
+        if media.shape[0] < 2:
+            raise ModelError(f"{self.arch} trains on videos only (the first frame conditions the others); "
+                             "this dataset has a still image: move images to another run or give clips")
+        image = torch.full_like(media, 0.5)
+        image[:1] = media[:1]
+        latent = comfy.latent_formats.Wan21().process_in(vae.encode(image).float()).cpu()[0]
+        mask = torch.zeros(4, *latent.shape[1:])
+        mask[:, 0] = 1.0
+        out = {"concat": torch.cat([mask, latent])}
+        if "clip_fea" in self.conditioning_fields:
+            out["clip_fea"] = self.encode_clip_vision(media[:1])
+        return out
+
+    def encode_clip_vision(self, image: torch.Tensor) -> torch.Tensor:
+        """The penultimate hidden states [257, 1280] ComfyUI's CLIPVisionEncode (crop 'none') gives."""
+        from .loading import load_clip_vision
+        if self._clip_vision is None:
+            self._clip_vision = load_clip_vision(self._clip_vision_file())
+        return self._clip_vision.encode_image(image, crop=False)["penultimate_hidden_states"][0].float().cpu()
+
+    def probe_text(self, generator):
+        b, t, h, w = 1, 2, 8, 8
+        concat = torch.randn(b, 20, t, h, w, generator=generator)
+        out = [*super().probe_text(generator), concat]
+        if "clip_fea" in self.conditioning_fields:
+            out.append(torch.randn(b, CLIP_VISION_TOKENS, CLIP_VISION_WIDTH, generator=generator))
+        return out
+
+    def reference_forward(self, x_t, t, text):
+        context, concat, *clip = text
+        x = torch.cat([x_t, concat], dim=1).to(self.dtype)
+        clip_fea = clip[0].to(self.dtype) if clip else None
+        return self.diffusion_model(x, self.objective().model_timestep(t), context.to(self.dtype), clip_fea=clip_fea)

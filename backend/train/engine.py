@@ -11,10 +11,12 @@ from ..errors import ConfigError
 from ..models.base import DTYPES
 from ..models.compiling import compile_blocks
 from ..optim import make_optimizer
+from . import distributed
 from .eval import build_eval_sets, every_n_steps
 from .feed import MicroBatchFeed
 from .pipeline import StagedModule, stage_bounds
 from .schedule import lr_multiplier
+from .swap import enable_block_swap
 
 log = logging.getLogger("pipetrain")
 
@@ -30,10 +32,13 @@ def ds_config(cfg) -> dict:
 
 
 def attach_lora(trainer) -> list[str]:
+    """The ``[adapter]`` (LoRA or LoKr) on the model; without one, a full fine-tune (``saving.full_finetune``)."""
     a = trainer.cfg.adapter
-    dtype = DTYPES[a.dtype] if a.dtype else torch.float32
-    spec = lora.LoRASpec(rank=a.rank, alpha=a.alpha if a.alpha is not None else float(a.rank),
-                         dropout=a.dropout, dtype=dtype, seed=trainer.cfg.seed)
+    if a is None:
+        from .saving import full_finetune
+        full_finetune(trainer.adapter.diffusion_model, trainer.cfg)
+        return []
+    spec = lora.spec_from_config(a, seed=trainer.cfg.seed, dtype=DTYPES[a.dtype] if a.dtype else torch.float32)
     names = lora.inject(trainer.adapter.diffusion_model, spec, trainer.adapter.lora_block_prefixes, a.target_modules)
     if a.init_from_existing:
         load_existing(trainer, names)
@@ -53,10 +58,14 @@ def load_existing(trainer, names: list[str]) -> None:
     if ranks and ranks != {rank}:
         raise ConfigError(f"{path} has LoRA rank {sorted(ranks)}, the config rank {rank}; set [adapter] rank to "
                           "match", **where)
-    matched = lora.load_into(trainer.adapter.diffusion_model, sd)
+    try:
+        matched = lora.load_into(trainer.adapter.diffusion_model, sd)
+    except ValueError as e:   # a LoKr of another rank or decompose_factor
+        raise ConfigError(f"{path}: {e}", **where) from None
     if matched == 0:
+        part = "lokr_w1" if trainer.cfg.adapter.type == "lokr" else "lora_A.weight"
         raise ConfigError(f"no tensor of {path} matches this model's adapted modules (expected keys like "
-                          f"'diffusion_model.{names[0]}.lora_A.weight'): a LoRA of another model or key format",
+                          f"'diffusion_model.{names[0]}.{part}'): a LoRA of another model or key format",
                           **where)
     if trainer.rank == 0:
         trainer.reporter.event("init_from_existing", path=str(path), modules_loaded=matched, modules=len(names))
@@ -73,6 +82,8 @@ def build_engine(trainer) -> None:
     costs = [adapter.layer_cost(layer) for layer in layers]
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
                           loss_fn=adapter.loss)
+    trainer.swapper = enable_block_swap(module, cfg.blocks_to_swap, distributed.device(), cfg._file)
+    swapped = distributed.all_gather_object(len(trainer.swapper.slots) if trainer.swapper else 0)
     trainer.plan = trainer_plan(trainer)  # needs the data-parallel degree, known from the topology
     total_steps = trainer.plan.steps_per_epoch() * cfg.epochs
     if cfg.max_steps:
@@ -95,7 +106,8 @@ def build_engine(trainer) -> None:
     if trainer.rank == 0:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
         trainer.reporter.event("engine", layers=len(layers), stage_bounds=bounds, trainable_params=sum(
-            p.numel() for p in params), steps_per_epoch=trainer.plan.steps_per_epoch(), total_steps=total_steps)
+            p.numel() for p in params), steps_per_epoch=trainer.plan.steps_per_epoch(), total_steps=total_steps,
+            blocks_swapped=swapped[::trainer.dp_world])
 
 
 def record_grad_norm(trainer) -> None:

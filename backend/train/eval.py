@@ -36,8 +36,7 @@ class EvalFeed(MicroBatchFeed):
         digest = hashlib.sha256(f"pipetrain-eval:{self.seed}:{entry.latent}:{entry.text}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         noise = torch.randn(latent.shape, generator=g)
-        seq_len = latent.shape[-1] * latent.shape[-2] // 4
-        return noise, self.objective.quantile_t(self.quantile, seq_len)
+        return noise, self.objective.quantile_t(self.quantile, self.seq_len(latent))
 
 
 @dataclass

@@ -43,8 +43,12 @@ class MicroBatchFeed:
     def _noise_and_t(self, latent: torch.Tensor, epoch: int, step: int, position: int, entry=None):
         g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, step, position))
         noise = torch.randn(latent.shape, generator=g)
-        seq_len = latent.shape[-1] * latent.shape[-2] // 4
-        return noise, self.objective.sample_t(1, seq_len, g)
+        return noise, self.objective.sample_t(1, self.seq_len(latent), g)
+
+    def seq_len(self, latent: torch.Tensor) -> int:
+        """The token count the timestep shift reads (the adapter's ``seq_len``; Flux's rule for stand-ins)."""
+        fn = getattr(self.adapter, "seq_len", None)
+        return fn(latent) if fn else latent.shape[-1] * latent.shape[-2] // 4
 
     def build(self, entries, epoch: int, step: int, micro: int):
         payloads = [self.store.get("latents", e.latent) for e in entries]

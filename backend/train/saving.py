@@ -38,3 +38,98 @@ def write_lora(sd, folder: Path, stem: str, adapter_config: dict, run_toml: str,
     atomic_write_bytes(Path(f"{base}.adapter.json"), json.dumps(adapter_config, indent=1).encode())
     atomic_write_bytes(Path(f"{base}.run.toml"), run_toml.encode())
     return path
+
+
+# --- full fine-tune (no [adapter] table) ------------------------------------------------------------
+LOW_PRECISION = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def full_finetune(dm, cfg) -> None:
+    """Every weight of the diffusion model trains, as in diffusion-pipe's full fine-tune (embedders and the
+    final layer included)."""
+    from ..errors import ConfigError
+
+    low = [(n, p.dtype) for n, p in dm.named_parameters() if p.dtype in LOW_PRECISION]
+    if low:
+        raise ConfigError(f"a full fine-tune (no [adapter] table) trains the weights themselves, and '{low[0][0]}' "
+                          f"is stored in {str(low[0][1]).replace('torch.', '')}: load the model in bfloat16 (remove "
+                          "diffusion_model_dtype or use a non-fp8 file), or train an adapter", file=cfg._file,
+                          key="model.diffusion_model_dtype")
+    dm.requires_grad_(True)
+
+
+def model_save_dtype(cfg) -> torch.dtype:
+    """save_dtype, else the model's dtype (diffusion-pipe saves in the training dtype)."""
+    from ..models.base import DTYPES
+    return DTYPES[cfg.save_dtype or cfg.model.dtype]
+
+
+def write_stage_part(module, dm, folder: Path, stage: int, dtype: torch.dtype) -> None:
+    """This stage's trained weights, under their diffusion-model keys, to ``folder/stageNNN.safetensors``."""
+    from safetensors.torch import save_file
+
+    names = {id(p): n for n, p in dm.named_parameters()}
+    local = {names[id(p)]: p.detach().to("cpu", dtype).contiguous() for p in module.parameters()
+             if p.requires_grad and id(p) in names}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(local, str(folder / f"stage{stage:03d}.safetensors"))
+
+
+def merge_full_model(dm, source: Path, parts: Path, path: Path, dtype: torch.dtype, info: dict) -> int:
+    """One single-file diffusion model with the source file's keys (and PipeTrain's metadata, which tiny
+    models need): the stages' trained weights over this rank's copy of the rest. Written atomically."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(source), framework="pt") as f:
+        keys, metadata = {_unprefixed(k) for k in f.keys()}, dict(f.metadata() or {})
+    own = dm.state_dict()
+    sd = {k: own[k].detach().to("cpu", dtype if own[k].is_floating_point() else None) for k in keys if k in own}
+    trained = 0
+    for part in sorted(parts.glob("stage*.safetensors")):
+        for k, v in load_file(str(part)).items():
+            if k in sd:
+                sd[k] = v
+                trained += 1
+    metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in
+                     {"pipetrain.full_finetune": info}.items()})
+    lora.save_file(sd, path, metadata)
+    return trained
+
+
+def _unprefixed(key: str) -> str:
+    for prefix in ("model.diffusion_model.", "diffusion_model."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def save_full_model(trainer, epoch: int, at_step: bool) -> Path | None:
+    """The trained diffusion model as one ComfyUI single file (``<run>/models/<run>-epoch0001.safetensors``):
+    each stage's data-parallel rank 0 writes its weights, global rank 0 merges them (returns the path there)."""
+    name = trainer.run_dir.name
+    stem = f"{name}-step{trainer.global_step:08d}" if at_step else f"{name}-epoch{epoch:04d}"
+    parts = trainer.run_dir / f".parts-{stem}"
+    dtype = model_save_dtype(trainer.cfg)
+    dm = trainer.adapter.diffusion_model
+    if trainer.dp_rank == 0:
+        write_stage_part(trainer.engine.module, dm, parts, trainer.engine.stage_id, dtype)
+    distributed.barrier()
+    path = None
+    if trainer.rank == 0:
+        import shutil
+
+        folder = trainer.run_dir / "models"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = unique_path(folder, stem)
+        info = {"epoch": epoch, "step": trainer.global_step, "run": trainer.run_dir.name}
+        trained = merge_full_model(dm, trainer.adapter.model_files()["diffusion_model"][0], parts, path, dtype, info)
+        shutil.rmtree(parts, ignore_errors=True)
+        atomic_write_bytes(Path(f"{path.with_suffix('')}.run.toml"), (trainer.run_dir / "run.toml").read_bytes())
+        models = trainer.reporter.status.get("models", []) + [{"epoch": epoch, "step": trainer.global_step,
+                                                               "path": str(path)}]
+        trainer.reporter.update(models=models)
+        trainer.reporter.event("model_saved", epoch=epoch, step=trainer.global_step, path=str(path),
+                               at_step=at_step, tensors_trained=trained)
+    distributed.barrier()
+    return None   # no LoRA: nothing for the LoRA sample renderer

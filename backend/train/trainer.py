@@ -14,7 +14,7 @@ from ..models.base import DTYPES
 from ..models.registry import adapter_class
 from . import checkpoint, distributed
 from .events import RunReporter
-from .saving import gather_lora, write_lora
+from .saving import gather_lora, save_full_model, write_lora
 
 log = logging.getLogger("pipetrain")
 
@@ -183,16 +183,19 @@ class Trainer:
 
     def save_lora(self, epoch: int, *, at_step: bool = False) -> Path | None:
         """Write the epoch LoRA, or with ``at_step`` the step LoRA (save_every_n_steps) (global rank 0);
-        returns its path there, None elsewhere."""
+        returns its path there, None elsewhere. A full fine-tune writes the whole model instead (saving.py)."""
+        if self.cfg.adapter is None:
+            return save_full_model(self, epoch, at_step)
         save_dtype = DTYPES[self.cfg.save_dtype] if self.cfg.save_dtype else torch.float32
         sd = gather_lora(self.engine.module, self.dp_rank, save_dtype)
         if self.rank != 0:
             return None
         folder = Path(self.cfg.lora_dir) if self.cfg.lora_dir else self.run_dir / "loras"
-        adapter_cfg = {"type": "lora", "rank": self.cfg.adapter.rank,
+        adapter_cfg = {"type": self.cfg.adapter.type, "rank": self.cfg.adapter.rank,
                        "alpha": self.cfg.adapter.alpha or self.cfg.adapter.rank,
                        "dropout": self.cfg.adapter.dropout, "target_blocks": list(self.adapter.lora_block_prefixes),
-                       "target_modules": self.cfg.adapter.target_modules, "model_type": self.cfg.model.type}
+                       "target_modules": self.cfg.adapter.target_modules, "model_type": self.cfg.model.type,
+                       "decompose_factor": self.cfg.adapter.decompose_factor}
         run_toml = (self.run_dir / "run.toml").read_text()
         stem = f"{self.run_dir.name}-step{self.global_step:08d}" if at_step else f"{self.run_dir.name}-epoch{epoch:04d}"
         path = write_lora(sd, folder, stem, adapter_cfg, run_toml,

@@ -1,0 +1,139 @@
+"""OmniGen2 pipeline layers against ComfyUI's OmniGen2Transformer2DModel (text to image): the same output as
+its forward, LoRA gradients equal to finite differences of that forward, training targets ComfyUI's flow
+sampling (shift 2.6, multiplier 1) turns back into the clean latent, captions of different lengths batched as
+if alone (each sample's image positions after its own caption), and tuples DeepSpeed's pipeline can cut
+anywhere; plus the real layout ComfyUI detects and the tiny files."""
+import pytest
+import torch
+from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
+                          lora_gradients_match_finite_differences, run_layers)
+
+from pipetrain.backend import lora
+from pipetrain.backend.config import ModelConfig
+from pipetrain.backend.runtime import ensure_comfyui
+
+ensure_comfyui()
+TEXT = 24   # Qwen2.5-VL-3B's width is 2048
+
+
+@pytest.fixture(scope="module")
+def small_omnigen2():
+    """ComfyUI's own ``model_base.Omnigen2`` in float64: width 64 (4 query heads of 16 over 2 key/value heads),
+    2 refiner layers per stream, 2 blocks."""
+    from pipetrain.backend.models.omnigen2 import OMNIGEN2_FULL, OmniGen2Adapter
+
+    config = {**OMNIGEN2_FULL, "axes_dim_rope": [4, 6, 6], "hidden_size": 64, "num_attention_heads": 4,
+              "num_kv_heads": 2, "num_layers": 2, "text_feat_dim": TEXT}
+    adapter = OmniGen2Adapter(ModelConfig(type="omnigen2", diffusion_model="unused", vae="unused"))
+    adapter.dtype = torch.float64
+    adapter.patcher = comfy_model("omnigen2", config, std=0.1)
+    return adapter
+
+
+def _inputs(batch=2, size=(6, 10), tokens=(5, 5), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(batch, 16, *size, generator=g, dtype=torch.float64)
+    noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
+    t = torch.tensor([0.25, 0.8, 0.05][:batch], dtype=torch.float64)
+    cond = torch.randn(batch, max(tokens), TEXT, generator=g, dtype=torch.float64)
+    for i, n in enumerate(tokens):
+        cond[i, n:] = 0
+    return x0, noise, t, cond, torch.tensor(tokens)
+
+
+def test_comfyui_detects_the_full_layout_as_omnigen2():
+    import comfy.model_detection
+    import comfy.supported_models
+
+    from pipetrain.backend.models import loading, tiny
+    from pipetrain.backend.models.omnigen2 import OMNIGEN2_FULL
+
+    plan = tiny.tensor_plan(tiny.build_diffusion_model("omnigen2", "full"))
+    sd = {k: torch.empty(s, device="meta") for k, s, _ in plan}
+    assert type(comfy.model_detection.model_config_from_unet(sd, "")) is comfy.supported_models.Omnigen2
+    assert comfy.model_detection.detect_unet_config(sd, "") == OMNIGEN2_FULL
+    assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sd.items()}) == "omnigen2"
+
+
+def test_tiny_omnigen2_files_load_through_comfyui(model_files):
+    """Qwen2.5-3B through its metadata with the tokenizer and chat template ComfyUI ships: one caption's tokens,
+    unpadded; ComfyUI's conditioning (with its attention mask) runs the tiny model."""
+    from pipetrain.backend.models import loading
+    from pipetrain.backend.models.omnigen2 import OmniGen2Adapter
+
+    files = model_files("omnigen2")
+    patcher = loading.load_diffusion_model(files.diffusion_model, torch.float32)
+    assert type(patcher.model).__name__ == "Omnigen2"
+    assert patcher.model.model_sampling.shift == pytest.approx(2.6) and patcher.model.model_sampling.multiplier == 1.0
+    clip = loading.load_text_encoders(files.text_encoders, "omnigen2", torch.float32)
+    adapter = OmniGen2Adapter(ModelConfig(type="omnigen2", diffusion_model="unused", vae="unused"))
+    cond = adapter.encode_caption(clip, "a red cube on a table")["cond"]
+    assert cond.ndim == 2 and cond.shape[1] == 64 and 20 < cond.shape[0] < 60
+    model_cond = patcher.model.extra_conds(**adapter.sample_conditioning({"cond": cond}, 1.0)[0][1],
+                                           cross_attn=cond[None])
+    assert model_cond["num_tokens"].cond == cond.shape[0] and "attention_mask" not in model_cond
+    assert loading.load_vae(files.vae, arch="omnigen2").latent_channels == 16
+
+
+def test_layers_match_comfyui_forward(small_omnigen2):
+    a = small_omnigen2
+    x0, noise, t, *text = inputs = _inputs()
+    layers = a.to_layers()
+    assert [type(x).__name__ for x in layers] == [
+        "OmniInput", "OmniContextRefiner", "OmniContextRefiner", "OmniNoiseRefiner", "OmniNoiseRefiner", "OmniJoin",
+        "OmniBlock", "OmniBlock", "OmniOutput"]
+    with torch.no_grad():
+        ours = run_layers(layers, inputs)
+        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
+    assert ours.shape == x0.shape
+    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+
+
+def test_training_targets_agree_with_comfyui_flow_sampling(small_omnigen2):
+    a = small_omnigen2
+    model, objective = a.patcher.model, a.objective()
+    ms = model.model_sampling
+    assert objective.shift == pytest.approx(2.6) and ms.shift == pytest.approx(2.6)
+    assert objective.multiplier == ms.multiplier == 1.0
+    x0, noise, t, cond, lengths = inputs = _inputs()
+    x_comfy = ms.noise_scaling(t, noise, x0)
+    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
+    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
+    with torch.no_grad():
+        comfy_denoised = model.apply_model(x_comfy, t, c_crossattn=cond, num_tokens=int(lengths[0]))
+        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_comfy)
+    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6
+
+
+def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_omnigen2):
+    a = small_omnigen2
+    dm = a.diffusion_model
+    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    # modulated blocks: q/k/v/out + 3 feed-forward + the modulation linear; the context refiner has no modulation
+    assert len(names) == 2 * 8 + 2 * 7 + 2 * 8
+    assert {"layers.1.attn.to_out.0", "noise_refiner.0.norm1.linear",
+            "context_refiner.1.feed_forward.linear_2"} <= set(names)
+    give_lora_b_values(dm)
+    lora_gradients_match_finite_differences(a, _inputs(tokens=(5, 3)), eps=1e-4, rtol=1e-4)   # float32 RoPE
+
+
+def test_captions_of_different_lengths_batch_like_comfyui(small_omnigen2):
+    a = small_omnigen2
+    x0, noise, t, cond, lengths = _inputs(tokens=(7, 3))
+    long, short = {"cond": cond[0]}, {"cond": cond[1, :3]}
+    collated = a.collate_text([long, short])
+    assert collated[0].shape == (2, 7, TEXT) and collated[1].tolist() == [7, 3]
+    with torch.no_grad():
+        layers = a.to_layers()
+        batched = run_layers(layers, (x0, noise, t, *collated))
+        for i, item in enumerate((long, short)):
+            alone = run_layers(layers, (x0[i:i + 1], noise[i:i + 1], t[i:i + 1], *a.collate_text([item])))
+            assert torch.allclose(batched[i:i + 1], alone, atol=1e-10, rtol=1e-8)
+
+
+def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_omnigen2):
+    a = small_omnigen2
+    if not list(lora.adapted_modules(a.diffusion_model)):
+        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
+        give_lora_b_values(a.diffusion_model)
+    every_boundary_is_a_stage_boundary(a, _inputs(tokens=(5, 4)))

@@ -1,0 +1,39 @@
+"""The Adapter, Optimizer and Memory nodes reach the run config: type lokr (+ decompose_factor), full (no [adapter]
+table: a full fine-tune), AdamW8bitKahan, blocks_to_swap; each checked as the Train node checks a graph."""
+from __future__ import annotations
+
+from pipetrain.backend.config import RunConfig
+from pipetrain.backend.schema import from_dict
+from pipetrain.launcher.build import run_table
+from pipetrain.launcher.specs import (AdapterSpec, DatasetSpec, DirectorySpec, MemorySpec, ModelSpec, OptimizerSpec,
+                                      TrainSpec)
+
+
+def _config(adapter=AdapterSpec(), optimizer=OptimizerSpec(), memory=MemorySpec()) -> RunConfig:
+    spec = TrainSpec(DatasetSpec((DirectorySpec("/data", resolutions=(64,)),), resolutions=(64,)),
+                     ModelSpec("flux", "/m.safetensors", "/v.safetensors", ("/t.safetensors",)),
+                     adapter=adapter, optimizer=optimizer, memory=memory)
+    table = run_table(spec, output_dir="/out", dataset="/out/dataset.toml", run_name=None, lora_dir=None)
+    return from_dict(RunConfig, table, file="nodes")
+
+
+def test_adapter_types_optimizer_and_block_swap_reach_the_config():
+    cfg = _config(AdapterSpec(rank=8, type="lokr", decompose_factor=4), OptimizerSpec(type="AdamW8bitKahan"),
+                  MemorySpec(blocks_to_swap=3))
+    assert (cfg.adapter.type, cfg.adapter.rank, cfg.adapter.decompose_factor) == ("lokr", 8, 4)
+    assert cfg.optimizer.type == "AdamW8bitKahan" and cfg.blocks_to_swap == 3
+    assert _config().adapter.type == "lora"
+    full = _config(AdapterSpec(type="full"))
+    assert full.adapter is None                           # no [adapter] table: a full fine-tune
+
+
+def test_node_forms_build_those_specs():
+    from pipetrain.backend.runtime import ensure_comfyui
+    ensure_comfyui()
+    from pipetrain.nodes.settings import AdapterNode, MemoryNode, OptimizerNode
+
+    spec = AdapterNode.execute(8, 0.0, 0.0, "", type="lokr", decompose_factor=4).result[0]
+    assert spec == AdapterSpec(rank=8, type="lokr", decompose_factor=4)
+    assert AdapterNode.validate_inputs(type="lora", decompose_factor=4) != True   # noqa: E712
+    assert MemoryNode.execute(True, 2).result[0].blocks_to_swap == 2
+    assert OptimizerNode.execute("AdamW8bitKahan", 1e-4, 0.9, 0.99, 0.0, 1e-8).result[0].type == "AdamW8bitKahan"

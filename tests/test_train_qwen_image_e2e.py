@@ -1,0 +1,60 @@
+"""Qwen-Image and Qwen-Image-Edit end to end on the CPU: generated dataset (Edit: with a control_path folder of
+paired control images) -> cache (Qwen-Image's Wan 2.1-class VAE on one-frame latents, Qwen2.5-VL-7B text,
+Edit's reference latents) -> 2 DeepSpeed ranks as a 2-stage pipeline -> epoch LoRAs loaded by ComfyUI's
+LoraLoaderModelOnly, reproducing the training-side output (Edit: with the reference latents as ComfyUI's
+``ref_latents``)."""
+import pytest
+from conftest import train
+from PIL import Image, ImageOps
+
+from pipetrain.backend.cache import CacheStore
+from pipetrain.backend.cache.manifest import CacheManifest
+from pipetrain.backend.config import load_run_config
+from pipetrain.backend.verify import check_lora
+
+pytestmark = pytest.mark.slow
+
+MATCH_TOLERANCE = 1e-4   # float32 both sides
+MIN_EFFECT = 1e-3
+LORA_KEYS = 14 + 10      # every linear of block 0; block 1 (the last) without its text queries and outputs
+
+
+def _check(config, run):
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.status()["state"] == "finished"
+    assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]     # input + block 0 | block 1 + output
+    cfg = load_run_config(config)
+    for path in run.loras():
+        check = check_lora(cfg, path)
+        assert check.keys_loaded == LORA_KEYS
+        assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
+        assert check.lora_effect > MIN_EFFECT
+
+
+def test_qwen_image_two_stage_pipeline_to_comfyui_lora(model_files, make_run):
+    config = make_run(model_files("qwen_image"), images=6, stages=2, epochs=2, model={"type": "qwen_image"})
+    run = train(config, ranks=2)
+    _check(config, run)
+    assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2]
+    cache = config.parent / "output" / "cache"
+    entries = CacheManifest.load(next(cache.glob("manifests/qwen_image-*"))).entries
+    latent = CacheStore(cache).get("latents", entries[0].latent)["latent"]
+    assert latent.ndim == 4 and latent.shape[:2] == (16, 1)          # [C, 1 frame, h, w]
+
+
+def test_qwen_image_edit_with_control_images_to_comfyui_lora(model_files, make_run):
+    config = make_run(model_files("qwen_image_edit"), images=6, stages=2, epochs=1, model={"type": "qwen_image_edit"})
+    root = config.parent
+    (root / "controls").mkdir()
+    for image in sorted((root / "dataset").glob("*.png")):   # the same picture in grey, paired by file stem
+        ImageOps.grayscale(Image.open(image)).convert("RGB").save(root / "controls" / f"{image.stem}.jpg")
+    with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
+        f.write(f'control_path = "{root / "controls"}"\n')
+    run = train(config, ranks=2)
+    _check(config, run)
+    assert [e["epoch"] for e in run.events("lora_saved")] == [1]
+    cache = root / "output" / "cache"
+    store = CacheStore(cache)
+    for entry in CacheManifest.load(next(cache.glob("manifests/qwen_image_edit-*"))).entries:
+        payload = store.get("latents", entry.latent)
+        assert payload["reference"].shape == payload["latent"].shape   # the control image at the same bucket
