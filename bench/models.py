@@ -1,0 +1,140 @@
+"""Every registered architecture at its published size, a few LoRA training steps each on one GPU: does it
+fit, how fast, how much memory. The model is ComfyUI's own class built straight on the device with
+random weights (no files: writing 20-32B random checkpoints would cost minutes each), wrapped in PipeTrain's
+pipeline layers with LoRA rank 32 on the adapter's targets and AdamW; latents and text come from the adapter's
+probes (short captions; clean latents at the given resolution, and ``--frames`` for video models).
+
+    python bench/models.py --out $OUT [--archs qwen_image,z_image] [--resolution 1024] [--frames 33]
+        [--checkpointing] [--compile] [--deadline-s 300]
+
+Writes ``models.json`` after every model, so a deadline cuts the list, never the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def build(arch: str, device: str, dtype: torch.dtype, size: str):
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models import loading, tiny
+    from pipetrain.backend.models.registry import adapter_class, arch_spec
+
+    model_config = loading._model_config(arch, arch_spec(arch).unet_config(size))
+    model_config.set_inference_dtype(dtype, None)
+    model = model_config.get_model({}, "", device=device)
+    dm = model.diffusion_model
+    inits = {key: init for key, _, init in tiny.tensor_plan(dm)}
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for key, t in list(dm.state_dict(keep_vars=True).items()):
+            init = inits.get(key)
+            if not t.is_floating_point() or init is None:
+                continue
+            if init == "normal":
+                t.normal_(0.0, tiny.INIT_STD, generator=g)
+            else:
+                t.fill_(1.0 if init == "ones" else 0.0)
+    adapter = adapter_class(arch)(ModelConfig(type=arch, diffusion_model="unused", vae="unused",
+                                              dtype="bfloat16" if dtype == torch.bfloat16 else "float32"))
+    adapter.patcher = type("Patcher", (), {"model": model})()
+    return adapter
+
+
+def probe_inputs(adapter, resolution: int, frames: int, device: str):
+    g = torch.Generator().manual_seed(1)
+    shape = list(adapter.empty_latent(resolution, resolution).shape)   # a still at this resolution
+    if len(shape) == 5 and adapter.framerate is not None:
+        shape[2] = 1 + (frames - 1) // adapter.frame_multiple
+    x0 = torch.randn(shape, generator=g)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.tensor([0.6])
+    # edit references and i2v conditioning are latent-shaped: give them the training latent's size
+    probe = adapter.probe_latent(g, (8, 8)).shape
+    text = [torch.randn(*x.shape[:2], *(b if a == p else a for a, p, b in zip(x.shape[2:], probe[2:], x0.shape[2:])),
+                        generator=g) if x.ndim == x0.ndim >= 4 else x for x in adapter.probe_text(g)]
+    text = [x.to(device) for x in text]
+    return tuple(v.to(device) for v in (x0, noise, t)) + tuple(text)
+
+
+def measure(arch: str, args, device: str = "cuda") -> dict:
+    from pipetrain.backend import lora
+    from pipetrain.backend.models.compiling import compile_blocks
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.monotonic()
+    adapter = build(arch, device, torch.bfloat16, args.size)
+    dm = adapter.diffusion_model
+    params_b = sum(p.numel() for p in dm.parameters()) / 1e9
+    lora.inject(dm, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
+    layers = adapter.to_layers(args.checkpointing)
+    if args.compile:
+        compile_blocks(layers)
+    trainable = lora.trainable_parameters(dm)
+    opt = torch.optim.AdamW(trainable, lr=1e-5)
+    inputs = probe_inputs(adapter, args.resolution, args.frames, device)
+    built_s = time.monotonic() - t0
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        s = time.perf_counter()
+        h = inputs
+        for layer in layers:
+            h = layer(h)
+        loss = adapter.loss(h, inputs[:3])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - s)
+        losses.append(float(loss))
+    step_s = statistics.median(times)
+    return {"arch": arch, "params_b": round(params_b, 2), "lora_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
+            "latent": list(inputs[0].shape), "step_s": round(step_s, 4), "samples_per_s": round(1 / step_s, 3),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "build_s": round(built_s, 1),
+            "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses))}
+
+
+def main() -> int:
+    from pipetrain.backend.models.registry import ADAPTERS
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--archs", default=",".join(ADAPTERS))
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--size", default="full")
+    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--frames", type=int, default=33)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--deadline-s", type=float, default=1e9)
+    args = p.parse_args()
+    ensure_comfyui()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start, results = time.monotonic(), {}
+    for arch in args.archs.split(","):
+        if time.monotonic() - start > args.deadline_s:
+            results[arch] = {"skipped": "deadline"}
+            continue
+        try:
+            results[arch] = measure(arch, args)
+        except Exception as e:  # noqa: BLE001  (one model's failure must not hide the others)
+            results[arch] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "peak_gib": round(
+                torch.cuda.max_memory_allocated() / 2**30, 1)}
+        print(json.dumps(results[arch]), flush=True)
+        (out / "models.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
