@@ -12,6 +12,7 @@ Writes ``models.json`` after every model, so a deadline cuts the list, never the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -27,7 +28,7 @@ def build(arch: str, device: str, dtype: torch.dtype, size: str):
 
     model_config = loading._model_config(arch, arch_spec(arch).unet_config(size))
     model_config.set_inference_dtype(dtype, None)
-    model = model_config.get_model({}, "", device=device)
+    model = model_config.get_model({}, "", device=device).to(device)   # some buffers are made on the CPU
     dm = model.diffusion_model
     inits = {key: init for key, _, init in tiny.tensor_plan(dm)}
     g = torch.Generator(device=device).manual_seed(0)
@@ -66,6 +67,8 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     from pipetrain.backend import lora
     from pipetrain.backend.models.compiling import compile_blocks
 
+    gc.collect()                          # the previous model's weights must be gone before the peak is reset
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.monotonic()
     adapter = build(arch, device, torch.bfloat16, args.size)
@@ -93,7 +96,7 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - s)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     step_s = statistics.median(times)
     return {"arch": arch, "params_b": round(params_b, 2), "lora_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
             "latent": list(inputs[0].shape), "step_s": round(step_s, 4), "samples_per_s": round(1 / step_s, 3),

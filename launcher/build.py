@@ -84,10 +84,9 @@ def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str |
         samples = dataclasses.asdict(spec.samples)
         table["samples"] = {**samples, "prompts": list(samples["prompts"])}
     if m.blocks_to_swap:
-        if "blocks_to_swap" not in {f.name for f in dataclasses.fields(RunConfig)}:
-            raise ConfigError(f"got {m.blocks_to_swap}; block swapping is not available in this version, set it to 0",
-                              file=WHERE, key="blocks_to_swap")
         table["blocks_to_swap"] = m.blocks_to_swap
+    if m.compile:
+        table["compile"] = True
     if p.cluster is not None:
         table["cluster"] = cluster_table(p.cluster)
     return {k: v for k, v in table.items() if v is not None}

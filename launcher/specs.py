@@ -46,6 +46,9 @@ class ModelSpec:
     text_encoders: tuple[str, ...]
     dtype: str = "bfloat16"
     diffusion_model_dtype: Optional[str] = None
+    clip_vision: Optional[str] = None     # Wan 2.1 i2v: the CLIP-vision file
+    min_t: Optional[float] = None         # timestep range (Wan 2.2 experts)
+    max_t: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class MemorySpec:
     activation_checkpointing: bool = True
     blocks_to_swap: int = 0
     offload_activations: bool = False   # with activation_checkpointing: 'unsloth' (block inputs in CPU memory)
+    compile: bool = False               # torch.compile each block (speed, not memory; it lives with the savers)
 
 
 @dataclass(frozen=True)

@@ -120,14 +120,35 @@ def model_path(name: str) -> str | None:
     return found
 
 
-def detect(path: str) -> str:
+AUTO = "auto (detected)"
+
+
+def detect(path: str, model_type: str = AUTO) -> str:
+    """The model type of ``path``: detected, or ``model_type`` when the user picked one the file can be (types
+    that detection cannot tell apart share ComfyUI's model class: Flux Kontext is a Flux file, ...)."""
     from ..backend.models.loading import SUPPORTED_ARCHS, detect_architecture
+    from ..backend.models.registry import arch_spec
     arch = detect_architecture(path)
     if arch is None:
         raise ValueError(f"{Path(path).name}: not a diffusion model of an architecture PipeTrain trains "
                          f"(supported: {', '.join(SUPPORTED_ARCHS)}); pick the diffusion model file, not a LoRA, "
                          "VAE or text encoder")
-    return arch
+    if model_type in (AUTO, None, arch):
+        return arch
+    if set(arch_spec(model_type).comfy_configs) & set(arch_spec(arch).comfy_configs):
+        return model_type
+    raise ValueError(f"model_type {model_type!r} does not fit {Path(path).name}, which is a {arch} model; choose "
+                     f"{AUTO!r} or a type of the same model family")
+
+
+def model_types() -> list[str]:
+    from ..backend.models.registry import ADAPTERS
+    return sorted(ADAPTERS)
+
+
+def clip_vision_options() -> list[str]:
+    import folder_paths
+    return folder_paths.get_filename_list("clip_vision")
 
 
 class ModelNode(io.ComfyNode):
@@ -137,8 +158,8 @@ class ModelNode(io.ComfyNode):
         tes = folder_paths.get_filename_list("text_encoders")
         return io.Schema(
             node_id="PipeTrainModel", display_name="PipeTrain Model", category=t.CATEGORY,
-            description="The model to train; its architecture (Flux, SDXL, SD3, Chroma, Wan 2.1) is detected "
-                        "from the file.",
+            description="The model to train; its architecture is detected from the file (model_type picks what "
+                        "the weights cannot tell: an edit or image-to-video variant).",
             inputs=[
                 io.Combo.Input("diffusion_model", options=diffusion_model_options(), tooltip="Diffusion model from "
                                "models/diffusion_models (or a checkpoint from models/checkpoints)"),
@@ -147,7 +168,18 @@ class ModelNode(io.ComfyNode):
                 io.Combo.Input("text_encoder_2", options=[NONE] + tes, tooltip="Second text encoder (Flux: T5-XXL; "
                                "SDXL, SD3: CLIP-G)"),
                 io.Combo.Input("text_encoder_3", options=[NONE] + tes, default=NONE, optional=True,
-                               tooltip="Third text encoder (SD3: T5-XXL)"),
+                               tooltip="Third text encoder (SD3, HiDream: T5-XXL)"),
+                io.Combo.Input("text_encoder_4", options=[NONE] + tes, default=NONE, optional=True,
+                               tooltip="Fourth text encoder (HiDream: Llama-3.1-8B)"),
+                io.Combo.Input("model_type", options=[AUTO] + model_types(), default=AUTO, optional=True,
+                               tooltip="Detected from the file, except what the weights cannot tell: Flux Kontext "
+                               "(a Flux file), Qwen-Image-Edit, Wan 2.2 5B image-to-video"),
+                io.Combo.Input("clip_vision", options=[NONE] + clip_vision_options(), default=NONE, optional=True,
+                               tooltip="Wan 2.1 image-to-video: clip_vision_h from models/clip_vision"),
+                io.Float.Input("min_t", default=0.0, min=0.0, max=1.0, step=0.005, optional=True,
+                               tooltip="Train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 t2v, 0.9 i2v)"),
+                io.Float.Input("max_t", default=1.0, min=0.0, max=1.0, step=0.005, optional=True,
+                               tooltip="Train only timesteps <= max_t (Wan 2.2 low-noise expert: 0.875 t2v, 0.9 i2v)"),
                 io.Combo.Input("vae", options=folder_paths.get_filename_list("vae"), tooltip="VAE from models/vae, "
                                "used to encode the images into latents"),
                 io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default", tooltip="Storage dtype of the "
@@ -159,8 +191,10 @@ class ModelNode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, diffusion_model=None):
+    def validate_inputs(cls, diffusion_model=None, model_type=AUTO, min_t=0.0, max_t=1.0):
         from ..backend.errors import ModelError
+        if min_t is not None and max_t is not None and min_t >= max_t:
+            return f"min_t ({min_t}) must be below max_t ({max_t})"
         name = diffusion_model
         if name is None:
             return True
@@ -168,18 +202,21 @@ class ModelNode(io.ComfyNode):
         if path is None:
             return f"model file {name} not found in models/diffusion_models or models/checkpoints"
         try:
-            detect(path)
+            detect(path, model_type)
         except (ModelError, ValueError) as e:
             return str(e)
         return True
 
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
-                compute_dtype, text_encoder_3=NONE) -> io.NodeOutput:
+                compute_dtype, text_encoder_3=NONE, text_encoder_4=NONE, model_type=AUTO, clip_vision=NONE,
+                min_t=0.0, max_t=1.0) -> io.NodeOutput:
         import folder_paths
         path = model_path(diffusion_model)
-        names = (text_encoder_1, text_encoder_2, text_encoder_3)
+        names = (text_encoder_1, text_encoder_2, text_encoder_3, text_encoder_4)
         tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in names if n not in (NONE, None)]
-        spec = ModelSpec(detect(path), path, folder_paths.get_full_path_or_raise("vae", vae), tuple(tes),
-                         compute_dtype, None if weight_dtype == "default" else weight_dtype)
+        vision = None if clip_vision in (NONE, None) else folder_paths.get_full_path_or_raise("clip_vision", clip_vision)
+        spec = ModelSpec(detect(path, model_type), path, folder_paths.get_full_path_or_raise("vae", vae), tuple(tes),
+                         compute_dtype, None if weight_dtype == "default" else weight_dtype, vision,
+                         None if not min_t else min_t, None if max_t in (None, 1.0) else max_t)
         return io.NodeOutput(spec)

@@ -279,10 +279,14 @@ class MemoryNode(io.ComfyNode):
                 io.Boolean.Input("offload_activations", default=False, tooltip="With activation checkpointing: keep "
                                  "each block's saved inputs in CPU memory too (diffusion-pipe's 'unsloth'; a little "
                                  "less GPU memory, a little slower)"),
+                io.Boolean.Input("compile", default=False, optional=True, tooltip="torch.compile each transformer "
+                                 "block: faster steps on a GPU (Flux-dev on an H200: +39%), the first step waits "
+                                 "about a minute for the compile"),
             ],
             outputs=[t.Memory.Output(display_name="memory")],
         )
 
     @classmethod
-    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False) -> io.NodeOutput:
-        return io.NodeOutput(MemorySpec(activation_checkpointing, blocks_to_swap, offload_activations))
+    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False,
+                compile=False) -> io.NodeOutput:  # noqa: A002  (the config key's name)
+        return io.NodeOutput(MemorySpec(activation_checkpointing, blocks_to_swap, offload_activations, compile))

@@ -141,3 +141,18 @@ def test_node_option_errors_are_caught_when_queued(forms, tmp_path):
                                          extra_args="d_coef = 2").result[0]
     with pytest.raises(ConfigError, match="d_coef"):
         check_spec(TrainSpec(dataset, model, optimizer=bad))
+
+
+def test_model_type_picks_what_the_weights_cannot_tell(tmp_path):
+    """A Flux file trains as Flux Kontext when the user says so; a type of another family is refused."""
+    from server_fixtures import write_fake_model
+
+    from pipetrain.backend.runtime import ensure_comfyui
+    ensure_comfyui()
+    from pipetrain.nodes.data import AUTO, detect
+
+    flux = str(write_fake_model(tmp_path / "kontext.safetensors", "flux"))
+    assert detect(flux) == detect(flux, AUTO) == "flux"
+    assert detect(flux, "flux_kontext") == "flux_kontext"
+    with pytest.raises(ValueError, match="is a flux model"):
+        detect(flux, "qwen_image_edit")

@@ -1,5 +1,5 @@
 """The Adapter, Optimizer and Memory nodes reach the run config: type lokr (+ decompose_factor), full (no [adapter]
-table: a full fine-tune), AdamW8bitKahan, blocks_to_swap; each checked as the Train node checks a graph."""
+table: a full fine-tune), AdamW8bitKahan, blocks_to_swap, compile; each checked as the Train node checks a graph."""
 from __future__ import annotations
 
 from pipetrain.backend.config import RunConfig
@@ -19,7 +19,8 @@ def _config(adapter=AdapterSpec(), optimizer=OptimizerSpec(), memory=MemorySpec(
 
 def test_adapter_types_optimizer_and_block_swap_reach_the_config():
     cfg = _config(AdapterSpec(rank=8, type="lokr", decompose_factor=4), OptimizerSpec(type="AdamW8bitKahan"),
-                  MemorySpec(blocks_to_swap=3))
+                  MemorySpec(blocks_to_swap=3, compile=True))
+    assert cfg.compile and not _config().compile
     assert (cfg.adapter.type, cfg.adapter.rank, cfg.adapter.decompose_factor) == ("lokr", 8, 4)
     assert cfg.optimizer.type == "AdamW8bitKahan" and cfg.blocks_to_swap == 3
     assert _config().adapter.type == "lora"
@@ -36,4 +37,5 @@ def test_node_forms_build_those_specs():
     assert spec == AdapterSpec(rank=8, type="lokr", decompose_factor=4)
     assert AdapterNode.validate_inputs(type="lora", decompose_factor=4) != True   # noqa: E712
     assert MemoryNode.execute(True, 2).result[0].blocks_to_swap == 2
+    assert MemoryNode.execute(True, 0, compile=True).result[0].compile
     assert OptimizerNode.execute("AdamW8bitKahan", 1e-4, 0.9, 0.99, 0.0, 1e-8).result[0].type == "AdamW8bitKahan"
