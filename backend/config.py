@@ -149,7 +149,13 @@ class TextEncoderConfig:
 # ComfyUI CLIPType names (lower case) a text-encoder table may give, per model type
 TEXT_ENCODER_TYPES = {"flux": ("flux",), "sdxl": ("sdxl", "stable_diffusion"), "sd3": ("sd3",),
                       "chroma": ("chroma", "pixart"), "wan": ("wan",), "wan22_5b": ("wan",), "wan22_5b_i2v": ("wan",),
-                      "wan_i2v": ("wan",)}
+                      "wan_i2v": ("wan",), "flux2": ("flux2",), "auraflow": ("auraflow", "stable_diffusion")}
+
+
+def comfy_clip_type(model_type: str) -> tuple[str, ...]:
+    """diffusion-pipe's ComfyUI-based models name a text encoder's ``type`` by ComfyUI's CLIPType."""
+    from .models.registry import ADAPTERS, arch_spec
+    return (arch_spec(model_type).clip_type.lower(),) if model_type in ADAPTERS else ()
 
 
 @dataclass
@@ -195,7 +201,7 @@ class ModelConfig:
             if isinstance(te, str):
                 paths.append(te)
                 continue
-            allowed = TEXT_ENCODER_TYPES.get(self.type)
+            allowed = TEXT_ENCODER_TYPES.get(self.type) or comfy_clip_type(self.type)
             if te.type is not None and allowed and te.type.lower() not in allowed:
                 raise ConfigError(f"got type = {te.type!r}; a {self.type} model takes text encoders of type "
                                   f"{' or '.join(repr(a) for a in allowed)}", file=file,

@@ -90,3 +90,13 @@ def test_build_samples_without_ar_buckets_is_square_at_each_resolution():
     wide = item("wide", 1920, 1080, resolutions=(256, 1024))
 
     assert build_samples(cfg, [wide]) == [Sample(wide, (256, 256)), Sample(wide, (1024, 1024))]
+
+
+def test_bucket_sides_follow_the_models_spatial_multiple():
+    """SDXL, Wan 2.2 5B, LTX-Video and HunyuanImage 2.1 need sides divisible by 32 (16x/32x VAEs, SDXL's two
+    UNet downsamplings); the others by 16."""
+    sixteen = make_buckets(512, True, 0.5, 2.0, 7)
+    thirty_two = make_buckets(512, True, 0.5, 2.0, 7, multiple=32)
+    assert any(w % 32 or h % 32 for w, h in sixteen)
+    assert all(w % 32 == 0 and h % 32 == 0 for w, h in thirty_two)
+    assert make_buckets(1000, False, 1, 1, 1, multiple=32) == [(992, 992)]

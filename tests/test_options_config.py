@@ -221,6 +221,16 @@ def test_text_encoder_tables_are_checked_against_the_model(dp):
     assert "key 'model.text_encoders[0]'" in _error(dp / "run.toml")
 
 
+
+def test_text_encoder_types_of_comfyui_based_models_are_comfyuis_clip_types(dp):
+    """diffusion-pipe's Z-Image config names its Qwen3 encoder type 'lumina2', ComfyUI's CLIPType."""
+    z_image = DP_MAIN.replace("type = 'flux'\n", "type = 'z_image'\n", 1)
+    (dp / "run.toml").write_text(z_image.replace("type = 'flux'}", "type = 'lumina2'}"))
+    assert load_run_config(dp / "run.toml").model.type == "z_image"
+    (dp / "run.toml").write_text(z_image.replace("type = 'flux'}", "type = 'flux'}"))
+    assert "'lumina2'" in _error(dp / "run.toml")
+
+
 def test_alpha_is_allowed_unlike_diffusion_pipe(dp):
     (dp / "run.toml").write_text(DP_MAIN.replace("rank = 32", "rank = 32\nalpha = 16"))
     assert load_run_config(dp / "run.toml").adapter.scale == 0.5

@@ -10,12 +10,13 @@ from .items import MediaItem, Sample
 
 log = logging.getLogger(__name__)
 
-# Latent patches of the supported models need pixel sides divisible by 16.
+# Latent patches of most models need pixel sides divisible by 16; an adapter says when it needs more
+# (``ModelAdapter.spatial_multiple``: 32 for 16x/32x VAEs and SDXL's UNet).
 SIDE_MULTIPLE = 16
 
 
-def _round_side(length: float) -> int:
-    return max(SIDE_MULTIPLE, math.floor(length / SIDE_MULTIPLE + 0.5) * SIDE_MULTIPLE)
+def _round_side(length: float, multiple: int = SIDE_MULTIPLE) -> int:
+    return max(multiple, math.floor(length / multiple + 0.5) * multiple)
 
 
 def _aspect_ratios(min_ar: float, max_ar: float, count: int) -> list[float]:
@@ -27,13 +28,14 @@ def _aspect_ratios(min_ar: float, max_ar: float, count: int) -> list[float]:
 
 
 def make_buckets(resolution: int, enable_ar_bucket: bool, min_ar: float, max_ar: float,
-                 num_ar_buckets: int) -> list[tuple[int, int]]:
-    """Bucket sizes (width, height) of about resolution² pixels each, sorted and without duplicates."""
+                 num_ar_buckets: int, multiple: int = SIDE_MULTIPLE) -> list[tuple[int, int]]:
+    """Bucket sizes (width, height) of about resolution² pixels each, sides multiples of ``multiple``, sorted
+    and without duplicates."""
     if not enable_ar_bucket:
-        side = _round_side(resolution)
+        side = _round_side(resolution, multiple)
         return [(side, side)]
     sizes = {
-        (_round_side(resolution * math.sqrt(ar)), _round_side(resolution / math.sqrt(ar)))
+        (_round_side(resolution * math.sqrt(ar), multiple), _round_side(resolution / math.sqrt(ar), multiple))
         for ar in _aspect_ratios(min_ar, max_ar, num_ar_buckets)
     }
     return sorted(sizes)
@@ -56,10 +58,12 @@ def check_frame_buckets(items: list[MediaItem], frame_multiple: int) -> None:
                            f"({fits}, ...); change the dataset's frame_buckets")
 
 
-def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float | None = None) -> list[Sample]:
+def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float | None = None,
+                  side_multiple: int = SIDE_MULTIPLE) -> list[Sample]:
     """One sample per item and resolution, at the item's bucket; repeats are expanded later. A video (video
     models: ``model_fps`` set) trains as one clip: its bucket is (width, height, frames), the frames the
-    largest of its frame buckets it fills at ``model_fps`` (see ``video.py``)."""
+    largest of its frame buckets it fills at ``model_fps`` (see ``video.py``). Bucket sides are multiples of
+    ``side_multiple`` (the model's ``spatial_multiple``)."""
     from .video import frame_bucket, frames_at_rate
 
     buckets_by_resolution: dict[int, list[tuple[int, int]]] = {}
@@ -74,7 +78,7 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
         for resolution in item.resolutions:
             if resolution not in buckets_by_resolution:
                 buckets_by_resolution[resolution] = make_buckets(
-                    resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets)
+                    resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets, side_multiple)
             bucket = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
             samples.append(Sample(item=item, bucket=bucket if frames is None else (*bucket, frames)))
     if too_short:

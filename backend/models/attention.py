@@ -55,7 +55,11 @@ def sdpa_transformer_options(key_mask: torch.Tensor | None = None) -> dict:
 
     def masked(func, q, k, v, *args, **kwargs):
         keys = k.shape[2] if kwargs.get("skip_reshape") else k.shape[1]
-        if keys == key_mask.shape[-1] and kwargs.get("mask") is None:
-            kwargs["mask"] = key_mask
+        if keys == key_mask.shape[-1]:
+            if len(args) >= 2:           # attention(q, k, v, heads, mask, ...): the mask given by position
+                if args[1] is None:
+                    args = (args[0], key_mask, *args[2:])
+            elif kwargs.get("mask") is None:
+                kwargs["mask"] = key_mask
         return _comfy_sdpa(func, q, k, v, *args, **kwargs)
     return {"optimized_attention_override": masked}

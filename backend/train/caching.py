@@ -30,7 +30,8 @@ def _samples(ds, seed: int, reporter, label: str, adapter=None):
     if scan.unreadable:
         reporter.event("warning", message=f"{label}: {len(scan.unreadable)} files could not be read and are skipped",
                        files=[f"{p}: {why}" for p, why in scan.unreadable])
-    return expand_captions(build_samples(ds, scan.items, model_fps=fps), seed)
+    multiple = getattr(adapter, "spatial_multiple", 16)
+    return expand_captions(build_samples(ds, scan.items, model_fps=fps, side_multiple=multiple), seed)
 
 
 def check_control_paths(ds, adapter, label: str) -> None:
