@@ -111,3 +111,93 @@ def every_boundary_is_a_stage_boundary(adapter, inputs):
     for p, u in zip(params, uncut):
         assert torch.allclose(p.grad, u, rtol=1e-10, atol=1e-14)
         p.grad = None
+
+
+def small_adapter(adapter_class, arch: str, unet_config: dict, std: float = 0.05, model_type: str | None = None):
+    """``adapter_class`` in float64 over ComfyUI's own ``model_base`` model built from ``unet_config``."""
+    from pipetrain.backend.config import ModelConfig
+
+    adapter = adapter_class(ModelConfig(type=model_type or arch, diffusion_model="unused", vae="unused"))
+    adapter.dtype = torch.float64
+    adapter.patcher = comfy_model(arch, unet_config, std=std)
+    return adapter
+
+
+def meta_state_dict(module) -> dict:
+    """A file's tensors as ComfyUI's detection sees them (shapes only, on the meta device)."""
+    from pipetrain.backend.models import tiny
+
+    return {k: torch.empty(s, device="meta") for k, s, _ in tiny.tensor_plan(module)}
+
+
+def layout_state_dict(arch: str, size: str) -> dict:
+    from pipetrain.backend.models import tiny
+
+    return meta_state_dict(tiny.build_diffusion_model(arch, size))
+
+
+def comfyui_detects(sd: dict, arch: str, comfy_class: str, unet_config: dict):
+    """ComfyUI's detection takes ``sd`` for ``comfy.supported_models.<comfy_class>`` with ``unet_config``, and
+    PipeTrain's for ``arch``."""
+    import comfy.model_detection
+    import comfy.supported_models
+
+    from pipetrain.backend.models import loading
+
+    assert type(comfy.model_detection.model_config_from_unet(sd, "")) is getattr(comfy.supported_models, comfy_class)
+    assert comfy.model_detection.detect_unet_config(sd, "") == unet_config
+    assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sd.items()}) == arch
+
+
+def layers_match_comfyui_forward(adapter, inputs, layer_names: list[str] | None = None, atol=1e-10, rtol=1e-8):
+    """The layers (named ``layer_names``, in order, where given) compute ComfyUI's own forward
+    (``adapter.reference_forward``); returns their output."""
+    x0, noise, t, *text = inputs
+    layers = adapter.to_layers()
+    if layer_names is not None:
+        assert [type(x).__name__ for x in layers] == layer_names
+    with torch.no_grad():
+        ours = run_layers(layers, inputs)
+        ref = adapter.reference_forward(adapter.objective().noisy(x0, noise, t), t, text)
+    assert ours.shape == x0.shape
+    assert torch.allclose(ours, ref, atol=atol, rtol=rtol), (ours - ref).abs().max()
+    return ours
+
+
+def flow_targets_agree_with_comfyui(adapter, inputs, tolerance=1e-6, **comfy_conds):
+    """ComfyUI's flow sampling noises as the objective does, turns its target back into the clean latent and
+    gives the network the same timestep; its ``apply_model`` (with ``comfy_conds``) denoises as the layers do,
+    to ``tolerance`` relative to the largest value."""
+    model, objective = adapter.patcher.model, adapter.objective()
+    ms = model.model_sampling
+    x0, noise, t, *_ = inputs
+    x_comfy = ms.noise_scaling(t, noise, x0)
+    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
+    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
+    assert torch.equal(ms.timestep(t), objective.model_timestep(t))
+    with torch.no_grad():
+        comfy_denoised = model.apply_model(x_comfy, t, **comfy_conds)
+        ours = ms.calculate_denoised(t, run_layers(adapter.to_layers(), inputs), x_comfy)
+    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < tolerance
+
+
+def captions_batch_as_if_alone(adapter, x0, noise, t, items, atol=1e-10, rtol=1e-8) -> list[torch.Tensor]:
+    """Cached captions of different lengths (``items``, one per sample) collated into one micro-batch give each
+    sample the output it gets alone; returns the collated text."""
+    collated = adapter.collate_text(items)
+    with torch.no_grad():
+        layers = adapter.to_layers()
+        batched = run_layers(layers, (x0, noise, t, *collated))
+        for i, item in enumerate(items):
+            alone = run_layers(layers, (x0[i:i + 1], noise[i:i + 1], t[i:i + 1], *adapter.collate_text([item])))
+            assert torch.allclose(batched[i:i + 1], alone, atol=atol, rtol=rtol)
+    return collated
+
+
+def every_boundary_is_a_stage_boundary_with_lora(adapter, inputs):
+    """``every_boundary_is_a_stage_boundary`` with LoRA injected (rank 2, B given values) unless it already is."""
+    dm = adapter.diffusion_model
+    if not list(lora.adapted_modules(dm)):
+        lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), adapter.lora_block_prefixes)
+        give_lora_b_values(dm)
+    every_boundary_is_a_stage_boundary(adapter, inputs)

@@ -4,11 +4,11 @@ back into the clean latent, captions of different lengths batched as if alone, a
 pipeline can cut anywhere; plus the real layout ComfyUI detects and the tiny files."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_boundary_is_a_stage_boundary_with_lora,
+                          flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
+                          layout_state_dict, lora_gradients_match_finite_differences, small_adapter)
 
 from pipetrain.backend import lora
-from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.runtime import ensure_comfyui
 
 ensure_comfyui()
@@ -22,10 +22,7 @@ def small_aura():
     from pipetrain.backend.models.auraflow import AuraFlowAdapter, aura_config
 
     config = aura_config(64, CONTEXT, 2, 3, dim=64, n_heads=2, global_conddim=64)
-    adapter = AuraFlowAdapter(ModelConfig(type="auraflow", diffusion_model="unused", vae="unused"))
-    adapter.dtype = torch.float64
-    adapter.patcher = comfy_model("auraflow", config, std=0.08)
-    return adapter
+    return small_adapter(AuraFlowAdapter, "auraflow", config, std=0.08)
 
 
 def _inputs(batch=2, size=(6, 10), tokens=(5, 5), seed=1):
@@ -40,17 +37,10 @@ def _inputs(batch=2, size=(6, 10), tokens=(5, 5), seed=1):
 
 
 def test_comfyui_detects_the_full_layout_as_auraflow():
-    import comfy.model_detection
-    import comfy.supported_models
-
-    from pipetrain.backend.models import loading, tiny
     from pipetrain.backend.models.auraflow import AURA_CONFIGS
 
-    plan = tiny.tensor_plan(tiny.build_diffusion_model("auraflow", "full"))
-    sd = {k: torch.empty(s, device="meta") for k, s, _ in plan}
-    assert type(comfy.model_detection.model_config_from_unet(sd, "")) is comfy.supported_models.AuraFlow
-    assert comfy.model_detection.detect_unet_config(sd, "") == AURA_CONFIGS["full"]
-    assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sd.items()}) == "auraflow"
+    sd = layout_state_dict("auraflow", "full")
+    comfyui_detects(sd, "auraflow", "AuraFlow", AURA_CONFIGS["full"])
 
 
 def test_tiny_auraflow_files_load_through_comfyui(model_files):
@@ -73,15 +63,8 @@ def test_tiny_auraflow_files_load_through_comfyui(model_files):
 
 def test_layers_match_comfyui_forward(small_aura):
     a = small_aura
-    x0, noise, t, *text = inputs = _inputs()
-    layers = a.to_layers()
-    assert [type(x).__name__ for x in layers] == ["AuraInput", "AuraDouble", "AuraDouble", "AuraJoin", "AuraSingle",
-                                                  "AuraOutput"]
-    with torch.no_grad():
-        ours = run_layers(layers, inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, _inputs(), ["AuraInput", "AuraDouble", "AuraDouble", "AuraJoin", "AuraSingle",
+                                                "AuraOutput"])
 
 
 def test_training_targets_agree_with_comfyui_flow_sampling(small_aura):
@@ -91,14 +74,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_aura):
     assert (objective.shift, objective.multiplier) == (pytest.approx(1.73), 1.0) and ms.multiplier == 1.0
     assert ms.shift == pytest.approx(objective.shift)
     x0, noise, t, cond, lengths = inputs = _inputs()
-    x_comfy = ms.noise_scaling(t, noise, x0)
-    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
-    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
-    assert torch.equal(ms.timestep(t), objective.model_timestep(t))
-    with torch.no_grad():
-        comfy_denoised = model.apply_model(x_comfy, t, c_crossattn=cond)
-        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_comfy)
-    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6
+    flow_targets_agree_with_comfyui(a, inputs, c_crossattn=cond)
 
 
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_aura):
@@ -116,19 +92,10 @@ def test_captions_of_different_lengths_batch_like_comfyui(small_aura):
     a = small_aura
     x0, noise, t, cond, lengths = _inputs(tokens=(7, 3))
     long, short = {"cond": cond[0]}, {"cond": cond[1, :3]}
-    collated = a.collate_text([long, short])
+    collated = captions_batch_as_if_alone(a, x0, noise, t, [long, short])
     assert collated[0].shape == (2, 7, CONTEXT) and collated[1].tolist() == [7, 3]
-    with torch.no_grad():
-        layers = a.to_layers()
-        batched = run_layers(layers, (x0, noise, t, *collated))
-        for i, item in enumerate((long, short)):
-            alone = run_layers(layers, (x0[i:i + 1], noise[i:i + 1], t[i:i + 1], *a.collate_text([item])))
-            assert torch.allclose(batched[i:i + 1], alone, atol=1e-10, rtol=1e-8)
 
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_aura):
     a = small_aura
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs(tokens=(5, 4)))
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs(tokens=(5, 4)))

@@ -3,11 +3,10 @@ gradients equal to finite differences of that forward (which cannot run backward
 captions of different lengths batched as if alone, and tuples DeepSpeed's pipeline can cut anywhere."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (captions_batch_as_if_alone, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
+                          layers_match_comfyui_forward, lora_gradients_match_finite_differences, small_adapter)
 
 from pipetrain.backend import lora
-from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.runtime import ensure_comfyui
 
 ensure_comfyui()
@@ -21,10 +20,7 @@ def small_chroma():
 
     config = {**CHROMA_TINY, "hidden_size": 64, "axes_dim": [4, 6, 6], "out_dim": 64, "hidden_dim": 48,
               "context_in_dim": CONTEXT}
-    adapter = ChromaAdapter(ModelConfig(type="chroma", diffusion_model="unused", vae="unused"))
-    adapter.dtype = torch.float64
-    adapter.patcher = comfy_model("chroma", config, std=0.08)
-    return adapter
+    return small_adapter(ChromaAdapter, "chroma", config, std=0.08)
 
 
 def _inputs(batch=2, size=(6, 10), tokens=(5, 5), seed=1):
@@ -74,12 +70,7 @@ def test_tiny_chroma_file_loads_through_its_metadata(model_files):
 
 def test_layers_match_comfyui_forward(small_chroma):
     a = small_chroma
-    x0, noise, t, *text = inputs = _inputs()
-    with torch.no_grad():
-        ours = run_layers(a.to_layers(), inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, _inputs())
 
 
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_chroma):
@@ -104,19 +95,10 @@ def test_captions_of_different_lengths_batch_like_comfyui(small_chroma):
     a = small_chroma
     x0, noise, t, t5, _ = _inputs(tokens=(7, 2))
     long, short = {"t5": t5[0]}, {"t5": t5[1, :2]}
-    collated = a.collate_text([long, short])
+    collated = captions_batch_as_if_alone(a, x0, noise, t, [long, short])
     assert collated[0].shape == (2, 7, CONTEXT) and collated[1].tolist() == [7, 2]
-    with torch.no_grad():
-        layers = a.to_layers()
-        batched = run_layers(layers, (x0, noise, t, *collated))
-        for i, item in enumerate((long, short)):
-            alone = run_layers(layers, (x0[i:i + 1], noise[i:i + 1], t[i:i + 1], *a.collate_text([item])))
-            assert torch.allclose(batched[i:i + 1], alone, atol=1e-10, rtol=1e-8)
 
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_chroma):
     a = small_chroma
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs(tokens=(5, 4)))
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs(tokens=(5, 4)))

@@ -4,8 +4,9 @@ rectified-flow time) turns back into the clean latent, LoRA gradients equal to f
 forward, and tuples DeepSpeed's pipeline can cut anywhere; plus the real-layout files and the old T5-XXL."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
+                          layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers,
+                          small_adapter)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -21,10 +22,7 @@ def small_predict2():
     from pipetrain.backend.models.cosmos import CosmosPredict2Adapter, predict2_config
 
     config = {**predict2_config(64, 2, 2), "crossattn_emb_channels": TEXT, "adaln_lora_dim": 16}
-    adapter = CosmosPredict2Adapter(ModelConfig(type="cosmos_predict2", diffusion_model="unused", vae="unused"))
-    adapter.dtype = torch.float64
-    adapter.patcher = comfy_model("cosmos_predict2", config, std=0.08)
-    return adapter
+    return small_adapter(CosmosPredict2Adapter, "cosmos_predict2", config, std=0.08)
 
 
 def _inputs(batch=2, size=(6, 10), tokens=9, seed=1):
@@ -83,12 +81,7 @@ def test_tiny_cosmos_text_encoder_is_comfyuis_old_t5_xxl(model_files):
 
 def test_layers_match_comfyui_forward(small_predict2):
     a = small_predict2
-    x0, noise, t, *text = inputs = _inputs()
-    with torch.no_grad():
-        ours = run_layers(a.to_layers(), inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, _inputs())
 
 
 def test_training_targets_agree_with_comfyui_cosmos_rflow_sampling(small_predict2):
@@ -122,7 +115,4 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_predic
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_predict2):
     a = small_predict2
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs())
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs())

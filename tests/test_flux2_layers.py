@@ -5,8 +5,8 @@ padded as ComfyUI pads it, and tuples DeepSpeed's pipeline can cut anywhere; plu
 tiny files (Mistral text encoder with its tekken tokenizer in the file, Flux 2 VAE) through ComfyUI."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, flow_targets_agree_with_comfyui,
+                          give_lora_b_values, layers_match_comfyui_forward, lora_gradients_match_finite_differences)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -106,11 +106,7 @@ def test_layers_match_comfyui_forward(small_flux2):
     a = small_flux2
     x0, noise, t, context = inputs = _inputs(a)
     assert context.shape == (2, 512, TEXT)
-    with torch.no_grad():
-        ours = run_layers(a.to_layers(), inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, [context])
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, inputs)
 
 
 def test_text_is_padded_as_comfyui_pads_flux2s(small_flux2):
@@ -132,13 +128,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_flux2):
     assert isinstance(ms, comfy.model_sampling.ModelSamplingFlux)   # the network takes t itself
     assert objective.multiplier == 1.0 and objective.shift == 3.0
     x0, noise, t, context = inputs = _inputs(a)
-    x_comfy = ms.noise_scaling(t, noise, x0)
-    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
-    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
-    with torch.no_grad():
-        comfy_denoised = model.apply_model(x_comfy, t, c_crossattn=context, guidance=torch.full_like(t, 4.0))
-        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_comfy)
-    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6
+    flow_targets_agree_with_comfyui(a, inputs, c_crossattn=context, guidance=torch.full_like(t, 4.0))
 
 
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_flux2):
@@ -154,7 +144,4 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_flux2)
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_flux2):
     a = small_flux2
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs(a))
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs(a))

@@ -4,8 +4,8 @@ turns back into the clean latent, the cached reference equal to what ComfyUI's R
 gives the network, and tuples DeepSpeed's pipeline can cut anywhere."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
+                          layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -57,13 +57,10 @@ def test_a_kontext_file_is_detected_as_flux_and_trains_as_kontext_only_when_aske
 def test_layers_match_comfyui_forward_with_reference_latents(small_kontext, reference_size):
     a = small_kontext
     x0, noise, t, *text = inputs = _inputs(reference_size=reference_size)
+    ours = layers_match_comfyui_forward(a, inputs)
     with torch.no_grad():
-        ours = run_layers(a.to_layers(), inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
         without = a.diffusion_model(a.objective().noisy(x0, noise, t), t, text[0], y=text[1],
                                     guidance=torch.full_like(t, 2.5))
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
     assert (ours - without).abs().max() > 1e-3   # the reference matters
 
 
@@ -113,7 +110,4 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_kontex
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_kontext):
     a = small_kontext
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs())
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs())

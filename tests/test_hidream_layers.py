@@ -5,11 +5,11 @@ lengths batched as if alone, and tuples DeepSpeed's pipeline can cut anywhere; p
 detects and the tiny files."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_boundary_is_a_stage_boundary_with_lora,
+                          flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
+                          layout_state_dict, lora_gradients_match_finite_differences, small_adapter)
 
 from pipetrain.backend import lora
-from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.runtime import ensure_comfyui
 
 ensure_comfyui()
@@ -25,10 +25,7 @@ def small_hidream():
     config = {**HIDREAM_FULL, "attention_head_dim": 16, "axes_dims_rope": [8, 4, 4], "caption_channels": [T5, LLAMA],
               "llama_layers": [0, 2, 1, 2], "num_attention_heads": 2, "num_layers": 2, "num_single_layers": 2,
               "text_emb_dim": POOLED}
-    adapter = HiDreamAdapter(ModelConfig(type="hidream", diffusion_model="unused", vae="unused"))
-    adapter.dtype = torch.float64
-    adapter.patcher = comfy_model("hidream", config, std=0.1)
-    return adapter
+    return small_adapter(HiDreamAdapter, "hidream", config, std=0.1)
 
 
 def _inputs(batch=2, size=(6, 10), t5_tokens=(6, 6), llama_tokens=(5, 5), seed=1):
@@ -46,17 +43,10 @@ def _inputs(batch=2, size=(6, 10), t5_tokens=(6, 6), llama_tokens=(5, 5), seed=1
 
 
 def test_comfyui_detects_the_full_layout_as_hidream():
-    import comfy.model_detection
-    import comfy.supported_models
-
-    from pipetrain.backend.models import loading, tiny
     from pipetrain.backend.models.hidream import HIDREAM_FULL
 
-    plan = tiny.tensor_plan(tiny.build_diffusion_model("hidream", "full"))
-    sd = {k: torch.empty(s, device="meta") for k, s, _ in plan}
-    assert type(comfy.model_detection.model_config_from_unet(sd, "")) is comfy.supported_models.HiDream
-    assert comfy.model_detection.detect_unet_config(sd, "") == HIDREAM_FULL
-    assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sd.items()}) == "hidream"
+    sd = layout_state_dict("hidream", "full")
+    comfyui_detects(sd, "hidream", "HiDream", HIDREAM_FULL)
     assert sum(v.numel() for v in sd.values()) > 17e9
 
 
@@ -78,15 +68,8 @@ def test_tiny_hidream_files_load_through_comfyui(model_files):
 
 def test_layers_match_comfyui_forward(small_hidream):
     a = small_hidream
-    x0, noise, t, *text = inputs = _inputs()
-    layers = a.to_layers()
-    assert [type(x).__name__ for x in layers] == ["HiDreamInput", "HiDreamDouble", "HiDreamDouble", "HiDreamJoin",
-                                                  "HiDreamSingle", "HiDreamSingle", "HiDreamOutput"]
-    with torch.no_grad():
-        ours = run_layers(layers, inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, _inputs(), ["HiDreamInput", "HiDreamDouble", "HiDreamDouble", "HiDreamJoin",
+                                                "HiDreamSingle", "HiDreamSingle", "HiDreamOutput"])
 
 
 def test_training_targets_agree_with_comfyui_flow_sampling(small_hidream):
@@ -95,13 +78,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_hidream):
     ms = model.model_sampling
     assert objective.multiplier == ms.multiplier == 1000.0 and objective.shift is None and ms.shift == 1.0
     x0, noise, t, t5, llama, pooled, *_ = inputs = _inputs()
-    x_comfy = ms.noise_scaling(t, noise, x0)
-    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
-    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
-    with torch.no_grad():
-        comfy_denoised = model.apply_model(x_comfy, t, c_crossattn=t5, y=pooled, encoder_hidden_states_llama3=llama)
-        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_comfy)
-    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6
+    flow_targets_agree_with_comfyui(a, inputs, c_crossattn=t5, y=pooled, encoder_hidden_states_llama3=llama)
 
 
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_hidream):
@@ -123,20 +100,11 @@ def test_captions_of_different_lengths_batch_like_comfyui(small_hidream):
     x0, noise, t, t5, llama, pooled, *_ = _inputs(t5_tokens=(6, 4), llama_tokens=(7, 3))
     long = {"t5": t5[0], "llama": llama[0], "pooled": pooled[0]}
     short = {"t5": t5[1, :4], "llama": llama[1, :, :3], "pooled": pooled[1]}
-    collated = a.collate_text([long, short])
+    collated = captions_batch_as_if_alone(a, x0, noise, t, [long, short])
     assert collated[1].shape == (2, LLAMA_LAYERS, 7, LLAMA) and collated[4].tolist() == [7, 3]
     assert collated[3].tolist() == [6, 4]
-    with torch.no_grad():
-        layers = a.to_layers()
-        batched = run_layers(layers, (x0, noise, t, *collated))
-        for i, item in enumerate((long, short)):
-            alone = run_layers(layers, (x0[i:i + 1], noise[i:i + 1], t[i:i + 1], *a.collate_text([item])))
-            assert torch.allclose(batched[i:i + 1], alone, atol=1e-10, rtol=1e-8)
 
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_hidream):
     a = small_hidream
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs(llama_tokens=(5, 4)))
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs(llama_tokens=(5, 4)))

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
+                          layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -104,12 +104,7 @@ def test_tiny_qwen_image_files_load_through_comfyui(model_files):
 @pytest.mark.parametrize("model_type", ["qwen_image", "qwen_image_edit"])
 def test_layers_match_comfyui_forward(small_qwen, small_qwen_edit, model_type):
     a = small_qwen if model_type == "qwen_image" else small_qwen_edit
-    x0, noise, t, *text = inputs = _inputs(reference=model_type == "qwen_image_edit")
-    with torch.no_grad():
-        ours = run_layers(a.to_layers(), inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, _inputs(reference=model_type == "qwen_image_edit"))
 
 
 def test_reference_latents_change_the_output(small_qwen_edit):
@@ -169,7 +164,4 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_qwen, 
 @pytest.mark.parametrize("model_type", ["qwen_image", "qwen_image_edit"])
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_qwen, small_qwen_edit, model_type):
     a = small_qwen if model_type == "qwen_image" else small_qwen_edit
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs(reference=model_type == "qwen_image_edit"))
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs(reference=model_type == "qwen_image_edit"))

@@ -3,8 +3,9 @@ finite differences of that forward, training targets ComfyUI's flow sampling tur
 latent, captions of different lengths batched as if alone, and tuples DeepSpeed's pipeline can cut anywhere."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (captions_batch_as_if_alone, comfy_model, every_boundary_is_a_stage_boundary_with_lora,
+                          flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
+                          lora_gradients_match_finite_differences)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -59,14 +60,7 @@ def test_comfyui_detects_the_tiny_and_full_layouts_as_sd3():
 
 def test_layers_match_comfyui_forward(small_sd3):
     a = small_sd3
-    x0, noise, t, *text = inputs = _inputs()
-    layers = a.to_layers()
-    assert [type(x).__name__ for x in layers] == ["SD3Input", "SD3Block", "SD3Block", "SD3Output"]
-    with torch.no_grad():
-        ours = run_layers(layers, inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, _inputs(), ["SD3Input", "SD3Block", "SD3Block", "SD3Output"])
 
 
 def test_training_targets_agree_with_comfyui_flow_sampling(small_sd3):
@@ -77,14 +71,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_sd3):
     ms = model.model_sampling
     assert (objective.shift, objective.multiplier) == (3.0, 1000.0) == (ms.shift, ms.multiplier)
     x0, noise, t, cond, pooled, lengths = inputs = _inputs()
-    x_comfy = ms.noise_scaling(t, noise, x0)
-    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
-    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
-    assert torch.equal(ms.timestep(t), objective.model_timestep(t))
-    with torch.no_grad():
-        comfy_denoised = model.apply_model(x_comfy, t, c_crossattn=cond, y=pooled)
-        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_comfy)
-    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6
+    flow_targets_agree_with_comfyui(a, inputs, c_crossattn=cond, y=pooled)
 
 
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sd3):
@@ -103,19 +90,10 @@ def test_captions_of_different_lengths_batch_like_comfyui(small_sd3):
     a = small_sd3
     x0, noise, t, cond, pooled, lengths = _inputs(tokens=(7, 3))
     short, long = {"cond": cond[1, :3], "pooled": pooled[1]}, {"cond": cond[0], "pooled": pooled[0]}
-    collated = a.collate_text([long, short])
+    collated = captions_batch_as_if_alone(a, x0, noise, t, [long, short])
     assert collated[0].shape == (2, 7, CONTEXT) and collated[2].tolist() == [7, 3]
-    with torch.no_grad():
-        layers = a.to_layers()
-        batched = run_layers(layers, (x0, noise, t, *collated))
-        for i, item in enumerate((long, short)):
-            alone = run_layers(layers, (x0[i:i + 1], noise[i:i + 1], t[i:i + 1], *a.collate_text([item])))
-            assert torch.allclose(batched[i:i + 1], alone, atol=1e-10, rtol=1e-8)
 
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_sd3):
     a = small_sd3
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs(tokens=(5, 4)))
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs(tokens=(5, 4)))

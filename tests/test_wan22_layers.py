@@ -5,8 +5,8 @@ of that forward, training targets ComfyUI's model turns back into the clean late
 possible stage boundary; ComfyUI's detection of each layout; the Wan 2.2 VAE's tiny file; min_t / max_t."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
+                          layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -116,12 +116,7 @@ def test_tiny_wan22_files_load_through_comfyui(model_files):
 
 def test_layers_match_comfyui_forward(small):
     variant, a = small
-    x0, noise, t, *text = inputs = _inputs(a)
-    with torch.no_grad():
-        ours = run_layers(a.to_layers(), inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (variant, (ours - ref).abs().max())
+    layers_match_comfyui_forward(a, _inputs(a))
 
 
 def test_training_targets_agree_with_comfyui_model(small):
@@ -153,10 +148,7 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small):
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small):
     variant, a = small
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs(a))
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs(a))
 
 
 def test_ti2v_loss_leaves_out_the_given_first_frame():

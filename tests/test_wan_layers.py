@@ -3,11 +3,11 @@ LoRA gradients equal to finite differences of that forward, training targets Com
 back into the clean latent, and tuples DeepSpeed's pipeline can cut anywhere; plus the real-layout files."""
 import pytest
 import torch
-from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, flow_targets_agree_with_comfyui,
+                          give_lora_b_values, layers_match_comfyui_forward, lora_gradients_match_finite_differences,
+                          small_adapter)
 
 from pipetrain.backend import lora
-from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.runtime import ensure_comfyui
 
 ensure_comfyui()
@@ -20,10 +20,7 @@ def small_wan():
     from pipetrain.backend.models.wan import WanAdapter, wan_config
 
     config = {**wan_config(64, 96, 2), "num_heads": 2, "text_dim": TEXT, "freq_dim": 32}
-    adapter = WanAdapter(ModelConfig(type="wan", diffusion_model="unused", vae="unused"))
-    adapter.dtype = torch.float64
-    adapter.patcher = comfy_model("wan", config, std=0.08)
-    return adapter
+    return small_adapter(WanAdapter, "wan", config, std=0.08)
 
 
 def _inputs(batch=2, size=(3, 6, 10), tokens=7, seed=1):
@@ -77,12 +74,7 @@ def test_tiny_wan_files_load_through_comfyui(model_files):
 
 def test_layers_match_comfyui_forward(small_wan):
     a = small_wan
-    x0, noise, t, *text = inputs = _inputs()
-    with torch.no_grad():
-        ours = run_layers(a.to_layers(), inputs)
-        ref = a.reference_forward(a.objective().noisy(x0, noise, t), t, text)
-    assert ours.shape == x0.shape
-    assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
+    layers_match_comfyui_forward(a, _inputs())
 
 
 def test_training_targets_agree_with_comfyui_flow_sampling(small_wan):
@@ -91,13 +83,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_wan):
     ms = model.model_sampling
     assert objective.multiplier == ms.multiplier == 1000.0 and objective.shift is None
     x0, noise, t, context = inputs = _inputs()
-    x_comfy = ms.noise_scaling(t, noise, x0)
-    assert torch.allclose(ms.calculate_input(t, x_comfy), objective.noisy(x0, noise, t))
-    assert torch.allclose(ms.calculate_denoised(t, objective.target(x0, noise, t), x_comfy), x0)
-    with torch.no_grad():
-        comfy_denoised = model.apply_model(x_comfy, t, c_crossattn=context)
-        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_comfy)
-    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6
+    flow_targets_agree_with_comfyui(a, inputs, c_crossattn=context)
 
 
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_wan):
@@ -111,7 +97,4 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_wan):
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_wan):
     a = small_wan
-    if not list(lora.adapted_modules(a.diffusion_model)):
-        lora.inject(a.diffusion_model, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
-        give_lora_b_values(a.diffusion_model)
-    every_boundary_is_a_stage_boundary(a, _inputs())
+    every_boundary_is_a_stage_boundary_with_lora(a, _inputs())

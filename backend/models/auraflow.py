@@ -26,9 +26,8 @@ from torch import nn
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
-from .objectives import FlowMatching
-from .spec import ArchSpec
+from .checkpointing import BlockLayer
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 AURA_SHIFT = 1.73          # ComfyUI's sampling_settings for AuraFlow (supported_models.AuraFlow)
 AURA_MULTIPLIER = 1.0
@@ -55,24 +54,13 @@ def auraflow_config(size: str) -> dict:
     return dict(AURA_CONFIGS["full" if size == "full" else "tiny"])
 
 
-def build_auraflow(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.aura.mmdit
-    import comfy.ops
-    return comfy.ldm.aura.mmdit.MMDiT(device="meta", operations=comfy.ops.disable_weight_init, **config)
-
-
-def _aura_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.aura_t5 as aura_t5
-    return comfy.supported_models_base.ClipTarget(aura_t5.AuraT5Tokenizer, aura_t5.AuraT5Model)
-
-
 AURA_SPEC = ArchSpec(
-    title="AuraFlow", comfy_configs=("AuraFlow",), unet_config=auraflow_config, build=build_auraflow,
+    title="AuraFlow", comfy_configs=("AuraFlow",), unet_config=auraflow_config,
+    build=comfy_diffusion_model("comfy.ldm.aura.mmdit:MMDiT"),
     detected_sizes=("full",), text_encoders=("pile_t5xl",), clip_type="STABLE_DIFFUSION",
-    clip_target=_aura_clip_target, vae="kl4", example_file="aura_flow_0.3.safetensors")
+    clip_target=comfy_clip_target("comfy.text_encoders.aura_t5:AuraT5Tokenizer",
+                                  "comfy.text_encoders.aura_t5:AuraT5Model"),
+    vae="kl4", example_file="aura_flow_0.3.safetensors")
 
 
 def _key_mask(text_lengths, c_len: int, x_len: int):
@@ -105,20 +93,7 @@ class AuraInput(TupleLayer):
         return with_grad(x), with_grad(c), hide(global_cond), hw, text_lengths
 
 
-class _Block(TupleLayer):
-    cost = 1.0
-
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
-
-    def run(self, *args):
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return run_checkpointed(self.checkpoint_activations, self.block_forward, *args)
-        return self.block_forward(*args)
-
-
-class AuraDouble(_Block):
+class AuraDouble(BlockLayer):
     def block_forward(self, x, c, global_cond, hw, text_lengths):
         options = sdpa_transformer_options(_key_mask(text_lengths, c.shape[1], x.shape[1]))
         c, x = self.block(c, x, reveal(global_cond, self.dtype), transformer_options=options)
@@ -136,7 +111,7 @@ def _image_tokens(hw, patch_size: int) -> int:
     return ((int(hw[0]) + 1) // patch_size) * ((int(hw[1]) + 1) // patch_size)
 
 
-class AuraSingle(_Block):
+class AuraSingle(BlockLayer):
     def __init__(self, block, patch_size: int, dtype, checkpoint_activations=False):
         super().__init__(block, dtype, checkpoint_activations)
         self.patch_size = patch_size
@@ -175,21 +150,15 @@ class AuraFlowAdapter(ModelAdapter):
     latent_format = "SDXL"
     lora_block_prefixes = ("double_layers", "single_layers")
     text_fields = ("cond",)
+    text_lengths = True        # the layers mask the zero padding of Pile-T5 tokens
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
         out = clip.encode_from_tokens(tokens, return_dict=True)
         return {"cond": out["cond"][0].float().cpu()}
 
-    def collate_text(self, items):
-        """Zero-padded Pile-T5 tokens and each caption's token count (the layers mask the padding)."""
-        (cond,) = super().collate_text(items)
-        return [cond, torch.tensor([it["cond"].shape[0] for it in items])]
-
     def objective(self):
-        ms = self.model_sampling if self.patcher is not None else None
-        multiplier = ms.multiplier if ms is not None else AURA_MULTIPLIER
-        return FlowMatching.from_model_config(self.cfg, default_shift=AURA_SHIFT, multiplier=multiplier)
+        return self.flow_matching(AURA_SHIFT, AURA_MULTIPLIER)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

@@ -26,6 +26,8 @@ class ModelAdapter(ABC):
     latent_format: str                       # class name in comfy.latent_formats
     lora_block_prefixes: tuple[str, ...]     # LoRA goes on the linears under these module paths
     text_fields: tuple[str, ...]             # cached text tensors, in the order layers receive them
+    text_lengths: bool = False               # collate_text appends each caption's token count (of the first
+    #                                          text field) so the layers can mask the zero padding
     spatial_multiple: int = 16               # bucket sides are multiples of this many pixels
     framerate: float | None = None           # video models: frames per second clips are resampled to
     frame_multiple: int = 1                  # video models: clips are frame_multiple k + 1 frames long
@@ -81,7 +83,8 @@ class ModelAdapter(ABC):
         """One caption -> the tensors named in ``text_fields`` (no batch dimension)."""
 
     def collate_text(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Stack per-sample text tensors; sequences are zero-padded to the longest in the batch."""
+        """Stack per-sample text tensors; sequences are zero-padded to the longest in the batch (then, with
+        ``text_lengths``, each caption's token count [B])."""
         out = []
         for name in self.text_fields:
             ts = [it[name] for it in items]
@@ -89,6 +92,8 @@ class ModelAdapter(ABC):
                 n = max(t.shape[0] for t in ts)
                 ts = [torch.nn.functional.pad(t, (0, 0) * (t.ndim - 1) + (0, n - t.shape[0])) for t in ts]
             out.append(torch.stack(ts))
+        if self.text_lengths:
+            out.append(torch.tensor([it[self.text_fields[0]].shape[0] for it in items]))
         return out
 
     # --- training side ----------------------------------------------------------------------
@@ -110,6 +115,13 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def objective(self): ...
+
+    def flow_matching(self, default_shift: float | None = None, default_multiplier: float = 1.0):
+        """The ``[model]`` table's rectified flow, its network timestep multiplier ComfyUI's model_sampling's
+        once the model is loaded (``default_multiplier``, the architecture's, before)."""
+        from .objectives import FlowMatching
+        multiplier = self.model_sampling.multiplier if self.patcher is not None else default_multiplier
+        return FlowMatching.from_model_config(self.cfg, default_shift=default_shift, multiplier=multiplier)
 
     @abstractmethod
     def to_layers(self, checkpoint_activations: bool = False) -> list[nn.Module]:

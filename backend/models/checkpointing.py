@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .carry import TupleLayer
+
 UNSLOTH = "unsloth"
 
 
@@ -72,3 +74,26 @@ def run_checkpointed(mode, fn, *args):
         anchor = torch.empty(0, requires_grad=True)
         return _OffloadedCheckpoint.apply(fn, anchor, *args)
     return checkpoint(fn, *args, use_reentrant=False)
+
+
+class CheckpointedLayer(TupleLayer):
+    """A pipeline layer whose ``block_forward(*tensors)`` runs under the configured activation checkpointing."""
+
+    def __init__(self, checkpoint_activations=False):
+        super().__init__()
+        self.checkpoint_activations = checkpoint_activations
+
+    def checkpointed(self, *args):
+        return run_checkpointed(self.checkpoint_activations, self.block_forward, *args)
+
+    def run(self, *args):
+        return self.checkpointed(*args)
+
+
+class BlockLayer(CheckpointedLayer):
+    """One of ComfyUI's transformer blocks as a checkpointed pipeline layer (``block_forward`` calls it)."""
+    cost = 1.0
+
+    def __init__(self, block, dtype, checkpoint_activations=False):
+        super().__init__(checkpoint_activations)
+        self.block, self.dtype = block, dtype

@@ -26,7 +26,8 @@ from torch import nn
 from .attention import text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .flux import FluxOutput, JoinStreams, _Checkpointed, double_block, image_tokens, single_block, unpatchify
+from .checkpointing import CheckpointedLayer
+from .flux import FluxOutput, JoinStreams, double_block, image_tokens, single_block, unpatchify
 from .objectives import FlowMatching
 from .spec import ArchSpec
 
@@ -114,7 +115,7 @@ class ChromaInput(TupleLayer):
         return with_grad(img), with_grad(txt), hide(mods), hide(pe.float()), hw, text_lengths
 
 
-class ChromaDouble(_Checkpointed):
+class ChromaDouble(CheckpointedLayer):
     cost = 1.0
 
     def __init__(self, block, index: int, get_modulations, dtype, checkpoint_activations=False):
@@ -137,7 +138,7 @@ class ChromaJoin(JoinStreams):
         return torch.cat((txt, img), 1), mods, pe, hw, text_lengths
 
 
-class ChromaSingle(_Checkpointed):
+class ChromaSingle(CheckpointedLayer):
     cost = 1.0
 
     def __init__(self, block, index: int, get_modulations, patch_size: int, dtype, checkpoint_activations=False):
@@ -170,16 +171,12 @@ class ChromaAdapter(ModelAdapter):
     latent_format = "Flux"
     lora_block_prefixes = ("double_blocks", "single_blocks")
     text_fields = ("t5",)
+    text_lengths = True        # the layers mask the zero padding of T5 tokens
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
         out = clip.encode_from_tokens(tokens, return_dict=True)
         return {"t5": out["cond"][0].float().cpu()}
-
-    def collate_text(self, items):
-        """Zero-padded T5 tokens and each caption's token count (the layers mask the padding)."""
-        (t5,) = super().collate_text(items)
-        return [t5, torch.tensor([it["t5"].shape[0] for it in items])]
 
     def objective(self):
         return FlowMatching.from_model_config(self.cfg)

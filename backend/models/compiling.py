@@ -8,8 +8,6 @@ one kind share their code, so TorchDynamo compiles each kind once and reuses the
 """
 from __future__ import annotations
 
-import torch
-
 # one cache entry per block kind and shape regime; generous so no block silently falls back to eager
 CACHE_SIZE_LIMIT = 64
 

@@ -30,9 +30,9 @@ from torch import nn
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
+from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 
 def predict2_config(model_channels: int, num_blocks: int, num_heads: int) -> dict:
@@ -58,25 +58,12 @@ def cosmos_predict2_config(size: str) -> dict:
     return dict(PREDICT2_CONFIGS["full" if size == "full" else "tiny"])
 
 
-def build_predict2(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.cosmos.predict2
-    import comfy.ops
-    return comfy.ldm.cosmos.predict2.MiniTrainDIT(device="meta", operations=comfy.ops.disable_weight_init, **config)
-
-
-def _cosmos_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.cosmos
-    return comfy.supported_models_base.ClipTarget(comfy.text_encoders.cosmos.CosmosT5Tokenizer,
-                                                  comfy.text_encoders.cosmos.te())
-
-
 PREDICT2_SPEC = ArchSpec(
     title="Cosmos-Predict2 t2i", comfy_configs=("CosmosT2IPredict2",), unet_config=cosmos_predict2_config,
-    build=build_predict2, detected_sizes=("full",), text_encoders=("t5xxl_old",), clip_type="COSMOS",
-    clip_target=_cosmos_clip_target, vae="wan21", example_file="cosmos_predict2_2B_t2i.safetensors")
+    build=comfy_diffusion_model("comfy.ldm.cosmos.predict2:MiniTrainDIT"), detected_sizes=("full",), text_encoders=("t5xxl_old",), clip_type="COSMOS",
+    clip_target=comfy_clip_target("comfy.text_encoders.cosmos:CosmosT5Tokenizer",
+                                  "comfy.text_encoders.cosmos:te()"),
+    vae="wan21", example_file="cosmos_predict2_2B_t2i.safetensors")
 
 _NONE = torch.zeros(0)   # stands for an absent tensor (no adaLN-LoRA, no extra position embedding)
 
@@ -112,13 +99,7 @@ class Predict2Input(TupleLayer):
                 _hide_optional(extra, self.dtype), hide(context.to(self.dtype)))
 
 
-class Predict2Block(TupleLayer):
-    cost = 1.0
-
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
-
+class Predict2Block(BlockLayer):
     def block_forward(self, x, t_emb, adaln_lora, rope, extra, context):
         return self.block(x, reveal(t_emb, self.dtype), reveal(context, self.dtype),
                           rope_emb_L_1_1_D=reveal(rope, torch.float32),
@@ -127,8 +108,7 @@ class Predict2Block(TupleLayer):
                           transformer_options=sdpa_transformer_options())
 
     def run(self, x, t_emb, adaln_lora, rope, extra, context):
-        x = run_checkpointed(self.checkpoint_activations, self.block_forward, x, t_emb, adaln_lora, rope, extra,
-                             context)
+        x = self.checkpointed(x, t_emb, adaln_lora, rope, extra, context)
         return x, t_emb, adaln_lora, rope, extra, context
 
 

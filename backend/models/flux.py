@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .checkpointing import run_checkpointed
 from .attention import rope_attention
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
+from .checkpointing import CheckpointedLayer
 from .objectives import FlowMatching
 from .spec import ArchSpec
 
@@ -103,17 +103,6 @@ def _heads(qkv, num_heads):
     return qkv.view(b, n, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
 
 
-class _Checkpointed(TupleLayer):
-    def __init__(self, checkpoint_activations: bool):
-        super().__init__()
-        self.checkpoint_activations = checkpoint_activations
-
-    def run(self, *args):
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return run_checkpointed(self.checkpoint_activations, self.block_forward, *args)
-        return self.block_forward(*args)
-
-
 def double_block(blk, img, txt, mods, pe, mask=None):
     """ComfyUI's ``DoubleStreamBlock.forward`` out of place: ``mods`` = (img_mod1, img_mod2, txt_mod1,
     txt_mod2), ``mask`` an optional key mask over [txt, img] (``attention.text_key_mask``)."""
@@ -142,7 +131,7 @@ def single_block(blk, x, mod, pe, mask=None):
     return x + mod.gate * blk.linear2(torch.cat((attn, blk.mlp_act(mlp)), 2))
 
 
-class DoubleBlock(_Checkpointed):
+class DoubleBlock(CheckpointedLayer):
     cost = 1.0
 
     def __init__(self, block, dtype, checkpoint_activations=False):
@@ -164,7 +153,7 @@ class JoinStreams(TupleLayer):
         return torch.cat((txt, img), 1), vec, pe, hw
 
 
-class SingleBlock(_Checkpointed):
+class SingleBlock(CheckpointedLayer):
     cost = 1.0
 
     def __init__(self, block, dtype, checkpoint_activations=False):

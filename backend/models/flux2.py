@@ -33,8 +33,8 @@ from torch import nn
 
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .flux import (FluxOutput, JoinStreams, _Checkpointed, build_flux, double_block, image_tokens, single_block,
-                   unpatchify)
+from .checkpointing import CheckpointedLayer
+from .flux import FluxOutput, JoinStreams, build_flux, double_block, image_tokens, single_block, unpatchify
 from .objectives import FlowMatching
 from .spec import ArchSpec
 
@@ -176,7 +176,7 @@ class Flux2Input(TupleLayer):
         return with_grad(img), with_grad(txt), hide(mods), hide(pe.float()), hw
 
 
-class Flux2Double(_Checkpointed):
+class Flux2Double(CheckpointedLayer):
     cost = 2.0   # two streams of a single block's width each: twice a single block's linears
 
     def __init__(self, block, dtype, checkpoint_activations=False):
@@ -189,7 +189,7 @@ class Flux2Double(_Checkpointed):
         return img, txt, mods, pe, hw
 
 
-class Flux2Single(_Checkpointed):
+class Flux2Single(CheckpointedLayer):
     cost = 1.0
 
     def __init__(self, block, dtype, checkpoint_activations=False):

@@ -33,9 +33,8 @@ from torch import nn
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
-from .objectives import FlowMatching
-from .spec import ArchSpec
+from .checkpointing import BlockLayer
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 # HiDream-I1 as ComfyUI's detection gives it (model_detection pins every value).
 HIDREAM_FULL = {
@@ -55,25 +54,13 @@ def hidream_config(size: str) -> dict:
     return dict(HIDREAM_FULL if size == "full" else HIDREAM_TINY)
 
 
-def build_hidream(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.hidream.model
-    import comfy.ops
-    return comfy.ldm.hidream.model.HiDreamImageTransformer2DModel(
-        device="meta", operations=comfy.ops.disable_weight_init, **config)
-
-
-def _hidream_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.hidream as hidream
-    return comfy.supported_models_base.ClipTarget(hidream.HiDreamTokenizer, hidream.hidream_clip())
-
-
 HIDREAM_SPEC = ArchSpec(
-    title="HiDream-I1", comfy_configs=("HiDream",), unet_config=hidream_config, build=build_hidream,
+    title="HiDream-I1", comfy_configs=("HiDream",), unet_config=hidream_config,
+    build=comfy_diffusion_model("comfy.ldm.hidream.model:HiDreamImageTransformer2DModel"),
     detected_sizes=("full",), text_encoders=("clip_l", "clip_g", "t5xxl", "llama"), clip_type="HIDREAM",
-    clip_target=_hidream_clip_target, vae="kl16", example_file="hidream_i1_full_fp16.safetensors")
+    clip_target=comfy_clip_target("comfy.text_encoders.hidream:HiDreamTokenizer",
+                                  "comfy.text_encoders.hidream:hidream_clip()"),
+    vae="kl16", example_file="hidream_i1_full_fp16.safetensors")
 
 
 def _image_grid(hw, patch_size: int) -> tuple[int, int]:
@@ -129,19 +116,10 @@ class HiDreamInput(TupleLayer):
                 t5_lengths, llama_lengths)
 
 
-class _Block(TupleLayer):
-    cost = 1.0
-
+class _Block(BlockLayer):
     def __init__(self, block, projection, llama_layer: int, patch_size: int, dtype, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.caption_projection = block, projection
-        self.llama_layer, self.patch_size, self.dtype = llama_layer, patch_size, dtype
-        self.checkpoint_activations = checkpoint_activations
-
-    def run(self, *args):
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return run_checkpointed(self.checkpoint_activations, self.block_forward, *args)
-        return self.block_forward(*args)
+        super().__init__(block, dtype, checkpoint_activations)
+        self.caption_projection, self.llama_layer, self.patch_size = projection, llama_layer, patch_size
 
     def llama_tokens(self, llama):
         return self.caption_projection(reveal(llama, self.dtype)[:, self.llama_layer])
@@ -221,8 +199,7 @@ class HiDreamAdapter(ModelAdapter):
                 torch.tensor([it["llama"].shape[1] for it in items])]
 
     def objective(self):
-        multiplier = self.model_sampling.multiplier if self.patcher is not None else 1000.0
-        return FlowMatching.from_model_config(self.cfg, multiplier=multiplier)
+        return self.flow_matching(default_multiplier=1000.0)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

@@ -32,9 +32,9 @@ from torch import nn
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .flux import _Checkpointed, double_block, single_block
-from .objectives import FlowMatching
-from .spec import ArchSpec
+from .checkpointing import CheckpointedLayer
+from .flux import double_block, single_block
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 HUNYUAN_FPS = 24
 GLYPH_WIDTH = 1472           # byT5-small glyph's hidden size (ComfyUI's ByT5Mapper in_dim)
@@ -67,48 +67,30 @@ def _sizes(configs: dict):
     return lambda size: {**configs["full" if size == "full" else "tiny"]}
 
 
-def build_hunyuan(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.hunyuan_video.model
-    import comfy.ops
-    return comfy.ldm.hunyuan_video.model.HunyuanVideo(device="meta", operations=comfy.ops.disable_weight_init,
-                                                       **config)
-
-
-def _clip_target(tokenizer: str, model: str):
-    def target():
-        import importlib
-
-        import comfy.supported_models_base
-        tok_module, _, tok = tokenizer.partition(":")
-        te_module, _, te = model.partition(":")
-        return comfy.supported_models_base.ClipTarget(getattr(importlib.import_module(tok_module), tok),
-                                                      getattr(importlib.import_module(te_module), te)())
-    return target
+build_hunyuan = comfy_diffusion_model("comfy.ldm.hunyuan_video.model:HunyuanVideo")
 
 
 HV_SPEC = ArchSpec(
     title="HunyuanVideo", comfy_configs=("HunyuanVideo",), unet_config=_sizes(HV_CONFIGS), build=build_hunyuan,
     detected_sizes=("tiny", "full"), text_encoders=("llama", "clip_l"), clip_type="HUNYUAN_VIDEO",
-    clip_target=_clip_target("comfy.text_encoders.hunyuan_video:HunyuanVideoTokenizer",
-                             "comfy.text_encoders.hunyuan_video:hunyuan_video_clip"),
+    clip_target=comfy_clip_target("comfy.text_encoders.hunyuan_video:HunyuanVideoTokenizer",
+                                  "comfy.text_encoders.hunyuan_video:hunyuan_video_clip()"),
     vae="hunyuan_video", example_file="hunyuan_video_t2v_720p_bf16.safetensors")
 
 HV15_SPEC = ArchSpec(
     title="HunyuanVideo 1.5", comfy_configs=("HunyuanVideo15",), unet_config=_sizes(HV15_CONFIGS),
     build=build_hunyuan, detected_sizes=("tiny", "full"), text_encoders=("qwen25_7b", "byt5_small"),
     clip_type="HUNYUAN_VIDEO_15",
-    clip_target=_clip_target("comfy.text_encoders.hunyuan_video:HunyuanVideo15Tokenizer",
-                             "comfy.text_encoders.hunyuan_image:te"),
+    clip_target=comfy_clip_target("comfy.text_encoders.hunyuan_video:HunyuanVideo15Tokenizer",
+                                  "comfy.text_encoders.hunyuan_image:te()"),
     vae="hunyuan_video_15", example_file="hunyuanvideo1.5_720p_t2v_fp16.safetensors")
 
 HI21_SPEC = ArchSpec(
     title="HunyuanImage 2.1", comfy_configs=("HunyuanImage21",), unet_config=_sizes(HI21_CONFIGS),
     build=build_hunyuan, detected_sizes=("tiny", "full"), text_encoders=("qwen25_7b", "byt5_small"),
     clip_type="HUNYUAN_IMAGE",
-    clip_target=_clip_target("comfy.text_encoders.hunyuan_image:HunyuanImageTokenizer",
-                             "comfy.text_encoders.hunyuan_image:te"),
+    clip_target=comfy_clip_target("comfy.text_encoders.hunyuan_image:HunyuanImageTokenizer",
+                                  "comfy.text_encoders.hunyuan_image:te()"),
     vae="hunyuan_image_21", example_file="hunyuanimage2.1_bf16.safetensors")
 
 
@@ -194,7 +176,7 @@ class HunyuanInput(TupleLayer):
         return with_grad(img.contiguous()), with_grad(txt), hide(vec), hide(pe.float()), size, valid.long()
 
 
-class HunyuanDouble(_Checkpointed):
+class HunyuanDouble(CheckpointedLayer):
     cost = 1.0
 
     def __init__(self, block, dtype, checkpoint_activations=False):
@@ -216,7 +198,7 @@ class HunyuanJoin(TupleLayer):
         return torch.cat((txt, img), 1), vec, pe, size, txt_valid
 
 
-class HunyuanSingle(_Checkpointed):
+class HunyuanSingle(CheckpointedLayer):
     cost = 1.0
 
     def __init__(self, block, dtype, checkpoint_activations=False):
@@ -309,8 +291,7 @@ class HunyuanAdapter(ModelAdapter):
         from ..runtime import ensure_comfyui
         ensure_comfyui()
         shift = getattr(comfy.supported_models, self.comfy_config).sampling_settings["shift"]
-        multiplier = self.model_sampling.multiplier if self.patcher is not None else 1000.0
-        return FlowMatching.from_model_config(self.cfg, default_shift=shift, multiplier=multiplier)
+        return self.flow_matching(shift, 1000.0)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

@@ -36,9 +36,9 @@ from torch import nn
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
+from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 LTX_FPS = 25                      # ComfyUI's LTXV default frame_rate (LTXVConditioning, model_base.LTXV)
 LTX_SHIFT_TOKENS = (1024, 4096)   # ModelSamplingLTXV / LTXVScheduler: mu interpolated between these token counts
@@ -62,23 +62,11 @@ def ltxv_unet_config(size: str) -> dict:
     return dict(LTX_CONFIGS["full" if size == "full" else "tiny"])
 
 
-def build_ltxv(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.lightricks.model
-    import comfy.ops
-    return comfy.ldm.lightricks.model.LTXVModel(device="meta", operations=comfy.ops.disable_weight_init, **config)
-
-
-def _ltxv_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.lt
-    return comfy.supported_models_base.ClipTarget(comfy.text_encoders.lt.LTXVT5Tokenizer, comfy.text_encoders.lt.ltxv_te())
-
-
 LTXV_SPEC = ArchSpec(
-    title="LTX-Video", comfy_configs=("LTXV",), unet_config=ltxv_unet_config, build=build_ltxv,
-    detected_sizes=("tiny", "full"), text_encoders=("t5xxl",), clip_type="LTXV", clip_target=_ltxv_clip_target,
+    title="LTX-Video", comfy_configs=("LTXV",), unet_config=ltxv_unet_config,
+    build=comfy_diffusion_model("comfy.ldm.lightricks.model:LTXVModel"),
+    detected_sizes=("tiny", "full"), text_encoders=("t5xxl",), clip_type="LTXV",
+    clip_target=comfy_clip_target("comfy.text_encoders.lt:LTXVT5Tokenizer", "comfy.text_encoders.lt:ltxv_te()"),
     vae="ltxv", example_file="ltx-video-2b-v0.9.5.safetensors")
 
 
@@ -161,20 +149,14 @@ def ltx_block(block, x, context, timestep, pe, mask, transformer_options):
     return torch.addcmul(x, block.ff(y), gate_mlp)
 
 
-class LTXBlock(TupleLayer):
-    cost = 1.0
-
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
-
+class LTXBlock(BlockLayer):
     def block_forward(self, x, context, timestep, pe, text_lengths):
         context = reveal(context, self.dtype)
         return ltx_block(self.block, x, context, reveal(timestep, self.dtype), reveal(pe, self.dtype),
                          key_mask(text_lengths, context.shape[1], x.dtype), sdpa_transformer_options())
 
     def run(self, x, context, timestep, embedded, pe, size, text_lengths):
-        x = run_checkpointed(self.checkpoint_activations, self.block_forward, x, context, timestep, pe, text_lengths)
+        x = self.checkpointed(x, context, timestep, pe, text_lengths)
         return x, context, timestep, embedded, pe, size, text_lengths
 
 
@@ -205,6 +187,7 @@ class LTXVideoAdapter(ModelAdapter):
     latent_format = "LTXV"
     lora_block_prefixes = ("transformer_blocks",)
     text_fields = ("cond",)
+    text_lengths = True        # the layers mask the zero padding of the captions
     spatial_multiple = 32       # the VAE's 32x spatial compression, patch size 1
     framerate = LTX_FPS
     frame_multiple = 8          # clips of 8k + 1 frames (the VAE's causal 8x temporal compression)
@@ -226,11 +209,6 @@ class LTXVideoAdapter(ModelAdapter):
         if mask is not None:
             cond = cond[:int(mask[0].sum())]
         return {"cond": cond}
-
-    def collate_text(self, items):
-        """Zero-padded captions and each one's token count (the layers mask the padding)."""
-        (cond,) = super().collate_text(items)
-        return [cond, torch.tensor([it["cond"].shape[0] for it in items])]
 
     def seq_len(self, latent):
         """LTX's shift depends on all tokens of the clip: T x H x W (patch size 1)."""

@@ -35,9 +35,8 @@ from torch import nn
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
-from .objectives import FlowMatching
-from .spec import ArchSpec
+from .checkpointing import BlockLayer
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 # Lumina 2's default system prompt in ComfyUI's CLIPTextEncodeLumina2 ("superior"), as the model was trained
 LUMINA2_SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree of "
@@ -72,33 +71,18 @@ def _config(arch: str):
     return lambda size: dict(NEXTDIT_CONFIGS[arch]["full" if size == "full" else "tiny"])
 
 
-def build_nextdit(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.lumina.model
-    import comfy.ops
-    return comfy.ldm.lumina.model.NextDiT(**config, device="meta", operations=comfy.ops.disable_weight_init)
-
-
-def _zimage_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.z_image as z_image
-    return comfy.supported_models_base.ClipTarget(z_image.ZImageTokenizer, z_image.te())
-
-
-def _lumina2_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.lumina2 as lumina2
-    return comfy.supported_models_base.ClipTarget(lumina2.LuminaTokenizer, lumina2.te())
+build_nextdit = comfy_diffusion_model("comfy.ldm.lumina.model:NextDiT")
 
 
 ZIMAGE_SPEC = ArchSpec(
     title="Z-Image", comfy_configs=("ZImage",), unet_config=_config("z_image"), build=build_nextdit,
-    detected_sizes=("full",), text_encoders=("qwen3_4b",), clip_type="LUMINA2", clip_target=_zimage_clip_target,
+    detected_sizes=("full",), text_encoders=("qwen3_4b",), clip_type="LUMINA2",
+    clip_target=comfy_clip_target("comfy.text_encoders.z_image:ZImageTokenizer", "comfy.text_encoders.z_image:te()"),
     vae="kl16", example_file="z_image_turbo_bf16.safetensors")
 LUMINA2_SPEC = ArchSpec(
     title="Lumina Image 2.0", comfy_configs=("Lumina2",), unet_config=_config("lumina2"), build=build_nextdit,
-    detected_sizes=("full",), text_encoders=("gemma2_2b",), clip_type="LUMINA2", clip_target=_lumina2_clip_target,
+    detected_sizes=("full",), text_encoders=("gemma2_2b",), clip_type="LUMINA2",
+    clip_target=comfy_clip_target("comfy.text_encoders.lumina2:LuminaTokenizer", "comfy.text_encoders.lumina2:te()"),
     vae="kl16", example_file="lumina_2_model_bf16.safetensors")
 
 
@@ -170,18 +154,7 @@ class NextInput(TupleLayer):
         return with_grad(x), with_grad(cap), hide(adaln), hide(freqs.float()), keep, size
 
 
-class _Block(TupleLayer):
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
-
-    def checkpointed(self, fn, *args):
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return run_checkpointed(self.checkpoint_activations, fn, *args)
-        return fn(*args)
-
-
-class NextContextRefiner(_Block):
+class NextContextRefiner(BlockLayer):
     cost = 0.1
 
     def block_forward(self, cap, freqs, keep):
@@ -190,10 +163,10 @@ class NextContextRefiner(_Block):
                           transformer_options=sdpa_transformer_options())
 
     def run(self, x, cap, adaln, freqs, keep, size):
-        return x, self.checkpointed(self.block_forward, cap, freqs, keep), adaln, freqs, keep, size
+        return x, self.checkpointed(cap, freqs, keep), adaln, freqs, keep, size
 
 
-class NextNoiseRefiner(_Block):
+class NextNoiseRefiner(BlockLayer):
     cost = 0.9
 
     def block_forward(self, x, adaln, freqs, size):
@@ -201,7 +174,7 @@ class NextNoiseRefiner(_Block):
                           transformer_options=sdpa_transformer_options())
 
     def run(self, x, cap, adaln, freqs, keep, size):
-        return self.checkpointed(self.block_forward, x, adaln, freqs, size), cap, adaln, freqs, keep, size
+        return self.checkpointed(x, adaln, freqs, size), cap, adaln, freqs, keep, size
 
 
 class NextJoin(TupleLayer):
@@ -211,7 +184,7 @@ class NextJoin(TupleLayer):
         return torch.cat((cap, x), dim=1), adaln, freqs, keep, size
 
 
-class NextBlock(_Block):
+class NextBlock(BlockLayer):
     cost = 1.0
 
     def block_forward(self, h, adaln, freqs, keep, size):
@@ -221,7 +194,7 @@ class NextBlock(_Block):
                           transformer_options=sdpa_transformer_options())
 
     def run(self, h, adaln, freqs, keep, size):
-        return self.checkpointed(self.block_forward, h, adaln, freqs, keep, size), adaln, freqs, keep, size
+        return self.checkpointed(h, adaln, freqs, keep, size), adaln, freqs, keep, size
 
 
 class NextOutput(TupleLayer):
@@ -245,6 +218,7 @@ class NextDiTAdapter(ModelAdapter):
     latent_format = "Flux"
     lora_block_prefixes = ("layers", "noise_refiner", "context_refiner")
     text_fields = ("cond",)
+    text_lengths = True        # the layers mask the zero padding of the captions
 
     def caption_text(self, caption: str) -> str:
         return caption
@@ -254,14 +228,8 @@ class NextDiTAdapter(ModelAdapter):
         out = clip.encode_from_tokens(tokens, return_dict=True)
         return {"cond": out["cond"][0].float().cpu()}
 
-    def collate_text(self, items):
-        """Zero-padded captions and each caption's token count (the layers mask the padding)."""
-        (cond,) = super().collate_text(items)
-        return [cond, torch.tensor([it["cond"].shape[0] for it in items])]
-
     def objective(self):
-        multiplier = self.model_sampling.multiplier if self.patcher is not None else 1.0
-        return FlowMatching.from_model_config(self.cfg, multiplier=multiplier)
+        return self.flow_matching()
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

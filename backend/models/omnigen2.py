@@ -29,9 +29,8 @@ from torch import nn
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
-from .objectives import FlowMatching
-from .spec import ArchSpec
+from .checkpointing import BlockLayer
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 OMNIGEN2_SHIFT = 2.6          # ComfyUI's sampling_settings for OmniGen2 (supported_models.Omnigen2)
 OMNIGEN2_MULTIPLIER = 1.0
@@ -53,25 +52,13 @@ def omnigen2_config(size: str) -> dict:
     return dict(OMNIGEN2_FULL if size == "full" else OMNIGEN2_TINY)
 
 
-def build_omnigen2(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.omnigen.omnigen2
-    import comfy.ops
-    return comfy.ldm.omnigen.omnigen2.OmniGen2Transformer2DModel(
-        device="meta", operations=comfy.ops.disable_weight_init, **config)
-
-
-def _omnigen2_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.omnigen2 as omnigen2
-    return comfy.supported_models_base.ClipTarget(omnigen2.Omnigen2Tokenizer, omnigen2.te())
-
-
 OMNIGEN2_SPEC = ArchSpec(
-    title="OmniGen2", comfy_configs=("Omnigen2",), unet_config=omnigen2_config, build=build_omnigen2,
+    title="OmniGen2", comfy_configs=("Omnigen2",), unet_config=omnigen2_config,
+    build=comfy_diffusion_model("comfy.ldm.omnigen.omnigen2:OmniGen2Transformer2DModel"),
     detected_sizes=("full",), text_encoders=("qwen25_3b",), clip_type="OMNIGEN2",
-    clip_target=_omnigen2_clip_target, vae="kl16", example_file="omnigen2_fp16.safetensors")
+    clip_target=comfy_clip_target("comfy.text_encoders.omnigen2:Omnigen2Tokenizer",
+                                  "comfy.text_encoders.omnigen2:te()"),
+    vae="kl16", example_file="omnigen2_fp16.safetensors")
 
 
 class OmniInput(TupleLayer):
@@ -104,20 +91,7 @@ class OmniInput(TupleLayer):
         return with_grad(img), with_grad(text), hide(temb), hide(rope.float()), size, text_lengths
 
 
-class _Block(TupleLayer):
-    cost = 1.0
-
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
-
-    def run(self, *args):
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return run_checkpointed(self.checkpoint_activations, self.block_forward, *args)
-        return self.block_forward(*args)
-
-
-class OmniContextRefiner(_Block):
+class OmniContextRefiner(BlockLayer):
     cost = 0.3
 
     def block_forward(self, img, text, temb, rope, size, text_lengths):
@@ -127,7 +101,7 @@ class OmniContextRefiner(_Block):
         return img, text, temb, rope, size, text_lengths
 
 
-class OmniNoiseRefiner(_Block):
+class OmniNoiseRefiner(BlockLayer):
     cost = 0.7
 
     def block_forward(self, img, text, temb, rope, size, text_lengths):
@@ -147,7 +121,7 @@ def _grid(size, patch_size: int) -> tuple[int, int]:
     return (int(size[0]) + patch_size - 1) // patch_size, (int(size[1]) + patch_size - 1) // patch_size
 
 
-class OmniBlock(_Block):
+class OmniBlock(BlockLayer):
     def __init__(self, block, patch_size: int, dtype, checkpoint_activations=False):
         super().__init__(block, dtype, checkpoint_activations)
         self.patch_size = patch_size
@@ -183,6 +157,7 @@ class OmniGen2Adapter(ModelAdapter):
     latent_format = "Flux"
     lora_block_prefixes = ("context_refiner", "noise_refiner", "layers")
     text_fields = ("cond",)
+    text_lengths = True        # the layers mask the zero padding of Qwen tokens
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
@@ -193,15 +168,8 @@ class OmniGen2Adapter(ModelAdapter):
             cond = cond[:max(1, int(mask.sum()))]
         return {"cond": cond.float().cpu()}
 
-    def collate_text(self, items):
-        """Zero-padded Qwen tokens and each caption's token count (the layers mask the padding)."""
-        (cond,) = super().collate_text(items)
-        return [cond, torch.tensor([it["cond"].shape[0] for it in items])]
-
     def objective(self):
-        ms = self.model_sampling if self.patcher is not None else None
-        multiplier = ms.multiplier if ms is not None else OMNIGEN2_MULTIPLIER
-        return FlowMatching.from_model_config(self.cfg, default_shift=OMNIGEN2_SHIFT, multiplier=multiplier)
+        return self.flow_matching(OMNIGEN2_SHIFT, OMNIGEN2_MULTIPLIER)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

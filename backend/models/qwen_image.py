@@ -39,9 +39,9 @@ from torch import nn
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
+from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import TEXT_ENCODERS, ArchSpec
+from .spec import TEXT_ENCODERS, ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 QWEN_SHIFT = math.exp(1.15)   # ComfyUI's sampling_settings for QwenImage: ModelSamplingFlux, shift (mu) 1.15
 
@@ -70,19 +70,9 @@ def qwen_config(size: str) -> dict:
     return dict(QWEN_CONFIGS["full" if size == "full" else "tiny"])
 
 
-def build_qwen_image(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.qwen_image.model
-    import comfy.ops
-    return comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
-        device="meta", operations=comfy.ops.disable_weight_init, **config)
-
-
-def _qwen_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.qwen_image as qwen_image
-    return comfy.supported_models_base.ClipTarget(qwen_image.QwenImageTokenizer, qwen_image.te())
+build_qwen_image = comfy_diffusion_model("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel")
+_qwen_clip_target = comfy_clip_target("comfy.text_encoders.qwen_image:QwenImageTokenizer",
+                                      "comfy.text_encoders.qwen_image:te()")
 
 
 def _edit_files_look_like_qwen_image(unet_config: dict) -> bool:
@@ -140,12 +130,10 @@ class QwenInput(TupleLayer):
         return with_grad(img), with_grad(txt), hide(temb), hide(pe), hw, text_lengths
 
 
-class QwenBlock(TupleLayer):
-    cost = 1.0
-
+class QwenBlock(BlockLayer):
     def __init__(self, block, dtype, last: bool, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.dtype, self.last, self.checkpoint_activations = block, dtype, last, checkpoint_activations
+        super().__init__(block, dtype, checkpoint_activations)
+        self.last = last
 
     def block_forward(self, img, txt, temb, pe, text_lengths):
         mask = text_key_mask(text_lengths, txt.shape[1], img.shape[1])
@@ -155,7 +143,7 @@ class QwenBlock(TupleLayer):
         return img, txt
 
     def run(self, img, txt, temb, pe, hw, text_lengths):
-        img, txt = run_checkpointed(self.checkpoint_activations, self.block_forward, img, txt, temb, pe, text_lengths)
+        img, txt = self.checkpointed(img, txt, temb, pe, text_lengths)
         if self.last:   # ComfyUI's forward discards the text stream after the last block
             return img, temb, pe, hw, text_lengths
         return img, txt, temb, pe, hw, text_lengths
@@ -182,6 +170,7 @@ class QwenImageAdapter(ModelAdapter):
     spec = QWEN_IMAGE_SPEC
     latent_format = "Wan21"
     text_fields = ("context",)
+    text_lengths = True        # the layers mask the zero padding of the text tokens
 
     @property
     def lora_block_prefixes(self) -> tuple[str, ...]:
@@ -209,11 +198,6 @@ class QwenImageAdapter(ModelAdapter):
     def encode_caption(self, clip, caption):
         out = clip.encode_from_tokens(self.tokenize(clip, caption), return_dict=True)
         return {"context": out["cond"][0].float().cpu()}
-
-    def collate_text(self, items):
-        """Zero-padded text tokens and each caption's token count (the layers mask the padding)."""
-        (context,) = super().collate_text(items)
-        return [context, torch.tensor([it["context"].shape[0] for it in items])]
 
     # --- training -------------------------------------------------------------------------------
     def objective(self):

@@ -26,7 +26,6 @@ from .checkpointing import run_checkpointed
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .objectives import FlowMatching
 from .spec import ArchSpec
 
 SD3_SHIFT = 3.0        # ComfyUI's sampling_settings for SD3 (supported_models.SD3)
@@ -151,20 +150,15 @@ class SD3Adapter(ModelAdapter):
     latent_format = "SD3"
     lora_block_prefixes = ("joint_blocks",)
     text_fields = ("cond", "pooled")
+    text_lengths = True        # the layers mask the zero padding of the cond tokens
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
         out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
         return {"cond": out["cond"][0].float().cpu(), "pooled": out["pooled_output"][0].float().cpu()}
 
-    def collate_text(self, items):
-        """Zero-padded cond, pooled, and each caption's token count (the layers mask the padding)."""
-        cond, pooled = super().collate_text(items)
-        return [cond, pooled, torch.tensor([it["cond"].shape[0] for it in items])]
-
     def objective(self):
-        multiplier = self.model_sampling.multiplier if self.patcher is not None else 1000.0
-        return FlowMatching.from_model_config(self.cfg, default_shift=SD3_SHIFT, multiplier=multiplier)
+        return self.flow_matching(SD3_SHIFT, 1000.0)
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model

@@ -60,19 +60,40 @@ class TextEncoderKind:
     comfy_name: str = ""
 
 
+def _comfy_object(path: str):
+    """The ComfyUI object named ``module:name``, e.g. ``comfy.text_encoders.t5:T5``."""
+    import importlib
+
+    from ..runtime import ensure_comfyui
+    ensure_comfyui()
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _comfy_text_model(path: str):
     """``build`` for a ComfyUI text-model class taking (config, dtype, device, operations), e.g.
     ``comfy.text_encoders.t5:T5``."""
     def build(config: dict) -> torch.nn.Module:
-        import importlib
-
-        from ..runtime import ensure_comfyui
-        ensure_comfyui()
-        import comfy.ops
-        module, _, name = path.partition(":")
-        cls = getattr(importlib.import_module(module), name)
-        return cls(config, torch.float32, "meta", comfy.ops.disable_weight_init)
+        return _comfy_object(path)(config, torch.float32, "meta", _comfy_object("comfy.ops:disable_weight_init"))
     return build
+
+
+def comfy_diffusion_model(path: str):
+    """``ArchSpec.build`` for a ComfyUI diffusion-model class taking its unet_config as keyword arguments
+    beside (device, operations), e.g. ``comfy.ldm.wan.model:WanModel``."""
+    def build(config: dict) -> torch.nn.Module:
+        return _comfy_object(path)(device="meta", operations=_comfy_object("comfy.ops:disable_weight_init"), **config)
+    return build
+
+
+def comfy_clip_target(tokenizer: str, model: str):
+    """``ArchSpec.clip_target`` from two ComfyUI names: the tokenizer class and the text-model class, or a
+    factory that returns one when the name ends in ``()`` (``comfy.text_encoders.wan:te()``)."""
+    def target():
+        clip = _comfy_object(model.removesuffix("()"))
+        return _comfy_object("comfy.supported_models_base:ClipTarget")(_comfy_object(tokenizer),
+                                                                       clip() if model.endswith("()") else clip)
+    return target
 
 
 CLIP_TEXT_MODEL = _comfy_text_model("comfy.clip_model:CLIPTextModel")
@@ -89,28 +110,32 @@ def _qwen25_7b_config() -> dict:
     return dataclasses.asdict(Qwen25_7BVLI_Config())
 
 
-def _umt5_spiece() -> torch.Tensor:
-    """A SentencePiece model as the uint8 ``spiece_model`` tensor real UMT5 files carry (ComfyUI's Wan
-    tokenizer reads it from the file). UMT5's own is not shipped with ComfyUI, so tiny files get a 2000-piece
-    model with UMT5's special ids (pad 0, end 1, unknown 2), trained deterministically on the words of the
-    T5-pile tokenizer that ComfyUI does ship."""
-    import io
+def _tiny_spiece(vocab_size: int, pad_id: int, eos_id: int, unk_id: int, bos_id: int = -1):
+    """``extras`` maker for a ``spiece_model`` tensor (a SentencePiece model as uint8, as real files carry it and
+    ComfyUI's tokenizer reads it from the file) where the real one is not shipped with ComfyUI: a unigram model
+    of ``vocab_size`` pieces with the encoder's own special ids (-1: none),
+    trained deterministically on the words of the T5-pile tokenizer that ComfyUI does ship."""
+    def spiece() -> torch.Tensor:
+        import io
 
-    import sentencepiece
+        import sentencepiece
 
-    from ..runtime import ensure_comfyui
-    pile = sentencepiece.SentencePieceProcessor(
-        model_file=str(ensure_comfyui() / "comfy/text_encoders/t5_pile_tokenizer/tokenizer.model"))
-    words = [w for w in (pile.id_to_piece(i).replace("\u2581", "") for i in range(pile.get_piece_size()))
-             if w.isascii() and w.isalpha()]
-    out = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(words), model_writer=out, vocab_size=UMT5_TINY_VOCAB, model_type="unigram",
-        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, num_threads=1, minloglevel=2)
-    return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+        from ..runtime import ensure_comfyui
+        pile = sentencepiece.SentencePieceProcessor(
+            model_file=str(ensure_comfyui() / "comfy/text_encoders/t5_pile_tokenizer/tokenizer.model"))
+        words = [w for w in (pile.id_to_piece(i).replace("\u2581", "") for i in range(pile.get_piece_size()))
+                 if w.isascii() and w.isalpha()]
+        out = io.BytesIO()
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(words), model_writer=out, vocab_size=vocab_size, model_type="unigram",
+            pad_id=pad_id, eos_id=eos_id, bos_id=bos_id, unk_id=unk_id, num_threads=1, minloglevel=2)
+        return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+    return spiece
 
 
 UMT5_TINY_VOCAB = 2000
+# UMT5's special ids: pad 0, end 1, unknown 2
+UMT5_TINY_SPIECE = _tiny_spiece(UMT5_TINY_VOCAB, pad_id=0, eos_id=1, unk_id=2)
 
 
 def _comfy_llm_config(name: str):
@@ -125,27 +150,9 @@ def _comfy_llm_config(name: str):
     return config
 
 
-def _gemma2_spiece() -> torch.Tensor:
-    """The ``spiece_model`` tensor real Gemma-2-2B files carry (ComfyUI's Lumina 2 tokenizer reads it from the
-    file). Gemma's own is not shipped with ComfyUI, so tiny files get a 2000-piece model with Gemma's special
-    ids (pad 0, end 1, start 2, unknown 3), trained deterministically like the tiny UMT5 one."""
-    import io
-
-    import sentencepiece
-
-    from ..runtime import ensure_comfyui
-    pile = sentencepiece.SentencePieceProcessor(
-        model_file=str(ensure_comfyui() / "comfy/text_encoders/t5_pile_tokenizer/tokenizer.model"))
-    words = [w for w in (pile.id_to_piece(i).replace("\u2581", "") for i in range(pile.get_piece_size()))
-             if w.isascii() and w.isalpha()]
-    out = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(words), model_writer=out, vocab_size=GEMMA2_TINY_VOCAB, model_type="unigram",
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, num_threads=1, minloglevel=2)
-    return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
-
-
 GEMMA2_TINY_VOCAB = 2000
+# Gemma's special ids: pad 0, end 1, start 2, unknown 3
+GEMMA2_TINY_SPIECE = _tiny_spiece(GEMMA2_TINY_VOCAB, pad_id=0, eos_id=1, bos_id=2, unk_id=3)
 
 
 # Mistral's first special tokens, at their real ids (Flux 2's template uses <s>, [INST], [/INST], [SYSTEM_PROMPT],
@@ -190,7 +197,7 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
                                  comfy_name="t5xxl"),
     "umt5xxl": TextEncoderKind("UMT5-XXL", "comfy/text_encoders/umt5_config_xxl.json",
                                {"num_layers": 2, "num_heads": 4, "d_ff": 256, "vocab_size": UMT5_TINY_VOCAB}, T5_MODEL,
-                               "T5_XXL", extras={"spiece_model": _umt5_spiece}),
+                               "T5_XXL", extras={"spiece_model": UMT5_TINY_SPIECE}),
     # AuraFlow's Pile-T5-XL (tokenizer shipped with ComfyUI): the tiny one is 256 wide (the real 2048-wide
     # vocabulary table alone would be 260 MB); the tiny AuraFlow takes that width
     "pile_t5xl": TextEncoderKind("Pile-T5-XL", "comfy/text_encoders/t5_pile_config_xl.json",
@@ -222,7 +229,7 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
                                  {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
                                   "intermediate_size": 256, "vocab_size": GEMMA2_TINY_VOCAB},
                                  _comfy_text_model("comfy.text_encoders.llama:Gemma2_2B"), "GEMMA_2_2B",
-                                 extras={"spiece_model": _gemma2_spiece}),
+                                 extras={"spiece_model": GEMMA2_TINY_SPIECE}),
     # HunyuanVideo's LLaVA-Llama-3-8B text model: the tiny one keeps the real vocabulary (the chat template's
     # ids sit at its end) at width 64 with 4 layers (ComfyUI reads the third-last layer); the tiny HunyuanVideo
     # takes that width
@@ -265,6 +272,9 @@ class VAEKind:
     # init rule ("ones" / "zeros") for tiny files where the generic one would be wrong (e.g. a latent std)
     file_metadata: Callable[[str], dict[str, str]] | None = None
     init: dict[str, str] = field(default_factory=dict)
+    # tensors a file of this kind carries besides the module's state dict (name -> () -> tensor), e.g. a buffer
+    # ComfyUI's detection looks for but the module does not save (the Cosmos tokenizer's wavelets)
+    extras: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
 
 
 # The KL autoencoder ComfyUI builds for SD-family, SD3 and Flux VAEs.
@@ -421,6 +431,33 @@ CLIP_VISION_H_CONFIG = "comfy/clip_vision_config_h.json"
 CLIP_VISION_TINY = {"num_hidden_layers": 2, "intermediate_size": 256}
 
 
+# Cosmos 1.0's causal continuous video tokenizer CV8x8x8 (16 channels, 8x spatial, 8x temporal): ComfyUI fixes
+# its width and recognises a file by the decoder's Haar wavelets, a buffer the module does not save, so files
+# carry it as an extra tensor. Its Patcher3D calls .item() while being built, so it is built on the CPU (the
+# weights are never initialised: the shapes are all that is read) and moved to the meta device.
+COSMOS1_VAE_DDCONFIG = {"z_channels": 16, "latent_channels": 16, "z_factor": 1, "resolution": 1024, "in_channels": 3,
+                        "out_channels": 3, "channels": 128, "channels_mult": [2, 4, 4], "num_res_blocks": 2,
+                        "attn_resolutions": [32], "dropout": 0.0, "patch_size": 4, "num_groups": 1,
+                        "temporal_compression": 8, "spacial_compression": 8}
+
+
+def _cosmos1_vae_widths(size: str) -> dict:
+    return {} if size == "full" else {"channels": 16, "num_res_blocks": 1}
+
+
+def _cosmos1_vae(size: str) -> torch.nn.Module:
+    from ..runtime import ensure_comfyui
+    ensure_comfyui()
+    from comfy.ldm.cosmos.vae import CausalContinuousVideoTokenizer
+    with torch.device("cpu"):
+        vae = CausalContinuousVideoTokenizer(**{**COSMOS1_VAE_DDCONFIG, **_cosmos1_vae_widths(size)})
+    return vae.to("meta")
+
+
+def _haar_wavelets() -> torch.Tensor:
+    return torch.full((2,), 0.5 ** 0.5)
+
+
 VAES: dict[str, VAEKind] = {
     "kl16": VAEKind("16-channel KL VAE (Flux ae.safetensors, SD3 VAE)", 16, _kl_vae(16, quant_conv=False)),
     "kl4": VAEKind("SD/SDXL VAE", 4, _kl_vae(4, quant_conv=True)),
@@ -435,4 +472,9 @@ VAES: dict[str, VAEKind] = {
     "hunyuan_video": _hunyuan_vae_kind("hunyuan_video", "HunyuanVideo causal 3D VAE", 16, 3),
     "hunyuan_video_15": _hunyuan_vae_kind("hunyuan_video_15", "HunyuanVideo 1.5 VAE", 32, 3),
     "hunyuan_image_21": _hunyuan_vae_kind("hunyuan_image_21", "HunyuanImage 2.1 VAE", 64, 2),
+    "cosmos1_cv8x8x8": VAEKind("Cosmos 1.0 CV8x8x8 tokenizer", 16, _cosmos1_vae, latent_dim=3, sized=True,
+                               narrowed_class="comfy.ldm.cosmos.vae:CausalContinuousVideoTokenizer",
+                               widths=_cosmos1_vae_widths, init={"latent_std": "ones", "latent_mean": "zeros"},
+                               extras={"encoder.patcher3d.wavelets": _haar_wavelets,
+                                       "decoder.unpatcher3d.wavelets": _haar_wavelets}),
 }

@@ -35,9 +35,9 @@ from ..errors import ModelError
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .checkpointing import run_checkpointed
+from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec
+from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
 WAN_FPS = 16
 
@@ -71,18 +71,8 @@ def wan_i2v_config(size: str) -> dict:
     return dict(WAN_I2V_CONFIGS["full" if size == "full" else "tiny"])
 
 
-def build_wan(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.wan.model
-    import comfy.ops
-    return comfy.ldm.wan.model.WanModel(device="meta", operations=comfy.ops.disable_weight_init, **config)
-
-
-def _wan_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.wan
-    return comfy.supported_models_base.ClipTarget(comfy.text_encoders.wan.WanT5Tokenizer, comfy.text_encoders.wan.te())
+build_wan = comfy_diffusion_model("comfy.ldm.wan.model:WanModel")
+_wan_clip_target = comfy_clip_target("comfy.text_encoders.wan:WanT5Tokenizer", "comfy.text_encoders.wan:te()")
 
 
 WAN_SPEC = ArchSpec(
@@ -197,13 +187,7 @@ def first_frame_mask(frames: int, like: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-class WanBlock(TupleLayer):
-    cost = 1.0
-
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__()
-        self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
-
+class WanBlock(BlockLayer):
     def block_forward(self, x, e0, context, freqs, image_tokens):
         return self.block(x, e=reveal(e0, self.dtype), freqs=reveal(freqs, torch.float32),
                           context=reveal(context, self.dtype), context_img_len=image_tokens or None,
@@ -211,10 +195,7 @@ class WanBlock(TupleLayer):
 
     def run(self, x, e0, e, context, freqs, grid, size):
         image_tokens = int(size[3])
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            x = run_checkpointed(self.checkpoint_activations, self.block_forward, x, e0, context, freqs, image_tokens)
-        else:
-            x = self.block_forward(x, e0, context, freqs, image_tokens)
+        x = self.checkpointed(x, e0, context, freqs, image_tokens)
         return x, e0, e, context, freqs, grid, size
 
 
@@ -261,8 +242,7 @@ class WanAdapter(ModelAdapter):
         return {"context": out["cond"][0].float().cpu()}
 
     def objective(self):
-        multiplier = self.model_sampling.multiplier if self.patcher is not None else 1000.0
-        base = FlowMatching.from_model_config(self.cfg, multiplier=multiplier)
+        base = self.flow_matching(default_multiplier=1000.0)
         return RangedFlowMatching(**vars(base), min_t=self.cfg.min_t, max_t=self.cfg.max_t)
 
     def to_layers(self, checkpoint_activations=False):
