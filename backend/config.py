@@ -297,8 +297,14 @@ class SamplesConfig:
     guidance: float = 3.5                 # Flux-dev's distilled guidance input
     sampler: str = "euler"
     scheduler: str = "simple"
+    # "run": the run's global rank 0 renders them in a child process; "host": the ComfyUI that started the run
+    # renders them on its own queue (its model management shares the GPU), the run waits for them
+    render: Literal["run", "host"] = "run"
+    host_timeout_s: float = 900.0        # render = "host": how long the run waits; then it renders them itself
 
     def validate(self, file):
+        if self.host_timeout_s <= 0:
+            raise ConfigError(f"got {self.host_timeout_s}; must be > 0", file=file, key="samples.host_timeout_s")
         if not self.prompts:
             raise ConfigError("give at least one prompt (or leave [samples] out)", file=file, key="samples.prompts")
         if self.width % 16 or self.height % 16 or min(self.width, self.height) < 16:

@@ -1,28 +1,36 @@
 """Sample images for each saved epoch LoRA, rendered by ComfyUI's own sampler.
 
-Training runs on every rank; the samples are rendered by a separate process started by global rank 0
-(``python -m pipetrain sample``) while the other ranks wait, so the pipeline's memory layout is untouched
-and the base model is loaded whole, the way ComfyUI loads it. PNGs land beside the LoRA and are announced
-in events.jsonl and TensorBoard.
+Training runs on every rank; the samples are rendered while the ranks wait, so the pipeline's memory layout
+is untouched and the base model is loaded whole, the way ComfyUI loads it. Who renders them is
+``[samples] render``: ``"run"``: a separate process started by global rank 0 (``python -m pipetrain sample``);
+``"host"``: the ComfyUI that started the run, on its own queue (``sample_host.py`` has the request and marker
+files), with the run's own render as the fallback when ComfyUI does not answer within ``host_timeout_s``.
+Either way the PNGs land beside the LoRA and are announced in events.jsonl (``sample_saved``) and TensorBoard.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from . import sample_host
 from .cache import CacheStore, model_fingerprint, text_key
 from .config import RunConfig, load_run_config
 from .errors import ConfigError
+from .fsutil import temp_path_beside
 from .models.registry import adapter_class
 from .runtime import ensure_comfyui
 from .train import distributed
 
 log = logging.getLogger("pipetrain")
+SYNC_S = 5.0     # the ranks meet this often while rank 0 waits (DeepSpeed's process-group timeout: 10 min)
 
 
 def sample_paths(lora_path: Path, count: int) -> list[Path]:
@@ -31,26 +39,115 @@ def sample_paths(lora_path: Path, count: int) -> list[Path]:
 
 
 def render_epoch_samples(trainer, lora_path: Path | None, epoch: int) -> None:
-    cfg = trainer.cfg
-    if cfg.samples is None:
+    """Every rank calls this after an epoch LoRA is saved; returns once its samples are announced."""
+    if trainer.cfg.samples is None:
         return
-    if trainer.rank == 0 and lora_path is not None:
-        cmd = [sys.executable, "-m", "pipetrain", "sample", str(trainer.run_dir / "run.toml"), str(lora_path)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            message = f"sampling failed for epoch {epoch}: {proc.stderr.strip().splitlines()[-1:]}"
-            trainer.reporter.event("warning", message=message)
-            log.warning("%s\n%s", message, proc.stderr[-2000:])
-        else:
-            _announce(trainer, lora_path, epoch)
-    distributed.barrier()
+    stop_file = trainer.run_dir / "stop"
+    job = EpochSamples(trainer.cfg, trainer.run_dir, trainer.reporter, lora_path, epoch, trainer.global_step,
+                       stopping=lambda: trainer.stop_requested or stop_file.exists())
+    wait_together(job.poll if trainer.rank == 0 and lora_path is not None else None)
 
 
-def _announce(trainer, lora_path: Path, epoch: int) -> None:
-    prompts = trainer.cfg.samples.prompts
-    for i, (prompt, png) in enumerate(zip(prompts, sample_paths(lora_path, len(prompts)))):
-        trainer.reporter.event("sample_saved", epoch=epoch, step=trainer.global_step, path=str(png), prompt=prompt)
-        trainer.reporter.image(f"samples/{i:02d}", png, trainer.global_step)
+def wait_together(poll: Callable[[], object] | None, interval: float = 0.2, sync_s: float = SYNC_S):
+    """Called by every rank; global rank 0 passes ``poll``, called until it returns something other than None,
+    which every rank gets back. The ranks meet every ``sync_s`` seconds, so no collective waits for long."""
+    while True:
+        result = None
+        if poll is not None:
+            end = time.monotonic() + sync_s
+            while (result := poll()) is None and time.monotonic() < end:
+                time.sleep(interval)
+        result = distributed.broadcast_object(result)
+        if result is not None:
+            return result
+
+
+class EpochSamples:
+    """Global rank 0's side of one epoch's samples: a state machine that ``poll`` advances without blocking.
+
+    host: request written -> marker with PNGs (announce) | marker with an error, or no answer within
+    ``host_timeout_s`` (warn, render here) | a stop asked for (warn; the request stays for ComfyUI).
+    run: ``python -m pipetrain sample`` in a child process -> announce, or warn with its error."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, reporter, lora: Path, epoch: int, step: int,
+                 stopping: Callable[[], bool] = lambda: False):
+        self.cfg, self.run_dir, self.reporter = cfg, Path(run_dir), reporter
+        self.lora, self.epoch, self.step, self.stopping = lora, epoch, step, stopping
+        self.proc: subprocess.Popen | None = None
+        self.deadline = None
+
+    def poll(self) -> str | None:
+        """None while waiting; then what happened: "host", "run", "failed" or "stopped"."""
+        if self.proc is None and self.deadline is None:
+            if self.cfg.samples.render == "host":
+                self.announce_left_over()
+                request = sample_host.write_request(self.run_dir, self.lora, self.epoch, self.step)
+                self.reporter.event("sample_request", epoch=self.epoch, step=self.step, lora=str(self.lora),
+                                    request=request["request"], marker=request["marker"],
+                                    prompts=len(self.cfg.samples.prompts))
+                self.deadline = time.monotonic() + self.cfg.samples.host_timeout_s
+            else:
+                self.render_here()
+            return None
+        return self._poll_run() if self.proc is not None else self._poll_host()
+
+    def _poll_host(self) -> str | None:
+        marker = sample_host.read_marker(self.lora)
+        if marker is not None and not marker.get("error"):
+            self.announce(marker)
+            sample_host.withdraw(self.run_dir, self.lora)
+            return "host"
+        if marker is not None:
+            self.render_here(f"ComfyUI could not render the samples for epoch {self.epoch} ({marker['error']})")
+        elif self.stopping():
+            self.warn(f"stopping: the samples for epoch {self.epoch} are left to ComfyUI "
+                      f"({sample_host.request_path(self.run_dir, self.lora)}); a resumed run announces them")
+            return "stopped"
+        elif time.monotonic() > self.deadline:
+            self.render_here(f"ComfyUI did not render the samples for epoch {self.epoch} within "
+                             f"{self.cfg.samples.host_timeout_s:g} s (closed or busy?)")
+        return None
+
+    def render_here(self, why: str | None = None) -> None:
+        """Start ``python -m pipetrain sample`` (the run renders its samples itself)."""
+        if why is not None:
+            sample_host.withdraw(self.run_dir, self.lora)
+            sample_host.marker_path(self.lora).unlink(missing_ok=True)
+            self.warn(f"{why}; the training run renders them itself")
+        cmd = [sys.executable, "-m", "pipetrain", "sample", str(self.run_dir / "run.toml"), str(self.lora)]
+        with open(self.run_dir / "samples.log", "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def _poll_run(self) -> str | None:
+        if self.proc.poll() is None:
+            return None
+        marker = sample_host.read_marker(self.lora)
+        if self.proc.returncode != 0 or marker is None or marker.get("error"):
+            tail = (self.run_dir / "samples.log").read_text(errors="replace").strip().splitlines()[-1:]
+            self.warn(f"sampling failed for epoch {self.epoch}: {tail} (see {self.run_dir / 'samples.log'})")
+            return "failed"
+        self.announce(marker)
+        return "run"
+
+    def announce(self, marker: dict, epoch: int | None = None, step: int | None = None) -> None:
+        epoch, step = epoch or self.epoch, step or self.step
+        for i, (prompt, png) in enumerate(zip(self.cfg.samples.prompts, marker["pngs"])):
+            self.reporter.event("sample_saved", epoch=epoch, step=step, path=png, prompt=prompt,
+                                renderer=marker.get("renderer"))
+            self.reporter.image(f"samples/{i:02d}", png, step)
+
+    def announce_left_over(self) -> None:
+        """Samples ComfyUI rendered for an earlier epoch after the run stopped waiting (a stop, then resume)."""
+        for path in sample_host.requests(self.run_dir):
+            request = sample_host.read_json(path) or {}
+            marker = sample_host.read_marker(Path(request.get("lora", path)))
+            if marker is not None and not marker.get("error"):
+                self.announce(marker, epoch=request.get("epoch"), step=request.get("step"))
+                path.unlink(missing_ok=True)
+
+    def warn(self, message: str) -> None:
+        self.reporter.event("warning", message=message, epoch=self.epoch)
+        log.warning("%s", message)
 
 
 def _text(adapter, store: CacheStore, prompt: str, state: dict) -> dict[str, torch.Tensor]:
@@ -77,8 +174,6 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     import numpy as np
     from PIL import Image
 
-    from .verify import comfy_lora_model
-
     s = cfg.samples
     if s.sampler not in comfy.samplers.KSampler.SAMPLERS or s.scheduler not in comfy.samplers.KSampler.SCHEDULERS:
         raise ConfigError(f"unknown sampler/scheduler {s.sampler!r}/{s.scheduler!r}; ComfyUI has "
@@ -88,7 +183,7 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     store, state = CacheStore(cfg.resolve(cfg.output_dir) / "cache"), {}
     texts = [_text(adapter, store, p, state) for p in [*s.prompts, s.negative_prompt]]
     state.clear()
-    model = comfy_lora_model(adapter.load_diffusion_model(), lora_path)
+    model = _with_lora(adapter.load_diffusion_model(), lora_path)
     vae = adapter.load_vae()
     negative = _conditioning(adapter, texts[-1], s.guidance)
     paths = sample_paths(lora_path, len(s.prompts))
@@ -100,14 +195,47 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
                                       _conditioning(adapter, text, s.guidance), negative, latent, seed=s.seed)
             pixels = vae.decode(out)
             pixels = pixels.reshape(-1, *pixels.shape[-3:])[0].clamp(0, 1)   # a video model's first frame
-        Image.fromarray((pixels.cpu().float().numpy() * 255).round().astype(np.uint8)).save(png)
+        tmp = temp_path_beside(png)        # ComfyUI and the run may both render one epoch's samples
+        Image.fromarray((pixels.cpu().float().numpy() * 255).round().astype(np.uint8)).save(tmp, format="PNG")
+        os.replace(tmp, png)
     return paths
 
 
-def main(config: str, lora: str) -> int:
-    cfg = load_run_config(config)
+def _with_lora(patcher, lora_path: Path):
+    """What ComfyUI's ``LoraLoaderModelOnly`` does with the file, without adding its folder to ComfyUI's
+    ``loras`` paths (this may run inside a long-lived ComfyUI)."""
+    import comfy.sd
+    import comfy.utils
+
+    lora = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
+    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
+    return patched
+
+
+def render_and_mark(cfg: RunConfig, lora_path: Path, renderer: str) -> list[Path]:
+    """``render``, then the marker beside the LoRA (``sample_host``): the PNGs, or the error."""
     if cfg.samples is None:
         raise ConfigError("no [samples] table with prompts", file=cfg._file, key="samples")
-    for path in render(cfg, Path(lora)):
+    try:
+        pngs = render(cfg, Path(lora_path))
+    except Exception as e:
+        sample_host.write_marker(lora_path, renderer=renderer, error=f"{type(e).__name__}: {e}")
+        raise
+    sample_host.write_marker(lora_path, renderer=renderer, pngs=pngs)
+    return pngs
+
+
+def fulfil(request: Path, renderer: str) -> list[Path]:
+    """Answer a run's sample request (``sample_host``); an already answered one returns its PNGs."""
+    req = sample_host.read_request(request)
+    lora = Path(req["lora"])
+    marker = sample_host.read_marker(lora)
+    if marker and not marker.get("error") and all(Path(p).is_file() for p in marker["pngs"]):
+        return [Path(p) for p in marker["pngs"]]
+    return render_and_mark(load_run_config(req["run_toml"]), lora, renderer)
+
+
+def main(config: str, lora: str) -> int:
+    for path in render_and_mark(load_run_config(config), Path(lora), renderer="run"):
         print(json.dumps({"sample": str(path)}))
     return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .core import Launcher
 from .relay import EventRelay
+from .samples import SAMPLES_NODE, SampleHost
 
 log = logging.getLogger("pipetrain")
 _lock = threading.Lock()
@@ -69,4 +70,39 @@ def install() -> None:
         return
     server = PromptServer.instance
     add_routes(server.routes, get_launcher)
-    _relay = EventRelay(get_launcher(), server.send_sync).start()
+    host = SampleHost(get_launcher().dirs, queue_prompt)
+    _relay = EventRelay(get_launcher(), server.send_sync, sample_host=host).start()
+
+
+def queue_prompt(graph: dict, timeout: float = 60.0) -> str | None:
+    """Put ``graph`` on ComfyUI's queue as its ``POST /prompt`` does (validated, numbered, then
+    ``prompt_queue.put``), on the server's event loop; None while ComfyUI is still loading nodes."""
+    import asyncio
+    import time
+    import uuid
+
+    import execution
+    import nodes
+    from server import PromptServer
+
+    if SAMPLES_NODE not in nodes.NODE_CLASS_MAPPINGS:
+        return None
+    server = PromptServer.instance
+
+    async def put() -> str:
+        prompt_id = str(uuid.uuid4())
+        valid = await execution.validate_prompt(prompt_id, graph, None)
+        if not valid[0]:
+            raise RuntimeError(f"ComfyUI rejected the sampling prompt: {valid[1]} {valid[3]}")
+        number = server.number
+        server.number += 1
+        extra_data = {"create_time": int(time.time() * 1000)}
+        server.prompt_queue.put((number, prompt_id, graph, extra_data, valid[2], {}))
+        return prompt_id
+
+    future = asyncio.run_coroutine_threadsafe(put(), server.loop)
+    try:
+        return future.result(timeout)
+    except TimeoutError:       # the event loop is not running yet (start-up): try again next tick
+        future.cancel()
+        return None

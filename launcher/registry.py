@@ -155,13 +155,35 @@ def saved_loras(run_dir: Path, status: dict | None = None) -> list[dict]:
         found = dict(found)
         for e in events:
             if e.get("type") == "lora_saved" and e.get("path"):
-                found[e["path"]] = {"epoch": e.get("epoch"), "step": e.get("step"), "path": e["path"]}
+                found[e["path"]] = {"epoch": e.get("epoch"), "step": e.get("step"), "path": e["path"], "samples": []}
+            elif e.get("type") == "sample_saved" and isinstance(e.get("path"), str):
+                lora = _lora_of_sample(e["path"])
+                if lora in found:
+                    sample = {"name": Path(e["path"]).name, "path": e["path"], "prompt": e.get("prompt")}
+                    found[lora] = {**found[lora], "samples": [
+                        *(x for x in found[lora]["samples"] if x["path"] != e["path"]), sample]}
         _lora_scans[path] = (offset, found)
     merged = dict(found)
     for x in status.get("loras", []):
         if isinstance(x, dict) and x.get("path"):
-            merged[x["path"]] = {"epoch": x.get("epoch"), "step": x.get("step"), "path": x["path"]}
+            samples = merged.get(x["path"], {}).get("samples", [])
+            merged[x["path"]] = {"epoch": x.get("epoch"), "step": x.get("step"), "path": x["path"], "samples": samples}
     return sorted(merged.values(), key=lambda x: (x.get("epoch") or 0, x.get("step") or 0))
+
+
+def _lora_of_sample(png: str) -> str:
+    """``<stem>-sample00.png`` (``backend.sampling.sample_paths``) -> ``<stem>.safetensors``."""
+    stem, _, _ = png.rpartition("-sample")
+    return f"{stem}.safetensors"
+
+
+def sample_file(run_dirs: RunDirs, run_id: str, name: str) -> Path:
+    """An announced sample image of the run, by file name (KeyError for anything else)."""
+    for lora in saved_loras(run_dirs.path(run_id)):
+        for sample in lora.get("samples", []):
+            if sample["name"] == name and Path(sample["path"]).is_file():
+                return Path(sample["path"])
+    raise KeyError(name)
 
 
 def _latest_checkpoint(run_dir: Path) -> str | None:
@@ -194,5 +216,5 @@ def lora_for_epoch(run_dirs: RunDirs, run_id: str, epoch: int = 0) -> dict | Non
 
 
 __all__ = ["ACTIVE", "RunDirs", "RunIdError", "check_run_id", "details", "lora_for_epoch",
-           "new_run_id", "read_events", "read_json", "run_state", "saved_loras", "summarize",
+           "new_run_id", "read_events", "read_json", "run_state", "sample_file", "saved_loras", "summarize",
            "write_launcher_info"]

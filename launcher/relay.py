@@ -3,7 +3,8 @@
 
 Each tick, per run with something new: one ``pipetrain.event`` message
 ``{"run_id", "events": [...new events...], "run": <summary>}``. A run's summary is also sent when its
-state changes without an event (its process died, a stop was requested).
+state changes without an event (its process died, a stop was requested). Each tick's new events also go to
+the ``SampleHost`` (``samples.py``), which queues the epoch samples runs ask ComfyUI for.
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ from typing import Callable
 
 from .core import Launcher
 from .registry import read_events, summarize
+from .samples import SampleHost
 
 log = logging.getLogger("pipetrain")
 EVENT = "pipetrain.event"
 
 
 class EventRelay:
-    def __init__(self, launcher: Launcher, send: Callable[[str, dict], None], interval: float = 0.5):
+    def __init__(self, launcher: Launcher, send: Callable[[str, dict], None], interval: float = 0.5,
+                 sample_host: SampleHost | None = None):
         self.launcher = launcher
         self.send = send
+        self.sample_host = sample_host
         self.interval = interval
         self.offsets: dict[str, int] = {}
         self.states: dict[str, tuple] = {}
@@ -52,15 +56,22 @@ class EventRelay:
         """One pass over the runs; returns the number of messages sent."""
         self.launcher.poll()
         sent = 0
+        new_events = {}
         for run_id in self.launcher.dirs.ids():
             path = self.launcher.dirs.path(run_id) / "events.jsonl"
             events, self.offsets[run_id] = read_events(path, self.offsets.get(run_id, 0))
+            new_events[run_id] = events
             summary = summarize(self.launcher.dirs, run_id, self.launcher.alive(run_id))
             key = (summary["state"], summary["alive"], summary["step"], len(summary["loras"]))
             if events or key != self.states.get(run_id):
                 self.states[run_id] = key
                 self.send(EVENT, {"run_id": run_id, "events": events, "run": summary})
                 sent += 1
+        if self.sample_host is not None:
+            try:
+                self.sample_host.tick(new_events)
+            except Exception:  # noqa: BLE001
+                log.exception("pipetrain: queueing epoch samples failed")
         return sent
 
 

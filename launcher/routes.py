@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""HTTP routes under ``/pipetrain``: list runs, one run, stop, resume.
+"""HTTP routes under ``/pipetrain``: list runs, one run, stop, resume, an epoch's sample images.
 
 Run ids are checked by ``registry.check_run_id`` and the resolved folder must sit directly in the runs
 root: a bad id is a 400, an unknown one a 404. State changes are POSTs.
@@ -13,7 +13,7 @@ from aiohttp import web
 
 from ..backend.errors import PipeTrainError
 from .core import Launcher
-from .registry import RunIdError
+from .registry import RunIdError, sample_file
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -55,6 +55,16 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
     def resume_run(launcher, run_id, args):
         launcher.resume(run_id)
         return launcher.get(run_id) | {"events": []}
+
+    @routes.get("/pipetrain/runs/{run_id}/samples/{name}")
+    async def get_sample(request: web.Request) -> web.Response:
+        run_id, name = request.match_info["run_id"], request.match_info["name"]
+        try:   # only a PNG the run announced (sample_saved), by its file name
+            return web.FileResponse(sample_file(get_launcher().dirs, run_id, name))
+        except RunIdError as e:
+            return _error(400, str(e))
+        except KeyError:
+            return _error(404, f"run {run_id!r} has no sample {name!r}")
 
     routes.get("/pipetrain/runs/{run_id}")(guarded(get_run))
     routes.post("/pipetrain/runs/{run_id}/stop")(guarded(stop_run))

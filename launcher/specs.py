@@ -136,6 +136,8 @@ class SamplesSpec:
     guidance: float = 3.5
     sampler: str = "euler"
     scheduler: str = "simple"
+    render: str = "host"            # "host": the ComfyUI that started the run renders them; "run": the run does
+    host_timeout_s: float = 900.0   # then the run renders them itself
 
 
 @dataclass(frozen=True)

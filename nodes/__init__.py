@@ -4,13 +4,13 @@ from comfy_api.latest import ComfyExtension, io
 
 from .data import DatasetNode, ModelNode
 from .runs import LoadEpochLoRANode, RunStatusNode, StopNode
-from .samples import SamplesNode
+from .samples import EpochSamplesNode, SamplesNode
 from .settings import AdapterNode, MemoryNode, OptimizerNode, ParallelismNode, ScheduleNode
 from .train import CacheNode, TrainNode
 
 NODES: list[type[io.ComfyNode]] = [
     DatasetNode, ModelNode, AdapterNode, OptimizerNode, ScheduleNode, ParallelismNode, MemoryNode,
-    SamplesNode, CacheNode, TrainNode, RunStatusNode, StopNode, LoadEpochLoRANode,
+    SamplesNode, CacheNode, TrainNode, RunStatusNode, StopNode, LoadEpochLoRANode, EpochSamplesNode,
 ]
 
 

@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Samples: prompts rendered with ComfyUI's own sampler and every saved epoch LoRA ([samples])."""
+"""Samples: prompts rendered with ComfyUI's own sampler and every saved epoch LoRA ([samples]); Epoch Samples:
+the node the launcher queues to render one epoch's samples in ComfyUI (``launcher/samples.py``)."""
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..launcher.specs import SamplesSpec
 from . import types as t
+
+RENDER_ON = {"host ComfyUI": "host", "training run": "run"}
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -41,6 +44,10 @@ class SamplesNode(io.ComfyNode):
                                tooltip="ComfyUI sampler"),
                 io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple",
                                tooltip="ComfyUI scheduler"),
+                io.Combo.Input("render_on", options=list(RENDER_ON), default="host ComfyUI", optional=True,
+                               tooltip="host ComfyUI: this ComfyUI renders them on its queue (sharing the GPU "
+                                       "with your prompts; the run waits, and renders them itself if ComfyUI "
+                                       "does not answer in 15 min); training run: the run's rank 0 does"),
             ],
             outputs=[t.Samples.Output(display_name="samples")],
         )
@@ -56,6 +63,34 @@ class SamplesNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, prompts, negative_prompt, seed, width, height, steps, cfg, guidance, sampler,
-                scheduler) -> io.NodeOutput:
+                scheduler, render_on="host ComfyUI") -> io.NodeOutput:
         return io.NodeOutput(SamplesSpec(parse_prompts(prompts), negative_prompt, seed, width, height, steps, cfg,
-                                         guidance, sampler, scheduler))
+                                         guidance, sampler, scheduler, render=RENDER_ON[render_on]))
+
+
+class EpochSamplesNode(io.ComfyNode):
+    """Queued by the launcher when a run asks for its epoch samples; renders them here and shows them."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainEpochSamples", display_name="PipeTrain Epoch Samples", category=t.CATEGORY,
+            is_output_node=True,
+            description="Renders a run's [samples] prompts with one epoch LoRA through ComfyUI's sampler (queued "
+                        "by PipeTrain for runs whose Samples node renders on this ComfyUI); the PNGs land beside "
+                        "the LoRA and the run announces them.",
+            inputs=[
+                io.String.Input("run_id", default="", tooltip="Run id (folder under output/pipetrain)"),
+                io.String.Input("request", default="", tooltip="The sample request: the epoch LoRA's name "
+                                "without .safetensors (<run dir>/sample_requests/<request>.json)"),
+            ],
+            outputs=[io.Image.Output(display_name="images")],
+        )
+
+    @classmethod
+    def execute(cls, run_id, request) -> io.NodeOutput:
+        from ..launcher.comfy import get_launcher
+        from ..launcher.samples import fulfil_request
+
+        _, images = fulfil_request(get_launcher().dirs, run_id, request)
+        return io.NodeOutput(images, ui=ui.PreviewImage(images, cls=cls))

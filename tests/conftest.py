@@ -99,3 +99,51 @@ def make_run(tmp_path):
         make_dataset(root / "dataset", images)
         return write_configs(root, files, **overrides)
     return _make
+
+
+# --- what every model's end-to-end test checks ------------------------------------------------------------
+MATCH_TOLERANCE = 1e-4   # ComfyUI's LoRA output vs the training side's, float32 both sides
+MIN_EFFECT = 1e-3        # the LoRA must change the output
+
+
+def check_epoch_loras(run: Run, config: Path, keys: int, last_only: bool = False) -> None:
+    """Every saved LoRA (or the last one: a first epoch of two steps may barely move) loads in ComfyUI (``keys``
+    modules patched), reproduces the training side and has an effect."""
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.verify import check_lora
+
+    cfg = load_run_config(config)
+    assert run.loras()
+    for path in run.loras()[-1:] if last_only else run.loras():
+        check = check_lora(cfg, path)
+        assert check.keys_loaded == keys
+        assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
+        assert check.lora_effect > MIN_EFFECT
+
+
+def train_on_clips(files, root: Path, arch: str, epochs: int = 1, frame_buckets=(1, 9, 17), **model) -> tuple[Run, Path]:
+    """A video model on generated clips (mp4, webm, gif, animated WebP) and two stills, 2 ranks as a 2-stage
+    pipeline; returns the finished run and its config."""
+    from media import make_video_dataset
+
+    make_video_dataset(root / "dataset")
+    config = write_configs(root, files, stages=2, epochs=epochs, model={"type": arch, **model})
+    with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table: per-directory buckets
+        f.write(f"frame_buckets = {list(frame_buckets)}\n")
+    run = train(config, ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.status()["state"] == "finished"
+    assert run.events("cached")[0]["latents_encoded"] == 6                 # 4 clips, 2 images
+    return run, config
+
+
+def cached_latents(root: Path, arch: str) -> dict[str, tuple[tuple, tuple]]:
+    """File name -> (bucket, cached latent shape) of a run's dataset."""
+    from pipetrain.backend.cache import CacheStore
+    from pipetrain.backend.cache.manifest import CacheManifest
+
+    cache = root / "output" / "cache"
+    store = CacheStore(cache)
+    entries = CacheManifest.load(next(cache.glob(f"manifests/{arch}-*"))).entries
+    return {e.path.rsplit("/", 1)[-1]: (e.bucket, tuple(store.get("latents", e.latent)["latent"].shape))
+            for e in entries}

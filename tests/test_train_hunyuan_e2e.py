@@ -2,49 +2,26 @@
 cache (ComfyUI's causal 3D VAE on 5-D video, LLaVA-Llama-3 + CLIP-L) -> 2 epochs with 2 DeepSpeed ranks as a
 2-stage pipeline -> epoch LoRAs loaded by ComfyUI's LoraLoaderModelOnly, reproducing the training-side output."""
 import pytest
-from conftest import train
+from conftest import cached_latents, check_epoch_loras, train, train_on_clips
 from media import make_video_dataset
 
-from pipetrain.backend.cache import CacheStore
-from pipetrain.backend.cache.manifest import CacheManifest
-from pipetrain.backend.config import load_run_config
 from pipetrain.backend.demo import write_configs
-from pipetrain.backend.verify import check_lora
 
 pytestmark = pytest.mark.slow
 
-MATCH_TOLERANCE = 1e-4   # float32 both sides
-MIN_EFFECT = 1e-3
-
 
 def test_hunyuan_video_two_stage_pipeline_on_video_to_comfyui_lora(model_files, tmp_path):
-    root = tmp_path / "job"
-    make_video_dataset(root / "dataset")
-    config = write_configs(root, model_files("hunyuan_video"), stages=2, epochs=2, model={"type": "hunyuan_video"})
-    with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table: per-directory buckets
-        f.write("frame_buckets = [1, 9, 17]\n")
-    run = train(config, ranks=2)
-    assert run.returncode == 0, run.output[-4000:]
-    assert run.status()["state"] == "finished"
-    assert run.events("cached")[0]["latents_encoded"] == 6                 # 4 clips, 2 images
-    cache = root / "output" / "cache"
-    entries = {e.path.rsplit("/", 1)[-1]: e
-               for e in CacheManifest.load(next(cache.glob("manifests/hunyuan_video-*"))).entries}
-    assert {name: e.bucket for name, e in entries.items()} == {   # clips resampled to 24 fps, frame buckets
+    run, config = train_on_clips(model_files("hunyuan_video"), tmp_path / "job", "hunyuan_video", epochs=2)
+    cached = cached_latents(tmp_path / "job", "hunyuan_video")
+    assert {name: bucket for name, (bucket, _) in cached.items()} == {   # clips resampled to 24 fps, frame buckets
         "clip_mp4.mp4": (64, 64, 17), "clip_webm.webm": (64, 64, 17), "clip_gif.gif": (64, 64, 9),
         "clip_webp.webp": (64, 64, 17), "still0.png": (64, 64), "still1.png": (64, 64)}
-    latents = {name: CacheStore(cache).get("latents", e.latent)["latent"].shape for name, e in entries.items()}
-    assert latents["clip_mp4.mp4"] == (16, 5, 8, 8) and latents["clip_gif.gif"] == (16, 3, 8, 8)
-    assert latents["still0.png"] == (16, 1, 8, 8)                           # an image is a one-frame clip
+    assert cached["clip_mp4.mp4"][1] == (16, 5, 8, 8) and cached["clip_gif.gif"][1] == (16, 3, 8, 8)
+    assert cached["still0.png"][1] == (16, 1, 8, 8)                         # an image is a one-frame clip
     engine = run.events("engine")[0]   # input + 2 double | join + 2 single + output
     assert engine["stage_bounds"] == [0, 3, 7] and engine["steps_per_epoch"] == 6
     assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2]
-    cfg = load_run_config(config)
-    for path in run.loras():
-        check = check_lora(cfg, path)
-        assert check.keys_loaded == 26          # 10 linears in each of 2 double blocks, 3 in each of 2 single
-        assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
-        assert check.lora_effect > MIN_EFFECT
+    check_epoch_loras(run, config, keys=26)   # 10 linears in each of 2 double blocks, 3 in each of 2 single
 
 
 def test_hunyuan_video_15_padded_captions_and_glyphs_through_the_pipeline(model_files, tmp_path):
@@ -62,16 +39,12 @@ def test_hunyuan_video_15_padded_captions_and_glyphs_through_the_pipeline(model_
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
     assert run.status()["state"] == "finished"
-    cache = root / "output" / "cache"
-    entries = CacheManifest.load(next(cache.glob("manifests/hunyuan_video_15-*"))).entries
-    latents = {e.path.rsplit("/", 1)[-1]: CacheStore(cache).get("latents", e.latent)["latent"].shape for e in entries}
-    assert latents["clip_mp4.mp4"] == (32, 5, 4, 4) and latents["still0.png"] == (32, 1, 4, 4)
+    latents = cached_latents(root, "hunyuan_video_15")
+    assert latents["clip_mp4.mp4"][1] == (32, 5, 4, 4) and latents["still0.png"][1] == (32, 1, 4, 4)
     engine = run.events("engine")[0]   # input + 2 double | join + output; a pair of 17-frame clips, the 2 stills
     assert engine["stage_bounds"] == [0, 2, 5] and engine["steps_per_epoch"] == 2
-    check = check_lora(load_run_config(config), run.loras()[-1])
-    assert check.keys_loaded == 17          # 10 + 7: the last block's text projection and MLP reach nothing
-    assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
-    assert check.lora_effect > MIN_EFFECT
+    # 10 + 7: the last block's text projection and MLP reach nothing
+    check_epoch_loras(run, config, keys=17, last_only=True)
 
 
 def test_hunyuan_image_21_two_stage_pipeline_to_comfyui_lora(model_files, make_run):
@@ -84,8 +57,4 @@ def test_hunyuan_image_21_two_stage_pipeline_to_comfyui_lora(model_files, make_r
     assert run.status()["state"] == "finished"
     engine = run.events("engine")[0]   # input + 2 double | join + 2 single + output; 2 buckets of 2 images
     assert engine["stage_bounds"] == [0, 3, 7] and engine["steps_per_epoch"] == 2
-    cfg = load_run_config(config)
-    check = check_lora(cfg, run.loras()[-1])
-    assert check.keys_loaded == 26
-    assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
-    assert check.lora_effect > MIN_EFFECT
+    check_epoch_loras(run, config, keys=26, last_only=True)

@@ -21,6 +21,8 @@ const css = `
 .pipetrain-chart{width:100%;height:160px;background:#1b1b1b;border-radius:4px}
 .pipetrain-nodes{margin-top:4px;cursor:auto}
 .pipetrain-cmd{white-space:pre-wrap;word-break:break-all;background:#1b1b1b;padding:4px;border-radius:4px;font:11px monospace;margin:2px 0 4px;user-select:text}
+.pipetrain-samples{display:flex;flex-wrap:wrap;gap:4px;margin:2px 0 6px}
+.pipetrain-samples img{width:72px;height:72px;object-fit:cover;border-radius:3px;cursor:zoom-in}
 .pipetrain-float{position:fixed;right:12px;top:60px;width:340px;max-height:80vh;z-index:1000;background:#222;border:1px solid #555;border-radius:8px}
 `;
 
@@ -134,6 +136,18 @@ function runCard(run) {
   return card;
 }
 
+// the epoch's sample images (sample_saved events), served by GET /pipetrain/runs/{id}/samples/{name}
+function sampleStrip(runId, samples) {
+  const strip = el("div", { class: "pipetrain-samples" });
+  for (const s of samples) {
+    const url = api.apiURL(`/pipetrain/runs/${encodeURIComponent(runId)}/samples/${encodeURIComponent(s.name)}`);
+    const img = el("img", { src: url, title: s.prompt || s.name, alt: s.prompt || s.name, loading: "lazy" });
+    img.onclick = () => window.open(url, "_blank");
+    strip.append(img);
+  }
+  return strip;
+}
+
 function render() {
   const root = state.root;
   if (!root) return;
@@ -149,6 +163,7 @@ function render() {
   for (const l of [...(run.loras || [])].sort((a, b) => b.epoch - a.epoch)) {
     epochs.append(el("div", { class: "pipetrain-row" }, `epoch ${l.epoch} (step ${l.step})`,
       el("button", { onclick: () => addLoader(run.id, l.epoch) }, "Add loader node")));
+    if ((l.samples || []).length) epochs.append(sampleStrip(run.id, l.samples));
   }
   if (!(run.loras || []).length) epochs.append(el("div", {}, "none saved yet"));
   root.append(epochs);

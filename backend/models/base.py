@@ -163,3 +163,16 @@ class ModelAdapter(ABC):
     def reference_forward(self, x_t, t, text: list[torch.Tensor]) -> torch.Tensor:
         """ComfyUI's own forward of the diffusion model on the same inputs the layers see (for tests)."""
         raise NotImplementedError
+
+
+class VideoLatents:
+    """Mixin for models with a video VAE (5-D latents [B, C, T, h, w]): an image is a one-frame clip, encoded
+    one at a time (ComfyUI's video VAEs would take a batch of images as the frames of one clip)."""
+
+    def encode_images(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.encode_video(vae, pixels[i:i + 1])[None] for i in range(pixels.shape[0])])
+
+    def encode_video(self, vae, frames: torch.Tensor) -> torch.Tensor:
+        import comfy.latent_formats
+        fmt = getattr(comfy.latent_formats, self.latent_format)()
+        return fmt.process_in(vae.encode(frames).float()).cpu()[0]

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .attention import sdpa_transformer_options
-from .base import ModelAdapter
+from .base import ModelAdapter, VideoLatents
 from .carry import TupleLayer, hide, reveal, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
@@ -181,7 +181,7 @@ class LTXOutput(TupleLayer):
         return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
-class LTXVideoAdapter(ModelAdapter):
+class LTXVideoAdapter(VideoLatents, ModelAdapter):
     arch = "ltx_video"
     spec = LTXV_SPEC
     latent_format = "LTXV"
@@ -191,15 +191,6 @@ class LTXVideoAdapter(ModelAdapter):
     spatial_multiple = 32       # the VAE's 32x spatial compression, patch size 1
     framerate = LTX_FPS
     frame_multiple = 8          # clips of 8k + 1 frames (the VAE's causal 8x temporal compression)
-
-    def encode_images(self, vae, pixels):
-        """Each image as a one-frame clip: [B, H, W, 3] -> [B, 128, 1, h, w]."""
-        return torch.cat([self.encode_video(vae, pixels[i:i + 1])[None] for i in range(pixels.shape[0])])
-
-    def encode_video(self, vae, frames):
-        import comfy.latent_formats
-        fmt = getattr(comfy.latent_formats, self.latent_format)()
-        return fmt.process_in(vae.encode(frames).float()).cpu()[0]
 
     def encode_caption(self, clip, caption):
         """T5-XXL's hidden states of the caption's own tokens (ComfyUI zeroes and masks the padding)."""

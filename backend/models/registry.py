@@ -22,6 +22,7 @@ ADAPTERS: dict[str, str] = {
     "qwen_image_edit": "pipetrain.backend.models.qwen_image:QwenImageEditAdapter",
     "ltx_video": "pipetrain.backend.models.ltx_video:LTXVideoAdapter",
     "cosmos_predict2": "pipetrain.backend.models.cosmos:CosmosPredict2Adapter",
+    "cosmos": "pipetrain.backend.models.cosmos1:Cosmos1Adapter",
     "auraflow": "pipetrain.backend.models.auraflow:AuraFlowAdapter",
     "hidream": "pipetrain.backend.models.hidream:HiDreamAdapter",
     "omnigen2": "pipetrain.backend.models.omnigen2:OmniGen2Adapter",

@@ -206,7 +206,8 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
                         for kind in spec.text_encoders])
     _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed, init_device)
     write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1,
-                      {"pipetrain.arch": arch, **_vae_metadata(spec.vae, size)}, device=init_device,
+                      {"pipetrain.arch": arch, **_vae_metadata(spec.vae, size)},
+                      {name: make() for name, make in vae_kind.extras.items()}, device=init_device,
                       init=vae_kind.init)
     for i, (kind, path) in enumerate(zip(spec.text_encoders, files.text_encoders)):
         _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + i, init_device)

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import ModelError
 from .attention import sdpa_transformer_options
-from .base import ModelAdapter
+from .base import ModelAdapter, VideoLatents
 from .carry import TupleLayer, hide, reveal, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
@@ -214,7 +214,7 @@ class WanOutput(TupleLayer):
         return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
-class WanAdapter(ModelAdapter):
+class WanAdapter(VideoLatents, ModelAdapter):
     arch = "wan"
     spec = WAN_SPEC
     latent_format = "Wan21"
@@ -225,16 +225,6 @@ class WanAdapter(ModelAdapter):
     timestep_range = True
     latent_channels = 16
     vae_scale = 8               # pixels per latent side
-
-    def encode_images(self, vae, pixels):
-        """Each image as a one-frame clip: [B, H, W, 3] -> [B, C, 1, h, w] (ComfyUI's Wan VAE would take a
-        batch of images as the frames of one video)."""
-        return torch.cat([self.encode_video(vae, pixels[i:i + 1])[None] for i in range(pixels.shape[0])])
-
-    def encode_video(self, vae, frames):
-        import comfy.latent_formats
-        fmt = getattr(comfy.latent_formats, self.latent_format)()
-        return fmt.process_in(vae.encode(frames).float()).cpu()[0]
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
