@@ -9,6 +9,7 @@ Either way the PNGs land beside the LoRA and are announced in events.jsonl (``sa
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -167,7 +168,8 @@ def _conditioning(adapter, text: dict[str, torch.Tensor], guidance: float) -> li
 
 
 def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
-    """Render every sample prompt with the base model + ``lora_path``; returns the PNG paths."""
+    """Render every sample prompt with the base model + ``lora_path`` (a full fine-tune: with the saved model
+    ``lora_path`` itself); returns the PNG paths."""
     ensure_comfyui()
     import comfy.sample
     import comfy.samplers
@@ -183,7 +185,12 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     store, state = CacheStore(cfg.resolve(cfg.output_dir) / "cache"), {}
     texts = [_text(adapter, store, p, state) for p in [*s.prompts, s.negative_prompt]]
     state.clear()
-    model = _with_lora(adapter.load_diffusion_model(), lora_path)
+    if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model
+        adapter = adapter_class(cfg.model.type)(dataclasses.replace(cfg.model, diffusion_model=str(lora_path)),
+                                                cfg.resolve)
+        model = adapter.load_diffusion_model()
+    else:
+        model = _with_lora(adapter.load_diffusion_model(), lora_path)
     vae = adapter.load_vae()
     negative = _conditioning(adapter, texts[-1], s.guidance)
     paths = sample_paths(lora_path, len(s.prompts))

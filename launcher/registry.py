@@ -139,8 +139,8 @@ _lora_lock = threading.Lock()
 
 
 def saved_loras(run_dir: Path, status: dict | None = None) -> list[dict]:
-    """Every epoch LoRA of the run as {epoch, step, path}, oldest first: ``status.json``'s list and the
-    ``lora_saved`` events, which also hold the LoRAs saved before a resume (the backend starts a resumed
+    """Every epoch LoRA of the run (a full fine-tune: every epoch model) as {epoch, step, path, samples, kind},
+    oldest first: ``status.json``'s lists and the ``lora_saved`` / ``model_saved`` events, which also hold the LoRAs saved before a resume (the backend starts a resumed
     run's status afresh). The events file is read incrementally, so polling a long run stays cheap."""
     status = read_json(run_dir / "status.json") if status is None else status
     path = run_dir / "events.jsonl"
@@ -154,8 +154,9 @@ def saved_loras(run_dir: Path, status: dict | None = None) -> list[dict]:
         events, offset = read_events(path, offset)
         found = dict(found)
         for e in events:
-            if e.get("type") == "lora_saved" and e.get("path"):
-                found[e["path"]] = {"epoch": e.get("epoch"), "step": e.get("step"), "path": e["path"], "samples": []}
+            if e.get("type") in ("lora_saved", "model_saved") and e.get("path") and not e.get("at_step"):
+                found[e["path"]] = {"epoch": e.get("epoch"), "step": e.get("step"), "path": e["path"], "samples": [],
+                                    "kind": "model" if e["type"] == "model_saved" else "lora"}
             elif e.get("type") == "sample_saved" and isinstance(e.get("path"), str):
                 lora = _lora_of_sample(e["path"])
                 if lora in found:
@@ -164,10 +165,12 @@ def saved_loras(run_dir: Path, status: dict | None = None) -> list[dict]:
                         *(x for x in found[lora]["samples"] if x["path"] != e["path"]), sample]}
         _lora_scans[path] = (offset, found)
     merged = dict(found)
-    for x in status.get("loras", []):
-        if isinstance(x, dict) and x.get("path"):
-            samples = merged.get(x["path"], {}).get("samples", [])
-            merged[x["path"]] = {"epoch": x.get("epoch"), "step": x.get("step"), "path": x["path"], "samples": samples}
+    for kind, key in (("lora", "loras"), ("model", "models")):
+        for x in status.get(key, []):
+            if isinstance(x, dict) and x.get("path"):
+                samples = merged.get(x["path"], {}).get("samples", [])
+                merged[x["path"]] = {"epoch": x.get("epoch"), "step": x.get("step"), "path": x["path"],
+                                     "samples": samples, "kind": kind}
     return sorted(merged.values(), key=lambda x: (x.get("epoch") or 0, x.get("step") or 0))
 
 
@@ -209,7 +212,7 @@ def details(run_dirs: RunDirs, run_id: str, alive: bool) -> dict:
 
 def lora_for_epoch(run_dirs: RunDirs, run_id: str, epoch: int = 0) -> dict | None:
     """The saved LoRA of ``epoch`` (0: the newest) as {epoch, step, path}, or None."""
-    loras = [x for x in saved_loras(run_dirs.path(run_id)) if Path(x["path"]).is_file()]
+    loras = [x for x in saved_loras(run_dirs.path(run_id)) if Path(x["path"]).is_file() and x.get("kind") != "model"]
     if epoch > 0:
         loras = [x for x in loras if x.get("epoch") == epoch]
     return max(loras, key=lambda x: (x.get("epoch", 0), x.get("step", 0)), default=None)

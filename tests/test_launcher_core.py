@@ -262,3 +262,22 @@ def test_sigterm_escalation_reaches_the_ranks_under_deepspeeds_launcher(tmp_path
     assert la.wait("run-ds", 30), (d / "log.txt").read_text()
     assert all((d / f"rank{r}.stopped").exists() for r in (0, 1)), (d / "log.txt").read_text()
     assert ref.popen.returncode == 0, (d / "log.txt").read_text()
+
+
+def test_a_full_fine_tunes_epoch_models_are_listed_but_never_loaded_as_loras(launcher):
+    la = launcher()
+    d = la.dirs.path("run-f")
+    d.mkdir(parents=True)
+    model = d / "models" / "run-f-epoch0001.safetensors"
+    model.parent.mkdir()
+    model.write_bytes(b"x")
+    with open(d / "events.jsonl", "w") as f:
+        f.write(json.dumps({"type": "model_saved", "epoch": 1, "step": 4, "path": str(model)}) + "\n")
+        f.write(json.dumps({"type": "sample_saved", "epoch": 1, "path": str(model.with_suffix("")) + "-sample00.png",
+                            "prompt": "a red circle"}) + "\n")
+    (d / "status.json").write_text(json.dumps({"state": "finished", "models": [
+        {"epoch": 1, "step": 4, "path": str(model)}]}))
+    (listed,) = saved_loras(d)
+    assert listed["kind"] == "model" and listed["path"] == str(model)
+    assert [s["prompt"] for s in listed["samples"]] == ["a red circle"]
+    assert lora_for_epoch(la.dirs, "run-f") is None

@@ -94,7 +94,8 @@ def test_two_stage_full_fine_tune_saves_a_model_comfyui_reproduces(micro_flux_fi
     from pipetrain.backend.train.checkpoint import latest_tag
     from pipetrain.backend.verify import check_full_model
 
-    config = make_run(micro_flux_files, images=4, name="fft", stages=2, epochs=1, adapter=None,
+    samples = {"prompts": ["a red circle"], "seed": 3, "width": 64, "height": 64, "steps": 2}
+    config = make_run(micro_flux_files, images=4, name="fft", stages=2, epochs=1, adapter=None, samples=samples,
                       checkpoint_every_n_epochs=None, optimizer={"type": "adamw", "lr": 1e-3})
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
@@ -104,6 +105,9 @@ def test_two_stage_full_fine_tune_saves_a_model_comfyui_reproduces(micro_flux_fi
     path = saved[0]["path"]
     assert path.endswith(f"{run.run_dir.name}-epoch0001.safetensors") and "/models/" in path
     assert run.status()["models"][0]["path"] == path
+    # the epoch sample renders with the saved model itself (no LoRA), beside it
+    (sample,) = run.events("sample_saved")
+    assert sample["epoch"] == 1 and sample["path"] == path.removesuffix(".safetensors") + "-sample00.png"
     cfg = load_run_config(config)
     base = _adapter("flux", micro_flux_files)
     total = sum(p.numel() for p in base.diffusion_model.parameters())

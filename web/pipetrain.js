@@ -161,8 +161,10 @@ function render() {
   drawChart(canvas, state.losses.get(run.id) || []);
   const epochs = el("div", { class: "pipetrain-epochs" }, el("h3", {}, "Epoch LoRAs"));
   for (const l of [...(run.loras || [])].sort((a, b) => b.epoch - a.epoch)) {
-    epochs.append(el("div", { class: "pipetrain-row" }, `epoch ${l.epoch} (step ${l.step})`,
-      el("button", { onclick: () => addLoader(run.id, l.epoch) }, "Add loader node")));
+    const use = l.kind === "model"   // a full fine-tune's model: load it with Load Diffusion Model
+      ? el("span", { title: l.path }, `full model: ${l.path.split("/").pop()}`)
+      : el("button", { onclick: () => addLoader(run.id, l.epoch) }, "Add loader node");
+    epochs.append(el("div", { class: "pipetrain-row" }, `epoch ${l.epoch} (step ${l.step})`, use));
     if ((l.samples || []).length) epochs.append(sampleStrip(run.id, l.samples));
   }
   if (!(run.loras || []).length) epochs.append(el("div", {}, "none saved yet"));

@@ -132,4 +132,4 @@ def save_full_model(trainer, epoch: int, at_step: bool) -> Path | None:
         trainer.reporter.event("model_saved", epoch=epoch, step=trainer.global_step, path=str(path),
                                at_step=at_step, tensors_trained=trained)
     distributed.barrier()
-    return None   # no LoRA: nothing for the LoRA sample renderer
+    return path   # global rank 0: the epoch samples render with this model
