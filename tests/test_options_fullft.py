@@ -117,10 +117,10 @@ def test_two_stage_full_fine_tune_saves_a_model_comfyui_reproduces(micro_flux_fi
     original = base.diffusion_model.state_dict()
     assert set(model) == set(original)
     assert saved[0]["tensors_trained"] == len(original)             # both stages' parts merged
-    unchanged = {k.split(".")[0] for k in model if torch.equal(model[k], original[k])}
-    # the weights moved; all but Flux's conditioning-vector embedders, whose output crosses the pipeline stages
-    # without a gradient (models/carry.py), so they get none (diffusion-pipe trains them)
-    assert unchanged <= {"time_in", "vector_in", "guidance_in"}, unchanged
+    unchanged = {k for k in model if torch.equal(model[k], original[k])}
+    # every weight moved, Flux's conditioning-vector embedders too: their output crosses the pipeline stages
+    # with its gradient in a full fine-tune (models/carry.py)
+    assert not unchanged, sorted(unchanged)[:5]
 
     # the file holds exactly the training side's weights (the final checkpoint, written at the same step) ...
     trained = _layer_weights(run.run_dir, base, latest_tag(run.run_dir / "checkpoints"))

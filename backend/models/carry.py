@@ -2,7 +2,8 @@
 
 DeepSpeed's pipeline engine expects every floating-point tensor crossing a stage boundary to receive a
 gradient. Conditioning tensors computed from frozen weights (timestep vectors, rotary tables) do not, so
-they travel bit-cast to an integer dtype of the same width and are viewed back where they are used.
+they travel bit-cast to an integer dtype of the same width and are viewed back where they are used. In a full
+fine-tune the embedders train, their outputs require a gradient and travel as they are.
 """
 import torch
 
@@ -10,11 +11,15 @@ _INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat1
 
 
 def hide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ready to cross a stage boundary: bit-cast when it takes no gradient; as it is when it does (a full
+    fine-tune trains the embedders that make it, so its gradient must travel back)."""
+    if t.requires_grad:
+        return t
     return t.detach().contiguous().view(_INT_OF[t.dtype])
 
 
 def reveal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.view(dtype)
+    return t.to(dtype) if t.is_floating_point() else t.view(dtype)
 
 
 def with_grad(t: torch.Tensor) -> torch.Tensor:
