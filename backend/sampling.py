@@ -163,8 +163,27 @@ def _text(adapter, store: CacheStore, prompt: str, state: dict) -> dict[str, tor
     return store.get("text", key)
 
 
-def _conditioning(adapter, text: dict[str, torch.Tensor], guidance: float) -> list:
-    return adapter.sample_conditioning(text, guidance)
+def _conditioning(adapter, text: dict[str, torch.Tensor], guidance: float, reference=None) -> list:
+    """ComfyUI's CONDITIONING; an edit model's also carries the reference latent, as ComfyUI's ReferenceLatent
+    node adds it."""
+    cond = adapter.sample_conditioning(text, guidance)
+    if reference is not None:
+        cond = [[c, {**extra, "reference_latents": [reference]}] for c, extra in cond]
+    return cond
+
+
+def sample_reference(cfg: RunConfig, vae) -> torch.Tensor:
+    """Edit models: the dataset's first control image (sorted by file name) at the sample size, VAE-encoded as
+    ComfyUI's VAEEncode gives it (the model scales it)."""
+    from .data import load_pixels, scan_dataset
+
+    s = cfg.samples
+    controls = sorted(item.control for item in scan_dataset(cfg.dataset_config).items if item.control is not None)
+    if not controls:
+        raise ConfigError("an edit model's samples need a control image: the dataset has none (control_path)",
+                          file=cfg._file, key="samples")
+    with torch.no_grad():
+        return vae.encode(load_pixels(controls[0], (s.width, s.height))[None]).float().cpu()
 
 
 def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
@@ -192,14 +211,16 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     else:
         model = _with_lora(adapter.load_diffusion_model(), lora_path)
     vae = adapter.load_vae()
-    negative = _conditioning(adapter, texts[-1], s.guidance)
+    reference = sample_reference(cfg, vae) if adapter.needs_control else None
+    negative = _conditioning(adapter, texts[-1], s.guidance, reference)
     paths = sample_paths(lora_path, len(s.prompts))
     for text, png in zip(texts[:-1], paths):
         latent = adapter.empty_latent(s.width, s.height)
         noise = comfy.sample.prepare_noise(latent, s.seed)
         with torch.no_grad():
             out = comfy.sample.sample(model, noise, s.steps, s.cfg, s.sampler, s.scheduler,
-                                      _conditioning(adapter, text, s.guidance), negative, latent, seed=s.seed)
+                                      _conditioning(adapter, text, s.guidance, reference), negative, latent,
+                                      seed=s.seed)
             pixels = vae.decode(out)
             pixels = pixels.reshape(-1, *pixels.shape[-3:])[0].clamp(0, 1)   # a video model's first frame
         tmp = temp_path_beside(png)        # ComfyUI and the run may both render one epoch's samples

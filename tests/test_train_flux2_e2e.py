@@ -70,3 +70,18 @@ def test_flux_kontext_with_control_images_to_comfyui_lora(model_files, make_run)
         assert payload["reference"].shape == payload["latent"].shape   # the control image at the same bucket
         assert not torch.equal(payload["reference"], payload["latent"])
     _check_loras(config, run, keys=26)   # 10 linears in each double block (modulations too), 3 in each single
+
+    # epoch samples of an edit model attend to a reference: the dataset's first control image
+    from PIL import ImageChops
+
+    from pipetrain.backend import sampling
+    from pipetrain.backend.config import SamplesConfig
+
+    cfg = load_run_config(config)
+    cfg.samples = SamplesConfig(prompts=["a red circle"], width=64, height=64, steps=2, cfg=1.0)
+    first = sampling.render(cfg, run.loras()[0])[0]
+    before = Image.open(first).copy()
+    control = sorted((root / "controls").glob("*.jpg"))[0]
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(control)           # another reference picture
+    after = Image.open(sampling.render(cfg, run.loras()[0])[0])
+    assert ImageChops.difference(before.convert("RGB"), after.convert("RGB")).getbbox() is not None
