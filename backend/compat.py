@@ -47,8 +47,6 @@ MODEL = {
     "checkpoint_path": Unsupported(f"a combined checkpoint (UNet + VAE + text encoders in one file) is not read. "
                                    f"{SINGLE_FILES_HINT}"),
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
-    "merge_adapters": Unsupported("merge the LoRA into the base model in ComfyUI and train on the merged file",
-                                  inert=([],)),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
     "min_snr_gamma": Unsupported("not implemented; remove the key"),
     "debiased_estimation_loss": Unsupported("not implemented; remove the key", inert=(False,)),

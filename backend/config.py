@@ -176,6 +176,7 @@ class ModelConfig:
     min_t: float = 0.0                  # Wan: training timesteps restricted to [min_t, max_t] (Wan 2.2 experts)
     max_t: float = 1.0
     clip_vision: Optional[str] = None   # Wan 2.1 i2v: the CLIP-vision file (clip_vision_h.safetensors)
+    merge_adapters: list[str] = field(default_factory=list)   # LoRAs merged into the base weights before training
 
     UNSUPPORTED = compat.MODEL
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_model(data, file, prefix))
@@ -213,7 +214,8 @@ class ModelConfig:
         """(key, path) of every model file."""
         return [("model.diffusion_model", self.diffusion_model), ("model.vae", self.vae)] + [
             (f"model.text_encoders[{i}]", p) for i, p in enumerate(self.text_encoders)] + (
-            [("model.clip_vision", self.clip_vision)] if self.clip_vision else [])
+            [("model.clip_vision", self.clip_vision)] if self.clip_vision else []) + [
+            (f"model.merge_adapters[{i}]", p) for i, p in enumerate(self.merge_adapters)]
 
 
 @dataclass

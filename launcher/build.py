@@ -64,6 +64,7 @@ def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str |
     optimizer.update({k: list(v) if isinstance(v, tuple) else v for k, v in o.extra})
     model = {k: v for k, v in dataclasses.asdict(spec.model).items() if v is not None}
     model["text_encoders"] = list(model["text_encoders"])
+    model["merge_adapters"] = list(model["merge_adapters"])
     table = {
         "output_dir": output_dir, "dataset": dataset, "epochs": s.epochs,
         "micro_batch_size_per_gpu": p.micro_batch_size_per_gpu, "pipeline_stages": p.pipeline_stages,

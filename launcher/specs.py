@@ -49,6 +49,7 @@ class ModelSpec:
     clip_vision: Optional[str] = None     # Wan 2.1 i2v: the CLIP-vision file
     min_t: Optional[float] = None         # timestep range (Wan 2.2 experts)
     max_t: Optional[float] = None
+    merge_adapters: tuple[str, ...] = ()  # LoRAs baked into the base weights before training
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,9 @@ class ModelNode(io.ComfyNode):
                                tooltip="Train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 t2v, 0.9 i2v)"),
                 io.Float.Input("max_t", default=1.0, min=0.0, max=1.0, step=0.005, optional=True,
                                tooltip="Train only timesteps <= max_t (Wan 2.2 low-noise expert: 0.875 t2v, 0.9 i2v)"),
+                io.Combo.Input("merge_lora", options=[NONE] + folder_paths.get_filename_list("loras"), default=NONE,
+                               optional=True, tooltip="A LoRA from models/loras baked into the base weights before "
+                               "training (e.g. Z-Image Turbo's training adapter)"),
                 io.Combo.Input("vae", options=folder_paths.get_filename_list("vae"), tooltip="VAE from models/vae, "
                                "used to encode the images into latents"),
                 io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default", tooltip="Storage dtype of the "
@@ -210,7 +213,7 @@ class ModelNode(io.ComfyNode):
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
                 compute_dtype, text_encoder_3=NONE, text_encoder_4=NONE, model_type=AUTO, clip_vision=NONE,
-                min_t=0.0, max_t=1.0) -> io.NodeOutput:
+                min_t=0.0, max_t=1.0, merge_lora=NONE) -> io.NodeOutput:
         import folder_paths
         path = model_path(diffusion_model)
         names = (text_encoder_1, text_encoder_2, text_encoder_3, text_encoder_4)
@@ -218,5 +221,6 @@ class ModelNode(io.ComfyNode):
         vision = None if clip_vision in (NONE, None) else folder_paths.get_full_path_or_raise("clip_vision", clip_vision)
         spec = ModelSpec(detect(path, model_type), path, folder_paths.get_full_path_or_raise("vae", vae), tuple(tes),
                          compute_dtype, None if weight_dtype == "default" else weight_dtype, vision,
-                         None if not min_t else min_t, None if max_t in (None, 1.0) else max_t)
+                         None if not min_t else min_t, None if max_t in (None, 1.0) else max_t,
+                         () if merge_lora in (NONE, None) else (folder_paths.get_full_path_or_raise("loras", merge_lora),))
         return io.NodeOutput(spec)

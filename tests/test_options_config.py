@@ -168,8 +168,6 @@ def test_the_flux_example_shows_every_option():
     (("epochs = 1000", "epochs = 1000\nforce_constant_lr = 1e-5"), "force_constant_lr", "lr_scheduler = 'constant'"),
     (("epochs = 1000", "epochs = 1000\nhuber_delta = 0.5"), "huber_delta", "mean squared error"),
     (("cache_text_embeddings = true", "cache_text_embeddings = false"), "model.cache_text_embeddings", "cached"),
-    (("dtype = 'bfloat16'\ntransformer_dtype", "dtype = 'bfloat16'\nmerge_adapters = ['a.safetensors']\n"
-      "transformer_dtype"), "model.merge_adapters", "merged"),
     (("rank = 32", "rank = 32\nexclude_modules = ['x']"), "adapter.exclude_modules", "target_modules"),
     (("type = 'lora'", "type = 'lokr'\nrank_dropout = 0.1"), "adapter.rank_dropout", "use dropout"),
     (("type = 'adamw_optimi'", "type = 'automagic'"), "optimizer.type", "Prodigy"),

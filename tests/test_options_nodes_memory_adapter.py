@@ -39,3 +39,11 @@ def test_node_forms_build_those_specs():
     assert MemoryNode.execute(True, 2).result[0].blocks_to_swap == 2
     assert MemoryNode.execute(True, 0, compile=True).result[0].compile
     assert OptimizerNode.execute("AdamW8bitKahan", 1e-4, 0.9, 0.99, 0.0, 1e-8).result[0].type == "AdamW8bitKahan"
+
+
+def test_a_merged_lora_from_the_model_node_reaches_the_config():
+    spec = TrainSpec(DatasetSpec((DirectorySpec("/data", resolutions=(64,)),), resolutions=(64,)),
+                     ModelSpec("z_image", "/m.safetensors", "/v.safetensors", ("/t.safetensors",),
+                               merge_adapters=("/loras/turbo_adapter.safetensors",)))
+    table = run_table(spec, output_dir="/out", dataset="/out/dataset.toml", run_name=None, lora_dir=None)
+    assert from_dict(RunConfig, table, file="nodes").model.merge_adapters == ["/loras/turbo_adapter.safetensors"]

@@ -98,9 +98,11 @@ class ModelAdapter(ABC):
 
     # --- training side ----------------------------------------------------------------------
     def load_diffusion_model(self):
-        from .loading import load_diffusion_model
+        from .loading import load_diffusion_model, merge_loras
         weight_dtype = DTYPES[self.cfg.diffusion_model_dtype] if self.cfg.diffusion_model_dtype else self.dtype
         self.patcher = load_diffusion_model(self.model_files()["diffusion_model"][0], weight_dtype)
+        if self.cfg.merge_adapters:
+            merge_loras(self.patcher, [self.resolve(p) for p in self.cfg.merge_adapters])
         return self.patcher
 
     @property

@@ -191,6 +191,35 @@ def _load_from_config(path: Path, arch: str, unet_config: dict, dtype):
     return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
 
 
+def merge_loras(patcher, paths: list[Path]) -> None:
+    """``[model] merge_adapters``: each LoRA (any format ComfyUI's LoRA loader reads) baked into the base
+    weights at strength 1, exactly as ComfyUI's ``LoraLoaderModelOnly`` patches them, before the training
+    adapter goes on top (e.g. Z-Image Turbo's de-distillation adapter)."""
+    import comfy.lora
+    import comfy.utils
+
+    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+    sd = patcher.model.state_dict()
+    for path in paths:
+        path = _require_file(path)
+        try:
+            lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+        except Exception as exc:
+            raise ModelError(f"{path}: cannot read this LoRA ({exc})") from exc
+        by_key: dict[str, list] = {}
+        for k, patch in comfy.lora.load_lora(lora, key_map, log_missing=False).items():
+            key, offset, function = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
+            if key in sd:   # ModelPatcher.add_patches' tuple: (strength, patch, strength_model, offset, function)
+                by_key.setdefault(key, []).append((1.0, patch, 1.0, offset, function))
+        if not by_key:
+            raise ModelError(f"{path}: none of its keys fits this {type(patcher.model).__name__} model; "
+                             "merge_adapters takes LoRAs made for the model being trained")
+        with torch.no_grad():
+            for key, patches in by_key.items():
+                weight = sd[key]
+                weight.copy_(comfy.lora.calculate_weight(patches, weight.float(), key).to(weight.dtype))
+
+
 # --- text encoders -------------------------------------------------------------------------------
 def _real_te_kind(shapes: dict) -> str:
     import comfy.sd
