@@ -43,6 +43,30 @@ def model_files():
     return cached_model_files
 
 
+def micro_flux_with_lora(files):
+    """The micro Flux (float32) with LoRA rank 4 (dropout 0.3, B non-zero) in training mode, and probe inputs."""
+    import torch
+
+    from pipetrain.backend import lora
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models.registry import adapter_class
+    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.verify import probe_inputs
+
+    ensure_comfyui()
+    cfg = ModelConfig(type="flux", diffusion_model=str(files.diffusion_model), vae=str(files.vae),
+                      text_encoders=[str(p) for p in files.text_encoders], dtype="float32")
+    adapter = adapter_class("flux")(cfg)
+    adapter.load_diffusion_model()
+    dm = adapter.diffusion_model
+    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dropout=0.3, seed=1), adapter.lora_block_prefixes)
+    g = torch.Generator().manual_seed(2)
+    for m in lora.adapted_modules(dm):
+        m.lora_B.weight.data.normal_(0, 0.05, generator=g)
+    dm.train()
+    return adapter, probe_inputs(adapter)
+
+
 @dataclass
 class Run:
     returncode: int

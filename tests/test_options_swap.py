@@ -8,32 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import micro_flux_with_lora
 
 from pipetrain.backend import lora
-from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.train.swap import BlockSwapper, enable_block_swap, swappable_module
 
 
 @pytest.fixture(scope="module")
 def flux(micro_flux_files):
-    from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
-    from pipetrain.backend.verify import probe_inputs
-
-    ensure_comfyui()
-    f = micro_flux_files
-    cfg = ModelConfig(type="flux", diffusion_model=str(f.diffusion_model), vae=str(f.vae),
-                      text_encoders=[str(p) for p in f.text_encoders], dtype="float32")
-    adapter = adapter_class("flux")(cfg)
-    adapter.load_diffusion_model()
-    dm = adapter.diffusion_model
-    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dropout=0.3, seed=1), adapter.lora_block_prefixes)
-    g = torch.Generator().manual_seed(2)
-    for m in lora.adapted_modules(dm):
-        m.lora_B.weight.data.normal_(0, 0.05, generator=g)
-    dm.train()
-    return adapter, probe_inputs(adapter)
+    return micro_flux_with_lora(micro_flux_files)
 
 
 def _step(adapter, inputs, mode, swap: int):
