@@ -4,18 +4,14 @@ Edit's reference latents) -> 2 DeepSpeed ranks as a 2-stage pipeline -> epoch Lo
 LoraLoaderModelOnly, reproducing the training-side output (Edit: with the reference latents as ComfyUI's
 ``ref_latents``)."""
 import pytest
-from conftest import train
+from conftest import check_epoch_loras, train
 from PIL import Image, ImageOps
 
 from pipetrain.backend.cache import CacheStore
 from pipetrain.backend.cache.manifest import CacheManifest
-from pipetrain.backend.config import load_run_config
-from pipetrain.backend.verify import check_lora
 
 pytestmark = pytest.mark.slow
 
-MATCH_TOLERANCE = 1e-4   # float32 both sides
-MIN_EFFECT = 1e-3
 LORA_KEYS = 14 + 10      # every linear of block 0; block 1 (the last) without its text queries and outputs
 
 
@@ -23,12 +19,7 @@ def _check(config, run):
     assert run.returncode == 0, run.output[-4000:]
     assert run.status()["state"] == "finished"
     assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]     # input + block 0 | block 1 + output
-    cfg = load_run_config(config)
-    for path in run.loras():
-        check = check_lora(cfg, path)
-        assert check.keys_loaded == LORA_KEYS
-        assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
-        assert check.lora_effect > MIN_EFFECT
+    check_epoch_loras(run, config, keys=LORA_KEYS)
 
 
 def test_qwen_image_two_stage_pipeline_to_comfyui_lora(model_files, make_run):

@@ -3,35 +3,21 @@
 2-stage pipeline -> epoch LoRAs loaded by ComfyUI's LoraLoaderModelOnly, reproducing the training-side output."""
 import pytest
 import torch
-from conftest import train
+from conftest import check_epoch_loras, train
 from media import make_video_dataset
 
 from pipetrain.backend.cache import CacheStore
 from pipetrain.backend.cache.manifest import CacheManifest
 from pipetrain.backend.config import load_run_config
 from pipetrain.backend.demo import write_configs
-from pipetrain.backend.verify import check_lora
 
 pytestmark = pytest.mark.slow
-
-MATCH_TOLERANCE = 1e-4   # float32 both sides
-MIN_EFFECT = 1e-3
-
 
 def _entries(root, arch):
     cache = root / "output" / "cache"
     manifest = CacheManifest.load(next(cache.glob(f"manifests/{arch}-*")))
     return CacheStore(cache), {e.path.rsplit("/", 1)[-1]: e for e in manifest.entries}
 
-
-def _check_loras(config, run, keys):
-    cfg = load_run_config(config)
-    for path in run.loras():
-        check = check_lora(cfg, path)
-        assert check.keys_loaded == keys
-        assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
-        assert check.lora_effect > MIN_EFFECT
-    return cfg
 
 
 def test_wan22_5b_two_stage_pipeline_on_video_to_comfyui_lora(model_files, tmp_path):
@@ -49,7 +35,7 @@ def test_wan22_5b_two_stage_pipeline_on_video_to_comfyui_lora(model_files, tmp_p
     latents = {name: store.get("latents", e.latent)["latent"].shape for name, e in entries.items()}
     assert latents["clip_mp4.mp4"] == (48, 5, 4, 4) and latents["still0.png"] == (48, 1, 4, 4)   # 16x spatial
     assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]
-    _check_loras(config, run, keys=20)
+    check_epoch_loras(run, config, keys=20)
 
 
 def test_wan_i2v_first_frame_conditions_the_clip(model_files, tmp_path):
@@ -75,7 +61,8 @@ def test_wan_i2v_first_frame_conditions_the_clip(model_files, tmp_path):
     concat, clip_fea = payloads["clip_mp4.mp4"]["concat"], payloads["clip_mp4.mp4"]["clip_fea"]
     assert concat.shape == (20, 3, 8, 8) and (concat[:4, 0] == 1).all() and (concat[:4, 1:] == 0).all()
     assert clip_fea.shape == (257, 1280)
-    cfg = _check_loras(config, run, keys=24)   # + cross_attn.k_img / v_img of Wan 2.1 i2v
+    check_epoch_loras(run, config, keys=24)   # + cross_attn.k_img / v_img of Wan 2.1 i2v
+    cfg = load_run_config(config)
 
     adapter = WanI2VAdapter(cfg.model, cfg.resolve)
     adapter.load_diffusion_model()
@@ -115,4 +102,4 @@ def test_wan22_5b_ti2v_first_frame_given(model_files, tmp_path):
         payload = store.get("latents", e.latent)
         assert payload["first_frame"].shape == (48, 1, 4, 4)
         assert torch.allclose(payload["first_frame"], payload["latent"][:, :1], atol=1e-6)
-    _check_loras(config, run, keys=20)
+    check_epoch_loras(run, config, keys=20)
