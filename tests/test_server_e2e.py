@@ -218,7 +218,8 @@ def test_panel_follows_the_real_run(session):
 
     async def watch() -> dict:
         async with panel_page(s.server, s.base / "chromium-profile") as page:
-            await page.wait_for(f"{step} > 0", 60, "showing the run's step")
+            # the step label and the chart redraw on separate events: wait for both before taking the baseline
+            await page.wait_for(f"{step} > 0 && {CHART_POINTS_JS} > 0", 60, "showing the run's step and loss")
             before = {"step": await page.js(step), "points": await page.js(CHART_POINTS_JS)}
             await page.wait_for(f"{step} > {before['step']} && {CHART_POINTS_JS} > {before['points']}", 90,
                                 "moving on with the run")

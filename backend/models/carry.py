@@ -27,8 +27,29 @@ def with_grad(t: torch.Tensor) -> torch.Tensor:
     return t if t.requires_grad else t.detach().requires_grad_(True)
 
 
+class _OwedZeroGradients(torch.autograd.Function):
+    """Identity on ``out`` whose backward also hands exact zeros to ``unused``: a stage's float inputs that its
+    head ignores (text context, a trained timestep vector) still owe the previous stage a gradient."""
+
+    @staticmethod
+    def forward(ctx, out, *unused):
+        ctx.specs = [(u.shape, u.dtype, u.device) for u in unused]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.specs))
+
+
 class TupleLayer(torch.nn.Module):
-    """A pipeline layer: DeepSpeed calls it with one tuple of tensors; subclasses implement ``run(*tensors)``."""
+    """A pipeline layer: DeepSpeed calls it with one tuple of tensors; subclasses implement ``run(*tensors)``.
+
+    The head (the layer that returns one tensor, not a tuple) ties every float input that takes a gradient to its
+    output, so a stage boundary right before it never leaves DeepSpeed a received tensor without a gradient."""
 
     def forward(self, inputs):
-        return self.run(*inputs)
+        out = self.run(*inputs)
+        if not torch.is_tensor(out):
+            return out
+        owed = [x for x in inputs if torch.is_tensor(x) and x.is_floating_point() and x.requires_grad]
+        return _OwedZeroGradients.apply(out, *owed) if owed and torch.is_grad_enabled() else out
