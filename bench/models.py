@@ -5,9 +5,11 @@ pipeline layers with LoRA rank 32 on the adapter's targets and AdamW; latents an
 probes (short captions; clean latents at the given resolution, and ``--frames`` for video models).
 
     python bench/models.py --out $OUT [--archs qwen_image,z_image] [--resolution 1024] [--frames 33]
-        [--checkpointing] [--compile] [--deadline-s 300]
+        [--checkpointing] [--compile] [--deadline-s 300] [--profile]
 
-Writes ``models.json`` after every model, so a deadline cuts the list, never the results.
+Writes ``models.json`` after every model, so a deadline cuts the list, never the results. ``--profile`` records
+two steps after the timed ones with torch.profiler: ``<arch>.trace.json`` (Chrome/Perfetto trace) and
+``<arch>.ops.txt`` (operators by GPU time), the profile that shows where a step's time goes.
 """
 from __future__ import annotations
 
@@ -63,6 +65,29 @@ def probe_inputs(adapter, resolution: int, frames: int, device: str):
     return tuple(v.to(device) for v in (x0, noise, t)) + tuple(text)
 
 
+def _step(layers, inputs, adapter, opt) -> torch.Tensor:
+    h = inputs
+    for layer in layers:
+        h = layer(h)
+    loss = adapter.loss(h, inputs[:3])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def profile_steps(arch: str, step, out: Path, steps: int = 2) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / f"{arch}.trace.json"))
+    (out / f"{arch}.ops.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+
+
 def measure(arch: str, args, device: str = "cuda") -> dict:
     from pipetrain.backend import lora
     from pipetrain.backend.models.compiling import compile_blocks
@@ -86,18 +111,14 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     for step in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         s = time.perf_counter()
-        h = inputs
-        for layer in layers:
-            h = layer(h)
-        loss = adapter.loss(h, inputs[:3])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _step(layers, inputs, adapter, opt)
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - s)
-        losses.append(float(loss.detach()))
+        losses.append(float(loss))
     step_s = statistics.median(times)
+    if args.profile:
+        profile_steps(arch, lambda: _step(layers, inputs, adapter, opt), Path(args.out))
     return {"arch": arch, "params_b": round(params_b, 2), "lora_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
             "latent": list(inputs[0].shape), "step_s": round(step_s, 4), "samples_per_s": round(1 / step_s, 3),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "build_s": round(built_s, 1),
@@ -119,6 +140,7 @@ def main() -> int:
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--deadline-s", type=float, default=1e9)
+    p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of two steps")
     args = p.parse_args()
     ensure_comfyui()
     out = Path(args.out)

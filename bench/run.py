@@ -145,6 +145,8 @@ def main() -> int:
         results[name] = r
         (out / "bench.json").write_text(json.dumps(results, indent=1))
     print(table(results))
+    for line in pipeline_efficiency(results):
+        print(line)
     return 0
 
 
@@ -159,6 +161,23 @@ def table(results: dict) -> str:
         rows.append(f"{name:24s} {_f(sps):>9s} {_f(ours.get('peak_gib')):>8s} {_f(b):>9s} {_f(sps / b if sps and b else None):>9s} "
                     f"{_f(n):>10s} {_f(sps / n if sps and n else None):>11s} {_f(mfu):>5s}")
     return "\n".join(rows)
+
+
+def pipeline_efficiency(results: dict) -> list[str]:
+    """For each case run on p > 1 stages (one GPU each) beside the same case on one: the measured speed-up,
+    the efficiency (speed-up / p) and its bound from the pipeline bubble, 1 - (p-1)/(m+p-1) with m micro-batches
+    (gradient accumulation steps) per step."""
+    lines = []
+    for name, r in results.items():
+        case, sps = r["case"], r["ours"].get("samples_per_s")
+        p, m = case["stages"], case["gradient_accumulation"]
+        single = next((o["ours"].get("samples_per_s") for o in results.values()
+                       if o["case"] == {**case, "stages": 1}), None)
+        if p > 1 and sps and single:
+            speedup, bound = sps / single, m / (m + p - 1)
+            lines.append(f"{name}: {p} stages vs 1, GA {m}: speed-up {speedup:.2f}x, efficiency {speedup / p:.0%} "
+                         f"(bubble bound {bound:.0%})")
+    return lines
 
 
 def _f(x) -> str:
