@@ -22,7 +22,9 @@ from typing import Callable
 import torch
 
 from . import sample_host
-from .cache import CacheStore, model_fingerprint, text_key
+from .cache import CacheStore, file_digest, model_fingerprint, text_key
+from .cache.builder import TextWork, encode_text
+from .cache.keys import caption_image
 from .config import RunConfig, load_run_config
 from .errors import ConfigError
 from .fsutil import temp_path_beside
@@ -151,15 +153,17 @@ class EpochSamples:
         log.warning("%s", message)
 
 
-def _text(adapter, store: CacheStore, prompt: str, state: dict) -> dict[str, torch.Tensor]:
-    """A prompt's embedding from the content-addressed cache, encoded (and stored) when missing."""
+def _text(adapter, store: CacheStore, prompt: str, state: dict, control: Path | None = None,
+          size: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
+    """A prompt's embedding from the content-addressed cache, encoded (and stored) when missing; models whose
+    text encoder reads the control image read ``control`` at the sample ``size`` with it."""
     files = adapter.model_files()["text_encoders"]
-    key = text_key(prompt, [model_fingerprint(p) for p in files], adapter.arch)
+    seen = caption_image(adapter, file_digest(control) if control else None, size)
+    key = text_key(prompt, [model_fingerprint(p) for p in files], adapter.arch, seen)
     if not store.has("text", key):
         if "clip" not in state:
             state["clip"] = adapter.load_text_encoders()
-        with torch.no_grad():
-            store.put("text", key, adapter.encode_caption(state["clip"], prompt))
+        store.put("text", key, encode_text(adapter, state["clip"], TextWork(prompt, str(control or ""), size)))
     return store.get("text", key)
 
 
@@ -172,18 +176,24 @@ def _conditioning(adapter, text: dict[str, torch.Tensor], guidance: float, refer
     return cond
 
 
-def sample_reference(cfg: RunConfig, vae) -> torch.Tensor:
-    """Edit models: the dataset's first control image (sorted by file name) at the sample size, VAE-encoded as
-    ComfyUI's VAEEncode gives it (the model scales it)."""
-    from .data import load_pixels, scan_dataset
+def sample_control(cfg: RunConfig) -> Path:
+    """Edit models' samples edit the dataset's first control image (sorted by file name)."""
+    from .data import scan_dataset
 
-    s = cfg.samples
     controls = sorted(item.control for item in scan_dataset(cfg.dataset_config).items if item.control is not None)
     if not controls:
         raise ConfigError("an edit model's samples need a control image: the dataset has none (control_path)",
                           file=cfg._file, key="samples")
+    return controls[0]
+
+
+def sample_reference(cfg: RunConfig, vae, control: Path) -> torch.Tensor:
+    """``control`` at the sample size, VAE-encoded as ComfyUI's VAEEncode gives it (the model scales it)."""
+    from .data import load_pixels
+
+    s = cfg.samples
     with torch.no_grad():
-        return vae.encode(load_pixels(controls[0], (s.width, s.height))[None]).float().cpu()
+        return vae.encode(load_pixels(control, (s.width, s.height))[None]).float().cpu()
 
 
 def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
@@ -202,7 +212,8 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
                           file=cfg._file, key="samples.sampler")
     adapter = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
     store, state = CacheStore(cfg.resolve(cfg.output_dir) / "cache"), {}
-    texts = [_text(adapter, store, p, state) for p in [*s.prompts, s.negative_prompt]]
+    control = sample_control(cfg) if adapter.needs_control else None
+    texts = [_text(adapter, store, p, state, control, (s.width, s.height)) for p in [*s.prompts, s.negative_prompt]]
     state.clear()
     if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model
         adapter = adapter_class(cfg.model.type)(dataclasses.replace(cfg.model, diffusion_model=str(lora_path)),
@@ -211,7 +222,7 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     else:
         model = _with_lora(adapter.load_diffusion_model(), lora_path)
     vae = adapter.load_vae()
-    reference = sample_reference(cfg, vae) if adapter.needs_control else None
+    reference = sample_reference(cfg, vae, control) if control else None
     negative = _conditioning(adapter, texts[-1], s.guidance, reference)
     paths = sample_paths(lora_path, len(s.prompts))
     for text, png in zip(texts[:-1], paths):

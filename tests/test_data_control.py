@@ -57,8 +57,9 @@ class _Adapter:
     arch, latent_format = "edit", "Flux"
     conditioning_fields = ("reference",)
 
-    def __init__(self, needs_control=True):
+    def __init__(self, needs_control=True, caption_sees_control=False):
         self.needs_control = needs_control
+        self.caption_sees_control = caption_sees_control
 
 
 def test_edit_models_need_a_control_path_and_other_models_refuse_one(tmp_path):
@@ -75,12 +76,37 @@ def test_cache_key_covers_the_control_image(tmp_path, micro_flux_files):
     cfg = dataset(_edit_folder(tmp_path), resolutions=[64])
     files = {"vae": [micro_flux_files.vae], "text_encoders": micro_flux_files.text_encoders}
 
-    def keys():
+    def keys(adapter=_Adapter()):
         samples = build_samples(cfg, scan_dataset(cfg).items)
-        return {e.path.rsplit("/", 1)[-1]: (e.latent, e.control) for e in build_entries(samples, _Adapter(), files)}
+        return {e.path.rsplit("/", 1)[-1]: (e.latent, e.control, e.text) for e in build_entries(samples, adapter, files)}
 
-    before = keys()
+    before, seeing_before = keys(), keys(_Adapter(caption_sees_control=True))
     assert before["a.png"][1].endswith("controls/a.jpg")
     write_image(tmp_path / "controls" / "a.jpg", (33, 32))       # a new control image, same name
-    after = keys()
+    after, seeing_after = keys(), keys(_Adapter(caption_sees_control=True))
     assert after["a.png"][0] != before["a.png"][0] and after["b.png"] == before["b.png"]
+    # the caption's embedding depends on the control image only where the text encoder reads it
+    assert after["a.png"][2] == before["a.png"][2]
+    assert seeing_after["a.png"][2] != seeing_before["a.png"][2] and seeing_after["b.png"] == seeing_before["b.png"]
+    assert seeing_before["a.png"][2] != before["a.png"][2]
+
+
+def test_caption_dropout_keeps_the_control_image_where_the_text_encoder_reads_it(tmp_path, micro_flux_files):
+    from pipetrain.backend.train.caching import empty_captions
+
+    cfg = dataset(_edit_folder(tmp_path), resolutions=[64])
+    write_image(tmp_path / "controls" / "a.jpg", (33, 32))       # the two control images differ
+    files = {"vae": [micro_flux_files.vae], "text_encoders": micro_flux_files.text_encoders}
+    samples = build_samples(cfg, scan_dataset(cfg).items)
+    for sees in (False, True):
+        adapter = _Adapter(caption_sees_control=sees)
+        adapter.model_files = lambda: files
+        entries = build_entries(samples, adapter, files)
+        swap, work = empty_captions(adapter, entries)
+        assert set(swap) == {e.text for e in entries} and set(work) == set(swap.values())
+        assert all(w.caption == "" for w in work.values())
+        if sees:    # one empty caption per control image, read with that image
+            assert {swap[e.text]: work[swap[e.text]].control for e in entries} == {
+                swap[e.text]: e.control for e in entries} and len(work) == len({e.control for e in entries}) == 2
+        else:       # one empty caption for every sample
+            assert len(work) == 1

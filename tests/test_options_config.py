@@ -403,7 +403,8 @@ def test_the_training_feed_swaps_dropped_captions_for_the_empty_one():
 
     ensure_comfyui()
     store, entries = _Store(), _entries(8)
-    feed = MicroBatchFeed(_Adapter(), store, seed=5, dp_rank=0, dp_world=1, uncond_text="empty", uncond_fraction=0.5)
+    feed = MicroBatchFeed(_Adapter(), store, seed=5, dp_rank=0, dp_world=1,
+                          uncond_text={e.text: "empty" for e in entries}, uncond_fraction=0.5)
     (_, _, _, text), _ = feed.build(entries, epoch=1, step=0, micro=0)
     used = [k for v in text.flatten().tolist() for k, i in store.ids.items() if i == v]
     expected = ["empty" if drops_caption(5, 1, 0, p, 0.5) else e.text for p, e in enumerate(entries)]

@@ -34,7 +34,8 @@ def test_qwen_image_two_stage_pipeline_to_comfyui_lora(model_files, make_run):
 
 
 def test_qwen_image_edit_with_control_images_to_comfyui_lora(model_files, make_run):
-    config = make_run(model_files("qwen_image_edit"), images=6, stages=2, epochs=1, model={"type": "qwen_image_edit"})
+    # 4 pictures: each caption is read with its control image by the real-size vision tower (~30 s on a CPU core)
+    config = make_run(model_files("qwen_image_edit"), images=4, stages=2, epochs=2, model={"type": "qwen_image_edit"})
     root = config.parent
     (root / "controls").mkdir()
     for image in sorted((root / "dataset").glob("*.png")):   # the same picture in grey, paired by file stem
@@ -42,10 +43,11 @@ def test_qwen_image_edit_with_control_images_to_comfyui_lora(model_files, make_r
     with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
         f.write(f'control_path = "{root / "controls"}"\n')
     run = train(config, ranks=2)
-    _check(config, run)
-    assert [e["epoch"] for e in run.events("lora_saved")] == [1]
+    _check(config, run, last_only=True)     # 4 steps an epoch: the first epoch may barely move
+    assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2]
     cache = root / "output" / "cache"
     store = CacheStore(cache)
     for entry in CacheManifest.load(next(cache.glob("manifests/qwen_image_edit-*"))).entries:
         payload = store.get("latents", entry.latent)
         assert payload["reference"].shape == payload["latent"].shape   # the control image at the same bucket
+        assert store.get("text", entry.text)["context"].shape[0] > 100  # the caption was read with the image

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -16,13 +17,22 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
 
 
+@dataclass(frozen=True)
+class TextWork:
+    """One caption to encode; models whose text encoder reads the control image also get that image, cropped
+    to the sample's bucket as its latent is."""
+    caption: str
+    control: str = ""
+    bucket: tuple = ()
+
+
 def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, dict]:
     latents, texts = {}, {}
     for e in entries:
         if e.latent not in latents and not store.has("latents", e.latent):
             latents[e.latent] = e
         if e.text not in texts and not store.has("text", e.text):
-            texts[e.text] = e.caption
+            texts[e.text] = TextWork(e.caption, e.control, e.bucket)
     return latents, texts
 
 
@@ -74,19 +84,28 @@ def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) 
     return out
 
 
-def encode_texts(adapter, store: CacheStore, work: dict[str, str], progress: Progress) -> None:
+def encode_text(adapter, clip, work: TextWork) -> dict[str, torch.Tensor]:
+    from ..data import load_pixels
+
+    with torch.no_grad():
+        if adapter.caption_sees_control and work.control:
+            image = load_pixels(Path(work.control), work.bucket[:2])[None]
+            return adapter.encode_caption_with_image(clip, work.caption, image)
+        return adapter.encode_caption(clip, work.caption)
+
+
+def encode_texts(adapter, store: CacheStore, work: dict[str, TextWork], progress: Progress) -> None:
     clip = adapter.load_text_encoders()
-    for i, (key, caption) in enumerate(sorted(work.items())):
-        with torch.no_grad():
-            store.put("text", key, adapter.encode_caption(clip, caption))
+    for i, key in enumerate(sorted(work)):
+        store.put("text", key, encode_text(adapter, clip, work[key]))
         progress("text", i + 1, len(work))
     del clip
     _free()
 
 
 def fill(adapter, store: CacheStore, entries: list[CacheEntry], rank: int, world: int, batch_size: int,
-         progress: Progress, extra_texts: dict[str, str] | None = None) -> tuple[int, int]:
-    """Encode this rank's share of what is missing (``extra_texts``: {key: caption} needed besides the
+         progress: Progress, extra_texts: dict[str, TextWork] | None = None) -> tuple[int, int]:
+    """Encode this rank's share of what is missing (``extra_texts``: {key: work} needed besides the
     entries', e.g. the empty caption for caption dropout); returns (latents, texts) encoded here."""
     latents, texts = missing_work(entries, store)
     texts.update({k: c for k, c in (extra_texts or {}).items() if not store.has("text", k)})

@@ -52,5 +52,16 @@ def latent_key(image_digest: str, bucket: tuple[int, int], preprocess_version: s
                  "latent_format": latent_format, **extra})
 
 
-def text_key(caption: str, te_fingerprints: list[str], arch: str) -> str:
-    return _sha({"kind": "text", "format": CACHE_FORMAT, "caption": caption, "te": te_fingerprints, "arch": arch})
+def text_key(caption: str, te_fingerprints: list[str], arch: str, image: dict | None = None) -> str:
+    """``image``: what of a control image the text encoder reads with the caption (``caption_image``)."""
+    extra = {} if image is None else {"image": image}
+    return _sha({"kind": "text", "format": CACHE_FORMAT, "caption": caption, "te": te_fingerprints, "arch": arch,
+                 **extra})
+
+
+def caption_image(adapter, control_digest: str | None, bucket) -> dict | None:
+    """For models whose text encoder reads the control image with the caption: the image's digest and the
+    bucket it is cropped to (the embedding depends on both); None for every other model or sample."""
+    if not (adapter.caption_sees_control and control_digest):
+        return None
+    return {"control": control_digest, "bucket": list(bucket[:2])}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import CacheError
 from ..fsutil import atomic_write_json
-from .keys import file_digest, latent_key, model_fingerprint, text_key
+from .keys import caption_image, file_digest, latent_key, model_fingerprint, text_key
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheE
             path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
             latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS,
                               vae_fp, adapter.arch, adapter.latent_format, conditioning),
-            text=text_key(text, te_fps, adapter.arch), control=str(control) if control else ""))
+            text=text_key(text, te_fps, adapter.arch, caption_image(adapter, digests.get(control), s.bucket)),
+            control=str(control) if control else ""))
     return entries
 
 

@@ -36,6 +36,8 @@ class ModelAdapter(ABC):
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
+    caption_sees_control: bool = False       # edit models whose text encoder reads the control image with the
+    #                                          caption (encode_caption_with_image); cached per caption and image
 
     def __init__(self, cfg: ModelConfig, resolve=lambda p: Path(p)):
         self.cfg = cfg
@@ -81,6 +83,11 @@ class ModelAdapter(ABC):
     @abstractmethod
     def encode_caption(self, clip, caption: str) -> dict[str, torch.Tensor]:
         """One caption -> the tensors named in ``text_fields`` (no batch dimension)."""
+
+    def encode_caption_with_image(self, clip, caption: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``caption_sees_control`` models: one caption read together with its control image ([1, H, W, 3] at
+        the sample's bucket) -> the tensors named in ``text_fields``."""
+        raise ModelError(f"{self.arch} declares caption_sees_control but does not encode captions with images")
 
     def collate_text(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Stack per-sample text tensors; sequences are zero-padded to the longest in the batch (then, with

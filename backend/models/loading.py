@@ -286,7 +286,8 @@ def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
                          tokenizer_data=tokenizer_data)
     for path, kind, sd in zip(paths, kinds, state_dicts):
         missing, _ = getattr(clip.cond_stage_model, TEXT_ENCODERS[kind].comfy_name or kind).load_sd(sd)
-        omitted = tuple(name + "." for name in TEXT_ENCODERS[kind].tiny_omits)
+        reads_images = arch_spec(arch).text_encoders_read_images    # then no part of the file may be left out
+        omitted = () if reads_images else tuple(name + "." for name in TEXT_ENCODERS[kind].tiny_omits)
         missing = [k for k in missing if not k.startswith(omitted)] if omitted else missing
         if missing:
             raise ModelError(f"{path}: {len(missing)} {_te_title(kind)} weights are missing, "

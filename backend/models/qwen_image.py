@@ -21,9 +21,10 @@ sigma = e^1.15 / (e^1.15 + 1/t - 1), i.e. a constant shift of e^1.15 (~3.16); th
 (ComfyUI's multiplier 1; its timestep projection scales by 1000 inside).
 
 Qwen-Image-Edit is the same network with the control image's latent appended as extra image tokens (ComfyUI's
-``ref_latents``, RoPE index 1). Its caption is encoded text-only with the edit system prompt
-(``TextEncodeQwenImageEditPlus`` without images): ComfyUI's edit nodes also run the control image through the
-VL model's vision tower, which caption encoding here does not see.
+``ref_latents``, RoPE index 1). Its caption is read together with the control image, as ComfyUI's
+``TextEncodeQwenImageEditPlus`` reads prompt and ``image1``: "Picture 1: " and the vision tokens before the
+caption, the edit system prompt, and the image (cropped to the sample's bucket) scaled to 384x384 pixels'
+area for Qwen2.5-VL's vision tower. Samples read their prompts with the same image they edit.
 
 LoRA goes on every linear of the transformer blocks (both streams' q/k/v/out, MLPs and modulations) except the
 last block's text queries and outputs (``attn.add_q_proj``, ``attn.to_add_out``, ``txt_mlp``), whose result
@@ -64,6 +65,7 @@ QWEN_CONFIGS = {
 LAST_BLOCK_LIVE = ("img_mod", "txt_mod", "img_mlp", "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_k_proj",
                    "attn.add_v_proj", "attn.to_out")
 VISION_TOKENS = "<|vision_start|><|image_pad|><|vision_end|>"
+VISION_PIXELS = 384 * 384   # TextEncodeQwenImageEditPlus: the area images are scaled to for the vision tower
 
 
 def qwen_config(size: str) -> dict:
@@ -86,7 +88,8 @@ QWEN_IMAGE_SPEC = ArchSpec(
 QWEN_IMAGE_EDIT_SPEC = ArchSpec(
     title="Qwen-Image-Edit", comfy_configs=("QwenImage",), unet_config=qwen_config, build=build_qwen_image,
     detected_sizes=("full",), text_encoders=("qwen25_7b",), clip_type="QWEN_IMAGE", clip_target=_qwen_clip_target,
-    vae="wan21", example_file="qwen_image_edit_bf16.safetensors", accepts=_edit_files_look_like_qwen_image)
+    vae="wan21", example_file="qwen_image_edit_bf16.safetensors", accepts=_edit_files_look_like_qwen_image,
+    text_encoders_read_images=True)
 
 
 def attention_options(key_mask: torch.Tensor | None) -> dict:
@@ -247,15 +250,26 @@ class QwenImageEditAdapter(QwenImageAdapter):
     spec = QWEN_IMAGE_EDIT_SPEC
     conditioning_fields = ("reference",)
     needs_control = True
+    caption_sees_control = True
 
     def encode_conditioning(self, vae, media, control):
         return {"reference": self._encode_one_frame(vae, control)[0]}
 
-    def tokenize(self, clip, caption):
-        # ComfyUI's edit system prompt without the vision tokens (what TextEncodeQwenImageEditPlus gives
-        # a prompt without images)
+    def tokenize(self, clip, caption, images=()):
+        # ComfyUI's edit system prompt; TextEncodeQwenImageEditPlus puts the vision tokens in the user's turn
         template = clip.tokenizer.llama_template_images.replace(VISION_TOKENS, "")
-        return clip.tokenize(caption, llama_template=template)
+        prompt = "".join(f"Picture {i}: {VISION_TOKENS}" for i in range(1, len(images) + 1)) + caption
+        return clip.tokenize(prompt, images=list(images), llama_template=template)
+
+    def encode_caption_with_image(self, clip, caption, image):
+        import comfy.utils
+
+        samples = image.movedim(-1, 1)
+        scale = math.sqrt(VISION_PIXELS / (samples.shape[2] * samples.shape[3]))
+        vision = comfy.utils.common_upscale(samples, round(samples.shape[3] * scale), round(samples.shape[2] * scale),
+                                            "area", "disabled").movedim(1, -1)
+        out = clip.encode_from_tokens(self.tokenize(clip, caption, [vision[..., :3]]), return_dict=True)
+        return {"context": out["cond"][0].float().cpu()}
 
     def probe_text(self, generator):
         return [*super().probe_text(generator), torch.randn(1, 16, 1, 8, 8, generator=generator)]

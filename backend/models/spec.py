@@ -33,6 +33,9 @@ class ArchSpec:
     # where architectures share a ComfyUI class (Wan t2v and Wan 2.2 i2v are both WAN21_T2V): whether the
     # unet_config ComfyUI detected from a file is this one's
     accepts: Callable[[dict], bool] | None = None
+    # its captions are read with an image (Qwen-Image-Edit): tiny text-encoder files keep what ``tiny_omits``
+    # leaves out of the others (the VL model's vision tower)
+    text_encoders_read_images: bool = False
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,8 @@ def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed, device
     return write_safetensors(spec.build(config), path, dtype, seed, meta, device=device)
 
 
-def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: str = "cpu") -> int:
+def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: str = "cpu",
+                        reads_images: bool = False) -> int:
     size = "tiny" if size == "micro" else size
     config = text_encoder_config(kind, size)
     meta = {"pipetrain.te_kind": kind, "pipetrain.size": size}
@@ -173,7 +174,7 @@ def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: s
         meta["pipetrain.te_config"] = json.dumps(config)
     extras = {name: make() for name, make in TEXT_ENCODERS[kind].extras.items()}
     module = build_text_encoder(kind, config)
-    if size == "tiny":   # e.g. a VL model's vision tower: text encoding never runs it
+    if size == "tiny" and not reads_images:   # e.g. a VL model's vision tower: text-only encoding never runs it
         for name in TEXT_ENCODERS[kind].tiny_omits:
             delattr(module, name)
     return write_safetensors(module, path, dtype, seed, meta, extras, device)
@@ -210,7 +211,8 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
                       {name: make() for name, make in vae_kind.extras.items()}, device=init_device,
                       init=vae_kind.init)
     for i, (kind, path) in enumerate(zip(spec.text_encoders, files.text_encoders)):
-        _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + i, init_device)
+        _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + i, init_device,
+                            spec.text_encoders_read_images)
     return files
 
 

@@ -3,9 +3,11 @@ cache keys (one manifest per dataset file), every rank encodes its share of what
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from ..cache import CacheStore, model_fingerprint, text_key
-from ..cache.builder import fill
+from ..cache import CacheStore, file_digest, model_fingerprint, text_key
+from ..cache.builder import TextWork, fill
+from ..cache.keys import caption_image
 from ..cache.manifest import CacheManifest, build_or_load_manifest, manifest_path
 from . import distributed
 
@@ -91,19 +93,14 @@ def prepare_cache(trainer):
     manifests = {name: CacheManifest.load(path).entries for name, path in paths.items()}
     entries = manifests.pop(None)
     trainer.eval_entries = manifests
-    extra = {}
-    trainer.uncond_text = None
-    if cfg.uncond_fraction > 0:
-        te_fps = [model_fingerprint(p) for p in adapter.model_files()["text_encoders"]]
-        trainer.uncond_text = text_key("", te_fps, adapter.arch)
-        extra[trainer.uncond_text] = ""
+    every = entries + [e for es in manifests.values() for e in es]
+    trainer.uncond_text, extra = empty_captions(adapter, entries) if cfg.uncond_fraction > 0 else (None, {})
 
     def progress(kind, done, total):
         if rank == 0:
             trainer.reporter.update(state="caching", cache={"kind": kind, "done": done, "total": total})
             trainer.reporter.event("cache", kind=kind, done=done, total=total)
 
-    every = entries + [e for es in manifests.values() for e in es]
     n_lat, n_txt = fill(adapter, store, every, rank, trainer.world, cfg.caching_batch_size, progress, extra)
     counts = distributed.all_gather_object((n_lat, n_txt))
     distributed.barrier()
@@ -113,3 +110,18 @@ def prepare_cache(trainer):
                                eval_entries={name: len(es) for name, es in manifests.items()})
         log.info("cache ready: %d entries (%d latents and %d captions encoded now)", len(entries), total_lat, total_txt)
     return store, entries
+
+
+def empty_captions(adapter, entries) -> tuple[dict[str, str], dict[str, TextWork]]:
+    """Caption dropout: each training caption's key -> the key of the empty caption that replaces it (one for
+    every sample, or one per control image and bucket where the text encoder reads that image too), and the
+    encoding work for those keys."""
+    te_fps = [model_fingerprint(p) for p in adapter.model_files()["text_encoders"]]
+    digests, swap, work = {}, {}, {}
+    for e in entries:
+        if adapter.caption_sees_control and e.control and e.control not in digests:
+            digests[e.control] = file_digest(Path(e.control))
+        key = text_key("", te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket))
+        swap[e.text] = key
+        work[key] = TextWork("", e.control, e.bucket)
+    return swap, work

@@ -23,21 +23,21 @@ def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
 
 class MicroBatchFeed:
     def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int,
-                 uncond_text: str | None = None, uncond_fraction: float = 0.0):
+                 uncond_text: dict[str, str] | None = None, uncond_fraction: float = 0.0):
         self.adapter = adapter
         self.store = store
         self.seed = seed
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.objective = adapter.objective()
-        self.uncond_text = uncond_text          # cache key of the empty caption (caption dropout)
+        self.uncond_text = uncond_text          # caption dropout: text key -> the empty caption's key
         self.uncond_fraction = uncond_fraction if uncond_text else 0.0
 
     def _text_key(self, entry, epoch: int, step: int, position: int) -> str:
         from ..data import drops_caption
 
         if drops_caption(self.seed, epoch, step, position, self.uncond_fraction):
-            return self.uncond_text
+            return self.uncond_text[entry.text]
         return entry.text
 
     def _noise_and_t(self, latent: torch.Tensor, epoch: int, step: int, position: int, entry=None):

@@ -1,0 +1,44 @@
+"""Qwen-Image-Edit's captions are read together with the control image, exactly as ComfyUI's
+TextEncodeQwenImageEditPlus reads a prompt with ``image1``: the same tensors, cached under a key that covers the
+image (a tiny Qwen2.5-VL whose vision tower is the real 32-layer one, random-initialised)."""
+import pytest
+import torch
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "make the circle red"
+
+
+def _picture(path, colour):
+    image = Image.new("RGB", (80, 48), colour)
+    image.paste((255, 255, 255), (20, 10, 50, 40))
+    image.save(path)
+
+
+def test_edit_captions_read_the_control_image_as_comfyuis_edit_node_does(model_files, tmp_path):
+    from pipetrain.backend import sampling
+    from pipetrain.backend.cache import CacheStore
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.data import load_pixels
+    from pipetrain.backend.models.registry import adapter_class
+
+    files = model_files("qwen_image_edit")
+    adapter = adapter_class("qwen_image_edit")(ModelConfig(
+        type="qwen_image_edit", diffusion_model=str(files.diffusion_model), vae=str(files.vae),
+        text_encoders=[str(p) for p in files.text_encoders]))
+    control, bucket = tmp_path / "control.png", (64, 48)
+    _picture(control, (0, 90, 200))
+    store, state = CacheStore(tmp_path / "cache"), {}
+    ours = sampling._text(adapter, store, PROMPT, state, control, bucket)["context"]
+
+    from comfy_extras.nodes_qwen import TextEncodeQwenImageEditPlus
+    clip = state["clip"]
+    theirs = TextEncodeQwenImageEditPlus.execute(clip, PROMPT, image1=load_pixels(control, bucket)[None])[0][0][0]
+    assert ours.shape == theirs.shape[1:] and torch.allclose(ours, theirs[0].float(), atol=1e-6)
+    text_only = adapter.encode_caption(clip, PROMPT)["context"]
+    assert ours.shape[0] > text_only.shape[0] + 100        # the image's vision tokens are in the sequence
+
+    _picture(control, (200, 40, 0))                        # another image, same file name
+    again = sampling._text(adapter, store, PROMPT, state, control, bucket)["context"]
+    assert again.shape == ours.shape and not torch.allclose(again, ours)
