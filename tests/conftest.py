@@ -145,6 +145,20 @@ def check_epoch_loras(run: Run, config: Path, keys: int, last_only: bool = False
         assert check.lora_effect > MIN_EFFECT
 
 
+def add_control_images(config: Path) -> Path:
+    """An edit run's control images: each dataset picture in grey, paired by file stem in ``controls/`` beside
+    the dataset (named in its [[directory]] table); returns the run's folder."""
+    from PIL import Image, ImageOps
+
+    root = config.parent
+    (root / "controls").mkdir()
+    for image in sorted((root / "dataset").glob("*.png")):
+        ImageOps.grayscale(Image.open(image)).convert("RGB").save(root / "controls" / f"{image.stem}.jpg")
+    with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
+        f.write(f'control_path = "{root / "controls"}"\n')
+    return root
+
+
 def train_on_clips(files, root: Path, arch: str, epochs: int = 1, frame_buckets=(1, 9, 17), **model) -> tuple[Run, Path]:
     """A video model on generated clips (mp4, webm, gif, animated WebP) and two stills, 2 ranks as a 2-stage
     pipeline; returns the finished run and its config."""

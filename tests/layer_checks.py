@@ -13,6 +13,19 @@ class Patcher:
         self.model = type("M", (), {"diffusion_model": dm, "model_sampling": model_sampling})()
 
 
+def padded_caption_inputs(channels: int, size: tuple, tokens: tuple, width: int, batch: int = 2, seed: int = 1):
+    """float64 probe inputs (x0, noise, t, captions, caption lengths) and the generator that drew them, for drawing
+    more: latents [B, channels, *size], captions [B, max(tokens), width] zero past each caption's length."""
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(batch, channels, *size, generator=g, dtype=torch.float64)
+    noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
+    t = torch.tensor([0.25, 0.8, 0.05, 0.97][:batch], dtype=torch.float64)
+    cond = torch.randn(batch, max(tokens), width, generator=g, dtype=torch.float64)
+    for i, n in enumerate(tokens):
+        cond[i, n:] = 0
+    return (x0, noise, t, cond, torch.tensor(tokens)), g
+
+
 def comfy_model(arch: str, unet_config: dict, dtype=torch.float64, std: float = 0.05, seed: int = 0):
     """ComfyUI's own ``model_base`` model (diffusion model + model_sampling) for ``arch`` built from a config,
     weights drawn N(0, std) in ``dtype``, wrapped in a real ModelPatcher."""

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
-                          layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers,
-                          small_adapter)
+                          layers_match_comfyui_forward, lora_gradients_match_finite_differences,
+                          padded_caption_inputs, run_layers, small_adapter)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -30,14 +30,7 @@ def small_ltx():
 
 def _inputs(batch=2, size=(3, 4, 6), tokens=(7, 4), seed=1):
     """3 latent frames (a 17-frame clip) of 4 x 6; the second caption is shorter (zero-padded)."""
-    g = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(batch, 128, *size, generator=g, dtype=torch.float64)
-    noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
-    t = torch.tensor([0.25, 0.8, 0.05][:batch], dtype=torch.float64)
-    cond = torch.randn(batch, max(tokens), TEXT, generator=g, dtype=torch.float64)
-    for i, n in enumerate(tokens):
-        cond[i, n:] = 0
-    return x0, noise, t, cond, torch.tensor(tokens)
+    return padded_caption_inputs(128, size, tokens, TEXT, batch, seed)[0]
 
 
 def test_comfyui_detects_the_tiny_and_full_layouts_as_ltxv():

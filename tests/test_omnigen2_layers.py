@@ -7,7 +7,8 @@ import pytest
 import torch
 from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_boundary_is_a_stage_boundary_with_lora,
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
-                          layout_state_dict, lora_gradients_match_finite_differences, small_adapter)
+                          layout_state_dict, lora_gradients_match_finite_differences, padded_caption_inputs,
+                          small_adapter)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -29,14 +30,7 @@ def small_omnigen2():
 
 
 def _inputs(batch=2, size=(6, 10), tokens=(5, 5), seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(batch, 16, *size, generator=g, dtype=torch.float64)
-    noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
-    t = torch.tensor([0.25, 0.8, 0.05][:batch], dtype=torch.float64)
-    cond = torch.randn(batch, max(tokens), TEXT, generator=g, dtype=torch.float64)
-    for i, n in enumerate(tokens):
-        cond[i, n:] = 0
-    return x0, noise, t, cond, torch.tensor(tokens)
+    return padded_caption_inputs(16, size, tokens, TEXT, batch, seed)[0]
 
 
 def test_comfyui_detects_the_full_layout_as_omnigen2():

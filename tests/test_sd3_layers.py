@@ -5,7 +5,7 @@ import pytest
 import torch
 from layer_checks import (captions_batch_as_if_alone, comfy_model, every_boundary_is_a_stage_boundary_with_lora,
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
-                          lora_gradients_match_finite_differences)
+                          lora_gradients_match_finite_differences, padded_caption_inputs)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -32,15 +32,9 @@ def small_sd3():
 
 
 def _inputs(batch=2, size=(6, 10), tokens=(5, 5), seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(batch, 16, *size, generator=g, dtype=torch.float64)
-    noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
-    t = torch.tensor([0.25, 0.8, 0.05, 0.97][:batch], dtype=torch.float64)
-    cond = torch.randn(batch, max(tokens), CONTEXT, generator=g, dtype=torch.float64)
-    for i, n in enumerate(tokens):
-        cond[i, n:] = 0
+    (x0, noise, t, cond, lengths), g = padded_caption_inputs(16, size, tokens, CONTEXT, batch, seed)
     pooled = torch.randn(batch, POOLED, generator=g, dtype=torch.float64)
-    return x0, noise, t, cond, pooled, torch.tensor(tokens)
+    return x0, noise, t, cond, pooled, lengths
 
 
 def test_comfyui_detects_the_tiny_and_full_layouts_as_sd3():

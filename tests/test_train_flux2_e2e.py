@@ -6,7 +6,7 @@ Kontext: an edit dataset whose control images (control_path) become reference la
 ComfyUI's side of the check gets them as its ``ref_latents``."""
 import pytest
 import torch
-from conftest import check_epoch_loras, train
+from conftest import add_control_images, check_epoch_loras, train
 
 from pipetrain.backend.cache import CacheStore
 from pipetrain.backend.cache.manifest import CacheManifest
@@ -35,16 +35,11 @@ def test_flux2_two_stage_pipeline_to_comfyui_lora(model_files, make_run):
 def test_flux_kontext_with_control_images_to_comfyui_lora(model_files, make_run):
     """A Kontext file has Flux dev's layout, so Flux's micro files stand in for it; the [model] type makes the
     run an edit run."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     config = make_run(model_files("flux", "micro"), images=6, stages=2, epochs=1, model={"type": "flux_kontext"},
                       optimizer={"lr": 1e-2})
-    root = config.parent
-    (root / "controls").mkdir()
-    for image in sorted((root / "dataset").glob("*.png")):   # the same picture in grey, paired by file stem
-        ImageOps.grayscale(Image.open(image)).convert("RGB").save(root / "controls" / f"{image.stem}.jpg")
-    with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
-        f.write(f'control_path = "{root / "controls"}"\n')
+    root = add_control_images(config)
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
     assert run.status()["state"] == "finished"

@@ -4,8 +4,7 @@ Edit's reference latents) -> 2 DeepSpeed ranks as a 2-stage pipeline -> epoch Lo
 LoraLoaderModelOnly, reproducing the training-side output (Edit: with the reference latents as ComfyUI's
 ``ref_latents``)."""
 import pytest
-from conftest import check_epoch_loras, train
-from PIL import Image, ImageOps
+from conftest import add_control_images, check_epoch_loras, train
 
 from pipetrain.backend.cache import CacheStore
 from pipetrain.backend.cache.manifest import CacheManifest
@@ -36,12 +35,7 @@ def test_qwen_image_two_stage_pipeline_to_comfyui_lora(model_files, make_run):
 def test_qwen_image_edit_with_control_images_to_comfyui_lora(model_files, make_run):
     # 4 pictures: each caption is read with its control image by the real-size vision tower (~30 s on a CPU core)
     config = make_run(model_files("qwen_image_edit"), images=4, stages=2, epochs=2, model={"type": "qwen_image_edit"})
-    root = config.parent
-    (root / "controls").mkdir()
-    for image in sorted((root / "dataset").glob("*.png")):   # the same picture in grey, paired by file stem
-        ImageOps.grayscale(Image.open(image)).convert("RGB").save(root / "controls" / f"{image.stem}.jpg")
-    with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
-        f.write(f'control_path = "{root / "controls"}"\n')
+    root = add_control_images(config)
     run = train(config, ranks=2)
     _check(config, run, last_only=True)     # 4 steps an epoch: the first epoch may barely move
     assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2]
