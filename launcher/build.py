@@ -41,9 +41,22 @@ def dataset_config(spec: DatasetSpec) -> DatasetConfig:
         "directory": [{"path": d.path, "num_repeats": d.num_repeats, "resolutions": list(d.resolutions),
                        "caption_extension": d.caption_extension, "caption_prefix": d.caption_prefix,
                        "shuffle_tags": d.shuffle_tags, "cache_shuffle_num": d.cache_shuffle_num,
-                       "frame_buckets": list(d.frame_buckets)} for d in spec.directories],
+                       "frame_buckets": list(d.frame_buckets),
+                       **({"control_path": d.control_path} if d.control_path else {})} for d in spec.directories],
     }
     return from_dict(DatasetConfig, table, file=WHERE)
+
+
+def check_edit_pairs(ds: DatasetConfig, model_type: str, label: str) -> None:
+    """An edit model's folders each have a control folder whose images pair with the training files by name
+    (unpaired files listed); other models have none."""
+    from ..backend.data import scan_dataset
+    from ..backend.models.registry import adapter_class
+    from ..backend.train.caching import check_control_paths
+
+    check_control_paths(ds, adapter_class(model_type), label)
+    if any(d.control_path is not None for d in ds.directory):
+        scan_dataset(ds)    # raises naming a missing control folder or listing the unpaired files
 
 
 EVAL_DATASET = "eval_dataset.toml"   # beside dataset.toml; the eval set's name is "eval"
@@ -113,9 +126,9 @@ def check_spec(spec: TrainSpec) -> None:
                           f"use a GPU count that is a multiple of {p.pipeline_stages}", file=WHERE, key="pipeline_stages")
     elif p.gpu_ids and len(p.gpu_ids) != p.gpus:
         raise ConfigError(f"{len(p.gpu_ids)} gpu_ids given for gpus={p.gpus}", file=WHERE, key="gpu_ids")
-    dataset_config(spec.dataset)
+    check_edit_pairs(dataset_config(spec.dataset), spec.model.type, "dataset")
     if spec.eval_dataset is not None:
-        dataset_config(spec.eval_dataset)
+        check_edit_pairs(dataset_config(spec.eval_dataset), spec.model.type, "eval dataset")
     cfg = from_dict(RunConfig, run_table(spec, output_dir="/", dataset="dataset.toml", run_name=None,
                                          lora_dir=None), file=WHERE)
     cfg.check_world_size(world)

@@ -20,6 +20,7 @@ class DirectorySpec:
     shuffle_tags: bool = False          # one tag-shuffled variant per caption (cache_shuffle_num 1)
     cache_shuffle_num: int = 0          # N tag-shuffled variants per caption, each its own example
     frame_buckets: tuple[int, ...] = (1,)   # video models: clip lengths in frames
+    control_path: str = ""              # edit models: the folder of control images named like the files
 
 
 @dataclass(frozen=True)

@@ -76,16 +76,24 @@ class DatasetNode(io.ComfyNode):
                 io.Float.Input("uncond_fraction", optional=True, default=0.0, min=0.0, max=0.99, step=0.01, tooltip="Caption "
                                "dropout: train this fraction of samples with the empty caption (the run uses the "
                                "training dataset's value; an eval dataset's is ignored)"),
+                io.String.Input("control_folder", optional=True, default="", tooltip="Edit models (Flux Kontext, "
+                                "Qwen-Image-Edit): the folder of control images, each named like its training "
+                                "image (a.png <-> a.jpg); under ComfyUI's input directory or an absolute path. "
+                                "Leave empty for other models"),
                 t.Dataset.Input("previous", optional=True, tooltip="Another PipeTrain Dataset to add this folder to"),
             ],
             outputs=[t.Dataset.Output(display_name="dataset")],
         )
 
     @classmethod
-    def validate_inputs(cls, folder=None, resolutions=None, caption_extension=None, frame_buckets=None):
+    def validate_inputs(cls, folder=None, resolutions=None, caption_extension=None, frame_buckets=None,
+                        control_folder=None):
         try:
             if folder is not None:
                 check_dataset_folder(dataset_folder(folder), caption_extension or ".txt")
+            if control_folder and control_folder.strip() and not dataset_folder(control_folder).is_dir():
+                return (f"control_folder {control_folder!r}: {dataset_folder(control_folder)} is not a folder; pick "
+                        "the folder of control images under ComfyUI's input directory or type an absolute path")
             if resolutions is not None:
                 parse_resolutions(resolutions)
             if frame_buckets is not None:
@@ -97,11 +105,12 @@ class DatasetNode(io.ComfyNode):
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
                 caption_extension, caption_prefix="", shuffle_tags=False, cache_shuffle_num=0, frame_buckets="1",
-                uncond_fraction=0.0, previous=None) -> io.NodeOutput:
+                uncond_fraction=0.0, control_folder="", previous=None) -> io.NodeOutput:
         res = parse_resolutions(resolutions)
         ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
+        control = str(dataset_folder(control_folder)) if control_folder.strip() else ""
         directory = DirectorySpec(str(dataset_folder(folder)), num_repeats, res, ext, caption_prefix, shuffle_tags,
-                                  cache_shuffle_num, parse_frame_buckets(frame_buckets))
+                                  cache_shuffle_num, parse_frame_buckets(frame_buckets), control)
         spec = DatasetSpec((directory,), res, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, uncond_fraction)
         return io.NodeOutput(previous.plus(spec) if previous is not None else spec)
 

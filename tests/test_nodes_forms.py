@@ -2,6 +2,8 @@
 """The node forms without a server: parsing, spec building and dataset chaining."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipetrain.backend.runtime import ensure_comfyui
@@ -156,3 +158,33 @@ def test_model_type_picks_what_the_weights_cannot_tell(tmp_path):
     assert detect(flux, "flux_kontext") == "flux_kontext"
     with pytest.raises(ValueError, match="is a flux model"):
         detect(flux, "qwen_image_edit")
+
+
+def test_the_dataset_node_pairs_control_images_for_edit_models(forms, tmp_path):
+    from PIL import Image
+
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.errors import DatasetError
+    from pipetrain.launcher.build import check_spec, write_config
+    from pipetrain.launcher.specs import ModelSpec, TrainSpec
+
+    _, data, _ = forms
+    f = _files(tmp_path)
+    for folder, name in (("pictures", "a.png"), ("pictures", "b.png"), ("controls", "a.jpg"), ("controls", "b.jpg")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        Image.new("RGB", (64, 48), (200, 30, 30)).save(tmp_path / folder / name)
+    kontext = ModelSpec("flux_kontext", str(f["dm"]), str(f["vae"]), (str(f["te1"]), str(f["te2"])))
+    flux = dataclasses.replace(kontext, type="flux")
+    paired = _dataset(data, tmp_path / "pictures", control_folder=str(tmp_path / "controls"))
+    cfg = load_run_config(write_config(TrainSpec(paired, kontext), tmp_path / "run", output_dir=tmp_path / "out",
+                                       run_name="r", lora_dir=None))
+    assert cfg.dataset_config.directory[0].control_path == str(tmp_path / "controls")
+
+    with pytest.raises(DatasetError, match="has no control_path"):      # an edit model without control images
+        check_spec(TrainSpec(_dataset(data, tmp_path / "pictures"), kontext))
+    with pytest.raises(DatasetError, match="not an edit model"):
+        check_spec(TrainSpec(paired, flux))
+    Image.new("RGB", (64, 48)).save(tmp_path / "controls" / "c.jpg")      # a control image without its picture
+    with pytest.raises(DatasetError, match="c.jpg"):
+        check_spec(TrainSpec(paired, kontext))
+    assert "is not a folder" in data.DatasetNode.validate_inputs(control_folder=str(tmp_path / "nowhere"))
