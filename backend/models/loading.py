@@ -244,6 +244,19 @@ def _check_kinds(paths: list[Path], kinds: list[str], arch: str) -> None:
         raise ModelError(f"{arch} needs the text encoders {need}, one file each; got {got or 'no files'}")
 
 
+def _check_vision_towers(paths: list[Path], headers, kinds: list[str], arch: str) -> None:
+    """A model that reads images with its captions needs each VL encoder's vision tower in the file (ComfyUI
+    would build a missing one with uninitialised weights and only log the missing keys)."""
+    if not arch_spec(arch).text_encoders_read_images:
+        return
+    for path, (shapes, _), kind in zip(paths, headers, kinds):
+        for name in TEXT_ENCODERS[kind].tiny_omits:
+            if not any(k.startswith(f"{name}.") or f".{name}." in k for k in shapes):
+                raise ModelError(f"{path}: this {_te_title(kind)} file has no vision tower ('{name}.*' weights); "
+                                 f"{arch_spec(arch).title} reads each caption together with its control image: "
+                                 "use the full file, e.g. ComfyUI's qwen_2.5_vl_7b_fp8_scaled.safetensors")
+
+
 def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
     """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny)."""
     if arch not in ADAPTERS:
@@ -257,7 +270,9 @@ def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
     ensure_comfyui()
     if all(tiny) and paths:
         return _load_tiny_text_encoders(paths, headers, arch, dtype)
-    _check_kinds(paths, [_real_te_kind(shapes) for shapes, _ in headers], arch)
+    kinds = [_real_te_kind(shapes) for shapes, _ in headers]
+    _check_kinds(paths, kinds, arch)
+    _check_vision_towers(paths, headers, kinds, arch)
     import comfy.sd
     clip_type = getattr(comfy.sd.CLIPType, arch_spec(arch).clip_type)
     options = {} if dtype is None else {"dtype": dtype}
