@@ -34,7 +34,7 @@ class RunReporter:
         if not self.enabled:
             return
         self.status.update(fields, updated=time.time())
-        atomic_write_json(self.run_dir / "status.json", self.status)
+        atomic_write_json(self.run_dir / "status.json", self.status, durable=False)   # rewritten every step
 
     def _writer(self):
         if self._tb is None:

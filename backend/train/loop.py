@@ -74,21 +74,25 @@ def run_loop(trainer) -> None:
         evaluate(trainer)
     bar = _progress_bar(trainer)
     started, steps_done = time.monotonic(), 0
+    # a step's time runs from the previous step's end, so what happens between steps (reporting, the stop
+    # check, LoRA saves) counts in samples/s as it does in the wall clock
+    last_end = started
     batches, batches_epoch = None, None
     while trainer.global_step < trainer.total_steps:
         if batches_epoch != trainer.epoch:
             batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
-        t0 = time.monotonic()
         lr = engine.get_lr()[0]
         engine.reset_activation_shape()
         loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
                                                          trainer.step_in_epoch))
         loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
+        step_end = time.monotonic()
+        step_time, last_end = step_end - last_end, step_end
         trainer.global_step += 1
         trainer.step_in_epoch += 1
         steps_done += 1
         if trainer.rank == 0:
-            _report_step(trainer, loss, lr, time.monotonic() - t0, started, steps_done)
+            _report_step(trainer, loss, lr, step_time, started, steps_done)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", epoch=trainer.epoch)
