@@ -122,7 +122,7 @@ def record_grad_norm(trainer) -> None:
     def clip_and_record():
         norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
                                mpu=engine.mpu)
-        trainer.grad_norm = float(norm)
+        trainer.grad_norm = norm.detach()   # read when the step is reported: no host sync before the optimizer
     engine.clip_fp32_gradients = clip_and_record
 
 

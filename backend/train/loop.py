@@ -41,7 +41,7 @@ def _report_step(trainer, loss: float, lr: float, step_time: float, started: flo
     if torch.cuda.is_available():
         extra["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     if trainer.grad_norm is not None:
-        extra["grad_norm"] = scalars["train/grad_norm"] = trainer.grad_norm
+        extra["grad_norm"] = scalars["train/grad_norm"] = float(trainer.grad_norm)
     d = prodigy_d(trainer.engine.optimizer)
     if d is not None:
         extra["prodigy_d"] = scalars["train/prodigy_d"] = d
