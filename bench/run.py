@@ -6,8 +6,11 @@ scripts live outside this repository: pass their paths).
         [--bare /path/to/bare_ceiling.py] [--native /path/to/native_trainer.py] [--comfyui PATH]
 
 Weights are random with the real architecture configs (step time does not depend on their values);
-text encoders are tiny with the real output widths (their cost is in caching, not in the step). Prints a
-table and writes ``bench.json``. Needs a CUDA GPU with PipeTrain's dependencies installed.
+text encoders are tiny with the real output widths (their cost is in caching, not in the step). Video cases
+train on generated animated-WebP clips of ``frames`` frames at the model's frame rate, square at the case's
+resolution (640^2 stands for 480x832: the same area, the same token count). Prints a table and writes
+``bench.json``. Needs a CUDA GPU with PipeTrain's dependencies installed; ``--size tiny --resolution 64
+--frames 9`` runs every case's code path on the CPU with tiny models (a smoke test, no figures).
 """
 from __future__ import annotations
 
@@ -35,7 +38,16 @@ class Case:
     gradient_accumulation: int = 1
     bare_case: str | None = None      # the bare loop's CASES name for the same model
     native_case: str | None = None    # native_trainer.py's CASE name
+    frames: int = 1                   # video models: clip length
+    variant: str | None = None        # a published size other than the adapter's full one (VARIANTS)
 
+
+def _wan_1_3b() -> dict:
+    from pipetrain.backend.models.wan import wan_config
+    return wan_config(1536, 8960, 30)
+
+
+VARIANTS = {"wan-1.3b": _wan_1_3b}    # name -> the diffusion model's unet_config
 
 CASES = {
     "flux-1024": Case("flux", 1024, 1, bare_case="flux", native_case="flux"),
@@ -46,34 +58,68 @@ CASES = {
     "sdxl-1024-b8-compile": Case("sdxl", 1024, 8, compile=True, bare_case="sdxl", native_case="sdxl"),
     "flux-1024-2stages-ga8": Case("flux", 1024, 1, stages=2, gradient_accumulation=8),
     "flux-1024-1stage-ga8": Case("flux", 1024, 1, gradient_accumulation=8),
+    "zimage-1024-b4": Case("z_image", 1024, 4),
+    "zimage-1024-b4-ckpt": Case("z_image", 1024, 4, checkpointing=True),
+    "qwen_image-1024": Case("qwen_image", 1024, 1),
+    "qwen_image-1024-ckpt": Case("qwen_image", 1024, 1, checkpointing=True),
+    "wan1.3b-480x832x81": Case("wan", 640, 1, frames=81, variant="wan-1.3b"),
+    "wan1.3b-480x832x81-ckpt": Case("wan", 640, 1, checkpointing=True, frames=81, variant="wan-1.3b"),
 }
 
 
-def write_models(arch: str, root: Path):
+def write_models(case: Case, root: Path, size: str = "full"):
     from pipetrain.backend.models.tiny import write_model_files
 
-    marker = root / f"{arch}-full.json"
+    name = f"{case.arch}-{size}" + (f"-{case.variant}" if case.variant and size == "full" else "")
+    marker = root / f"{name}.json"
     if marker.exists():
         return json.loads(marker.read_text())
     t = time.monotonic()
     import torch
-    files = write_model_files(arch, root / arch, "full", torch.bfloat16, text_encoder_size="tiny",
-                              init_device="cuda")
+    unet_config = VARIANTS[case.variant]() if case.variant and size == "full" else None
+    files = write_model_files(case.arch, root / name, size, torch.bfloat16, text_encoder_size="tiny",
+                              init_device="cuda" if torch.cuda.is_available() else "cpu", unet_config=unet_config)
     data = {"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
             "text_encoders": [str(p) for p in files.text_encoders], "write_s": round(time.monotonic() - t, 1)}
     marker.write_text(json.dumps(data))
     return data
 
 
-def write_config(name: str, case: Case, files: dict, root: Path, steps: int) -> Path:
+def write_clips(folder: Path, count: int, frames: int, fps: float, side: int) -> None:
+    """``count`` animated WebP clips of a disc crossing the picture, ``frames`` frames at ``fps``."""
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        pictures = []
+        for f in range(frames):
+            picture = Image.new("RGB", (side, side), (240, 240, 235))
+            x = int((f / max(frames - 1, 1)) * side * 0.8) + side // 10
+            ImageDraw.Draw(picture).ellipse((x - side // 10, side // 3, x + side // 10, side // 3 + side // 5),
+                                            fill=(200, 40 + 20 * i, 40))
+            pictures.append(picture)
+        # a little longer per frame than 1/fps, so the clip surely fills ``frames`` frames at the model's rate
+        pictures[0].save(folder / f"clip{i:02d}.webp", save_all=True, append_images=pictures[1:],
+                         duration=int(1000 / fps) + 1, lossless=False, quality=60)
+        (folder / f"clip{i:02d}.txt").write_text("a red ball rolling across a white floor")
+
+
+def write_config(name: str, case: Case, files: dict, root: Path, steps: int, resolution: int | None = None,
+                 frames: int | None = None) -> Path:
     import tomli_w
     from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.models.registry import adapter_class
 
     folder = root / name
-    make_dataset(folder / "dataset", max(8, case.batch * case.gradient_accumulation))
+    resolution, frames = resolution or case.resolution, frames or case.frames
+    count = max(8, case.batch * case.gradient_accumulation)
+    if frames > 1:
+        write_clips(folder / "dataset", count, frames, adapter_class(case.arch).framerate, resolution)
+    else:
+        make_dataset(folder / "dataset", count)
     for caption in (folder / "dataset").glob("*.txt"):  # ~510 T5 tokens, like the bare loop's 512 text tokens
         caption.write_text(" ".join(["a red circle on a white background"] * 72))
-    dataset = {"resolutions": [case.resolution], "enable_ar_bucket": False,
+    dataset = {"resolutions": [resolution], "enable_ar_bucket": False, "frame_buckets": [frames],
                "directory": [{"path": str(folder / "dataset"), "num_repeats": 4}]}
     run = {"output_dir": str(folder / "output"), "dataset": str(folder / "dataset.toml"), "epochs": 100,
            "max_steps": steps, "micro_batch_size_per_gpu": case.batch, "pipeline_stages": case.stages,
@@ -87,10 +133,10 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int) -> 
     return folder / "run.toml"
 
 
-def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int) -> dict:
+def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, **overrides) -> dict:
     from pipetrain.backend.launch import deepspeed_command
 
-    config = write_config(name, case, files, root, steps)
+    config = write_config(name, case, files, root, steps, **overrides)
     cmd = deepspeed_command("train", config, case.stages, ["--no-progress"])
     log = root / f"{name}.log"
     with open(log, "w") as f:
@@ -125,6 +171,9 @@ def main() -> int:
     p.add_argument("--bare", help="path to bare_ceiling.py (the bare eager loop)")
     p.add_argument("--native", help="path to native_trainer.py (ComfyUI's TrainLoraNode)")
     p.add_argument("--comfyui", default=None, help="ComfyUI folder for the baselines (default: PipeTrain's)")
+    p.add_argument("--size", default="full", help="model size: full (figures) or tiny (a CPU smoke test)")
+    p.add_argument("--resolution", type=int, help="override every case's resolution (smoke tests)")
+    p.add_argument("--frames", type=int, help="override video cases' clip length (smoke tests)")
     args = p.parse_args()
     from pipetrain.backend.runtime import ensure_comfyui
 
@@ -135,8 +184,9 @@ def main() -> int:
     results = {}
     for name in args.cases.split(","):
         case = CASES[name]
-        r = {"case": asdict(case), "ours": run_ours(name, case, write_models(case.arch, root), root, args.steps,
-                                                    args.warmup)}
+        frames = args.frames if args.frames and case.frames > 1 else None
+        r = {"case": asdict(case), "ours": run_ours(name, case, write_models(case, root, args.size), root, args.steps,
+                                                    args.warmup, resolution=args.resolution, frames=frames)}
         if args.bare and case.bare_case and args.baselines in ("all", "bare"):
             r["bare"] = run_script(args.bare, {"COMFYUI_PATH": comfy_root, "CASES": case.bare_case})
         if args.native and case.native_case and args.baselines in ("all", "native"):

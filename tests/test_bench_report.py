@@ -1,5 +1,8 @@
-"""The GPU benchmark's pipeline report (the numbers themselves come from the GPU machine)."""
+"""The GPU benchmark harness: its pipeline report, and every new case run through the trainer on tiny models
+(the figures themselves come from the GPU machine)."""
 from dataclasses import asdict
+
+import pytest
 
 
 def test_pipeline_efficiency_compares_stages_with_the_bubble_bound():
@@ -12,3 +15,25 @@ def test_pipeline_efficiency_compares_stages_with_the_bubble_bound():
                     "(bubble bound 89%)")
     del results["flux-1024-1stage-ga8"]        # nothing to compare with
     assert pipeline_efficiency(results) == []
+
+
+@pytest.mark.slow
+def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path):
+    """The GPU cases for Z-Image (batch 4), Qwen-Image and Wan 2.1 1.3B (81-frame clips) through the real
+    trainer with tiny models at 64^2 (9 frames): configs, generated clips and step events all work."""
+    import json
+    import subprocess
+    import sys
+
+    cases = ["zimage-1024-b4", "qwen_image-1024-ckpt", "wan1.3b-480x832x81"]
+    out = subprocess.run([sys.executable, "-m", "pipetrain.bench.run", "--cases", ",".join(cases), "--size", "tiny",
+                          "--resolution", "64", "--frames", "9", "--steps", "3", "--warmup", "1", "--baselines",
+                          "none", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "bench.json").read_text())
+    for name in cases:
+        assert results[name]["ours"]["rc"] == 0 and results[name]["ours"]["samples_per_s"] > 0, results[name]
+    clip = next((tmp_path / "work" / "wan1.3b-480x832x81" / "dataset").glob("*.webp"))
+    from PIL import Image
+    assert Image.open(clip).n_frames == 9

@@ -156,9 +156,10 @@ def write_safetensors(module: torch.nn.Module, path: Path, dtype: torch.dtype, s
 
 
 # --- the files for one architecture --------------------------------------------------------------
-def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed, device: str = "cpu") -> int:
+def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed, device: str = "cpu",
+                           unet_config: dict | None = None) -> int:
     spec = arch_spec(arch)
-    config = spec.unet_config(size)
+    config = unet_config or spec.unet_config(size)
     meta = {"pipetrain.arch": arch, "pipetrain.size": size}
     if size not in spec.detected_sizes:  # ComfyUI cannot tell this config from the weights: say what it is
         meta["pipetrain.unet_config"] = json.dumps(config)
@@ -190,11 +191,13 @@ def _vae_metadata(kind: str, size: str) -> dict[str, str]:
 
 
 def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.float32, seed=0, *,
-                      text_encoder_size: str | None = None, init_device: str = "cpu") -> ModelFiles:
+                      text_encoder_size: str | None = None, init_device: str = "cpu",
+                      unet_config: dict | None = None) -> ModelFiles:
     """Write a random-initialised diffusion model, VAE and text encoders for ``arch`` into ``out_dir``.
 
     ``text_encoder_size`` (default ``size``): benchmarks pair a full diffusion model with tiny text encoders,
-    whose outputs keep the real widths, so the training step is the full-size one."""
+    whose outputs keep the real widths, so the training step is the full-size one. ``unet_config``: another
+    published size of the architecture (e.g. Wan 2.1 1.3B) in place of ``size``'s, written as ``size``."""
     if arch not in ARCHS or size not in SIZES:
         raise ModelError(f"unknown arch/size {arch!r}/{size!r}; supported: {ARCHS} x {SIZES}")
     spec = arch_spec(arch)
@@ -205,7 +208,7 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
                        out_dir / (f"{arch}_{size}_vae.safetensors" if vae_kind.sized else f"{arch}_vae.safetensors"),
                        [out_dir / f"{arch}_{text_encoder_size or size}_{kind}.safetensors"
                         for kind in spec.text_encoders])
-    _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed, init_device)
+    _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed, init_device, unet_config)
     write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1,
                       {"pipetrain.arch": arch, **_vae_metadata(spec.vae, size)},
                       {name: make() for name, make in vae_kind.extras.items()}, device=init_device,
