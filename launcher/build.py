@@ -50,9 +50,8 @@ def dataset_config(spec: DatasetSpec) -> DatasetConfig:
 def check_edit_pairs(ds: DatasetConfig, model_type: str, label: str) -> None:
     """An edit model's folders each have a control folder whose images pair with the training files by name
     (unpaired files listed); other models have none."""
-    from ..backend.data import scan_dataset
+    from ..backend.data import check_control_paths, scan_dataset
     from ..backend.models.registry import adapter_class
-    from ..backend.train.caching import check_control_paths
 
     check_control_paths(ds, adapter_class(model_type), label)
     if any(d.control_path is not None for d in ds.directory):

@@ -5,9 +5,8 @@ from test_data_scan import dataset, write_image
 
 from pipetrain.backend.cache.manifest import build_entries
 from pipetrain.backend.config import DirectoryConfig, load_dataset_config
-from pipetrain.backend.data import build_samples, scan_dataset
+from pipetrain.backend.data import build_samples, check_control_paths, scan_dataset
 from pipetrain.backend.errors import ConfigError, DatasetError
-from pipetrain.backend.train.caching import check_control_paths
 
 
 def _edit_folder(root, names=("a", "b"), controls=("a", "b")):

@@ -1,25 +1,21 @@
 """A Qwen2.5-VL text-encoder file without its vision tower is refused, naming the file, for Qwen-Image-Edit
 (which reads captions with the control image) before ComfyUI would build the tower uninitialised."""
-import json
 import struct
 
 import pytest
 
 
 def _sparse_safetensors(path, plan):
-    """A real-size safetensors file whose data is a sparse hole: headers are all loading's checks read."""
-    header, offset = {}, 0
-    for key, shape, _ in plan:
-        size = 2
-        for s in shape:
-            size *= s
-        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
+    """A real-size bfloat16 safetensors file whose data is a sparse hole: headers are all loading's checks read."""
+    import torch
+
+    from pipetrain.backend.models import tiny
+
+    header = tiny._header(plan, torch.bfloat16, {}, {})
+    data = 2 * sum(int(torch.Size(shape).numel()) for _, shape, _ in plan)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + data)
     return path
 
 

@@ -4,10 +4,11 @@ from .captions import caption_variants, drops_caption, expand_captions
 from .epoch_plan import EpochPlan
 from .items import MediaItem, Sample
 from .pixels import PREPROCESS_VERSION, load_pixels
-from .scan import ScanResult, scan_dataset
+from .scan import ScanResult, check_control_paths, scan_dataset
 
 __all__ = [
     "PREPROCESS_VERSION", "EpochPlan", "MediaItem", "Sample", "ScanResult", "assign_bucket",
-    "build_samples", "caption_variants", "drops_caption", "expand_captions", "load_pixels", "make_buckets",
+    "build_samples", "caption_variants", "check_control_paths", "drops_caption", "expand_captions", "load_pixels",
+    "make_buckets",
     "scan_dataset",
 ]

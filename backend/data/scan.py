@@ -195,3 +195,16 @@ def scan_dataset(cfg: DatasetConfig, videos: bool = False) -> ScanResult:
             raise DatasetError(f"dataset directory {scan.path} contains no readable images{skipped}; "
                                "add images or remove this [[directory]] from the dataset config")
     return result
+
+
+def check_control_paths(ds, adapter, label: str) -> None:
+    """Edit models need a control image for every file; other models would silently ignore one."""
+    needs = getattr(adapter, "needs_control", False)
+    for d in ds.directory:
+        if needs and d.control_path is None:
+            raise DatasetError(f"{label}: [[directory]] {d.path!r} has no control_path; {adapter.arch} is an edit "
+                               "model and trains on (control image, target image) pairs: set control_path to the "
+                               "folder of control images named like the training files")
+        if not needs and d.control_path is not None:
+            raise DatasetError(f"{label}: [[directory]] {d.path!r} sets control_path, but {adapter.arch} is not an "
+                               "edit model; remove control_path or choose an edit model type")

@@ -15,7 +15,7 @@ log = logging.getLogger("pipetrain")
 
 
 def _samples(ds, seed: int, reporter, label: str, adapter=None):
-    from ..data import build_samples, expand_captions, scan_dataset
+    from ..data import build_samples, check_control_paths, expand_captions, scan_dataset
     from ..data.buckets import check_frame_buckets
 
     fps = getattr(adapter, "framerate", None)   # video models read videos, resampled to their frame rate
@@ -34,21 +34,6 @@ def _samples(ds, seed: int, reporter, label: str, adapter=None):
                        files=[f"{p}: {why}" for p, why in scan.unreadable])
     multiple = getattr(adapter, "spatial_multiple", 16)
     return expand_captions(build_samples(ds, scan.items, model_fps=fps, side_multiple=multiple), seed)
-
-
-def check_control_paths(ds, adapter, label: str) -> None:
-    """Edit models need a control image for every file; other models would silently ignore one."""
-    from ..errors import DatasetError
-
-    needs = getattr(adapter, "needs_control", False)
-    for d in ds.directory:
-        if needs and d.control_path is None:
-            raise DatasetError(f"{label}: [[directory]] {d.path!r} has no control_path; {adapter.arch} is an edit "
-                               "model and trains on (control image, target image) pairs: set control_path to the "
-                               "folder of control images named like the training files")
-        if not needs and d.control_path is not None:
-            raise DatasetError(f"{label}: [[directory]] {d.path!r} sets control_path, but {adapter.arch} is not an "
-                               "edit model; remove control_path or choose an edit model type")
 
 
 def _datasets(cfg) -> dict[str, tuple]:
