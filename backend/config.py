@@ -377,6 +377,7 @@ class RunConfig:
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = None
     activation_checkpointing: Union[bool, Literal["unsloth"]] = False   # 'unsloth': inputs parked in CPU memory
+    activation_checkpointing_fraction: float = 1.0   # the share of blocks checkpointed (evenly spread)
     blocks_to_swap: int = 0                      # per stage: frozen block weights kept in CPU memory (swap.py)
     compile: bool = False                        # torch.compile each transformer block (compiled once, reused)
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
@@ -419,6 +420,13 @@ class RunConfig:
                               key="eval_datasets")
         if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
             raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
+        if not 0 < self.activation_checkpointing_fraction <= 1:
+            raise ConfigError(f"got {self.activation_checkpointing_fraction}; must be in (0, 1] (1: every block)",
+                              file=file, key="activation_checkpointing_fraction")
+        if self.activation_checkpointing_fraction < 1 and not self.activation_checkpointing:
+            raise ConfigError("a share of the blocks to checkpoint needs activation_checkpointing = true (or "
+                              "'unsloth'); set both, or leave the fraction out", file=file,
+                              key="activation_checkpointing_fraction")
         if self.blocks_to_swap < 0:
             raise ConfigError(f"got {self.blocks_to_swap}; must be 0 or more", file=file, key="blocks_to_swap")
         if self.blocks_to_swap and self.adapter is None:

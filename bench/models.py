@@ -5,7 +5,8 @@ pipeline layers with LoRA rank 32 on the adapter's targets and AdamW; latents an
 probes (short captions; clean latents at the given resolution, and ``--frames`` for video models).
 
     python bench/models.py --out $OUT [--archs qwen_image,z_image] [--resolution 1024] [--frames 33]
-        [--checkpointing] [--compile] [--deadline-s 300] [--profile]
+        [--checkpointing [--checkpoint-fraction 0.5]] [--compile [--compile-inside-checkpoint]]
+        [--deadline-s 300] [--profile]
 
 Writes ``models.json`` after every model, so a deadline cuts the list, never the results. ``--profile`` records
 two steps after the timed ones with torch.profiler: ``<arch>.trace.json`` (Chrome/Perfetto trace) and
@@ -90,6 +91,7 @@ def profile_steps(arch: str, step, out: Path, steps: int = 2) -> None:
 
 def measure(arch: str, args, device: str = "cuda") -> dict:
     from pipetrain.backend import lora
+    from pipetrain.backend.models.checkpointing import thin_checkpointing
     from pipetrain.backend.models.compiling import compile_blocks
 
     gc.collect()                          # the previous model's weights must be gone before the peak is reset
@@ -101,8 +103,9 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     params_b = sum(p.numel() for p in dm.parameters()) / 1e9
     lora.inject(dm, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
     layers = adapter.to_layers(args.checkpointing)
+    thin_checkpointing(layers, args.checkpoint_fraction)
     if args.compile:
-        compile_blocks(layers)
+        compile_blocks(layers, checkpoint_inside=not args.compile_inside_checkpoint)
     trainable = lora.trainable_parameters(dm)
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     inputs = probe_inputs(adapter, args.resolution, args.frames, device)
@@ -139,6 +142,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--checkpoint-fraction", type=float, default=1.0, help="checkpoint this share of the blocks")
+    p.add_argument("--compile-inside-checkpoint", action="store_true",
+                   help="compile each block inside an eager checkpoint (the older placement, for comparison)")
     p.add_argument("--deadline-s", type=float, default=1e9)
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of two steps")
     args = p.parse_args()

@@ -40,6 +40,7 @@ class Case:
     native_case: str | None = None    # native_trainer.py's CASE name
     frames: int = 1                   # video models: clip length
     variant: str | None = None        # a published size other than the adapter's full one (VARIANTS)
+    checkpoint_fraction: float = 1.0  # with checkpointing: the share of blocks checkpointed
 
 
 def _wan_1_3b() -> dict:
@@ -54,6 +55,10 @@ CASES = {
     "flux-1024-ckpt": Case("flux", 1024, 1, checkpointing=True, native_case="flux"),
     "flux-1024-compile": Case("flux", 1024, 1, compile=True, bare_case="flux", native_case="flux"),
     "flux-1024-ckpt-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, native_case="flux"),
+    "flux-1024-ckpt-half-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, checkpoint_fraction=0.5,
+                                        native_case="flux"),
+    "flux-1024-ckpt-third-compile": Case("flux", 1024, 1, checkpointing=True, compile=True,
+                                         checkpoint_fraction=1 / 3, native_case="flux"),
     "sdxl-1024-b8": Case("sdxl", 1024, 8, bare_case="sdxl", native_case="sdxl"),
     "sdxl-1024-b8-compile": Case("sdxl", 1024, 8, compile=True, bare_case="sdxl", native_case="sdxl"),
     "flux-1024-2stages-ga8": Case("flux", 1024, 1, stages=2, gradient_accumulation=8),
@@ -125,6 +130,7 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
            "max_steps": steps, "micro_batch_size_per_gpu": case.batch, "pipeline_stages": case.stages,
            "gradient_accumulation_steps": case.gradient_accumulation, "save_every_n_epochs": 1000,
            "activation_checkpointing": case.checkpointing, "compile": case.compile, "run_name": "bench",
+           "activation_checkpointing_fraction": case.checkpoint_fraction,
            "model": {"type": case.arch, "diffusion_model": files["diffusion_model"], "vae": files["vae"],
                      "text_encoders": files["text_encoders"], "dtype": "bfloat16"},
            "adapter": {"rank": 32, "alpha": 32.0}, "optimizer": {"type": "adamw", "lr": 1e-4}}

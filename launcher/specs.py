@@ -123,6 +123,7 @@ class MemorySpec:
     blocks_to_swap: int = 0
     offload_activations: bool = False   # with activation_checkpointing: 'unsloth' (block inputs in CPU memory)
     compile: bool = False               # torch.compile each block (speed, not memory; it lives with the savers)
+    checkpoint_fraction: float = 1.0    # with activation_checkpointing: the share of blocks checkpointed
 
 
 @dataclass(frozen=True)

@@ -282,11 +282,15 @@ class MemoryNode(io.ComfyNode):
                 io.Boolean.Input("compile", default=False, optional=True, tooltip="torch.compile each transformer "
                                  "block: faster steps on a GPU (Flux-dev on an H200: +39%), the first step waits "
                                  "about a minute for the compile"),
+                io.Float.Input("checkpoint_fraction", default=1.0, min=0.05, max=1.0, step=0.05, optional=True,
+                               tooltip="With activation checkpointing: the share of blocks checkpointed, evenly "
+                               "spread (1: all). Lower is faster and takes more memory; pick the lowest that fits"),
             ],
             outputs=[t.Memory.Output(display_name="memory")],
         )
 
     @classmethod
     def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False,
-                compile=False) -> io.NodeOutput:  # noqa: A002  (the config key's name)
-        return io.NodeOutput(MemorySpec(activation_checkpointing, blocks_to_swap, offload_activations, compile))
+                compile=False, checkpoint_fraction=1.0) -> io.NodeOutput:  # noqa: A002  (the config key's name)
+        return io.NodeOutput(MemorySpec(activation_checkpointing, blocks_to_swap, offload_activations, compile,
+                                        checkpoint_fraction))

@@ -54,3 +54,81 @@ def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():
     assert from_dict(RunConfig, {**base, "activation_checkpointing": True}).activation_checkpointing is True
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         from_dict(RunConfig, {**base, "activation_checkpointing": "offload"})
+
+
+def _saved_bytes(adapter, inputs, layers) -> tuple[int, torch.Tensor]:
+    """Bytes autograd keeps for backward over one forward (what activation checkpointing trades for compute)."""
+    x0, noise, t, text = inputs
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel() * x.element_size())
+        return x
+
+    params = lora.trainable_parameters(adapter.diffusion_model)
+    for p in params:
+        p.grad = None
+    torch.manual_seed(11)   # LoRA dropout masks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        h = (x0, noise, t, *text)
+        for layer in layers:
+            h = layer(h)
+        loss = adapter.loss(h, (x0, noise, t))
+    loss.backward()
+    return sum(saved), torch.cat([p.grad.flatten() for p in params])
+
+
+def test_checkpointing_a_share_of_the_blocks_keeps_memory_between_none_and_all_with_equal_gradients(flux):
+    from pipetrain.backend.models.checkpointing import thin_checkpointing
+
+    adapter, inputs = flux
+    none, grads_none = _saved_bytes(adapter, inputs, adapter.to_layers(False))
+    every, grads_every = _saved_bytes(adapter, inputs, adapter.to_layers(True))
+    layers = adapter.to_layers(True)
+    blocks = sum(1 for layer in layers if getattr(layer, "checkpoint_activations", False))
+    assert thin_checkpointing(layers, 0.5) == blocks // 2
+    half, grads_half = _saved_bytes(adapter, inputs, layers)
+    assert every < half < none, (every, half, none)
+    torch.testing.assert_close(grads_half, grads_none, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads_every, grads_none, rtol=1e-5, atol=1e-7)
+
+
+def test_the_checkpointed_share_is_spread_evenly():
+    from pipetrain.backend.models.checkpointing import thin_checkpointing
+
+    class Block:
+        checkpoint_activations = True
+
+    for count, fraction, kept in ((57, 1 / 3, 19), (57, 0.5, 28), (57, 1.0, 57), (6, 0.5, 3), (4, 0.1, 0)):
+        layers = [object()] + [Block() for _ in range(count)] + [object()]   # embedders / head have no flag
+        assert thin_checkpointing(layers, fraction) == kept
+        on = [i for i, layer in enumerate(layers[1:-1]) if layer.checkpoint_activations]
+        gaps = {b - a for a, b in zip(on, on[1:])}
+        assert len(on) == kept and (not gaps or max(gaps) - min(gaps) <= 1), on
+
+
+def test_the_fraction_is_checked_and_reaches_the_config_from_the_memory_node():
+    from pipetrain.backend.config import RunConfig
+    from pipetrain.backend.errors import ConfigError
+    from pipetrain.backend.schema import from_dict
+    from pipetrain.launcher.build import run_table
+    from pipetrain.launcher.specs import DatasetSpec, DirectorySpec, MemorySpec, ModelSpec, TrainSpec
+
+    base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
+    cfg = from_dict(RunConfig, {**base, "activation_checkpointing": True, "activation_checkpointing_fraction": 0.5})
+    assert cfg.activation_checkpointing_fraction == 0.5
+    for value in (0, 1.5):
+        with pytest.raises(ConfigError, match="activation_checkpointing_fraction.*must be in"):
+            from_dict(RunConfig, {**base, "activation_checkpointing": True, "activation_checkpointing_fraction": value})
+    with pytest.raises(ConfigError, match="needs activation_checkpointing = true"):
+        from_dict(RunConfig, {**base, "activation_checkpointing_fraction": 0.5})
+
+    def from_node(memory):
+        spec = TrainSpec(DatasetSpec((DirectorySpec("/data", resolutions=(64,)),), resolutions=(64,)),
+                         ModelSpec("flux", "/m.safetensors", "/v.safetensors", ("/t.safetensors",)), memory=memory)
+        table = run_table(spec, output_dir="/out", dataset="/out/dataset.toml", run_name=None, lora_dir=None)
+        return from_dict(RunConfig, table, file="nodes")
+
+    assert from_node(MemorySpec(checkpoint_fraction=0.25)).activation_checkpointing_fraction == 0.25
+    assert from_node(MemorySpec(activation_checkpointing=False, checkpoint_fraction=0.25)) \
+        .activation_checkpointing_fraction == 1.0      # no checkpointing: nothing to share out

@@ -38,6 +38,7 @@ def test_node_forms_build_those_specs():
     assert AdapterNode.validate_inputs(type="lora", decompose_factor=4) != True   # noqa: E712
     assert MemoryNode.execute(True, 2).result[0].blocks_to_swap == 2
     assert MemoryNode.execute(True, 0, compile=True).result[0].compile
+    assert MemoryNode.execute(True, 0, checkpoint_fraction=0.5).result[0].checkpoint_fraction == 0.5
     assert OptimizerNode.execute("AdamW8bitKahan", 1e-4, 0.9, 0.99, 0.0, 1e-8).result[0].type == "AdamW8bitKahan"
 
 

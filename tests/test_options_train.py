@@ -74,14 +74,16 @@ def _tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.fixture(scope="module")
 def captions_run(micro_flux_files, tmp_path_factory):
-    """One rank: caption prefix, 2 shuffled variants per caption, caption dropout, Prodigy, an eval set."""
+    """One rank: caption prefix, 2 shuffled variants per caption, caption dropout, Prodigy, an eval set, half the
+    blocks checkpointed."""
     from pipetrain.backend.demo import write_configs
 
     root = tmp_path_factory.mktemp("captions")
     make_dataset(root / "dataset", 4)
     config = write_configs(root, micro_flux_files, stages=1, epochs=1, checkpoint_every_n_epochs=None,
                            uncond_fraction=0.5, eval_datasets=[_eval_set(root)], eval_before_first_step=True,
-                           optimizer={"type": "Prodigy", "lr": 1.0, "d_coef": 2.0})
+                           optimizer={"type": "Prodigy", "lr": 1.0, "d_coef": 2.0},
+                           activation_checkpointing=True, activation_checkpointing_fraction=0.5)
     dataset = config.with_name("dataset.toml")
     dataset.write_text(dataset.read_text() + 'caption_prefix = "photo of "\ncache_shuffle_num = 2\n'
                        'cache_shuffle_delimiter = " "\n')
@@ -95,7 +97,9 @@ def test_caption_options_and_prodigy(captions_run):
     cached = run.events("cached")[0]
     # 4 images x 2 shuffled variants, each its own example; + 2 eval captions + the empty caption (dropout)
     assert (cached["entries"], cached["texts_encoded"], cached["latents_encoded"]) == (8, 8 + 2 + 1, 4 + 2)
-    assert run.events("engine")[0]["steps_per_epoch"] == 8
+    engine = run.events("engine")[0]
+    assert engine["steps_per_epoch"] == 8
+    assert engine["checkpointed_layers"] == 2      # half of the micro Flux's 2 double + 2 single blocks
     manifest = [json.loads(p.read_text()) for p in (run.output_dir / "cache" / "manifests").glob("*.json")]
     train_entries = next(m["entries"] for m in manifest if len(m["entries"]) == 8)
     by_image = {}

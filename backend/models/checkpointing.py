@@ -5,8 +5,14 @@ block's inputs, recompute the block in backward) or ``'unsloth'`` (diffusion-pip
 the block's saved inputs wait in CPU memory, copied out and back with ``non_blocking`` copies, and the block
 is recomputed from them in backward; on the CPU the "copy" keeps the tensor as it is). The recompute
 replays the forward's RNG state, so LoRA dropout draws the same mask.
+
+``activation_checkpointing_fraction`` below 1 keeps checkpointing on that share of the blocks only, spread
+evenly over the model (``thin_checkpointing``): a step costs about that share of one forward pass extra instead
+of a whole one, and memory lands between the two ends. Pick the largest fraction that fits.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -97,3 +103,16 @@ class BlockLayer(CheckpointedLayer):
     def __init__(self, block, dtype, checkpoint_activations=False):
         super().__init__(checkpoint_activations)
         self.block, self.dtype = block, dtype
+
+
+def thin_checkpointing(layers, fraction: float) -> int:
+    """Leave checkpointing on ``fraction`` of the checkpointed layers, evenly spread (layer i keeps it when
+    ``floor((i + 1) * fraction)`` steps up); returns how many keep it."""
+    blocks = [layer for layer in layers if getattr(layer, "checkpoint_activations", False)]
+    kept = 0
+    for i, layer in enumerate(blocks):
+        if math.floor((i + 1) * fraction) > math.floor(i * fraction):
+            kept += 1
+        else:
+            layer.checkpoint_activations = False
+    return kept

@@ -1,19 +1,27 @@
 """``compile = true``: regional torch.compile of the transformer blocks.
 
 Every block layer's ``block_forward`` (the part that calls ComfyUI's block: attention, MLP, modulation, LoRA
-hooks) is compiled; the pipeline plumbing around it (bit-cast carries, checkpointing) stays eager. Blocks of
+hooks) is compiled; the pipeline plumbing around it (bit-cast carries) stays eager. A block under torch's
+activation checkpointing is compiled with its checkpoint inside the graph, so AOTAutograd plans the recompute
+(it fuses the recomputed forward into the backward and keeps what is cheaper to keep than to redo; RNG ops replay
+the forward's draws); 'unsloth' checkpointing (its own autograd function) stays around the compiled block. Blocks of
 one kind share their code, so TorchDynamo compiles each kind once and reuses the graph for every block
 (parameters are graph inputs). A new bucket shape triggers one more compile with dynamic sequence lengths
 (Dynamo's automatic dynamic shapes), not one per bucket.
 """
 from __future__ import annotations
 
+import functools
+
+from torch.utils.checkpoint import checkpoint
+
 # one cache entry per block kind and shape regime; generous so no block silently falls back to eager
 CACHE_SIZE_LIMIT = 64
 
 
-def compile_blocks(layers) -> int:
-    """Compile the ``block_forward`` of every layer that has one; returns how many were wrapped."""
+def compile_blocks(layers, checkpoint_inside: bool = True) -> int:
+    """Compile the ``block_forward`` of every layer that has one; returns how many were wrapped.
+    ``checkpoint_inside=False`` leaves torch's checkpoint eager around the compiled block (for comparison)."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
@@ -22,6 +30,21 @@ def compile_blocks(layers) -> int:
         forward = getattr(layer, "block_forward", None)
         if forward is None:
             continue
-        layer.block_forward = torch.compile(forward)   # an instance attribute shadows the method
+        if checkpoint_inside and getattr(layer, "checkpoint_activations", False) is True:
+            layer.block_forward = functools.partial(_compiled_checkpointed_block(), layer)
+            layer.checkpoint_activations = False       # the compiled forward checkpoints itself
+        else:
+            layer.block_forward = torch.compile(forward)   # an instance attribute shadows the method
         count += 1
     return count
+
+
+def _checkpointed_block(layer, *args):
+    return checkpoint(type(layer).block_forward, layer, *args, use_reentrant=False)
+
+
+@functools.cache
+def _compiled_checkpointed_block():
+    # one compiled function for every layer: the layer is an argument, so blocks of a kind share a graph
+    import torch
+    return torch.compile(_checkpointed_block)

@@ -9,6 +9,7 @@ import torch
 from .. import lora
 from ..errors import ConfigError
 from ..models.base import DTYPES
+from ..models.checkpointing import thin_checkpointing
 from ..models.compiling import compile_blocks
 from ..optim import make_optimizer
 from . import distributed
@@ -77,6 +78,7 @@ def build_engine(trainer) -> None:
     adapter.load_diffusion_model()
     attach_lora(trainer)
     layers = adapter.to_layers(cfg.activation_checkpointing)
+    checkpointed = thin_checkpointing(layers, cfg.activation_checkpointing_fraction)
     if cfg.compile:
         compile_blocks(layers)
     costs = [adapter.layer_cost(layer) for layer in layers]
@@ -105,7 +107,8 @@ def build_engine(trainer) -> None:
     trainer.eval_sets = build_eval_sets(trainer)
     if trainer.rank == 0:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
-        trainer.reporter.event("engine", layers=len(layers), stage_bounds=bounds, trainable_params=sum(
+        trainer.reporter.event("engine", layers=len(layers), checkpointed_layers=checkpointed, stage_bounds=bounds,
+                               trainable_params=sum(
             p.numel() for p in params), steps_per_epoch=trainer.plan.steps_per_epoch(), total_steps=total_steps,
             blocks_swapped=swapped[::trainer.dp_world])
 
