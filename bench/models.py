@@ -105,7 +105,7 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     layers = adapter.to_layers(args.checkpointing)
     thin_checkpointing(layers, args.checkpoint_fraction)
     if args.compile:
-        compile_blocks(layers, checkpoint_inside=not args.compile_inside_checkpoint)
+        compile_blocks(layers, checkpoint_inside=not args.compile_inside_checkpoint, dynamic=adapter.compile_dynamic)
     trainable = lora.trainable_parameters(dm)
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     inputs = probe_inputs(adapter, args.resolution, args.frames, device)

@@ -15,13 +15,15 @@ import functools
 
 from torch.utils.checkpoint import checkpoint
 
-# one cache entry per block kind and shape regime; generous so no block silently falls back to eager
-CACHE_SIZE_LIMIT = 64
+# one cache entry per block kind and shape regime (static-shape models: per block shape and bucket);
+# generous so no block silently falls back to eager
+CACHE_SIZE_LIMIT = 128
 
 
-def compile_blocks(layers, checkpoint_inside: bool = True) -> int:
+def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None = None) -> int:
     """Compile the ``block_forward`` of every layer that has one; returns how many were wrapped.
-    ``checkpoint_inside=False`` leaves torch's checkpoint eager around the compiled block (for comparison)."""
+    ``checkpoint_inside=False`` leaves torch's checkpoint eager around the compiled block (for comparison);
+    ``dynamic`` is torch.compile's (the adapter's ``compile_dynamic``)."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
@@ -31,10 +33,10 @@ def compile_blocks(layers, checkpoint_inside: bool = True) -> int:
         if forward is None:
             continue
         if checkpoint_inside and getattr(layer, "checkpoint_activations", False) is True:
-            layer.block_forward = functools.partial(_compiled_checkpointed_block(), layer)
+            layer.block_forward = functools.partial(_compiled_checkpointed_block(dynamic), layer)
             layer.checkpoint_activations = False       # the compiled forward checkpoints itself
         else:
-            layer.block_forward = torch.compile(forward)   # an instance attribute shadows the method
+            layer.block_forward = torch.compile(forward, dynamic=dynamic)   # an instance attribute shadows the method
         count += 1
     return count
 
@@ -44,7 +46,7 @@ def _checkpointed_block(layer, *args):
 
 
 @functools.cache
-def _compiled_checkpointed_block():
+def _compiled_checkpointed_block(dynamic: bool | None):
     # one compiled function for every layer: the layer is an argument, so blocks of a kind share a graph
     import torch
-    return torch.compile(_checkpointed_block)
+    return torch.compile(_checkpointed_block, dynamic=dynamic)

@@ -231,6 +231,9 @@ class SDXLAdapter(ModelAdapter):
     lora_block_prefixes = SDXL_TRANSFORMERS
     text_fields = ("cond", "pooled")
     spatial_multiple = 32  # latent sides divisible by 4: the UNet's two downsamplings stay exact
+    # one block class runs at three feature-map sizes, so Dynamo would go dynamic at once, and Inductor (torch
+    # 2.14) cannot order the symbolic conv strides ("cannot determine truth value of Relational"): static shapes
+    compile_dynamic = False
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
