@@ -414,6 +414,37 @@ def test_the_training_feed_swaps_dropped_captions_for_the_empty_one():
     assert "empty" not in [k for v in text.flatten().tolist() for k, i in store.ids.items() if i == v]
 
 
+def test_a_prefetched_step_is_the_step_built_in_place_and_a_stale_one_is_rebuilt():
+    import threading
+
+    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.train.feed import MicroBatchFeed
+
+    ensure_comfyui()
+    store, entries = _Store(), _entries(8)
+    step_batches = [entries[:4], entries[4:]]
+    built_in = []
+
+    class Feed(MicroBatchFeed):
+        def build(self, *args, **kw):
+            built_in.append(threading.current_thread().name)
+            return super().build(*args, **kw)
+
+    feed = Feed(_Adapter(), store, seed=5, dp_rank=0, dp_world=1)
+    in_place = [MicroBatchFeed(_Adapter(), store, seed=5, dp_rank=0, dp_world=1).build(b, 2, 3, m)
+                for m, b in enumerate(step_batches)]
+    feed.prefetch(step_batches, epoch=2, step=3)
+    got = list(feed.step_iter(step_batches, epoch=2, step=3))
+    assert all(name.startswith("pipetrain-feed") for name in built_in) and len(built_in) == 2
+    for (inputs, labels), (inputs_ref, labels_ref) in zip(got, in_place):
+        assert all(torch.equal(a, b) for a, b in zip(inputs + labels, inputs_ref + labels_ref))
+    built_in.clear()
+    feed.prefetch(step_batches, epoch=2, step=4)          # not the step the engine then asks for
+    got = list(feed.step_iter(step_batches, epoch=2, step=3))
+    assert built_in.count(threading.current_thread().name) == 2     # rebuilt here, with step 3's noise
+    assert all(torch.equal(a, b) for a, b in zip(got[0][0], in_place[0][0]))
+
+
 def test_the_eval_feed_is_deterministic_per_sample_whatever_the_batching():
     from pipetrain.backend.runtime import ensure_comfyui
     from pipetrain.backend.train.eval import EvalFeed

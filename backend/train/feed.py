@@ -10,6 +10,7 @@ accumulation steps and data-parallel ranks.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -32,6 +33,8 @@ class MicroBatchFeed:
         self.objective = adapter.objective()
         self.uncond_text = uncond_text          # caption dropout: text key -> the empty caption's key
         self.uncond_fraction = uncond_fraction if uncond_text else 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._prefetched = None                 # ((epoch, step, micro_batches), Future) of the next step
 
     def _text_key(self, entry, epoch: int, step: int, position: int) -> str:
         from ..data import drops_caption
@@ -63,5 +66,22 @@ class MicroBatchFeed:
         return (latents, noise, t, *text, *conditioning), (latents, noise, t)
 
     def step_iter(self, micro_batches, epoch: int, step: int):
+        ready = self._take_prefetched(micro_batches, epoch, step)
         for micro, entries in enumerate(micro_batches):
-            yield self.build(entries, epoch, step, micro)
+            yield ready[micro] if ready is not None else self.build(entries, epoch, step, micro)
+
+    def prefetch(self, micro_batches, epoch: int, step: int) -> None:
+        """Start building this step's micro-batches in a worker thread: the loop calls it for the next step just
+        before it waits for the current one on the accelerator, so reading the cache and drawing noise happen
+        while the GPU computes instead of between steps (the wait releases the GIL)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pipetrain-feed")
+        self._prefetched = ((epoch, step, micro_batches), self._pool.submit(
+            lambda: [self.build(entries, epoch, step, micro) for micro, entries in enumerate(micro_batches)]))
+
+    def _take_prefetched(self, micro_batches, epoch: int, step: int):
+        if self._prefetched is None:
+            return None
+        (key, future), self._prefetched = self._prefetched, None
+        result = future.result()            # a failed build raises here, in the loop
+        return result if key[:2] == (epoch, step) and key[2] is micro_batches else None

@@ -85,6 +85,9 @@ def run_loop(trainer) -> None:
         engine.reset_activation_shape()
         loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
                                                          trainer.step_in_epoch))
+        following = trainer.step_in_epoch + 1
+        if following < steps_per_epoch and trainer.global_step + 1 < trainer.total_steps:
+            trainer.feed.prefetch(batches[following], trainer.epoch, following)
         loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
         step_end = time.monotonic()
         step_time, last_end = step_end - last_end, step_end
