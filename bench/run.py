@@ -6,7 +6,7 @@ scripts live outside this repository: pass their paths).
         [--bare /path/to/bare_ceiling.py] [--native /path/to/native_trainer.py] [--comfyui PATH]
 
 Weights are random with the real architecture configs (step time does not depend on their values);
-text encoders are tiny with the real output widths (their cost is in caching, not in the step). Video cases
+text encoders are shallow (a few layers at the real width: their cost is in caching, not in the step). Video cases
 train on generated animated-WebP clips of ``frames`` frames at the model's frame rate, square at the case's
 resolution (640^2 stands for 480x832: the same area, the same token count). Prints a table and writes
 ``bench.json``. Needs a CUDA GPU with PipeTrain's dependencies installed; ``--size tiny --resolution 64
@@ -82,7 +82,8 @@ def write_models(case: Case, root: Path, size: str = "full"):
     t = time.monotonic()
     import torch
     unet_config = VARIANTS[case.variant]() if case.variant and size == "full" else None
-    files = write_model_files(case.arch, root / name, size, torch.bfloat16, text_encoder_size="tiny",
+    files = write_model_files(case.arch, root / name, size, torch.bfloat16,
+                              text_encoder_size="shallow" if size == "full" else size,
                               init_device="cuda" if torch.cuda.is_available() else "cpu", unet_config=unet_config)
     data = {"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
             "text_encoders": [str(p) for p in files.text_encoders], "write_s": round(time.monotonic() - t, 1)}

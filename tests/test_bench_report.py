@@ -17,6 +17,22 @@ def test_pipeline_efficiency_compares_stages_with_the_bubble_bound():
     assert pipeline_efficiency(results) == []
 
 
+def test_benchmark_text_encoders_keep_the_width_the_diffusion_model_reads():
+    """A full-size Z-Image reads 2560-wide Qwen3-4B states: the bench's shallow encoder keeps the real width and
+    vocabulary with the tiny depth (the tiny one is 64 wide: a full model would refuse its output)."""
+    from pipetrain.backend.models.tiny import SHALLOW, text_encoder_config
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    for kind in ("qwen3_4b", "qwen25_7b", "t5xxl", "umt5xxl"):
+        full, tiny, shallow = (text_encoder_config(kind, size) for size in ("full", "tiny", SHALLOW))
+        assert {k: v for k, v in shallow.items() if "layers" not in k} == \
+            {k: v for k, v in full.items() if "layers" not in k}, kind
+        assert all(shallow[k] == tiny[k] for k in shallow if "layers" in k and k in tiny), kind
+    assert text_encoder_config("qwen3_4b", SHALLOW)["hidden_size"] == 2560
+    assert text_encoder_config("qwen3_4b", "tiny")["hidden_size"] == 64
+
+
 @pytest.mark.slow
 def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path):
     """The GPU cases for Z-Image (batch 4), Qwen-Image and Wan 2.1 1.3B (81-frame clips) through the real

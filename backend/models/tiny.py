@@ -63,10 +63,15 @@ def build_vae(arch: str, size: str = "tiny") -> torch.nn.Module:
     return VAES[arch_spec(arch).vae].build(size)
 
 
+SHALLOW = "shallow"   # text encoders for benchmarks: the real width (what the diffusion model reads), tiny depth
+
+
 def text_encoder_config(kind: str, size: str) -> dict:
     from ..runtime import ensure_comfyui
     spec = TEXT_ENCODERS[kind]
     config = spec.config() if callable(spec.config) else json.loads((ensure_comfyui() / spec.config).read_text())
+    if size == SHALLOW:
+        return {**config, **{key: value for key, value in spec.tiny.items() if "layers" in key}}
     return {**config, **spec.tiny} if size == "tiny" else config
 
 
@@ -171,11 +176,11 @@ def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: s
     size = "tiny" if size == "micro" else size
     config = text_encoder_config(kind, size)
     meta = {"pipetrain.te_kind": kind, "pipetrain.size": size}
-    if size == "tiny":
+    if size in ("tiny", SHALLOW):
         meta["pipetrain.te_config"] = json.dumps(config)
     extras = {name: make() for name, make in TEXT_ENCODERS[kind].extras.items()}
     module = build_text_encoder(kind, config)
-    if size == "tiny" and not reads_images:   # e.g. a VL model's vision tower: text-only encoding never runs it
+    if size in ("tiny", SHALLOW) and not reads_images:   # e.g. a VL model's vision tower: text-only encoding never runs it
         for name in TEXT_ENCODERS[kind].tiny_omits:
             delattr(module, name)
     return write_safetensors(module, path, dtype, seed, meta, extras, device)
@@ -195,8 +200,8 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
                       unet_config: dict | None = None) -> ModelFiles:
     """Write a random-initialised diffusion model, VAE and text encoders for ``arch`` into ``out_dir``.
 
-    ``text_encoder_size`` (default ``size``): benchmarks pair a full diffusion model with tiny text encoders,
-    whose outputs keep the real widths, so the training step is the full-size one. ``unet_config``: another
+    ``text_encoder_size`` (default ``size``): benchmarks pair a full diffusion model with ``"shallow"`` text
+    encoders (a few layers at the real width), so the training step is the full-size one. ``unet_config``: another
     published size of the architecture (e.g. Wan 2.1 1.3B) in place of ``size``'s, written as ``size``."""
     if arch not in ARCHS or size not in SIZES:
         raise ModelError(f"unknown arch/size {arch!r}/{size!r}; supported: {ARCHS} x {SIZES}")
