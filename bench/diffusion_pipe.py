@@ -1,0 +1,359 @@
+"""diffusion-pipe (tdrussell/diffusion-pipe) on the bench's cases, for bench/run.py's table: steady-state samples/s
+(median step time after warm-up) and peak GPU memory of the same LoRA training run.py measures.
+
+    python bench/diffusion_pipe.py --dp .carry/diffusion-pipe --cases flux-1024,flux-1024-ckpt --out $OUT
+
+diffusion-pipe is not part of this repository: ``--dp`` is a checkout of its source (with
+``submodules/HunyuanVideo``, which it imports at start-up; ComfyUI comes from ``--comfyui`` / COMFYUI_PATH) and it
+runs as its own process under the DeepSpeed launcher, ``train.py --deepspeed --config``. Its Python dependencies
+(diffusers, datasets, toml, multiprocess, dill, deepspeed) must be importable; wandb and torchaudio, which it
+imports but these cases never use, are stubbed when absent (``stubbed`` in the result). Python >= 3.12 (its
+cache opens sqlite with ``autocommit=``) and CUDA (it moves the VAE to 'cuda' to cache latents).
+
+Weights are random with the real configs, as in run.py: a diffusers FluxPipeline folder with the flux-dev
+transformer (19 double, 38 single blocks, 3072 wide, guidance embedding) and VAE, and one-layer CLIP-L / T5 text
+encoders with the real output widths (768 / 4096; diffusion-pipe caches their outputs before training, so their
+depth does not touch the step). T5 text is always 512 tokens: diffusers pads or cuts to ``max_sequence_length``
+(run.py's captions, reused here, are longer). Eight 1024^2 images, LoRA rank 32 (diffusion-pipe: every Linear in the
+double and single blocks), torch AdamW, bf16.
+
+Measures, per step: wall time of DeepSpeed's ``PipelineEngine.train_batch`` (CUDA-synchronised; this wrapper
+patches the engine method in diffusion-pipe's process, diffusion-pipe's code is untouched) and
+``torch.cuda.max_memory_allocated`` counted from the first step (run.py's measure), plus the peak of
+``nvidia-smi``'s memory.used for the whole run (device level: CUDA context and allocator cache included), and
+DeepSpeed's own "iter time" log lines as a cross-check. Writes ``diffusion_pipe.json`` keyed by run.py's case
+names. ``--size tiny --resolution 64`` writes small models (a check of the folder writer; diffusion-pipe itself
+needs CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipetrain.bench.run import Case
+
+ENTRY_FLAG = "--dp-entry"   # the launcher runs this file with it: the wrapper around diffusion-pipe's train.py
+STUBBED = ("wandb", "torchaudio")
+
+
+CASE_NAMES = ("flux-1024", "flux-1024-ckpt")   # run.py's cases that diffusion-pipe trains the same way
+
+
+FLUX_DEV = {"attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
+            "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
+            "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}
+FLUX_TINY = {**FLUX_DEV, "num_attention_heads": 2, "num_layers": 1, "num_single_layers": 1}
+FLUX_VAE = {"act_fn": "silu", "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "force_upcast": True, "in_channels": 3, "latent_channels": 16, "latents_mean": None, "latents_std": None,
+            "layers_per_block": 2, "mid_block_add_attention": True, "norm_num_groups": 32, "out_channels": 3,
+            "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+            "up_block_types": ["UpDecoderBlock2D"] * 4, "use_post_quant_conv": False, "use_quant_conv": False}
+FLUX_VAE_TINY = {**FLUX_VAE, "block_out_channels": [32, 32, 32, 32], "layers_per_block": 1}
+FLUX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+                  "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+                  "use_dynamic_shifting": True}
+# one layer each, the real output widths (CLIP-L pooled 768, T5-XXL 4096) and vocabularies (the tokenizers' ids)
+CLIP_L = {"vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 1,
+          "num_attention_heads": 12, "max_position_embeddings": 77, "projection_dim": 768, "hidden_act": "quick_gelu",
+          "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 1}
+T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_kv": 64, "d_ff": 256, "num_layers": 1, "num_heads": 4,
+          "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
+          "relative_attention_max_distance": 128, "is_encoder_decoder": False, "use_cache": False,
+          "tie_word_embeddings": False}
+CAPTION = " ".join(["a red circle on a white background"] * 72)   # run.py's; diffusers cuts T5 text to 512 tokens
+
+
+# --- the diffusers folder ------------------------------------------------------------------------
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def write_flux_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu") -> Path:
+    """A FluxPipeline folder (``diffusers_path``) with random weights; skipped when already complete."""
+    import diffusers
+    import torch
+    import transformers
+    from pipetrain.backend.models.tiny import write_safetensors
+
+    marker = folder / "written.json"
+    if marker.exists():
+        return folder
+    t = time.monotonic()
+    dv = diffusers.__version__
+    _write_json(folder / "model_index.json", {
+        "_class_name": "FluxPipeline", "_diffusers_version": dv, "feature_extractor": [None, None],
+        "image_encoder": [None, None], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]})
+    _write_json(folder / "scheduler" / "scheduler_config.json", {**FLUX_SCHEDULER, "_diffusers_version": dv})
+    for sub, cls, config in (("transformer", diffusers.FluxTransformer2DModel, FLUX_DEV if size == "full" else FLUX_TINY),
+                             ("vae", diffusers.AutoencoderKL, FLUX_VAE if size == "full" else FLUX_VAE_TINY)):
+        with torch.device("meta"):
+            module = cls(**config)
+        _write_json(folder / sub / "config.json", {"_class_name": cls.__name__, "_diffusers_version": dv, **config})
+        # streamed one tensor at a time: 12B parameters never sit in memory at once
+        write_safetensors(module, folder / sub / "diffusion_pytorch_model.safetensors", torch.bfloat16, 0,
+                          {"format": "pt"}, device=device)
+    for sub, model in (("text_encoder", transformers.CLIPTextModel(transformers.CLIPTextConfig(**CLIP_L))),
+                       ("text_encoder_2", transformers.T5EncoderModel(transformers.T5Config(**T5_XXL)))):
+        model.to(torch.bfloat16).save_pretrained(folder / sub)
+    write_tokenizers(folder, comfyui)
+    marker.write_text(json.dumps({"size": size, "write_s": round(time.monotonic() - t, 1)}))
+    return folder
+
+
+def write_tokenizers(folder: Path, comfyui: Path) -> None:
+    """CLIP-L and T5 tokenizers from the files ComfyUI ships (nothing can be downloaded)."""
+    clip, t5 = folder / "tokenizer", folder / "tokenizer_2"
+    clip.mkdir(parents=True, exist_ok=True)
+    t5.mkdir(parents=True, exist_ok=True)
+    for name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+        shutil.copy(comfyui / "comfy" / "sd1_tokenizer" / name, clip / name)
+    config = json.loads((comfyui / "comfy" / "sd1_tokenizer" / "tokenizer_config.json").read_text())
+    # ComfyUI's copy says 8192; FluxPipeline pads CLIP text to model_max_length, which must fit 77 positions
+    config.update(model_max_length=77)
+    config.pop("special_tokens_map_file", None)
+    (clip / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(comfyui / "comfy" / "text_encoders" / "t5_tokenizer" / name, t5 / name)
+
+
+# --- dataset and diffusion-pipe's TOML configs --------------------------------------------------------
+def write_dataset(folder: Path, count: int, side: int) -> Path:
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        img = Image.new("RGB", (side, side), (245, 245, 240))
+        r, c = side // (4 + i % 3), side // 2
+        ImageDraw.Draw(img).ellipse((c - r, c - r, c + r, c + r), fill=(200, 30 * i % 255, 40))
+        img.save(folder / f"img{i:02d}.png")
+        (folder / f"img{i:02d}.txt").write_text(CAPTION)
+    return folder
+
+
+def write_configs(run_dir: Path, case: Case, diffusers_path: Path, steps: int, resolution: int) -> Path:
+    import tomli_w
+
+    count = 8
+    dataset = write_dataset(run_dir / "dataset", count, resolution)
+    # one epoch holds every step: an epoch boundary would add diffusion-pipe's end-of-epoch work to a timed step
+    repeats = -(-(steps + 1) * case.batch // count)
+    # [[directory]] as a table array, not tomli_w's inline table: diffusion-pipe passes this config to worker
+    # processes without the JSON round trip it gives the main config for inline tables' sake
+    (run_dir / "dataset.toml").write_text(
+        f"resolutions = [{resolution}]\nenable_ar_bucket = false\nframe_buckets = [1]\n\n"
+        f"[[directory]]\npath = {json.dumps(str(dataset))}\nnum_repeats = {repeats}\n")
+    main = {"output_dir": str(run_dir / "output"), "dataset": str(run_dir / "dataset.toml"), "epochs": 1000,
+            "max_steps": steps, "micro_batch_size_per_gpu": case.batch, "pipeline_stages": 1,
+            "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "warmup_steps": 0,
+            "save_every_n_epochs": 1000, "activation_checkpointing": case.checkpointing,
+            "eval_before_first_step": False, "steps_per_print": 1, "caching_batch_size": 1, "map_num_proc": 1,
+            "model": {"type": "flux", "diffusers_path": str(diffusers_path), "dtype": "bfloat16",
+                      "transformer_dtype": "bfloat16", "flux_shift": True},
+            "adapter": {"type": "lora", "rank": 32, "dtype": "bfloat16"},
+            "optimizer": {"type": "adamw", "lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.01, "eps": 1e-8}}
+    (run_dir / "main.toml").write_text(tomli_w.dumps(main))
+    return run_dir / "main.toml"
+
+
+# --- running it ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dp_command(dp: Path, config: Path, events: Path, comfyui: Path, port: int) -> list[str]:
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
+            str(Path(__file__).resolve()), ENTRY_FLAG, str(dp), str(events), str(comfyui),
+            "--deepspeed", "--config", str(config), "--master_port", str(port)]
+
+
+class SmiPeak(threading.Thread):
+    """Peak of nvidia-smi's memory.used on GPU 0 (MiB) while the run lasts."""
+
+    def __init__(self, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.interval, self.peak_mib, self.stop = interval, None, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=10).stdout
+                self.peak_mib = max(self.peak_mib or 0, int(out.split()[0]))
+            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+                return
+
+
+ITER_TIME = re.compile(r"steps: (\d+) loss: \S+ .*iter time \(s\): ([0-9.]+)")
+
+
+def summarise(case: Case, events: list[dict], log: str, warmup: int) -> dict:
+    steps = [e for e in events if e.get("type") == "step"][warmup:]
+    if not steps:
+        return {}
+    step_s = statistics.median(e["step_s"] for e in steps)
+    ds_times = [float(t) for n, t in ITER_TIME.findall(log) if int(n) > warmup]
+    start = next((e for e in events if e.get("type") == "start"), {})
+    return {"samples_per_s": case.batch / step_s, "step_s": step_s,
+            "peak_gib": max(e["peak_alloc_gib"] for e in steps),
+            "peak_reserved_gib": max(e["peak_reserved_gib"] for e in steps),
+            "peak_before_training_gib": start.get("peak_alloc_gib"), "steps_measured": len(steps),
+            "deepspeed_iter_s": statistics.median(ds_times) if ds_times else None, "stubbed": start.get("stubbed")}
+
+
+def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: str, steps: int, warmup: int,
+             resolution: int | None, timeout_s: float | None = None) -> dict:
+    run_dir = root / name
+    shutil.rmtree(run_dir, ignore_errors=True)   # a fresh cache and output each time
+    # in a child: a CUDA context held here would count in nvidia-smi's figure and take memory from the run
+    write = [sys.executable, str(Path(__file__).resolve()), "--write-only", "--cases", name, "--size", size,
+             "--work", str(root), "--comfyui", str(comfyui), "--steps", str(steps), "--out", str(run_dir)]
+    written = subprocess.run(write + (["--resolution", str(resolution)] if resolution else []),
+                             capture_output=True, text=True)
+    if written.returncode != 0:
+        return {"rc": written.returncode, "stage": "write", "stderr": written.stderr[-3000:]}
+    folder, config = root / f"flux-diffusers-{size}", run_dir / "main.toml"
+    events_file, log_file = run_dir / "events.jsonl", run_dir / "train.log"
+    cmd = dp_command(dp, config, events_file, comfyui, _free_port())
+    smi = SmiPeak()
+    smi.start()
+    t = time.monotonic()
+    with open(log_file, "w") as f:
+        # its own session: a failed caching worker leaves diffusion-pipe waiting forever, so a timeout must end
+        # the launcher and every process under it
+        proc = subprocess.Popen(cmd, cwd=dp, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    smi.stop.set()
+    events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
+    result = {"rc": rc, "wall_s": round(time.monotonic() - t, 1), "log": str(log_file), "command": cmd,
+              "smi_peak_gib": smi.peak_mib / 1024 if smi.peak_mib else None,
+              "write_s": json.loads((folder / "written.json").read_text()).get("write_s")}
+    result.update(summarise(case, events, log_file.read_text(errors="replace"), warmup))
+    if "samples_per_s" not in result:
+        result["log_tail"] = log_file.read_text(errors="replace")[-3000:]
+    return result
+
+
+# --- inside diffusion-pipe's process -------------------------------------------------------------------
+def entry(argv: list[str]) -> None:
+    """Run diffusion-pipe's train.py as __main__ with a timing and memory probe on DeepSpeed's train_batch.
+
+    argv: DP EVENTS COMFYUI, then train.py's own arguments (the launcher puts --local_rank=N first)."""
+    import importlib.machinery
+    import importlib.util
+    import runpy
+    import types
+
+    local_rank = [a for a in argv if a.startswith("--local_rank")]
+    rest = [a for a in argv if not a.startswith("--local_rank")]
+    dp, events_path, comfyui = (Path(p) for p in rest[1:4])
+    # this file's folder (bench/, which has a models.py) must not shadow diffusion-pipe's models package
+    sys.path[0] = str(dp)
+    # diffusion-pipe's utils/models are namespace packages and ComfyUI's utils a regular one, which would win:
+    # bind diffusion-pipe's first (its own code puts its ComfyUI submodule on the path only after that, too)
+    import models, optimizers, utils  # noqa: F401
+    sys.path.insert(1, str(comfyui))
+    stubbed = [m for m in STUBBED if importlib.util.find_spec(m) is None]
+    for m in stubbed:
+        sys.modules[m] = types.ModuleType(m)
+        # a spec but no distribution metadata: transformers' availability checks still say "not installed"
+        sys.modules[m].__spec__ = importlib.machinery.ModuleSpec(m, None)
+    sys.argv = [str(dp / "train.py"), *local_rank, *rest[4:]]
+
+    import torch
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    events = open(events_path, "a", buffering=1)
+    original, state = PipelineEngine.train_batch, {"step": 0}
+
+    def train_batch(self, *args, **kwargs):
+        if state["step"] == 0:
+            events.write(json.dumps({"type": "start", "stubbed": stubbed,
+                                     "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2 ** 30}) + "\n")
+            torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        state["step"] += 1
+        events.write(json.dumps({"type": "step", "step": state["step"], "step_s": time.perf_counter() - t,
+                                 "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+                                 "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30}) + "\n")
+        return out
+
+    PipelineEngine.train_batch = train_batch
+    os.chdir(dp)
+    runpy.run_path(str(dp / "train.py"), run_name="__main__")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dp", default=".carry/diffusion-pipe", help="diffusion-pipe source checkout")
+    p.add_argument("--cases", default="flux-1024,flux-1024-ckpt")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--work", default="/tmp/diffusion-pipe-bench")
+    p.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"), help="ComfyUI folder (tokenizers, comfy)")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--size", default="full", help="full (figures) or tiny (a check of the writer)")
+    p.add_argument("--resolution", type=int, help="override the cases' resolution (smoke tests)")
+    p.add_argument("--timeout-s", type=float, help="end a case's training run after this many seconds")
+    p.add_argument("--write-only", action="store_true", help="write the models, dataset and configs; do not train")
+    args = p.parse_args()
+    if args.comfyui is None:
+        from pipetrain.backend.runtime import ensure_comfyui
+        args.comfyui = ensure_comfyui()
+    dp, root, out, comfyui = Path(args.dp).resolve(), Path(args.work), Path(args.out), Path(args.comfyui).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    from pipetrain.bench.run import CASES
+
+    results = {}
+    for name in args.cases.split(","):
+        if name not in CASE_NAMES:
+            p.error(f"--cases: {name!r} is not one diffusion-pipe runs here; choose from {', '.join(CASE_NAMES)}")
+        case = CASES[name]
+        if args.write_only:
+            import torch
+            folder = write_flux_folder(root / f"flux-diffusers-{args.size}", args.size, comfyui,
+                                       "cuda" if torch.cuda.is_available() else "cpu")
+            config = write_configs(root / name, case, folder, args.steps, args.resolution or case.resolution)
+            results[name] = {"case": asdict(case), "config": str(config), "diffusers_path": str(folder)}
+        else:
+            results[name] = {"case": asdict(case), "diffusion_pipe": run_case(
+                name, case, dp, root, comfyui, args.size, args.steps, args.warmup, args.resolution, args.timeout_s)}
+        (out / "diffusion_pipe.json").write_text(json.dumps(results, indent=1))
+        r = results[name].get("diffusion_pipe", results[name])
+        print(json.dumps({"case": name, **{k: r[k] for k in ("rc", "samples_per_s", "step_s", "peak_gib", "smi_peak_gib",
+                                                               "deepspeed_iter_s", "config") if k in r}}))
+    return 0
+
+
+if __name__ == "__main__":
+    if ENTRY_FLAG in sys.argv:
+        entry(sys.argv[1:])
+    else:
+        raise SystemExit(main())
