@@ -57,7 +57,8 @@ FLUX_DEV = {"attention_head_dim": 128, "guidance_embeds": True, "in_channels": 6
             "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
             "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}
 FLUX_TINY = {**FLUX_DEV, "num_attention_heads": 2, "num_layers": 1, "num_single_layers": 1}
-FLUX_VAE = {"act_fn": "silu", "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+FLUX_VAE = {"act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
+            "down_block_types": ["DownEncoderBlock2D"] * 4,
             "force_upcast": True, "in_channels": 3, "latent_channels": 16, "latents_mean": None, "latents_std": None,
             "layers_per_block": 2, "mid_block_add_attention": True, "norm_num_groups": 32, "out_channels": 3,
             "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
@@ -102,8 +103,9 @@ def write_flux_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu
         "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]})
     _write_json(folder / "scheduler" / "scheduler_config.json", {**FLUX_SCHEDULER, "_diffusers_version": dv})
-    for sub, cls, config in (("transformer", diffusers.FluxTransformer2DModel, FLUX_DEV if size == "full" else FLUX_TINY),
-                             ("vae", diffusers.AutoencoderKL, FLUX_VAE if size == "full" else FLUX_VAE_TINY)):
+    full = size == "full"
+    for sub, cls, config in (("transformer", diffusers.FluxTransformer2DModel, FLUX_DEV if full else FLUX_TINY),
+                             ("vae", diffusers.AutoencoderKL, FLUX_VAE if full else FLUX_VAE_TINY)):
         with torch.device("meta"):
             module = cls(**config)
         _write_json(folder / sub / "config.json", {"_class_name": cls.__name__, "_diffusers_version": dv, **config})
@@ -347,8 +349,8 @@ def main() -> int:
                 name, case, dp, root, comfyui, args.size, args.steps, args.warmup, args.resolution, args.timeout_s)}
         (out / "diffusion_pipe.json").write_text(json.dumps(results, indent=1))
         r = results[name].get("diffusion_pipe", results[name])
-        print(json.dumps({"case": name, **{k: r[k] for k in ("rc", "samples_per_s", "step_s", "peak_gib", "smi_peak_gib",
-                                                               "deepspeed_iter_s", "config") if k in r}}))
+        shown = ("rc", "samples_per_s", "step_s", "peak_gib", "smi_peak_gib", "deepspeed_iter_s", "config")
+        print(json.dumps({"case": name, **{k: r[k] for k in shown if k in r}}))
     return 0
 
 

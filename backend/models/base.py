@@ -30,10 +30,10 @@ class ModelAdapter(ABC):
     #                                          text field) so the layers can mask the zero padding
     spatial_multiple: int = 16               # bucket sides are multiples of this many pixels
     framerate: float | None = None           # video models: frames per second clips are resampled to
-    compile_dynamic: bool | None = None      # compile = true: torch.compile's dynamic (None: dynamic after a
-                                             # second shape)
     frame_multiple: int = 1                  # video models: clips are frame_multiple k + 1 frames long
     timestep_range: bool = False             # honours [model] min_t / max_t (Wan)
+    compile_dynamic: bool | None = None      # compile = true: torch.compile's dynamic (None: dynamic from the
+                                             # second shape on)
     takes_clip_vision: bool = False          # [model] clip_vision names a CLIP-vision file it encodes (Wan 2.1 i2v)
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)

@@ -8,7 +8,7 @@ replays the forward's RNG state, so LoRA dropout draws the same mask.
 
 ``activation_checkpointing_fraction`` below 1 keeps checkpointing on that share of the blocks only, spread
 evenly over the model (``thin_checkpointing``): a step costs about that share of one forward pass extra instead
-of a whole one, and memory lands between the two ends. Pick the largest fraction that fits.
+of a whole one, and memory lands between the two ends. Pick the smallest fraction that fits.
 """
 from __future__ import annotations
 

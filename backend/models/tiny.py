@@ -180,7 +180,8 @@ def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: s
         meta["pipetrain.te_config"] = json.dumps(config)
     extras = {name: make() for name, make in TEXT_ENCODERS[kind].extras.items()}
     module = build_text_encoder(kind, config)
-    if size in ("tiny", SHALLOW) and not reads_images:   # e.g. a VL model's vision tower: text-only encoding never runs it
+    # e.g. a VL model's vision tower: text-only encoding never runs it
+    if size in ("tiny", SHALLOW) and not reads_images:
         for name in TEXT_ENCODERS[kind].tiny_omits:
             delattr(module, name)
     return write_safetensors(module, path, dtype, seed, meta, extras, device)

@@ -107,10 +107,10 @@ def build_engine(trainer) -> None:
     trainer.eval_sets = build_eval_sets(trainer)
     if trainer.rank == 0:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
-        trainer.reporter.event("engine", layers=len(layers), checkpointed_layers=checkpointed, stage_bounds=bounds,
-                               trainable_params=sum(
-            p.numel() for p in params), steps_per_epoch=trainer.plan.steps_per_epoch(), total_steps=total_steps,
-            blocks_swapped=swapped[::trainer.dp_world])
+        trainer.reporter.event(
+            "engine", layers=len(layers), checkpointed_layers=checkpointed, stage_bounds=bounds,
+            trainable_params=sum(p.numel() for p in params), steps_per_epoch=trainer.plan.steps_per_epoch(),
+            total_steps=total_steps, blocks_swapped=swapped[::trainer.dp_world])
 
 
 def record_grad_norm(trainer) -> None:
