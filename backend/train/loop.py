@@ -78,6 +78,7 @@ def run_loop(trainer) -> None:
     # check, LoRA saves) counts in samples/s as it does in the wall clock
     last_end = started
     batches, batches_epoch = None, None
+    reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
     while trainer.global_step < trainer.total_steps:
         if batches_epoch != trainer.epoch:
             batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
@@ -86,7 +87,7 @@ def run_loop(trainer) -> None:
         loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
                                                          trainer.step_in_epoch))
         following = trainer.step_in_epoch + 1
-        if following < steps_per_epoch and trainer.global_step + 1 < trainer.total_steps:
+        if reads_data and following < steps_per_epoch and trainer.global_step + 1 < trainer.total_steps:
             trainer.feed.prefetch(batches[following], trainer.epoch, following)
         loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
         step_end = time.monotonic()
