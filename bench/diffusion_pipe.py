@@ -75,7 +75,6 @@ T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_kv": 64, "d_ff": 256, "num_la
           "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
           "relative_attention_max_distance": 128, "is_encoder_decoder": False, "use_cache": False,
           "tie_word_embeddings": False}
-CAPTION = " ".join(["a red circle on a white background"] * 72)   # run.py's; diffusers cuts T5 text to 512 tokens
 
 
 # --- the diffusers folder ------------------------------------------------------------------------
@@ -140,13 +139,15 @@ def write_tokenizers(folder: Path, comfyui: Path) -> None:
 def write_dataset(folder: Path, count: int, side: int) -> Path:
     from PIL import Image, ImageDraw
 
+    from pipetrain.bench.run import BENCH_CAPTION
+
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):
         img = Image.new("RGB", (side, side), (245, 245, 240))
         r, c = side // (4 + i % 3), side // 2
         ImageDraw.Draw(img).ellipse((c - r, c - r, c + r, c + r), fill=(200, 30 * i % 255, 40))
         img.save(folder / f"img{i:02d}.png")
-        (folder / f"img{i:02d}.txt").write_text(CAPTION)
+        (folder / f"img{i:02d}.txt").write_text(BENCH_CAPTION)   # diffusers cuts T5 text to 512 tokens
     return folder
 
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PEAK_TFLOPS = 790.0   # bf16 matrix product measured on this H200 (KINDS.md)
+BENCH_CAPTION = " ".join(["a red circle on a white background"] * 72)   # ~510 T5 tokens, as the bare loop's 512
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
         write_clips(folder / "dataset", count, frames, adapter_class(case.arch).framerate, resolution)
     else:
         make_dataset(folder / "dataset", count)
-    for caption in (folder / "dataset").glob("*.txt"):  # ~510 T5 tokens, like the bare loop's 512 text tokens
-        caption.write_text(" ".join(["a red circle on a white background"] * 72))
+    for caption in (folder / "dataset").glob("*.txt"):
+        caption.write_text(BENCH_CAPTION)
     dataset = {"resolutions": [resolution], "enable_ar_bucket": False, "frame_buckets": [frames],
                "directory": [{"path": str(folder / "dataset"), "num_repeats": 4}]}
     run = {"output_dir": str(folder / "output"), "dataset": str(folder / "dataset.toml"), "epochs": 100,
