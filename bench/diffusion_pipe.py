@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,7 +48,9 @@ if TYPE_CHECKING:
     from pipetrain.bench.run import Case
 
 ENTRY_FLAG = "--dp-entry"   # the launcher runs this file with it: the wrapper around diffusion-pipe's train.py
-STUBBED = ("wandb", "torchaudio")
+STUBBED = ("wandb", "torchaudio", "av")
+# submodules diffusion-pipe's imports name (av: ComfyUI's comfy_api video types, unused for image datasets)
+STUB_SUBMODULES = {"av": ("container", "subtitles", "subtitles.stream")}
 
 
 CASE_NAMES = ("flux-1024", "flux-1024-ckpt")   # run.py's cases that diffusion-pipe trains the same way
@@ -220,7 +223,8 @@ def summarise(case: Case, events: list[dict], log: str, warmup: int) -> dict:
             "peak_gib": max(e["peak_alloc_gib"] for e in steps),
             "peak_reserved_gib": max(e["peak_reserved_gib"] for e in steps),
             "peak_before_training_gib": start.get("peak_alloc_gib"), "steps_measured": len(steps),
-            "deepspeed_iter_s": statistics.median(ds_times) if ds_times else None, "stubbed": start.get("stubbed")}
+            "deepspeed_iter_s": statistics.median(ds_times) if ds_times else None, "stubbed": start.get("stubbed"),
+            "cudnn_sdp": start.get("cudnn_sdp")}
 
 
 def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: str, steps: int, warmup: int,
@@ -261,6 +265,18 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
 
 
 # --- inside diffusion-pipe's process -------------------------------------------------------------------
+class _StubModule(types.ModuleType):
+    """A module that is not installed: any name imported from it is an empty class (only named in annotations
+    and isinstance checks on paths these cases never take)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        stand_in = type(name, (), {})
+        setattr(self, name, stand_in)
+        return stand_in
+
+
 def entry(argv: list[str]) -> None:
     """Run diffusion-pipe's train.py as __main__ with a timing and memory probe on DeepSpeed's train_batch.
 
@@ -268,7 +284,6 @@ def entry(argv: list[str]) -> None:
     import importlib.machinery
     import importlib.util
     import runpy
-    import types
 
     local_rank = [a for a in argv if a.startswith("--local_rank")]
     rest = [a for a in argv if not a.startswith("--local_rank")]
@@ -280,21 +295,26 @@ def entry(argv: list[str]) -> None:
     import models, optimizers, utils  # noqa: F401
     sys.path.insert(1, str(comfyui))
     stubbed = [m for m in STUBBED if importlib.util.find_spec(m) is None]
-    for m in stubbed:
-        sys.modules[m] = types.ModuleType(m)
-        # a spec but no distribution metadata: transformers' availability checks still say "not installed"
-        sys.modules[m].__spec__ = importlib.machinery.ModuleSpec(m, None)
+    for top in stubbed:
+        for m in (top, *(f"{top}.{sub}" for sub in STUB_SUBMODULES.get(top, ()))):
+            sys.modules[m] = _StubModule(m)
+            # a spec but no distribution metadata: transformers' availability checks still say "not installed"
+            sys.modules[m].__spec__ = importlib.machinery.ModuleSpec(m, None)
     sys.argv = [str(dp / "train.py"), *local_rank, *rest[4:]]
 
     import torch
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    # cuDNN's attention backward fails on the strides diffusers' Flux attention hands SDPA (torch 2.11, H200:
+    # "mha_graph.execute(...) is_good()" under CUDA_LAUNCH_BLOCKING, CUBLAS_STATUS_EXECUTION_FAILED without);
+    # SDPA then picks FlashAttention-2
+    torch.backends.cuda.enable_cudnn_sdp(False)
     events = open(events_path, "a", buffering=1)
     original, state = PipelineEngine.train_batch, {"step": 0}
 
     def train_batch(self, *args, **kwargs):
         if state["step"] == 0:
-            events.write(json.dumps({"type": "start", "stubbed": stubbed,
+            events.write(json.dumps({"type": "start", "stubbed": stubbed, "cudnn_sdp": False,
                                      "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2 ** 30}) + "\n")
             torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
