@@ -81,6 +81,7 @@ def test_stop_file_checkpoints_and_exits(micro_flux_files, make_run):
     assert run.status()["state"] == "stopped"
     stopped = run.events("stopped")[-1]
     assert run.events("checkpoint")[-1]["step"] == stopped["step"] < 80
+    assert run.events("step")[-1]["step"] == stopped["step"]        # the last step is reported before the stop
     assert not (run_dir / "stop").exists()
 
 

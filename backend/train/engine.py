@@ -10,9 +10,9 @@ from .. import lora
 from ..errors import ConfigError
 from ..models.base import DTYPES
 from ..models.checkpointing import thin_checkpointing
-from ..models.compiling import compile_blocks
 from ..optim import make_optimizer
 from . import distributed
+from .clipping import clip_grad_norm_
 from .eval import build_eval_sets, every_n_steps
 from .feed import MicroBatchFeed
 from .pipeline import StagedModule, stage_bounds
@@ -80,7 +80,7 @@ def build_engine(trainer) -> None:
     layers = adapter.to_layers(cfg.activation_checkpointing)
     checkpointed = thin_checkpointing(layers, cfg.activation_checkpointing_fraction)
     if cfg.compile:
-        compile_blocks(layers, dynamic=adapter.compile_dynamic)
+        adapter.compile(layers)
     costs = [adapter.layer_cost(layer) for layer in layers]
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
                           loss_fn=adapter.loss)
@@ -114,18 +114,16 @@ def build_engine(trainer) -> None:
 
 
 def record_grad_norm(trainer) -> None:
-    """Keep the global gradient norm DeepSpeed computes when it clips (before clipping) for the step event;
-    with gradient_clipping = 0 nothing is clipped and no norm is computed."""
+    """Clip with ``clipping.clip_grad_norm_`` where DeepSpeed clips, keeping the global gradient norm (before
+    clipping) for the step event; with gradient_clipping = 0 nothing is clipped and no norm is computed."""
     engine = trainer.engine
     trainer.grad_norm = None
     if trainer.cfg.gradient_clipping <= 0:
         return
-    from deepspeed.runtime.utils import clip_grad_norm_
 
     def clip_and_record():
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                               mpu=engine.mpu)
-        trainer.grad_norm = norm.detach()   # read when the step is reported: no host sync before the optimizer
+        # a device tensor, read when the step is reported: no host sync before the optimizer
+        trainer.grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), engine.mpu)
     engine.clip_fp32_gradients = clip_and_record
 
 

@@ -71,9 +71,9 @@ class MicroBatchFeed:
             yield ready[micro] if ready is not None else self.build(entries, epoch, step, micro)
 
     def prefetch(self, micro_batches, epoch: int, step: int) -> None:
-        """Start building this step's micro-batches in a worker thread: the loop calls it for the next step just
-        before it waits for the current one on the accelerator, so reading the cache and drawing noise happen
-        while the GPU computes instead of between steps (the wait releases the GIL)."""
+        """Start building this step's micro-batches in a worker thread: the loop calls it for the next step as
+        soon as the current one is queued, so reading the cache and drawing noise happen while the GPU computes
+        instead of between steps (waits on the accelerator release the GIL)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pipetrain-feed")
         self._prefetched = ((epoch, step, micro_batches), self._pool.submit(

@@ -9,6 +9,7 @@ import torch
 from ..optim import prodigy_d
 from . import distributed
 from .eval import eval_due, evaluate
+from .reporting import FinishedStep, PendingStep, StepReports, device_event
 
 log = logging.getLogger("pipetrain")
 
@@ -31,27 +32,33 @@ def _control_flags(trainer) -> tuple[bool, bool]:
     return distributed.broadcast_object(flags)
 
 
-def _report_step(trainer, loss: float, lr: float, step_time: float, started: float, steps_done: int) -> None:
-    """``lr``: the learning rate this step used (read before the step; the schedule has moved on since)."""
+def _pending_step(trainer, loss, lr: float) -> PendingStep:
+    """The step just issued (``global_step`` already counts it), for ``StepReports``."""
+    return PendingStep(trainer.global_step, trainer.epoch, lr, loss.detach() if torch.is_tensor(loss) else loss,
+                       trainer.grad_norm, prodigy_d(trainer.engine.optimizer), device_event())
+
+
+def _report_step(trainer, s: FinishedStep, started: float, bar) -> None:
+    """``s.lr``: the learning rate the step used (read before the step; the schedule has moved on since)."""
     cfg = trainer.cfg
-    samples_per_s = cfg.micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * trainer.dp_world / step_time
+    samples_per_s = cfg.micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * trainer.dp_world / s.step_time
     elapsed = time.monotonic() - started
-    eta = elapsed / steps_done * (trainer.total_steps - trainer.global_step)
-    extra, scalars = {}, {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s}
+    eta = elapsed / s.steps_done * (trainer.total_steps - s.step)
+    extra, scalars = {}, {"train/loss": s.loss, "train/lr": s.lr, "train/samples_per_s": samples_per_s}
     if torch.cuda.is_available():
         extra["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    if trainer.grad_norm is not None:
-        extra["grad_norm"] = scalars["train/grad_norm"] = float(trainer.grad_norm)
-    d = prodigy_d(trainer.engine.optimizer)
-    if d is not None:
-        extra["prodigy_d"] = scalars["train/prodigy_d"] = d
-    trainer.reporter.event("step", step=trainer.global_step, epoch=trainer.epoch, loss=loss, lr=lr,
-                           samples_per_s=samples_per_s, step_time_s=step_time, total_steps=trainer.total_steps,
-                           **extra)
-    trainer.reporter.update(state="training", step=trainer.global_step, total_steps=trainer.total_steps,
-                            epoch=trainer.epoch, epochs=cfg.epochs, loss=loss, lr=lr,
-                            samples_per_s=samples_per_s, eta_s=eta)
-    trainer.reporter.scalars(trainer.global_step, **scalars)
+    if s.grad_norm is not None:
+        extra["grad_norm"] = scalars["train/grad_norm"] = s.grad_norm
+    if s.prodigy_d is not None:
+        extra["prodigy_d"] = scalars["train/prodigy_d"] = s.prodigy_d
+    trainer.reporter.event("step", step=s.step, epoch=s.epoch, loss=s.loss, lr=s.lr, samples_per_s=samples_per_s,
+                           step_time_s=s.step_time, total_steps=trainer.total_steps, **extra)
+    trainer.reporter.update(state="training", step=s.step, total_steps=trainer.total_steps, epoch=s.epoch,
+                            epochs=cfg.epochs, loss=s.loss, lr=s.lr, samples_per_s=samples_per_s, eta_s=eta)
+    trainer.reporter.scalars(s.step, **scalars)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{s.loss:.4f}", epoch=s.epoch)
 
 
 def _end_of_epoch(trainer, epoch: int) -> None:
@@ -73,10 +80,8 @@ def run_loop(trainer) -> None:
     if trainer.global_step == 0 and trainer.cfg.eval_before_first_step:
         evaluate(trainer)
     bar = _progress_bar(trainer)
-    started, steps_done = time.monotonic(), 0
-    # a step's time runs from the previous step's end, so what happens between steps (reporting, the stop
-    # check, LoRA saves) counts in samples/s as it does in the wall clock
-    last_end = started
+    started = time.monotonic()
+    reports = StepReports(lambda s: _report_step(trainer, s, started, bar), started)   # fed on rank 0 only
     batches, batches_epoch = None, None
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
     while trainer.global_step < trainer.total_steps:
@@ -89,33 +94,31 @@ def run_loop(trainer) -> None:
         following = trainer.step_in_epoch + 1
         if reads_data and following < steps_per_epoch and trainer.global_step + 1 < trainer.total_steps:
             trainer.feed.prefetch(batches[following], trainer.epoch, following)
-        loss = float(loss.item()) if torch.is_tensor(loss) else float(loss)
-        step_end = time.monotonic()
-        step_time, last_end = step_end - last_end, step_end
         trainer.global_step += 1
         trainer.step_in_epoch += 1
-        steps_done += 1
         if trainer.rank == 0:
-            _report_step(trainer, loss, lr, step_time, started, steps_done)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", epoch=trainer.epoch)
+            reports.issued(_pending_step(trainer, loss, lr))   # reports the step before this one
         if trainer.save_every_steps and trainer.global_step % trainer.save_every_steps == 0:
+            reports.flush()
             trainer.save_lora(trainer.epoch, at_step=True)
         finished_epoch = None
         if trainer.step_in_epoch == steps_per_epoch:
             trainer.step_in_epoch = 0
             trainer.epoch += 1
             finished_epoch = trainer.epoch - 1
+            reports.flush()
             _end_of_epoch(trainer, finished_epoch)
         if eval_due(trainer, finished_epoch):
+            reports.flush()
             evaluate(trainer)
         checkpoint_now, stop_now = _control_flags(trainer)
-        if checkpoint_now:
+        if checkpoint_now:   # a stop checkpoints too
+            reports.flush()
             trainer.save_checkpoint()
         if stop_now:
             _stopped(trainer, bar)
             return
+    reports.flush()
     _finished(trainer, bar)
 
 

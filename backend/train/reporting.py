@@ -1,0 +1,80 @@
+"""Step reports one step late. Reading a step's loss right after ``train_batch`` waits for the device to
+finish the step, and the device then idles while the host reports, checks the stop flags and queues the
+next step. Instead the loop keeps the step as a ``PendingStep`` (device tensors and a CUDA event) and
+reports it once the next step is queued, when waiting for its event costs the device nothing."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def device_event() -> torch.cuda.Event | None:
+    """An event marking the end of the work queued so far on the current CUDA stream; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+@dataclass
+class PendingStep:
+    """A step queued on the device, with what it used and produced captured when it was issued (the next
+    step replaces the gradient norm and moves the learning rate on)."""
+    step: int
+    epoch: int
+    lr: float
+    loss: torch.Tensor | float
+    grad_norm: torch.Tensor | None = None
+    prodigy_d: float | None = None
+    done: torch.cuda.Event | None = None    # None on CPU, where train_batch returns with the step's work done
+    issued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class FinishedStep:
+    step: int
+    epoch: int
+    lr: float
+    loss: float
+    grad_norm: float | None
+    prodigy_d: float | None
+    step_time: float      # from the previous step's end: what happens between steps counts, as in the wall clock
+    steps_done: int       # steps reported since the loop started
+
+
+class StepReports:
+    """Hands each step to ``report`` once the next one is issued, or at once on ``flush``: the loop flushes
+    before whatever must follow the step in the events or takes time (LoRA saves, evals, checkpoints, the
+    end), so the events stay in step order."""
+
+    def __init__(self, report: Callable[[FinishedStep], None], started: float):
+        self._report = report
+        self._pending: PendingStep | None = None
+        self._last_end = started
+        self._steps_done = 0
+
+    def issued(self, step: PendingStep) -> None:
+        previous, self._pending = self._pending, step
+        if previous is not None:
+            self._finish(previous)
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._finish(step)
+
+    def _finish(self, step: PendingStep) -> None:
+        if step.done is None:
+            end = step.issued_at
+        else:
+            step.done.synchronize()
+            end = time.monotonic()
+        step_time, self._last_end = end - self._last_end, end
+        self._steps_done += 1
+        grad_norm = None if step.grad_norm is None else float(step.grad_norm)
+        self._report(FinishedStep(step.step, step.epoch, step.lr, float(step.loss), grad_norm, step.prodigy_d,
+                                  step_time, self._steps_done))
