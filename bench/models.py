@@ -92,7 +92,6 @@ def profile_steps(arch: str, step, out: Path, steps: int = 2) -> None:
 def measure(arch: str, args, device: str = "cuda") -> dict:
     from pipetrain.backend import lora
     from pipetrain.backend.models.checkpointing import thin_checkpointing
-    from pipetrain.backend.models.compiling import compile_blocks
 
     gc.collect()                          # the previous model's weights must be gone before the peak is reset
     torch.cuda.empty_cache()
@@ -105,7 +104,7 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     layers = adapter.to_layers(args.checkpointing)
     thin_checkpointing(layers, args.checkpoint_fraction)
     if args.compile:
-        compile_blocks(layers, checkpoint_inside=not args.compile_inside_checkpoint, dynamic=adapter.compile_dynamic)
+        adapter.compile(layers, checkpoint_inside=not args.compile_inside_checkpoint)
     trainable = lora.trainable_parameters(dm)
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     inputs = probe_inputs(adapter, args.resolution, args.frames, device)

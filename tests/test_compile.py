@@ -1,5 +1,5 @@
-"""``compile = true``: the compiled block layers give the eager layers' outputs and LoRA gradients, and a
-new bucket shape costs one recompile, not one per block or per bucket."""
+"""``compile = true``: the compiled block layers (SDXL: the transformer blocks inside them) give the eager layers'
+outputs and LoRA gradients, and a new bucket shape costs one recompile, not one per block or per bucket."""
 import pytest
 import torch
 from layer_checks import Patcher, give_lora_b_values, run_layers
@@ -67,3 +67,57 @@ def test_compiled_blocks_match_eager_and_compile_once_per_kind_and_shape_regime(
     # double and single blocks: one static graph each for the first bucket, one dynamic graph each after the
     # second; the third bucket reuses the dynamic graphs
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+
+
+SDXL_CONTEXT = 64
+
+
+def _small_sdxl():
+    """The tiny SDXL UNet with two transformer blocks per SpatialTransformer (SDXL has 2 and 10), float32."""
+    from layer_checks import comfy_model
+    from pipetrain.backend.models.sdxl import SDXL_UNET_TINY, SDXLAdapter
+
+    ensure_comfyui()
+    config = {**SDXL_UNET_TINY, "context_dim": SDXL_CONTEXT, "transformer_depth": [0, 0, 2, 2, 2, 2],
+              "transformer_depth_middle": 2, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 2, 2, 2]}
+    adapter = SDXLAdapter(ModelConfig(type="sdxl", diffusion_model="unused", vae="unused"))
+    adapter.dtype = torch.float32
+    adapter.patcher = comfy_model("sdxl", config, dtype=torch.float32)
+    adapter.check_model()
+    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    give_lora_b_values(adapter.diffusion_model)
+    return adapter
+
+
+def _sdxl_inputs(h, w, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(2, 4, h, w, generator=g)
+    return (x0, torch.randn(x0.shape, generator=g), torch.tensor([10.0, 800.0]),
+            torch.randn(2, 7, SDXL_CONTEXT, generator=g), torch.randn(2, 1280, generator=g))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "unsloth"])
+def test_sdxl_compiles_its_transformer_blocks_once_per_width_and_matches_eager(checkpointing):
+    """SDXL compiles ComfyUI's BasicTransformerBlocks (dynamic shapes), not whole UNet blocks: the layers' own
+    checkpoint stays around them, and every block and bucket of one width reuses one graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    adapter = _small_sdxl()
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    layers = adapter.to_layers(checkpoint_activations=checkpointing)
+    buckets = ((8, 8), (6, 10), (4, 12))   # latent sides; the transformers run at 1/2 and 1/4 of them
+    eager = [_loss_and_grads(adapter, layers, _sdxl_inputs(h, w)) for h, w in buckets]  # compiling patches the model
+    blocks = [m for m in adapter.diffusion_model.modules() if isinstance(m, BasicTransformerBlock)]
+    assert adapter.compile(layers) == len(blocks) == 22    # 11 SpatialTransformers x 2; ResBlocks stay eager
+    assert all(layer.checkpoint_activations == checkpointing for layer in layers[1:-1])
+    counters.clear()
+    for (h, w), (loss_e, grads_e) in zip(buckets, eager):
+        loss_c, grads_c = _loss_and_grads(adapter, layers, _sdxl_inputs(h, w))
+        assert torch.allclose(loss_c, loss_e, rtol=1e-5)
+        scale = max(ge.abs().max() for ge in grads_e)   # some LoRA A gradients nearly cancel out: near 0
+        for ge, gc in zip(grads_e, grads_c):
+            assert torch.allclose(gc, ge, rtol=1e-4, atol=1e-5 * scale), (gc - ge).abs().max()
+    # two widths (64, 128): at most a static and a dynamic graph each, whatever the block or bucket ('unsloth'
+    # runs the forward once more without grad: its own graphs)
+    assert 2 <= counters["stats"]["unique_graphs"] <= (8 if checkpointing == "unsloth" else 4), dict(counters["stats"])

@@ -1,18 +1,24 @@
 """``compile = true``: regional torch.compile of the transformer blocks.
 
-Every block layer's ``block_forward`` (the part that calls ComfyUI's block: attention, MLP, modulation, LoRA
-hooks) is compiled; the pipeline plumbing around it (bit-cast carries) stays eager. A block under torch's
-activation checkpointing is compiled with its checkpoint inside the graph, so AOTAutograd plans the recompute
-(it fuses the recomputed forward into the backward and keeps what is cheaper to keep than to redo; RNG ops replay
-the forward's draws); 'unsloth' checkpointing (its own autograd function) stays around the compiled block. Blocks of
-one kind share their code, so TorchDynamo compiles each kind once and reuses the graph for every block
-(parameters are graph inputs). A new bucket shape triggers one more compile with dynamic sequence lengths
-(Dynamo's automatic dynamic shapes), not one per bucket.
+The adapter chooses the region (``ModelAdapter.compile``). By default every block layer's ``block_forward`` (the
+part that calls ComfyUI's block: attention, MLP, modulation, LoRA hooks) is compiled (``compile_blocks``); the
+pipeline plumbing around it (bit-cast carries) stays eager. A block under torch's activation checkpointing is
+compiled with its checkpoint inside the graph, so AOTAutograd plans the recompute (it fuses the recomputed forward
+into the backward and keeps what is cheaper to keep than to redo; RNG ops replay the forward's draws); 'unsloth'
+checkpointing (its own autograd function) stays around the compiled block. Blocks of one kind share their code, so
+TorchDynamo compiles each kind once and reuses the graph for every block (parameters are graph inputs). A new
+bucket shape triggers one more compile with dynamic sequence lengths (Dynamo's automatic dynamic shapes), not one
+per bucket.
+
+A layer that is more than a transformer block (SDXL's UNet blocks: ResBlocks, convolutions, resampling around
+the transformers) compiles the transformer modules inside it instead (``compile_module_forwards``); the rest and
+the layer's checkpoint stay eager around them.
 """
 from __future__ import annotations
 
 import functools
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 # one cache entry per block kind and shape regime (static-shape models: per block shape and bucket);
@@ -24,9 +30,7 @@ def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None 
     """Compile the ``block_forward`` of every layer that has one; returns how many were wrapped.
     ``checkpoint_inside=False`` leaves torch's checkpoint eager around the compiled block (for comparison);
     ``dynamic`` is torch.compile's (the adapter's ``compile_dynamic``)."""
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
+    _raise_cache_size_limit()
     count = 0
     for layer in layers:
         forward = getattr(layer, "block_forward", None)
@@ -41,6 +45,12 @@ def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None 
     return count
 
 
+def _raise_cache_size_limit():
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
+
+
 def _checkpointed_block(layer, *args):
     return checkpoint(type(layer).block_forward, layer, *args, use_reentrant=False)
 
@@ -48,5 +58,25 @@ def _checkpointed_block(layer, *args):
 @functools.cache
 def _compiled_checkpointed_block(dynamic: bool | None):
     # one compiled function for every layer: the layer is an argument, so blocks of a kind share a graph
-    import torch
     return torch.compile(_checkpointed_block, dynamic=dynamic)
+
+
+def compile_module_forwards(modules, dynamic: bool | None = None) -> int:
+    """Compile the ``forward`` of every module in ``modules`` (an instance attribute shadows the method); returns
+    how many. One compiled function serves them all, the module an argument, so modules of one class and structure
+    share a graph."""
+    _raise_cache_size_limit()
+    count = 0
+    for module in modules:
+        module.forward = functools.partial(_compiled_module_forward(dynamic), module)
+        count += 1
+    return count
+
+
+def _module_forward(module, *args, **kwargs):
+    return type(module).forward(module, *args, **kwargs)
+
+
+@functools.cache
+def _compiled_module_forward(dynamic: bool | None):
+    return torch.compile(_module_forward, dynamic=dynamic)

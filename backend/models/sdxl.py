@@ -38,6 +38,7 @@ from torch import nn
 
 from ..errors import ModelError
 from .checkpointing import run_checkpointed
+from .compiling import compile_module_forwards
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
@@ -231,9 +232,6 @@ class SDXLAdapter(ModelAdapter):
     lora_block_prefixes = SDXL_TRANSFORMERS
     text_fields = ("cond", "pooled")
     spatial_multiple = 32  # latent sides divisible by 4: the UNet's two downsamplings stay exact
-    # one block class runs at three feature-map sizes, so Dynamo would go dynamic at once, and Inductor (torch
-    # 2.14) cannot order the symbolic conv strides ("cannot determine truth value of Relational"): static shapes
-    compile_dynamic = False
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
@@ -291,6 +289,19 @@ class SDXLAdapter(ModelAdapter):
             pixels = int(pixels * _resolution_factor(block))
         layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels)))
         return layers
+
+    def compile(self, layers, checkpoint_inside=True):
+        """Only the ``BasicTransformerBlock``s inside the UNet blocks are compiled, with dynamic shapes; ResBlocks,
+        convolutions and resampling stay eager (cuDNN), and so does the layer's checkpoint around them
+        (``checkpoint_inside`` has nothing to act on). Compiling whole UNet blocks failed both ways: with dynamic
+        shapes Inductor (torch 2.14) cannot order the symbolic conv strides ("cannot determine truth value of
+        Relational"), and statically every block shape and bucket is its own graph (~15 with backward, over 10
+        minutes on an H200). The transformer blocks of one width share one graph for every block and bucket.
+        ComfyUI's forward is compiled as it is: its ``transformer_options`` hold only the SDPA override here (no
+        patches), and nothing in it adds in place."""
+        from comfy.ldm.modules.attention import BasicTransformerBlock
+        blocks = [m for layer in layers for m in layer.modules() if isinstance(m, BasicTransformerBlock)]
+        return compile_module_forwards(blocks, dynamic=self.compile_dynamic)
 
     def probe_text(self, generator):
         dm = self.diffusion_model
