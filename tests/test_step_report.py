@@ -8,7 +8,7 @@ import torch
 from conftest import train
 
 from pipetrain.backend.train import clipping
-from pipetrain.backend.train.reporting import PendingStep, StepReports, device_event
+from pipetrain.backend.train.reporting import PendingStep, StepReports, pending_step
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,14 +47,14 @@ def test_issuing_a_cuda_step_does_not_wait_for_it():
     x = torch.randn(4096, 4096, device="cuda") / 64
     reported = []
     reports = StepReports(reported.append, started=0.0)
-    reports.issued(PendingStep(1, 0, 0.1, _device_work(x, 2), done=device_event()))
+    reports.issued(pending_step(1, 0, 0.1, _device_work(x, 2), torch.ones((), device="cuda"), None))
     second_loss = _device_work(x, 200)          # about a second on the device
-    second = device_event()
-    reports.issued(PendingStep(2, 0, 0.1, second_loss, done=second))
-    assert [s.step for s in reported] == [1]
-    assert not second.query()                   # step 2 still running: issuing it waited only for step 1
+    second = pending_step(2, 0, 0.1, second_loss, None, None)
+    reports.issued(second)
+    assert [(s.step, s.grad_norm) for s in reported] == [(1, 1.0)]
+    assert not second.done.query()              # step 2 still running: reporting step 1 waited for step 1 alone
     reports.flush()
-    assert second.query() and [s.step for s in reported] == [1, 2]
+    assert second.done.query() and [s.step for s in reported] == [1, 2]
     assert reported[1].loss == second_loss.item()
 
 

@@ -1,6 +1,7 @@
 """Gradient clipping by the global 2-norm: DeepSpeed's ``clip_grad_norm_`` (runtime/utils.py, 0.19.8) with
 foreach kernels. DeepSpeed launches a norm and a multiply per parameter, some two thousand tiny kernels a
-step for a Flux LoRA; this launches one of each per device and dtype, and never waits on the device."""
+step for a Flux LoRA; this launches one norm per device and dtype and one multiply per device for float32
+gradients (the LoRA's; lower-precision ones are still multiplied one by one), and never waits on the device."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -47,5 +48,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, mpu=Non
     total = total.to(params[0].device)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grads in _by_device_and_dtype([p.grad for p in params]):
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+        scale = coef.to(grads[0].device)
+        if grads[0].dtype == torch.float32:
+            torch._foreach_mul_(grads, scale)
+        else:
+            # a foreach multiply rounds the coefficient to the gradients' dtype on CUDA; DeepSpeed multiplies in
+            # float32 (its coefficient has shape [1], so it takes part in type promotion), and so does this
+            for g in grads:
+                g.mul_(scale.view(1))
     return total

@@ -9,7 +9,7 @@ import torch
 from ..optim import prodigy_d
 from . import distributed
 from .eval import eval_due, evaluate
-from .reporting import FinishedStep, PendingStep, StepReports, device_event
+from .reporting import FinishedStep, StepReports, pending_step
 
 log = logging.getLogger("pipetrain")
 
@@ -30,12 +30,6 @@ def _control_flags(trainer) -> tuple[bool, bool]:
         due = minutes is not None and time.monotonic() - trainer.last_checkpoint_time >= minutes * 60
         flags = (due or stop, stop)
     return distributed.broadcast_object(flags)
-
-
-def _pending_step(trainer, loss, lr: float) -> PendingStep:
-    """The step just issued (``global_step`` already counts it), for ``StepReports``."""
-    return PendingStep(trainer.global_step, trainer.epoch, lr, loss.detach() if torch.is_tensor(loss) else loss,
-                       trainer.grad_norm, prodigy_d(trainer.engine.optimizer), device_event())
 
 
 def _report_step(trainer, s: FinishedStep, started: float, bar) -> None:
@@ -97,7 +91,9 @@ def run_loop(trainer) -> None:
         trainer.global_step += 1
         trainer.step_in_epoch += 1
         if trainer.rank == 0:
-            reports.issued(_pending_step(trainer, loss, lr))   # reports the step before this one
+            # global_step counts this step now; issuing it reports the step before
+            reports.issued(pending_step(trainer.global_step, trainer.epoch, lr, loss, trainer.grad_norm,
+                                        prodigy_d(engine.optimizer)))
         if trainer.save_every_steps and trainer.global_step % trainer.save_every_steps == 0:
             reports.flush()
             trainer.save_lora(trainer.epoch, at_step=True)

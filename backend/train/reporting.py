@@ -1,7 +1,8 @@
 """Step reports one step late. Reading a step's loss right after ``train_batch`` waits for the device to
 finish the step, and the device then idles while the host reports, checks the stop flags and queues the
-next step. Instead the loop keeps the step as a ``PendingStep`` (device tensors and a CUDA event) and
-reports it once the next step is queued, when waiting for its event costs the device nothing."""
+next step. Instead the loop keeps the step as a ``PendingStep`` (its loss and gradient norm copied to host
+memory behind the step's work, and a CUDA event after the copies) and reports it once the next step is
+queued, when waiting for that event costs the device nothing."""
 from __future__ import annotations
 
 import time
@@ -9,15 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-
-def device_event() -> torch.cuda.Event | None:
-    """An event marking the end of the work queued so far on the current CUDA stream; None on CPU."""
-    if not torch.cuda.is_available():
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 @dataclass
@@ -32,6 +24,26 @@ class PendingStep:
     prodigy_d: float | None = None
     done: torch.cuda.Event | None = None    # None on CPU, where train_batch returns with the step's work done
     issued_at: float = field(default_factory=time.monotonic)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t.detach(), non_blocking=True)
+
+
+def pending_step(step: int, epoch: int, lr: float, loss, grad_norm: torch.Tensor | None,
+                 prodigy_d: float | None) -> PendingStep:
+    """The step just issued. On CUDA its values are copied to host memory on the current stream and an event is
+    recorded after them: reading them then waits for this step alone, where a ``.item()`` on the device tensor
+    would wait for everything queued since, the next step included."""
+    if not (torch.is_tensor(loss) and loss.is_cuda):
+        return PendingStep(step, epoch, lr, loss.detach() if torch.is_tensor(loss) else loss, grad_norm, prodigy_d)
+    if grad_norm is not None and grad_norm.is_cuda:
+        grad_norm = _to_host(grad_norm)
+    loss = _to_host(loss)
+    done = torch.cuda.Event()
+    done.record()
+    return PendingStep(step, epoch, lr, loss, grad_norm, prodigy_d, done)
 
 
 @dataclass(frozen=True)
