@@ -243,17 +243,20 @@ def write_clip_vision(path: Path, size: str = "tiny", dtype=torch.float32, seed:
 
 def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) -> ModelFiles:
     """Model files written once and shared by the demo and the tests (``.work/tiny-models`` in the repo).
-    A ``complete`` marker is written last, so an interrupted write is redone, never half-used."""
+    A ``complete`` marker is written last, so an interrupted write is redone, never half-used. It names the files
+    relative to the folder, so a moved or linked ``.work`` still finds them."""
     from ..runtime import REPO_ROOT
 
     folder = (root or REPO_ROOT / ".work" / "tiny-models") / f"{arch}-{size}-v{TINY_FILES_VERSION}"
     marker = folder / "complete"
     if marker.is_file():
         data = json.loads(marker.read_text())
-        return ModelFiles(Path(data["diffusion_model"]), Path(data["vae"]), [Path(p) for p in data["text_encoders"]])
+        def here(name: str) -> Path:
+            return folder / Path(name).name
+        return ModelFiles(here(data["diffusion_model"]), here(data["vae"]), [here(p) for p in data["text_encoders"]])
     files = write_model_files(arch, folder, size)
-    marker.write_text(json.dumps({"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
-                                  "text_encoders": [str(p) for p in files.text_encoders]}))
+    marker.write_text(json.dumps({"diffusion_model": files.diffusion_model.name, "vae": files.vae.name,
+                                  "text_encoders": [p.name for p in files.text_encoders]}))
     return files
 
 
