@@ -42,6 +42,7 @@ class Case:
     frames: int = 1                   # video models: clip length
     variant: str | None = None        # a published size other than the adapter's full one (VARIANTS)
     checkpoint_fraction: float = 1.0  # with checkpointing: the share of blocks checkpointed
+    lora_dtype: str | None = None     # [adapter] dtype; None: PipeTrain's default (float32 weights and AdamW states)
 
 
 def _wan_1_3b() -> dict:
@@ -56,6 +57,8 @@ CASES = {
     "flux-1024-ckpt": Case("flux", 1024, 1, checkpointing=True, native_case="flux"),
     "flux-1024-compile": Case("flux", 1024, 1, compile=True, bare_case="flux", native_case="flux"),
     "flux-1024-ckpt-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, native_case="flux"),
+    # the adapter dtype bench/diffusion_pipe.py gives diffusion-pipe: LoRA weights and AdamW states in bfloat16
+    "flux-1024-ckpt-compile-bf16lora": Case("flux", 1024, 1, checkpointing=True, compile=True, lora_dtype="bfloat16"),
     "flux-1024-ckpt-half-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, checkpoint_fraction=0.5,
                                         native_case="flux"),
     "flux-1024-ckpt-third-compile": Case("flux", 1024, 1, checkpointing=True, compile=True,
@@ -135,7 +138,8 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
            "activation_checkpointing_fraction": case.checkpoint_fraction,
            "model": {"type": case.arch, "diffusion_model": files["diffusion_model"], "vae": files["vae"],
                      "text_encoders": files["text_encoders"], "dtype": "bfloat16"},
-           "adapter": {"rank": 32, "alpha": 32.0}, "optimizer": {"type": "adamw", "lr": 1e-4}}
+           "adapter": {"rank": 32, "alpha": 32.0, **({"dtype": case.lora_dtype} if case.lora_dtype else {})},
+           "optimizer": {"type": "adamw", "lr": 1e-4}}
     (folder / "dataset.toml").write_text(tomli_w.dumps(dataset))
     (folder / "run.toml").write_text(tomli_w.dumps(run))
     return folder / "run.toml"

@@ -53,3 +53,20 @@ def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path):
     clip = next((tmp_path / "work" / "wan1.3b-480x832x81" / "dataset").glob("*.webp"))
     from PIL import Image
     assert Image.open(clip).n_frames == 9
+
+
+def test_the_bf16_lora_case_trains_the_adapter_in_bfloat16_as_diffusion_pipe_is_configured(tmp_path):
+    """``flux-1024-ckpt-compile-bf16lora`` compares memory with diffusion-pipe at its adapter dtype; the other cases
+    keep PipeTrain's default (float32 LoRA weights)."""
+    import torch
+
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.models.base import DTYPES
+    from pipetrain.bench.run import CASES, write_config
+
+    files = {"diffusion_model": "dm.safetensors", "vae": "vae.safetensors", "text_encoders": ["t5.safetensors"]}
+    dtypes = {}
+    for name in ("flux-1024-ckpt-compile-bf16lora", "flux-1024-ckpt-compile"):
+        cfg = load_run_config(write_config(name, CASES[name], files, tmp_path, steps=2), check_dataset=False)
+        dtypes[name] = DTYPES[cfg.adapter.dtype] if cfg.adapter.dtype else torch.float32   # as engine.attach_lora
+    assert dtypes == {"flux-1024-ckpt-compile-bf16lora": torch.bfloat16, "flux-1024-ckpt-compile": torch.float32}
