@@ -380,6 +380,7 @@ class RunConfig:
     activation_checkpointing_fraction: float = 1.0   # the share of blocks checkpointed (evenly spread)
     blocks_to_swap: int = 0                      # per stage: frozen block weights kept in CPU memory (swap.py)
     compile: bool = False                        # torch.compile each transformer block (compiled once, reused)
+    activation_memory_budget: Optional[float] = None   # with compile: share of activations kept (compiling.py)
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None
@@ -427,6 +428,14 @@ class RunConfig:
             raise ConfigError("a share of the blocks to checkpoint needs activation_checkpointing = true (or "
                               "'unsloth'); set both, or leave the fraction out", file=file,
                               key="activation_checkpointing_fraction")
+        if self.activation_memory_budget is not None:
+            if not 0 <= self.activation_memory_budget <= 1:
+                raise ConfigError(f"got {self.activation_memory_budget}; must be in [0, 1] (1: keep every activation, "
+                                  "0: recompute all that can be)", file=file, key="activation_memory_budget")
+            if not self.compile:
+                raise ConfigError("the budget is applied by torch.compile's partitioner: set compile = true, or leave "
+                                  "activation_memory_budget out (activation_checkpointing saves memory without "
+                                  "compile)", file=file, key="activation_memory_budget")
         if self.blocks_to_swap < 0:
             raise ConfigError(f"got {self.blocks_to_swap}; must be 0 or more", file=file, key="blocks_to_swap")
         if self.blocks_to_swap and self.adapter is None:

@@ -5,7 +5,7 @@ pipeline layers with LoRA rank 32 on the adapter's targets and AdamW; latents an
 probes (short captions; clean latents at the given resolution, and ``--frames`` for video models).
 
     python bench/models.py --out $OUT [--archs qwen_image,z_image] [--resolution 1024] [--frames 33]
-        [--checkpointing [--checkpoint-fraction 0.5]] [--compile [--compile-inside-checkpoint]]
+        [--checkpointing [--checkpoint-fraction 0.5]] [--compile [--compile-inside-checkpoint] [--memory-budget 0.5]]
         [--deadline-s 300] [--profile]
 
 Writes ``models.json`` after every model, so a deadline cuts the list, never the results. ``--profile`` records
@@ -104,7 +104,7 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     layers = adapter.to_layers(args.checkpointing)
     thin_checkpointing(layers, args.checkpoint_fraction)
     if args.compile:
-        adapter.compile(layers, checkpoint_inside=not args.compile_inside_checkpoint)
+        adapter.compile(layers, checkpoint_inside=not args.compile_inside_checkpoint, memory_budget=args.memory_budget)
     trainable = lora.trainable_parameters(dm)
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     inputs = probe_inputs(adapter, args.resolution, args.frames, device)
@@ -142,6 +142,7 @@ def main() -> int:
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--checkpoint-fraction", type=float, default=1.0, help="checkpoint this share of the blocks")
+    p.add_argument("--memory-budget", type=float, help="with --compile: activation_memory_budget (share kept)")
     p.add_argument("--compile-inside-checkpoint", action="store_true",
                    help="compile each block inside an eager checkpoint (the older placement, for comparison)")
     p.add_argument("--deadline-s", type=float, default=1e9)

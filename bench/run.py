@@ -43,6 +43,7 @@ class Case:
     variant: str | None = None        # a published size other than the adapter's full one (VARIANTS)
     checkpoint_fraction: float = 1.0  # with checkpointing: the share of blocks checkpointed
     lora_dtype: str | None = None     # [adapter] dtype; None: PipeTrain's default (float32 weights and AdamW states)
+    memory_budget: float | None = None  # with compile: activation_memory_budget
 
 
 def _wan_1_3b() -> dict:
@@ -59,6 +60,8 @@ CASES = {
     "flux-1024-ckpt-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, native_case="flux"),
     # the adapter dtype bench/diffusion_pipe.py gives diffusion-pipe: LoRA weights and AdamW states in bfloat16
     "flux-1024-ckpt-compile-bf16lora": Case("flux", 1024, 1, checkpointing=True, compile=True, lora_dtype="bfloat16"),
+    "flux-1024-budget50-compile": Case("flux", 1024, 1, compile=True, memory_budget=0.5, native_case="flux"),
+    "flux-1024-budget25-compile": Case("flux", 1024, 1, compile=True, memory_budget=0.25, native_case="flux"),
     "flux-1024-ckpt-half-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, checkpoint_fraction=0.5,
                                         native_case="flux"),
     "flux-1024-ckpt-third-compile": Case("flux", 1024, 1, checkpointing=True, compile=True,
@@ -136,6 +139,7 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
            "gradient_accumulation_steps": case.gradient_accumulation, "save_every_n_epochs": 1000,
            "activation_checkpointing": case.checkpointing, "compile": case.compile, "run_name": "bench",
            "activation_checkpointing_fraction": case.checkpoint_fraction,
+           **({"activation_memory_budget": case.memory_budget} if case.memory_budget is not None else {}),
            "model": {"type": case.arch, "diffusion_model": files["diffusion_model"], "vae": files["vae"],
                      "text_encoders": files["text_encoders"], "dtype": "bfloat16"},
            "adapter": {"rank": 32, "alpha": 32.0, **({"dtype": case.lora_dtype} if case.lora_dtype else {})},

@@ -100,6 +100,8 @@ def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str |
         table["blocks_to_swap"] = m.blocks_to_swap
     if m.compile:
         table["compile"] = True
+        if m.memory_budget < 1:
+            table["activation_memory_budget"] = m.memory_budget
     if m.activation_checkpointing and m.checkpoint_fraction < 1:
         table["activation_checkpointing_fraction"] = m.checkpoint_fraction
     if p.cluster is not None:

@@ -285,12 +285,16 @@ class MemoryNode(io.ComfyNode):
                 io.Float.Input("checkpoint_fraction", default=1.0, min=0.05, max=1.0, step=0.05, optional=True,
                                tooltip="With activation checkpointing: the share of blocks checkpointed, evenly "
                                "spread (1: all). Lower is faster and takes more memory; pick the lowest that fits"),
+                io.Float.Input("memory_budget", default=1.0, min=0.0, max=1.0, step=0.05, optional=True,
+                               tooltip="With compile: the share of each block's activations kept for the backward "
+                               "pass; torch.compile recomputes the rest, cheapest ops first (1: keep all). An "
+                               "alternative to checkpointing whole blocks"),
             ],
             outputs=[t.Memory.Output(display_name="memory")],
         )
 
     @classmethod
     def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False,
-                compile=False, checkpoint_fraction=1.0) -> io.NodeOutput:  # noqa: A002  (the config key's name)
+                compile=False, checkpoint_fraction=1.0, memory_budget=1.0) -> io.NodeOutput:  # noqa: A002
         return io.NodeOutput(MemorySpec(activation_checkpointing, blocks_to_swap, offload_activations, compile,
-                                        checkpoint_fraction))
+                                        checkpoint_fraction, memory_budget))

@@ -35,13 +35,14 @@ def test_benchmark_text_encoders_keep_the_width_the_diffusion_model_reads():
 
 @pytest.mark.slow
 def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path):
-    """The GPU cases for Z-Image (batch 4), Qwen-Image and Wan 2.1 1.3B (81-frame clips) through the real
-    trainer with tiny models at 64^2 (9 frames): configs, generated clips and step events all work."""
+    """The GPU cases for Z-Image (batch 4), Qwen-Image, Wan 2.1 1.3B (81-frame clips) and Flux compiled under an
+    activation memory budget through the real trainer with tiny models at 64^2 (9 frames): configs, generated
+    clips and step events all work."""
     import json
     import subprocess
     import sys
 
-    cases = ["zimage-1024-b4", "qwen_image-1024-ckpt", "wan1.3b-480x832x81"]
+    cases = ["zimage-1024-b4", "qwen_image-1024-ckpt", "wan1.3b-480x832x81", "flux-1024-budget50-compile"]
     out = subprocess.run([sys.executable, "-m", "pipetrain.bench.run", "--cases", ",".join(cases), "--size", "tiny",
                           "--resolution", "64", "--frames", "9", "--steps", "3", "--warmup", "1", "--baselines",
                           "none", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")],

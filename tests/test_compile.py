@@ -69,6 +69,40 @@ def test_compiled_blocks_match_eager_and_compile_once_per_kind_and_shape_regime(
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 
 
+def _saved_bytes_loss_and_grads(adapter, layers, inputs):
+    """What autograd keeps for the backward over one forward (the compiled graphs' saved tensors included), weights
+    left out: keeping one costs no memory."""
+    weights = {p.untyped_storage().data_ptr() for p in adapter.diffusion_model.parameters()}
+    saved = []
+
+    def pack(x):
+        if x.untyped_storage().data_ptr() not in weights:
+            saved.append(x.numel() * x.element_size())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss, grads = _loss_and_grads(adapter, layers, inputs)
+    return sum(saved), loss, grads
+
+
+def test_an_activation_memory_budget_keeps_fewer_activations_with_the_same_gradients():
+    """``activation_memory_budget``: the partitioner keeps at most that share of each compiled block's activations
+    and recomputes the rest in the backward; loss and LoRA gradients stay the eager ones."""
+    inputs = _inputs(8, 8)
+    adapter = _small_flux()
+    loss_e, grads_e = _loss_and_grads(adapter, adapter.to_layers(), inputs)
+    saved = {}
+    for budget in (None, 0.5, 0.0):
+        torch._dynamo.reset()
+        layers = adapter.to_layers()
+        assert adapter.compile(layers, memory_budget=budget) == 5
+        saved[budget], loss, grads = _saved_bytes_loss_and_grads(adapter, layers, inputs)
+        assert torch.allclose(loss, loss_e, rtol=1e-5)
+        for ge, gc in zip(grads_e, grads):
+            assert torch.allclose(gc, ge, rtol=1e-4, atol=1e-6), (budget, (gc - ge).abs().max())
+    assert saved[0.0] < saved[0.5] < saved[None], saved
+
+
 SDXL_CONTEXT = 64
 
 

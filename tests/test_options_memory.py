@@ -107,12 +107,24 @@ def test_the_checkpointed_share_is_spread_evenly():
         assert len(on) == kept and (not gaps or max(gaps) - min(gaps) <= 1), on
 
 
+def _config_from_memory_node(memory):
+    """The RunConfig the launcher writes for a Memory node's spec."""
+    from pipetrain.backend.config import RunConfig
+    from pipetrain.backend.schema import from_dict
+    from pipetrain.launcher.build import run_table
+    from pipetrain.launcher.specs import DatasetSpec, DirectorySpec, ModelSpec, TrainSpec
+
+    spec = TrainSpec(DatasetSpec((DirectorySpec("/data", resolutions=(64,)),), resolutions=(64,)),
+                     ModelSpec("flux", "/m.safetensors", "/v.safetensors", ("/t.safetensors",)), memory=memory)
+    table = run_table(spec, output_dir="/out", dataset="/out/dataset.toml", run_name=None, lora_dir=None)
+    return from_dict(RunConfig, table, file="nodes")
+
+
 def test_the_fraction_is_checked_and_reaches_the_config_from_the_memory_node():
     from pipetrain.backend.config import RunConfig
     from pipetrain.backend.errors import ConfigError
     from pipetrain.backend.schema import from_dict
-    from pipetrain.launcher.build import run_table
-    from pipetrain.launcher.specs import DatasetSpec, DirectorySpec, MemorySpec, ModelSpec, TrainSpec
+    from pipetrain.launcher.specs import MemorySpec
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     cfg = from_dict(RunConfig, {**base, "activation_checkpointing": True, "activation_checkpointing_fraction": 0.5})
@@ -123,12 +135,32 @@ def test_the_fraction_is_checked_and_reaches_the_config_from_the_memory_node():
     with pytest.raises(ConfigError, match="needs activation_checkpointing = true"):
         from_dict(RunConfig, {**base, "activation_checkpointing_fraction": 0.5})
 
-    def from_node(memory):
-        spec = TrainSpec(DatasetSpec((DirectorySpec("/data", resolutions=(64,)),), resolutions=(64,)),
-                         ModelSpec("flux", "/m.safetensors", "/v.safetensors", ("/t.safetensors",)), memory=memory)
-        table = run_table(spec, output_dir="/out", dataset="/out/dataset.toml", run_name=None, lora_dir=None)
-        return from_dict(RunConfig, table, file="nodes")
-
-    assert from_node(MemorySpec(checkpoint_fraction=0.25)).activation_checkpointing_fraction == 0.25
-    assert from_node(MemorySpec(activation_checkpointing=False, checkpoint_fraction=0.25)) \
+    assert _config_from_memory_node(MemorySpec(checkpoint_fraction=0.25)).activation_checkpointing_fraction == 0.25
+    assert _config_from_memory_node(MemorySpec(activation_checkpointing=False, checkpoint_fraction=0.25)) \
         .activation_checkpointing_fraction == 1.0      # no checkpointing: nothing to share out
+
+
+def test_the_activation_memory_budget_is_checked_and_reaches_the_config_from_the_memory_node():
+    from pipetrain.backend.config import RunConfig
+    from pipetrain.backend.errors import ConfigError
+    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.launcher.specs import MemorySpec
+
+    ensure_comfyui()   # the nodes import comfy_api
+    from pipetrain.nodes.settings import MemoryNode
+
+    base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
+    assert from_dict(RunConfig, {**base, "compile": True, "activation_memory_budget": 0.4}).activation_memory_budget \
+        == 0.4
+    assert from_dict(RunConfig, base).activation_memory_budget is None
+    for value in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="activation_memory_budget.*must be in"):
+            from_dict(RunConfig, {**base, "compile": True, "activation_memory_budget": value})
+    with pytest.raises(ConfigError, match="activation_memory_budget.*set compile = true"):
+        from_dict(RunConfig, {**base, "activation_memory_budget": 0.4})
+
+    memory = MemoryNode.execute(False, 0, compile=True, memory_budget=0.3).result[0]
+    assert _config_from_memory_node(memory).activation_memory_budget == 0.3
+    assert _config_from_memory_node(MemorySpec(compile=True)).activation_memory_budget is None        # 1: off
+    assert _config_from_memory_node(MemorySpec(memory_budget=0.3)).activation_memory_budget is None   # no compile

@@ -138,12 +138,13 @@ class ModelAdapter(ABC):
     def to_layers(self, checkpoint_activations: bool = False) -> list[nn.Module]:
         """The network as a flat list of pipeline layers (each maps a tuple of tensors to a tuple)."""
 
-    def compile(self, layers: list[nn.Module], checkpoint_inside: bool = True) -> int:
+    def compile(self, layers: list[nn.Module], checkpoint_inside: bool = True,
+                memory_budget: float | None = None) -> int:
         """``compile = true``: compile the layers' transformer blocks in place (compiling.py); returns how many
         regions were compiled. By default each layer's ``block_forward``, its checkpoint inside the graph unless
-        ``checkpoint_inside`` is False."""
+        ``checkpoint_inside`` is False; ``memory_budget``: ``activation_memory_budget``."""
         from .compiling import compile_blocks
-        return compile_blocks(layers, checkpoint_inside, dynamic=self.compile_dynamic)
+        return compile_blocks(layers, checkpoint_inside, dynamic=self.compile_dynamic, memory_budget=memory_budget)
 
     def seq_len(self, latent: torch.Tensor) -> int:
         """The token count a resolution-dependent timestep shift reads (Flux's: 2x2 patches of one frame)."""

@@ -13,6 +13,11 @@ per bucket.
 A layer that is more than a transformer block (SDXL's UNet blocks: ResBlocks, convolutions, resampling around
 the transformers) compiles the transformer modules inside it instead (``compile_module_forwards``); the rest and
 the layer's checkpoint stay eager around them.
+
+``activation_memory_budget`` (below 1) hands the recompute choice to AOTAutograd's partitioner instead of whole
+blocks: each compiled graph keeps at most that share of the activations it would otherwise save for the backward,
+and recomputes the rest, the ops that are cheapest to redo per byte first (norms, activations, modulation) before
+any matrix product or attention.
 """
 from __future__ import annotations
 
@@ -26,10 +31,12 @@ from torch.utils.checkpoint import checkpoint
 CACHE_SIZE_LIMIT = 128
 
 
-def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None = None) -> int:
+def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None = None,
+                   memory_budget: float | None = None) -> int:
     """Compile the ``block_forward`` of every layer that has one; returns how many were wrapped.
     ``checkpoint_inside=False`` leaves torch's checkpoint eager around the compiled block (for comparison);
-    ``dynamic`` is torch.compile's (the adapter's ``compile_dynamic``)."""
+    ``dynamic`` is torch.compile's (the adapter's ``compile_dynamic``); ``memory_budget`` the config's
+    ``activation_memory_budget``."""
     _raise_cache_size_limit()
     count = 0
     for layer in layers:
@@ -37,12 +44,26 @@ def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None 
         if forward is None:
             continue
         if checkpoint_inside and getattr(layer, "checkpoint_activations", False) is True:
-            layer.block_forward = functools.partial(_compiled_checkpointed_block(dynamic), layer)
+            compiled = functools.partial(_compiled_checkpointed_block(dynamic), layer)
             layer.checkpoint_activations = False       # the compiled forward checkpoints itself
         else:
-            layer.block_forward = torch.compile(forward, dynamic=dynamic)   # an instance attribute shadows the method
+            compiled = torch.compile(forward, dynamic=dynamic)
+        layer.block_forward = within_budget(compiled, memory_budget)   # an instance attribute shadows the method
         count += 1
     return count
+
+
+def within_budget(compiled, memory_budget: float | None):
+    """``compiled`` run with AOTAutograd's activation memory budget: the partitioner reads it when a call compiles
+    (the first, and a new shape's), so it is set around every call rather than for the whole process."""
+    if memory_budget is None or memory_budget >= 1:
+        return compiled
+    from torch._functorch import config as functorch_config
+
+    def run(*args, **kwargs):
+        with functorch_config.patch(activation_memory_budget=memory_budget):
+            return compiled(*args, **kwargs)
+    return run
 
 
 def _raise_cache_size_limit():
@@ -61,14 +82,14 @@ def _compiled_checkpointed_block(dynamic: bool | None):
     return torch.compile(_checkpointed_block, dynamic=dynamic)
 
 
-def compile_module_forwards(modules, dynamic: bool | None = None) -> int:
+def compile_module_forwards(modules, dynamic: bool | None = None, memory_budget: float | None = None) -> int:
     """Compile the ``forward`` of every module in ``modules`` (an instance attribute shadows the method); returns
     how many. One compiled function serves them all, the module an argument, so modules of one class and structure
     share a graph."""
     _raise_cache_size_limit()
     count = 0
     for module in modules:
-        module.forward = functools.partial(_compiled_module_forward(dynamic), module)
+        module.forward = within_budget(functools.partial(_compiled_module_forward(dynamic), module), memory_budget)
         count += 1
     return count
 

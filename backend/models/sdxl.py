@@ -290,7 +290,7 @@ class SDXLAdapter(ModelAdapter):
         layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels)))
         return layers
 
-    def compile(self, layers, checkpoint_inside=True):
+    def compile(self, layers, checkpoint_inside=True, memory_budget=None):
         """Only the ``BasicTransformerBlock``s inside the UNet blocks are compiled, with dynamic shapes; ResBlocks,
         convolutions and resampling stay eager (cuDNN), and so does the layer's checkpoint around them
         (``checkpoint_inside`` has nothing to act on). Compiling whole UNet blocks failed both ways: with dynamic
@@ -301,7 +301,7 @@ class SDXLAdapter(ModelAdapter):
         patches), and nothing in it adds in place."""
         from comfy.ldm.modules.attention import BasicTransformerBlock
         blocks = [m for layer in layers for m in layer.modules() if isinstance(m, BasicTransformerBlock)]
-        return compile_module_forwards(blocks, dynamic=self.compile_dynamic)
+        return compile_module_forwards(blocks, dynamic=self.compile_dynamic, memory_budget=memory_budget)
 
     def probe_text(self, generator):
         dm = self.diffusion_model

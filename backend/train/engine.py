@@ -80,7 +80,7 @@ def build_engine(trainer) -> None:
     layers = adapter.to_layers(cfg.activation_checkpointing)
     checkpointed = thin_checkpointing(layers, cfg.activation_checkpointing_fraction)
     if cfg.compile:
-        adapter.compile(layers)
+        adapter.compile(layers, memory_budget=cfg.activation_memory_budget)
     costs = [adapter.layer_cost(layer) for layer in layers]
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
                           loss_fn=adapter.loss)
