@@ -34,6 +34,30 @@ def test_steps_are_reported_one_late_and_flush_reports_the_last():
     assert [s.steps_done for s in reported] == [1, 2, 3]
 
 
+class _ClockEvent:
+    """A stand-in for a timing CUDA event that the device reached at ``at`` seconds on its clock."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end: "_ClockEvent") -> float:
+        return (end.at - self.at) * 1000
+
+
+def test_with_events_a_step_time_is_read_on_the_device_clock_not_when_the_host_got_to_it():
+    """The host reports step 1 only after queueing step 2 (here: after step 1 had long ended); its time is the
+    device's, from the loop's start event to its own, and step 2's from step 1's event to its own."""
+    reported = []
+    reports = StepReports(reported.append, started=0.0, start=_ClockEvent(100.0))
+    reports.issued(PendingStep(1, 0, 0.1, 1.0, done=_ClockEvent(100.4)))
+    reports.issued(PendingStep(2, 0, 0.1, 1.0, done=_ClockEvent(100.9)))
+    reports.flush()
+    assert [round(s.step_time, 6) for s in reported] == [0.4, 0.5]
+
+
 def _device_work(x: torch.Tensor, products: int) -> torch.Tensor:
     y = x
     for _ in range(products):

@@ -9,7 +9,7 @@ import torch
 from ..optim import prodigy_d
 from . import distributed
 from .eval import eval_due, evaluate
-from .reporting import FinishedStep, StepReports, pending_step
+from .reporting import FinishedStep, StepReports, pending_step, timing_event
 
 log = logging.getLogger("pipetrain")
 
@@ -75,7 +75,7 @@ def run_loop(trainer) -> None:
         evaluate(trainer)
     bar = _progress_bar(trainer)
     started = time.monotonic()
-    reports = StepReports(lambda s: _report_step(trainer, s, started, bar), started)   # fed on rank 0 only
+    reports = StepReports(lambda s: _report_step(trainer, s, started, bar), started, timing_event())   # rank 0 feeds it
     batches, batches_epoch = None, None
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
     while trainer.global_step < trainer.total_steps:

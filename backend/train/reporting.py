@@ -41,9 +41,17 @@ def pending_step(step: int, epoch: int, lr: float, loss, grad_norm: torch.Tensor
     if grad_norm is not None and grad_norm.is_cuda:
         grad_norm = _to_host(grad_norm)
     loss = _to_host(loss)
-    done = torch.cuda.Event()
-    done.record()
-    return PendingStep(step, epoch, lr, loss, grad_norm, prodigy_d, done)
+    return PendingStep(step, epoch, lr, loss, grad_norm, prodigy_d, timing_event())
+
+
+def timing_event() -> torch.cuda.Event | None:
+    """An event recorded now on the current CUDA stream, that times the device work between two of them; None
+    on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 @dataclass(frozen=True)
@@ -63,10 +71,15 @@ class StepReports:
     before whatever must follow the step in the events or takes time (LoRA saves, evals, checkpoints, the
     end), so the events stay in step order."""
 
-    def __init__(self, report: Callable[[FinishedStep], None], started: float):
+    def __init__(self, report: Callable[[FinishedStep], None], started: float,
+                 start: torch.cuda.Event | None = None):
+        """``start``: an event recorded when the loop started (``timing_event()``). A step's time is then read
+        between events on the device's own clock, the previous step's and its own: the host reads the step only
+        once the next one is queued, which is later than it ended whenever the host, not the device, is the
+        slower one."""
         self._report = report
         self._pending: PendingStep | None = None
-        self._last_end = started
+        self._last_end, self._last_event = started, start
         self._steps_done = 0
 
     def issued(self, step: PendingStep) -> None:
@@ -85,7 +98,10 @@ class StepReports:
         else:
             step.done.synchronize()
             end = time.monotonic()
-        step_time, self._last_end = end - self._last_end, end
+        step_time = end - self._last_end
+        if step.done is not None and self._last_event is not None:
+            step_time = self._last_event.elapsed_time(step.done) / 1000
+        self._last_end, self._last_event = end, step.done
         self._steps_done += 1
         grad_norm = None if step.grad_norm is None else float(step.grad_norm)
         self._report(FinishedStep(step.step, step.epoch, step.lr, float(step.loss), grad_norm, step.prodigy_d,
