@@ -445,6 +445,36 @@ def test_a_prefetched_step_is_the_step_built_in_place_and_a_stale_one_is_rebuilt
     assert all(torch.equal(a, b) for a, b in zip(got[0][0], in_place[0][0]))
 
 
+def test_a_micro_batch_moves_each_tensor_once_keeping_the_labels_the_inputs_tensors():
+    from pipetrain.backend.train.feed import _map_tensors
+
+    latents, noise, t, text = torch.zeros(2, 4), torch.ones(2, 4), torch.rand(2), torch.randn(2, 3)
+    calls = []
+    inputs, labels = _map_tensors(((latents, noise, t, text, None), (latents, noise, t)),
+                                  lambda x: calls.append(x) or x.clone())
+    assert len(calls) == 4 and inputs[4] is None
+    assert all(a is b for a, b in zip(labels, inputs[:3]))               # one copy, shared as before
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(inputs[:4], (latents, noise, t, text)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_feed_hands_over_device_tensors_built_in_pinned_memory():
+    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.train.feed import MicroBatchFeed
+
+    ensure_comfyui()
+    store, entries = _Store(), _entries(4)
+    feed = MicroBatchFeed(_Adapter(), store, seed=5, dp_rank=0, dp_world=1, device=torch.device("cuda"))
+    host = MicroBatchFeed(_Adapter(), store, seed=5, dp_rank=0, dp_world=1).build(entries, 2, 3, 0)
+    assert all(x.is_pinned() for x in feed.build(entries, 2, 3, 0)[0])
+    step_batches = [entries]
+    feed.prefetch(step_batches, epoch=2, step=3)
+    (inputs, labels), = feed.step_iter(step_batches, epoch=2, step=3)
+    assert all(x.is_cuda for x in inputs + labels) and labels[0] is inputs[0]
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(inputs, host[0]))
+
+
 def test_the_eval_feed_is_deterministic_per_sample_whatever_the_batching():
     from pipetrain.backend.runtime import ensure_comfyui
     from pipetrain.backend.train.eval import EvalFeed

@@ -101,7 +101,7 @@ def build_engine(trainer) -> None:
     trainer.engine = engine
     record_grad_norm(trainer)
     trainer.feed = MicroBatchFeed(adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world,
-                                  getattr(trainer, "uncond_text", None), cfg.uncond_fraction)
+                                  getattr(trainer, "uncond_text", None), cfg.uncond_fraction, distributed.device())
     trainer.save_every_steps = every_n_steps(cfg.save_every_n_steps, cfg.save_every_n_examples, global_batch)
     trainer.eval_every_steps = every_n_steps(cfg.eval_every_n_steps, cfg.eval_every_n_examples, global_batch)
     trainer.eval_sets = build_eval_sets(trainer)

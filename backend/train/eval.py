@@ -18,6 +18,7 @@ import torch
 
 from ..data import EpochPlan
 from ..errors import DatasetError
+from . import distributed
 from .feed import MicroBatchFeed
 
 log = logging.getLogger("pipetrain")
@@ -61,7 +62,8 @@ def build_eval_sets(trainer) -> list[EvalSet]:
             for message in plan.warnings():
                 trainer.reporter.event("warning", message=f"eval dataset {name!r}: {message}")
                 log.warning("eval dataset %r: %s", name, message)
-        feed = EvalFeed(trainer.adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world)
+        feed = EvalFeed(trainer.adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world,
+                        device=distributed.device())
         sets.append(EvalSet(name, plan, feed))
     return sets
 

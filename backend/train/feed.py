@@ -6,6 +6,10 @@ per sample from a generator seeded by (seed, epoch, step, the sample's position 
 The loss target therefore never travels between stages, no extra communication can deadlock the
 schedule, and the same global batch gets the same noise however it is split into micro-batches,
 accumulation steps and data-parallel ranks.
+
+On a GPU the feed hands the engine device tensors, copied without blocking from pinned host memory: the
+engine's own ``.to(device)`` of a host tensor waits until the device has finished all the work queued
+before it, the previous step included, and the device would idle while the host queues the next one.
 """
 from __future__ import annotations
 
@@ -24,8 +28,10 @@ def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
 
 class MicroBatchFeed:
     def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int,
-                 uncond_text: dict[str, str] | None = None, uncond_fraction: float = 0.0):
+                 uncond_text: dict[str, str] | None = None, uncond_fraction: float = 0.0,
+                 device: torch.device | None = None):
         self.adapter = adapter
+        self.device = device if device is not None and device.type == "cuda" else None   # None: host tensors
         self.store = store
         self.seed = seed
         self.dp_rank = dp_rank
@@ -63,12 +69,16 @@ class MicroBatchFeed:
         drawn = [self._noise_and_t(lat, epoch, step, first + i, e) for i, (lat, e) in enumerate(zip(latents, entries))]
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
-        return (latents, noise, t, *text, *conditioning), (latents, noise, t)
+        batch = (latents, noise, t, *text, *conditioning), (latents, noise, t)
+        return _map_tensors(batch, torch.Tensor.pin_memory) if self.device is not None else batch
 
     def step_iter(self, micro_batches, epoch: int, step: int):
         ready = self._take_prefetched(micro_batches, epoch, step)
         for micro, entries in enumerate(micro_batches):
-            yield ready[micro] if ready is not None else self.build(entries, epoch, step, micro)
+            batch = ready[micro] if ready is not None else self.build(entries, epoch, step, micro)
+            if self.device is not None:
+                batch = _map_tensors(batch, lambda x: x.to(self.device, non_blocking=True))
+            yield batch
 
     def prefetch(self, micro_batches, epoch: int, step: int) -> None:
         """Start building this step's micro-batches in a worker thread: the loop calls it for the next step as
@@ -85,3 +95,19 @@ class MicroBatchFeed:
         (key, future), self._prefetched = self._prefetched, None
         result = future.result()            # a failed build raises here, in the loop
         return result if key[:2] == (epoch, step) and key[2] is micro_batches else None
+
+
+def _map_tensors(batch, fn):
+    """``fn`` applied to every tensor of a micro-batch's nested tuples, once per tensor (the labels are the
+    inputs' first tensors)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def visit(x):
+        if isinstance(x, tuple):
+            return tuple(visit(v) for v in x)
+        if torch.is_tensor(x):
+            if id(x) not in done:
+                done[id(x)] = fn(x)
+            return done[id(x)]
+        return x
+    return visit(batch)
