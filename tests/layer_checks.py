@@ -1,6 +1,8 @@
 """Checks shared by the per-architecture layer tests: pipeline layers against ComfyUI's own forward."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from pipetrain.backend import lora
@@ -11,6 +13,23 @@ class Patcher:
 
     def __init__(self, dm, model_sampling=None):
         self.model = type("M", (), {"diffusion_model": dm, "model_sampling": model_sampling})()
+
+
+@contextmanager
+def saved_bytes(skip: tuple[torch.Tensor, ...] = ()):
+    """Counts the bytes autograd keeps for the backward of what runs inside (compiled graphs' saved tensors
+    included); yields a list that holds each saved tensor's size. Tensors sharing storage with ``skip`` (weights:
+    keeping one costs no memory) are not counted."""
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+    sizes: list[int] = []
+
+    def pack(x):
+        if x.untyped_storage().data_ptr() not in skipped:
+            sizes.append(x.numel() * x.element_size())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        yield sizes
 
 
 def padded_caption_inputs(channels: int, size: tuple, tokens: tuple, width: int, batch: int = 2, seed: int = 1):

@@ -2,7 +2,7 @@
 outputs and LoRA gradients, and a new bucket shape costs one recompile, not one per block or per bucket."""
 import pytest
 import torch
-from layer_checks import Patcher, give_lora_b_values, run_layers
+from layer_checks import Patcher, give_lora_b_values, run_layers, saved_bytes
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -70,17 +70,8 @@ def test_compiled_blocks_match_eager_and_compile_once_per_kind_and_shape_regime(
 
 
 def _saved_bytes_loss_and_grads(adapter, layers, inputs):
-    """What autograd keeps for the backward over one forward (the compiled graphs' saved tensors included), weights
-    left out: keeping one costs no memory."""
-    weights = {p.untyped_storage().data_ptr() for p in adapter.diffusion_model.parameters()}
-    saved = []
-
-    def pack(x):
-        if x.untyped_storage().data_ptr() not in weights:
-            saved.append(x.numel() * x.element_size())
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    """What autograd keeps for the backward over one forward, weights left out."""
+    with saved_bytes(skip=tuple(adapter.diffusion_model.parameters())) as saved:
         loss, grads = _loss_and_grads(adapter, layers, inputs)
     return sum(saved), loss, grads
 

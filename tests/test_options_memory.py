@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import micro_flux_with_lora
+from layer_checks import saved_bytes
 
 from pipetrain.backend import lora
 
@@ -59,17 +60,11 @@ def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():
 def _saved_bytes(adapter, inputs, layers) -> tuple[int, torch.Tensor]:
     """Bytes autograd keeps for backward over one forward (what activation checkpointing trades for compute)."""
     x0, noise, t, text = inputs
-    saved = []
-
-    def pack(x):
-        saved.append(x.numel() * x.element_size())
-        return x
-
     params = lora.trainable_parameters(adapter.diffusion_model)
     for p in params:
         p.grad = None
     torch.manual_seed(11)   # LoRA dropout masks
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with saved_bytes() as saved:
         h = (x0, noise, t, *text)
         for layer in layers:
             h = layer(h)

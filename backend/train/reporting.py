@@ -98,9 +98,10 @@ class StepReports:
         else:
             step.done.synchronize()
             end = time.monotonic()
-        step_time = end - self._last_end
         if step.done is not None and self._last_event is not None:
-            step_time = self._last_event.elapsed_time(step.done) / 1000
+            step_time = self._last_event.elapsed_time(step.done) / 1000     # the device's clock
+        else:
+            step_time = end - self._last_end
         self._last_end, self._last_event = end, step.done
         self._steps_done += 1
         grad_norm = None if step.grad_norm is None else float(step.grad_norm)
