@@ -142,7 +142,7 @@ def write_tokenizers(folder: Path, comfyui: Path) -> None:
 def write_dataset(folder: Path, count: int, side: int) -> Path:
     from PIL import Image, ImageDraw
 
-    from pipetrain.bench.run import BENCH_CAPTION
+    from pipetrain.bench.run import bench_caption
 
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):
@@ -150,7 +150,7 @@ def write_dataset(folder: Path, count: int, side: int) -> Path:
         r, c = side // (4 + i % 3), side // 2
         ImageDraw.Draw(img).ellipse((c - r, c - r, c + r, c + r), fill=(200, 30 * i % 255, 40))
         img.save(folder / f"img{i:02d}.png")
-        (folder / f"img{i:02d}.txt").write_text(BENCH_CAPTION)   # diffusers cuts T5 text to 512 tokens
+        (folder / f"img{i:02d}.txt").write_text(bench_caption("flux"))   # 505 T5 tokens: under the 512 diffusers keeps
     return folder
 
 

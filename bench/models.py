@@ -4,13 +4,15 @@ random weights (no files: writing 20-32B random checkpoints would cost minutes e
 pipeline layers with LoRA rank 32 on the adapter's targets and AdamW; latents and text come from the adapter's
 probes (short captions; clean latents at the given resolution, and ``--frames`` for video models).
 
-    python bench/models.py --out $OUT [--archs qwen_image,z_image] [--resolution 1024] [--frames 33]
+    python bench/models.py --out $OUT [--archs qwen_image,z_image] [--resolution 1024] [--frames 33] [--batch 8]
+        [--channels-last]
         [--checkpointing [--checkpoint-fraction 0.5]] [--compile [--compile-inside-checkpoint] [--memory-budget 0.5]]
         [--deadline-s 300] [--profile]
 
 Writes ``models.json`` after every model, so a deadline cuts the list, never the results. ``--profile`` records
-two steps after the timed ones with torch.profiler: ``<arch>.trace.json`` (Chrome/Perfetto trace) and
-``<arch>.ops.txt`` (operators by GPU time), the profile that shows where a step's time goes.
+two steps after the timed ones with torch.profiler into ``<arch>-profile/`` (``trace.json``, ``ops.txt``
+by GPU time, ``summary.json`` with the share of wall time the GPU ran kernels): where a step's time goes.
+The trainer records the same on demand: ``PIPETRAIN_PROFILE`` (``backend/train/profiling.py``).
 """
 from __future__ import annotations
 
@@ -66,6 +68,16 @@ def probe_inputs(adapter, resolution: int, frames: int, device: str):
     return tuple(v.to(device) for v in (x0, noise, t)) + tuple(text)
 
 
+def batched(inputs: tuple, batch: int, channels_last: bool) -> tuple:
+    """The probe repeated to ``batch`` samples; with ``channels_last`` the 4-D latents (x0, noise) are stored
+    NHWC, so the convolutions that read them run channels-last from the first layer on."""
+    out = tuple(x.repeat(batch, *(1,) * (x.ndim - 1)) for x in inputs)
+    if channels_last:
+        out = tuple(x.contiguous(memory_format=torch.channels_last) if i < 2 and x.ndim == 4 else x
+                    for i, x in enumerate(out))
+    return out
+
+
 def _step(layers, inputs, adapter, opt) -> torch.Tensor:
     h = inputs
     for layer in layers:
@@ -77,16 +89,20 @@ def _step(layers, inputs, adapter, opt) -> torch.Tensor:
     return loss.detach()
 
 
-def profile_steps(arch: str, step, out: Path, steps: int = 2) -> None:
+def profile_steps(arch: str, step, out: Path, steps: int = 2) -> dict:
+    """``steps`` steps under torch.profiler, written to ``out/<arch>-profile/``; returns how much of their wall
+    time the GPU was running kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from pipetrain.backend.train.profiling import write_profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    prof.export_chrome_trace(str(out / f"{arch}.trace.json"))
-    (out / f"{arch}.ops.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    return write_profile(prof, out / f"{arch}-profile", steps, wall_s)
 
 
 def measure(arch: str, args, device: str = "cuda") -> dict:
@@ -107,7 +123,9 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
         adapter.compile(layers, checkpoint_inside=not args.compile_inside_checkpoint, memory_budget=args.memory_budget)
     trainable = lora.trainable_parameters(dm)
     opt = torch.optim.AdamW(trainable, lr=1e-5)
-    inputs = probe_inputs(adapter, args.resolution, args.frames, device)
+    if args.channels_last:
+        dm.to(memory_format=torch.channels_last)
+    inputs = batched(probe_inputs(adapter, args.resolution, args.frames, device), args.batch, args.channels_last)
     built_s = time.monotonic() - t0
     times, losses = [], []
     for step in range(args.warmup + args.steps):
@@ -119,10 +137,9 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
             times.append(time.perf_counter() - s)
         losses.append(float(loss))
     step_s = statistics.median(times)
-    if args.profile:
-        profile_steps(arch, lambda: _step(layers, inputs, adapter, opt), Path(args.out))
-    return {"arch": arch, "params_b": round(params_b, 2), "lora_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
-            "latent": list(inputs[0].shape), "step_s": round(step_s, 4), "samples_per_s": round(1 / step_s, 3),
+    profiled = profile_steps(arch, lambda: _step(layers, inputs, adapter, opt), Path(args.out)) if args.profile else {}
+    return {**profiled, "arch": arch, "params_b": round(params_b, 2), "lora_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
+            "latent": list(inputs[0].shape), "step_s": round(step_s, 4), "samples_per_s": round(args.batch / step_s, 3),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "build_s": round(built_s, 1),
             "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses))}
 
@@ -137,6 +154,8 @@ def main() -> int:
     p.add_argument("--size", default="full")
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--frames", type=int, default=33)
+    p.add_argument("--batch", type=int, default=1, help="samples per step (the probe, repeated)")
+    p.add_argument("--channels-last", action="store_true", help="4-D weights and latents stored NHWC")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--checkpointing", action="store_true")

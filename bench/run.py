@@ -25,7 +25,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PEAK_TFLOPS = 790.0   # bf16 matrix product measured on this H200 (KINDS.md)
-BENCH_CAPTION = " ".join(["a red circle on a white background"] * 72)   # ~510 T5 tokens, as the bare loop's 512
+BENCH_PHRASE = "a red circle on a white background"
+
+
+def bench_caption(arch: str) -> str:
+    """As long as the baselines' text: SDXL's one 77-token CLIP chunk, 505 T5 tokens (their 512) elsewhere."""
+    return " ".join([BENCH_PHRASE] * (10 if arch == "sdxl" else 56))
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
     else:
         make_dataset(folder / "dataset", count)
     for caption in (folder / "dataset").glob("*.txt"):
-        caption.write_text(BENCH_CAPTION)
+        caption.write_text(bench_caption(case.arch))
     dataset = {"resolutions": [resolution], "enable_ar_bucket": False, "frame_buckets": [frames],
                "directory": [{"path": str(folder / "dataset"), "num_repeats": 4}]}
     run = {"output_dir": str(folder / "output"), "dataset": str(folder / "dataset.toml"), "epochs": 100,
@@ -149,23 +154,33 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
     return folder / "run.toml"
 
 
-def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, **overrides) -> dict:
+def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, profile: Path | None = None,
+             **overrides) -> dict:
+    """The case through ``pipetrain train`` under DeepSpeed's launcher; with ``profile``, steps warmup+1 and
+    warmup+2 are also recorded there with torch.profiler (``PIPETRAIN_PROFILE``) and left out of the timing."""
     from pipetrain.backend.launch import deepspeed_command
+    from pipetrain.backend.train.profiling import ENV
 
     config = write_config(name, case, files, root, steps, **overrides)
     cmd = deepspeed_command("train", config, case.stages, ["--no-progress"])
     log = root / f"{name}.log"
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT).returncode
+        env = {**os.environ, **({ENV: f"{profile}:{warmup + 1}:2"} if profile else {})}
+        rc = subprocess.run(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     events_file = config.parent / "output" / "bench" / "events.jsonl"
     events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
     steps_ = [e for e in events if e["type"] == "step"][warmup:]
+    profiled = [{k: e[k] for k in ("wall_ms_per_step", "kernel_busy_ms_per_step", "gpu_busy")}
+                for e in events if e["type"] == "profile"]
+    if profile:   # the profiled steps run slower: they are not timed
+        steps_ = steps_[2:]
     if rc != 0 or not steps_:
         return {"rc": rc, "log": str(log)}
     samples = case.batch * case.gradient_accumulation
     step_time = statistics.median(e["step_time_s"] for e in steps_)
     return {"rc": rc, "samples_per_s": samples / step_time, "step_s": step_time,
-            "peak_gib": max(e.get("peak_mem_gib", 0) for e in steps_), "steps_measured": len(steps_)}
+            "peak_gib": max(e.get("peak_mem_gib", 0) for e in steps_), "steps_measured": len(steps_),
+            **({"profile": profiled[0]} if profiled else {})}
 
 
 def run_script(script: str, env: dict, pick=lambda record: True) -> dict:
@@ -190,6 +205,8 @@ def main() -> int:
     p.add_argument("--size", default="full", help="model size: full (figures) or tiny (a CPU smoke test)")
     p.add_argument("--resolution", type=int, help="override every case's resolution (smoke tests)")
     p.add_argument("--frames", type=int, help="override video cases' clip length (smoke tests)")
+    p.add_argument("--profile", action="store_true",
+                   help="record two steps after warm-up with torch.profiler into <out>/<case>-profile/")
     args = p.parse_args()
     from pipetrain.backend.runtime import ensure_comfyui
 
@@ -202,7 +219,8 @@ def main() -> int:
         case = CASES[name]
         frames = args.frames if args.frames and case.frames > 1 else None
         r = {"case": asdict(case), "ours": run_ours(name, case, write_models(case, root, args.size), root, args.steps,
-                                                    args.warmup, resolution=args.resolution, frames=frames)}
+                                                    args.warmup, profile=out / f"{name}-profile" if args.profile else None,
+                                                    resolution=args.resolution, frames=frames)}
         if args.bare and case.bare_case and args.baselines in ("all", "bare"):
             r["bare"] = run_script(args.bare, {"COMFYUI_PATH": comfy_root, "CASES": case.bare_case})
         if args.native and case.native_case and args.baselines in ("all", "native"):

@@ -71,3 +71,18 @@ def test_the_bf16_lora_case_trains_the_adapter_in_bfloat16_as_diffusion_pipe_is_
         cfg = load_run_config(write_config(name, CASES[name], files, tmp_path, steps=2), check_dataset=False)
         dtypes[name] = DTYPES[cfg.adapter.dtype] if cfg.adapter.dtype else torch.float32   # as engine.attach_lora
     assert dtypes == {"flux-1024-ckpt-compile-bf16lora": torch.bfloat16, "flux-1024-ckpt-compile": torch.float32}
+
+
+def test_bench_captions_are_as_long_as_the_baselines_text():
+    """The bare loop and ComfyUI's trainer run SDXL on one 77-token CLIP chunk and T5 models on 512 tokens; a
+    longer SDXL caption would be split into more chunks and make our cross-attention do more work than theirs."""
+    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.bench.run import bench_caption
+    ensure_comfyui()
+    import comfy.sdxl_clip
+    from comfy.text_encoders.flux import FluxTokenizer
+
+    sdxl = comfy.sdxl_clip.SDXLTokenizer().tokenize_with_weights(bench_caption("sdxl"))
+    assert len(sdxl["g"]) == len(sdxl["l"]) == 1                       # one chunk of 77
+    t5 = FluxTokenizer().tokenize_with_weights(bench_caption("flux"))["t5xxl"]
+    assert sum(len(chunk) for chunk in t5) in range(490, 513)

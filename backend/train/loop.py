@@ -9,6 +9,7 @@ import torch
 from ..optim import prodigy_d
 from . import distributed
 from .eval import eval_due, evaluate
+from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
 
 log = logging.getLogger("pipetrain")
@@ -78,11 +79,14 @@ def run_loop(trainer) -> None:
     reports = StepReports(lambda s: _report_step(trainer, s, started, bar), started, timing_event())   # rank 0 feeds it
     batches, batches_epoch = None, None
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
+    profiler = StepProfiler.from_env(trainer.rank)
     while trainer.global_step < trainer.total_steps:
         if batches_epoch != trainer.epoch:
             batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
         lr = engine.get_lr()[0]
         engine.reset_activation_shape()
+        if profiler:
+            profiler.before_step(trainer.global_step + 1)
         loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
                                                          trainer.step_in_epoch))
         following = trainer.step_in_epoch + 1
@@ -90,6 +94,8 @@ def run_loop(trainer) -> None:
             trainer.feed.prefetch(batches[following], trainer.epoch, following)
         trainer.global_step += 1
         trainer.step_in_epoch += 1
+        if profiler and (summary := profiler.after_step(trainer.global_step)):
+            trainer.reporter.event("profile", folder=str(profiler.folder), **summary)
         if trainer.rank == 0:
             # global_step counts this step now; issuing it reports the step before
             reports.issued(pending_step(trainer.global_step, trainer.epoch, lr, loss, trainer.grad_norm,
