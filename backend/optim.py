@@ -20,6 +20,10 @@ maintained library ships 8-bit states together with Kahan summation (torchao's `
 updates stochastically and needs torch.compile; torch-optimi's and pytorch_optimizer's ``kahan_sum`` keep
 32-bit states), so ``optim_kahan.py`` adds the Kahan buffer to bitsandbytes' ``AdamW8bit`` (already a
 dependency; diffusion-pipe subclasses it too), whose 8-bit kernels run on GPUs and on the CPU.
+
+torch's ``adamw`` and ``sgd`` run their fused CUDA kernels when every parameter is on a GPU and the config sets
+neither ``fused`` nor ``foreach``: one pass over each parameter instead of a dozen foreach launches per op
+(17 ms of a 410 ms Flux LoRA step on an H200, 28 ms of SDXL's; fused: about 1).
 """
 from __future__ import annotations
 
@@ -106,8 +110,19 @@ def make_optimizer(cfg, global_batch_size: int):
     kwargs = optimizer_kwargs(cfg, global_batch_size)
 
     def build(params):
-        return klass(params, **kwargs)
+        params = list(params)
+        return klass(params, **kwargs, **fused_default(klass, kwargs, params))
     return build
+
+
+def fused_default(klass, kwargs: dict, params: list) -> dict:
+    """``fused=True`` for torch's AdamW and SGD on GPU parameters unless the config chose ``fused`` or ``foreach``."""
+    import torch
+
+    if klass not in (torch.optim.AdamW, torch.optim.SGD) or {"fused", "foreach"} & kwargs.keys():
+        return {}
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    return {"fused": True} if tensors and all(p.device.type == "cuda" for p in tensors) else {}
 
 
 def prodigy_d(optimizer) -> float | None:

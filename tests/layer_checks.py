@@ -6,6 +6,7 @@ from contextlib import contextmanager
 import torch
 
 from pipetrain.backend import lora
+from pipetrain.backend.train.pipeline import sendable
 
 
 class Patcher:
@@ -114,8 +115,16 @@ def lora_gradients_match_finite_differences(adapter, inputs, rtol=1e-5, atol=1e-
     assert torch.allclose(analytic, numeric, rtol=rtol, atol=atol), (analytic.item(), numeric.item())
 
 
+def over_the_wire(t: torch.Tensor) -> torch.Tensor:
+    """What the next stage receives: DeepSpeed allocates a row-major buffer of the sent shape and
+    torch.distributed fills it with the sent tensor's bytes in the order they lie in memory."""
+    dims = sorted(range(t.ndim), key=lambda d: -t.stride(d))
+    return t.detach().permute(dims).contiguous().view(-1).view(t.shape).clone()
+
+
 def every_boundary_is_a_stage_boundary(adapter, inputs):
-    """Cut after every layer the way DeepSpeed's pipeline does (received activations are fresh leaves; a
+    """Cut after every layer the way DeepSpeed's pipeline does (outputs leave through ``StagedModule``'s
+    ``sendable`` and arrive as ``over_the_wire`` gives them; received activations are fresh leaves; a
     stage's backward starts from its float outputs with the next stage's input gradients): every float
     output has a graph, every float input gets a gradient, and the LoRA gradients equal an uncut run."""
     dm = adapter.diffusion_model
@@ -129,10 +138,10 @@ def every_boundary_is_a_stage_boundary(adapter, inputs):
 
     stages, h = [], tuple(x.clone().requires_grad_(x.is_floating_point()) for x in inputs)
     for layer in layers[:-1]:
-        out = layer(h)
+        out = tuple(map(sendable, layer(h)))
         assert all(x.requires_grad for x in out if x.is_floating_point()), type(layer).__name__
         stages.append((h, out))
-        h = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in out)
+        h = tuple(over_the_wire(x).requires_grad_(x.is_floating_point()) for x in out)
     adapter.loss(layers[-1](h), (x0, noise, t)).backward()
     received = h
     for i, (h_in, out) in enumerate(reversed(stages)):

@@ -533,3 +533,36 @@ def test_init_from_existing_reads_a_file_or_a_diffusion_pipe_folder_and_checks_i
     save_file({"diffusion_model.other.lora_A.weight": torch.zeros(2, 8)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ConfigError, match="key 'adapter.init_from_existing'.*no tensor"):
         load_existing(_trainer(_lora_net(2), tmp_path / "other.safetensors"), ["0", "1"])
+
+
+def test_torch_adamw_runs_fused_only_on_gpu_parameters_and_never_against_the_config(dp):
+    """The fused kernels are a default for GPU parameters; CPU parameters and a config that chose ``foreach`` or
+    ``fused`` get what they asked for."""
+    (dp / "run.toml").write_text(DP_MAIN.replace("type = 'adamw_optimi'", "type = 'adamw'"))
+    cfg = load_run_config(dp / "run.toml")
+    cpu = [torch.nn.Parameter(torch.ones(3))]
+    assert optim.fused_default(torch.optim.AdamW, {}, cpu) == {}
+    assert optim.make_optimizer(cfg, 1)(cpu).defaults["fused"] in (None, False)
+    meta_gpu = type("P", (), {"device": torch.device("cuda", 0)})()   # only the device is read
+    assert optim.fused_default(torch.optim.AdamW, {}, [{"params": [meta_gpu]}]) == {"fused": True}
+    assert optim.fused_default(torch.optim.AdamW, {"foreach": True}, [meta_gpu]) == {}
+    assert optim.fused_default(torch.optim.AdamW, {"fused": False}, [meta_gpu]) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_adamw_on_the_gpu_takes_the_steps_foreach_takes(dp):
+    (dp / "run.toml").write_text(DP_MAIN.replace("type = 'adamw_optimi'", "type = 'adamw'"))
+    cfg = load_run_config(dp / "run.toml")
+    g = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(64, 32, generator=g), [torch.randn(64, 32, generator=g) for _ in range(3)]
+    finals = []
+    for build in (optim.make_optimizer(cfg, 1), lambda ps: torch.optim.AdamW(ps, foreach=True, **optim.optimizer_kwargs(cfg, 1))):
+        p = torch.nn.Parameter(start.cuda())
+        opt = build([p])
+        for grad in grads:
+            p.grad = grad.cuda()
+            opt.step()
+        finals.append((opt.defaults.get("fused"), p.detach().cpu()))
+    assert finals[0][0] is True and finals[1][0] in (None, False)
+    torch.testing.assert_close(finals[0][1], finals[1][1], rtol=1e-5, atol=1e-6)

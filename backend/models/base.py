@@ -40,6 +40,7 @@ class ModelAdapter(ABC):
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
     caption_sees_control: bool = False       # edit models whose text encoder reads the control image with the
     #                                          caption (encode_caption_with_image); cached per caption and image
+    memory_format: torch.memory_format = torch.contiguous_format  # how the engine stores 4-D weights in training
 
     def __init__(self, cfg: ModelConfig, resolve=lambda p: Path(p)):
         self.cfg = cfg

@@ -158,7 +158,7 @@ class SDXLInput(TupleLayer):
     def run(self, latents, noise, t, context, pooled):
         from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 
-        x = self.objective.noisy(latents, noise, t).to(self.dtype)
+        x = self.objective.noisy(latents, noise, t).to(self.dtype).contiguous(memory_format=torch.channels_last)
         t_emb = timestep_embedding(self.objective.model_timestep(t), self.model_channels, repeat_only=False)
         emb = self.time_embed(t_emb.to(self.dtype))
         emb = emb + self.label_emb(comfy_adm(self._encode_adm, pooled, x).to(self.dtype))
@@ -232,6 +232,10 @@ class SDXLAdapter(ModelAdapter):
     lora_block_prefixes = SDXL_TRANSFORMERS
     text_fields = ("cond", "pooled")
     spatial_multiple = 32  # latent sides divisible by 4: the UNet's two downsamplings stay exact
+    # NHWC: cuDNN's bf16 convolutions need no layout transposes and the SpatialTransformers' b c h w -> b (h w) c
+    # is a view (+8% samples/s at batch 8 on an H200). SDXLInput makes the latent NHWC; a stage boundary sends
+    # plain contiguous tensors (train.pipeline.sendable).
+    memory_format = torch.channels_last
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)

@@ -99,6 +99,11 @@ def build_engine(trainer) -> None:
             opt, lr_multiplier(cfg.lr_scheduler, cfg.warmup_steps, total_steps)),
         config=ds_config(cfg))
     trainer.engine = engine
+    if adapter.memory_format != torch.contiguous_format:   # after initialize: DeepSpeed views weights as bytes
+        engine.module.to(memory_format=adapter.memory_format)
+    if engine.dp_world_size == 1:
+        # DeepSpeed still flattens every gradient into a bucket, all-reduces it over one rank and copies it back
+        engine.pipeline_enable_backward_allreduce = False
     record_grad_norm(trainer)
     trainer.feed = MicroBatchFeed(adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world,
                                   getattr(trainer, "uncond_text", None), cfg.uncond_fraction, distributed.device())

@@ -6,6 +6,7 @@ adapter's per-layer cost estimates instead; ``manual`` takes layer indices from 
 """
 from __future__ import annotations
 
+import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import utils as ds_utils
 
@@ -20,6 +21,12 @@ class StagedModule(PipelineModule):
                          partition_method="uniform" if method in ("compute", "manual") else method,
                          activation_checkpoint_interval=0)
 
+    def forward(self, forward_input):
+        out = super().forward(forward_input)
+        if self.stage_id == self.num_stages - 1:
+            return out
+        return tuple(map(sendable, out)) if isinstance(out, tuple) else sendable(out)
+
     def _partition_layers(self, method="uniform"):
         n = len(self._layer_specs)
         if self._pt_method == "compute":
@@ -31,6 +38,12 @@ class StagedModule(PipelineModule):
             return super()._partition_layers(method)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def sendable(t):
+    """DeepSpeed receives into row-major buffers of the sent shape, and torch.distributed sends a channels-last
+    tensor's bytes as they lie: the next stage would read them scrambled."""
+    return t.contiguous() if torch.is_tensor(t) else t
 
 
 def stage_bounds(costs: list[float], num_stages: int) -> list[int]:
