@@ -8,6 +8,7 @@ import torch
 
 from ..optim import prodigy_d
 from . import distributed
+from .control import ControlFlags
 from .eval import eval_due, evaluate
 from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
@@ -22,15 +23,14 @@ def _progress_bar(trainer):
     return tqdm(total=trainer.total_steps, initial=trainer.global_step, unit="step", dynamic_ncols=True)
 
 
-def _control_flags(trainer) -> tuple[bool, bool]:
-    """(checkpoint now, stop now), decided on rank 0 and shared so every rank acts together."""
-    flags = None
-    if trainer.rank == 0:
-        stop = trainer.stop_requested or (trainer.run_dir / "stop").exists()
-        minutes = trainer.cfg.checkpoint_every_n_minutes
-        due = minutes is not None and time.monotonic() - trainer.last_checkpoint_time >= minutes * 60
-        flags = (due or stop, stop)
-    return distributed.broadcast_object(flags)
+def _requests(trainer) -> tuple[bool, bool]:
+    """(checkpoint, stop) as rank 0 sees them now: a stop checkpoints too."""
+    if trainer.rank != 0:
+        return False, False
+    stop = trainer.stop_requested or (trainer.run_dir / "stop").exists()
+    minutes = trainer.cfg.checkpoint_every_n_minutes
+    due = minutes is not None and time.monotonic() - trainer.last_checkpoint_time >= minutes * 60
+    return due or stop, stop
 
 
 def _report_step(trainer, s: FinishedStep, started: float, bar) -> None:
@@ -80,6 +80,7 @@ def run_loop(trainer) -> None:
     batches, batches_epoch = None, None
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
     profiler = StepProfiler.from_env(trainer.rank)
+    control = ControlFlags(trainer.world, distributed.device())
     while trainer.global_step < trainer.total_steps:
         if batches_epoch != trainer.epoch:
             batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
@@ -113,8 +114,8 @@ def run_loop(trainer) -> None:
         if eval_due(trainer, finished_epoch):
             reports.flush()
             evaluate(trainer)
-        checkpoint_now, stop_now = _control_flags(trainer)
-        if checkpoint_now:   # a stop checkpoints too
+        checkpoint_now, stop_now = control.exchange(*_requests(trainer))
+        if checkpoint_now:
             reports.flush()
             trainer.save_checkpoint()
         if stop_now:
@@ -143,5 +144,6 @@ def _finished(trainer, bar) -> None:
         trainer.render_samples(path, last_epoch)
     trainer.save_checkpoint()
     if trainer.rank == 0:
+        (trainer.run_dir / "stop").unlink(missing_ok=True)   # asked for too late: the run had finished
         trainer.reporter.event("done", step=trainer.global_step, epoch=last_epoch)
         trainer.reporter.update(state="finished")
