@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -180,12 +179,6 @@ def write_configs(run_dir: Path, case: Case, diffusers_path: Path, steps: int, r
 
 
 # --- running it ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def dp_command(dp: Path, config: Path, events: Path, comfyui: Path, port: int) -> list[str]:
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
             str(Path(__file__).resolve()), ENTRY_FLAG, str(dp), str(events), str(comfyui),
@@ -240,7 +233,9 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
         return {"rc": written.returncode, "stage": "write", "stderr": written.stderr[-3000:]}
     folder, config = root / f"flux-diffusers-{size}", run_dir / "main.toml"
     events_file, log_file = run_dir / "events.jsonl", run_dir / "train.log"
-    cmd = dp_command(dp, config, events_file, comfyui, _free_port())
+    from pipetrain.backend.launch import free_port
+
+    cmd = dp_command(dp, config, events_file, comfyui, free_port())
     smi = SmiPeak()
     smi.start()
     t = time.monotonic()

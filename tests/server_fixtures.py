@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from pipetrain.backend.launch import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 COMFYUI = REPO / ".comfyui" / "ComfyUI"
 MODEL_FOLDERS = ("diffusion_models", "checkpoints", "text_encoders", "vae", "loras")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """Stop and checkpoint requests: rank 0's view reaches every rank, one step late with several ranks (no host sync
 in the step), at once in a single process."""
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipetrain.backend.launch import free_port
 from pipetrain.backend.train.control import ControlFlags
 
 # what rank 0 sees at each step; the other rank's own view must not count
@@ -25,9 +25,7 @@ def _exchange_on_two_ranks(rank: int, port: int, results) -> None:
 
 
 def test_with_two_ranks_both_act_on_rank_0s_requests_one_step_later():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.spawn(_exchange_on_two_ranks, args=(port, results), nprocs=2)
     expected = [(False, False),   # nothing posted before the first step

@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .reporting import timing_event
+from .reporting import host_copy, timing_event
 
 
 class ControlFlags:
     def __init__(self, world: int, device: torch.device):
         self.world, self.device = world, device
-        self._posted: tuple[torch.Tensor, torch.cuda.Event | None] | tuple[bool, bool] | None = None
+        self._posted: tuple[torch.Tensor, torch.cuda.Event | None] | None = None   # host flags, ready event
 
     def exchange(self, checkpoint: bool, stop: bool) -> tuple[bool, bool]:
         """Every rank calls this once a step with its own view (only rank 0's counts); returns the (checkpoint,
@@ -37,8 +37,7 @@ class ControlFlags:
             flags = flags.pin_memory().to(self.device, non_blocking=True)
         dist.broadcast(flags, src=0)
         if cuda:
-            host = torch.empty(2, dtype=torch.int32, pin_memory=True).copy_(flags, non_blocking=True)
-            self._posted = (host, timing_event())
+            self._posted = (host_copy(flags), timing_event())
         else:
             self._posted = (flags, None)
 

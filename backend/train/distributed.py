@@ -3,16 +3,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..launch import free_port
 
 
 def init() -> tuple[int, int, int]:
@@ -22,7 +17,7 @@ def init() -> tuple[int, int, int]:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     local_rank = int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available()
     if cuda:

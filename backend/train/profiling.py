@@ -1,10 +1,11 @@
 """A torch.profiler record of a few training steps, for finding where a step's time goes.
 
 ``PIPETRAIN_PROFILE=<folder>[:first_step[:steps]]`` (default: steps 6 and 7) makes rank 0 record those
-steps and write, into the folder, ``trace.json`` (Chrome/Perfetto), ``ops.txt`` (operators by GPU time) and
-``summary.json`` (wall time per step, the time in which a GPU kernel ran, their ratio, and the longest
-stretches the GPU sat idle with what the host was doing then). An environment variable, not a config key: a diagnostic must not change a run's
-config, its checkpoints or how it resumes.
+steps and write, into the folder, ``trace.json`` (Chrome/Perfetto), ``ops.txt`` (operators by GPU time, by CPU
+time without a GPU) and ``summary.json``: wall time per step, the time in which a GPU kernel ran, their ratio,
+and the longest stretches the GPU sat idle with the host operators open then (none: the host was in Python
+between operators). A run that ends inside the range writes nothing. An environment variable, not a config
+key: a diagnostic must not change a run's config, its checkpoints or how it resumes.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def idle_gaps(prof, top: int = 8, min_us: float = 500.0) -> list[dict]:
 def write_profile(prof, folder: Path, steps: int, wall_s: float) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(folder / "trace.json"))
-    (folder / "ops.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=50))
+    by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    (folder / "ops.txt").write_text(prof.key_averages().table(sort_by=by, row_limit=50))
     busy_us = kernel_busy_us(prof)
     summary = {"steps": steps, "wall_ms_per_step": round(wall_s * 1e3 / steps, 1),
                "kernel_busy_ms_per_step": round(busy_us / 1e3 / steps, 1),

@@ -26,7 +26,9 @@ class PendingStep:
     issued_at: float = field(default_factory=time.monotonic)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into pinned host memory behind the work queued on the current stream (read it once an event
+    recorded after the copy has completed)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t.detach(), non_blocking=True)
 
@@ -39,8 +41,8 @@ def pending_step(step: int, epoch: int, lr: float, loss, grad_norm: torch.Tensor
     if not (torch.is_tensor(loss) and loss.is_cuda):
         return PendingStep(step, epoch, lr, loss.detach() if torch.is_tensor(loss) else loss, grad_norm, prodigy_d)
     if grad_norm is not None and grad_norm.is_cuda:
-        grad_norm = _to_host(grad_norm)
-    loss = _to_host(loss)
+        grad_norm = host_copy(grad_norm)
+    loss = host_copy(loss)
     return PendingStep(step, epoch, lr, loss, grad_norm, prodigy_d, timing_event())
 
 
