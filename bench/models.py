@@ -123,8 +123,8 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
         adapter.compile(layers, checkpoint_inside=not args.compile_inside_checkpoint, memory_budget=args.memory_budget)
     trainable = lora.trainable_parameters(dm)
     opt = torch.optim.AdamW(trainable, lr=1e-5)
-    if args.channels_last:
-        dm.to(memory_format=torch.channels_last)
+    # as the engine stores them (SDXL: channels-last); --channels-last forces it for any model
+    dm.to(memory_format=torch.channels_last if args.channels_last else adapter.memory_format)
     inputs = batched(probe_inputs(adapter, args.resolution, args.frames, device), args.batch, args.channels_last)
     built_s = time.monotonic() - t0
     times, losses = [], []
@@ -155,7 +155,8 @@ def main() -> int:
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--frames", type=int, default=33)
     p.add_argument("--batch", type=int, default=1, help="samples per step (the probe, repeated)")
-    p.add_argument("--channels-last", action="store_true", help="4-D weights and latents stored NHWC")
+    p.add_argument("--channels-last", action="store_true",
+                   help="4-D weights and latents stored NHWC for every model (default: the adapter's format)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--checkpointing", action="store_true")

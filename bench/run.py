@@ -26,6 +26,7 @@ from pathlib import Path
 
 PEAK_TFLOPS = 790.0   # bf16 matrix product measured on this H200 (KINDS.md)
 BENCH_PHRASE = "a red circle on a white background"
+PROFILED_STEPS = 2    # with --profile: recorded after warm-up and left out of the timing
 
 
 def bench_caption(arch: str) -> str:
@@ -156,8 +157,8 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
 
 def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, profile: Path | None = None,
              **overrides) -> dict:
-    """The case through ``pipetrain train`` under DeepSpeed's launcher; with ``profile``, steps warmup+1 and
-    warmup+2 are also recorded there with torch.profiler (``PIPETRAIN_PROFILE``) and left out of the timing."""
+    """The case through ``pipetrain train`` under DeepSpeed's launcher; with ``profile``, the PROFILED_STEPS steps
+    after warm-up are also recorded there with torch.profiler (``PIPETRAIN_PROFILE``) and left out of the timing."""
     from pipetrain.backend.launch import deepspeed_command
     from pipetrain.backend.train.profiling import ENV
 
@@ -165,7 +166,7 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
     cmd = deepspeed_command("train", config, case.stages, ["--no-progress"])
     log = root / f"{name}.log"
     with open(log, "w") as f:
-        env = {**os.environ, **({ENV: f"{profile}:{warmup + 1}:2"} if profile else {})}
+        env = {**os.environ, **({ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {})}
         rc = subprocess.run(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     events_file = config.parent / "output" / "bench" / "events.jsonl"
     events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
@@ -173,7 +174,7 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
     profiled = [{k: e[k] for k in ("wall_ms_per_step", "kernel_busy_ms_per_step", "gpu_busy")}
                 for e in events if e["type"] == "profile"]
     if profile:   # the profiled steps run slower: they are not timed
-        steps_ = steps_[2:]
+        steps_ = steps_[PROFILED_STEPS:]
     if rc != 0 or not steps_:
         return {"rc": rc, "log": str(log)}
     samples = case.batch * case.gradient_accumulation
