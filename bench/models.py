@@ -11,7 +11,8 @@ probes (short captions; clean latents at the given resolution, and ``--frames`` 
 
 Writes ``models.json`` after every model, so a deadline cuts the list, never the results. ``--profile`` records
 two steps after the timed ones with torch.profiler into ``<arch>-profile/`` (``trace.json``, ``ops.txt``
-by GPU time, ``summary.json`` with the share of wall time the GPU ran kernels): where a step's time goes.
+by GPU time, ``summary.json`` with the share of wall time the GPU ran kernels) and samples two more on the host
+(``host.txt``, the Python code the wall time went to): where a step's time goes.
 The trainer records the same on demand: ``PIPETRAIN_PROFILE`` (``backend/train/profiling.py``).
 """
 from __future__ import annotations
@@ -90,19 +91,29 @@ def _step(layers, inputs, adapter, opt) -> torch.Tensor:
 
 
 def profile_steps(arch: str, step, out: Path, steps: int = 2) -> dict:
-    """``steps`` steps under torch.profiler, written to ``out/<arch>-profile/``; returns how much of their wall
-    time the GPU was running kernels."""
+    """``steps`` steps under torch.profiler, then ``steps`` more sampled on the host, written to
+    ``out/<arch>-profile/``; returns how much of the profiled wall time the GPU was running kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from pipetrain.backend.train.host_sampling import HostSampler
     from pipetrain.backend.train.profiling import write_profile
 
+    folder = out / f"{arch}-profile"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - start
-    return write_profile(prof, out / f"{arch}-profile", steps, wall_s)
+    summary = write_profile(prof, folder, steps, wall_s)
+    with HostSampler() as sampler:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    (folder / "host.txt").write_text(sampler.report(wall_s, steps))
+    return {**summary, "host_ms_per_step": round(wall_s * 1e3 / steps, 1)}
 
 
 def measure(arch: str, args, device: str = "cuda") -> dict:

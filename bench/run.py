@@ -160,7 +160,7 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
     """The case through ``pipetrain train`` under DeepSpeed's launcher; with ``profile``, the PROFILED_STEPS steps
     after warm-up are also recorded there with torch.profiler (``PIPETRAIN_PROFILE``) and left out of the timing."""
     from pipetrain.backend.launch import deepspeed_command
-    from pipetrain.backend.train.profiling import ENV
+    from pipetrain.backend.train.profiling import ENV, recorded_steps
 
     config = write_config(name, case, files, root, steps, **overrides)
     cmd = deepspeed_command("train", config, case.stages, ["--no-progress"])
@@ -171,10 +171,11 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
     events_file = config.parent / "output" / "bench" / "events.jsonl"
     events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
     steps_ = [e for e in events if e["type"] == "step"][warmup:]
-    profiled = [{k: e[k] for k in ("wall_ms_per_step", "kernel_busy_ms_per_step", "gpu_busy")}
+    profiled = [{k: e[k] for k in ("wall_ms_per_step", "kernel_busy_ms_per_step", "gpu_busy", "host_ms_per_step")
+                 if k in e}
                 for e in events if e["type"] == "profile"]
     if profile:   # the profiled steps run slower: they are not timed
-        steps_ = steps_[PROFILED_STEPS:]
+        steps_ = steps_[recorded_steps(PROFILED_STEPS):]
     if rc != 0 or not steps_:
         return {"rc": rc, "log": str(log)}
     samples = case.batch * case.gradient_accumulation

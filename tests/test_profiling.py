@@ -1,11 +1,14 @@
 """PIPETRAIN_PROFILE: which steps it records, what it measures from the profiler's events, and a real run."""
 import json
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 from conftest import train
 from torch.autograd import DeviceType
 
+from pipetrain.backend.train.host_sampling import HostSampler
 from pipetrain.backend.train.profiling import ENV, StepProfiler, idle_gaps, kernel_busy_us
 
 
@@ -38,16 +41,42 @@ def test_busy_time_counts_overlapping_kernels_once_and_gaps_name_the_host_work()
     assert idle_gaps(prof) == [{"ms": 2.5, "host": ["engine.step", "aten::copy_"]}]
 
 
+def _spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _wait(seconds):
+    time.sleep(seconds)
+
+
+def test_host_sampling_attributes_wall_time_to_the_code_that_took_it():
+    with HostSampler(interval_s=0.001) as sampler:
+        _spin(0.3)
+        _wait(0.1)
+    assert sampler.samples >= 100
+    report = sampler.report(wall_s=0.4, steps=2)
+    functions = report.split("function (inclusive)")[1].split("\n\n")[0]
+    ms = {line.split()[-1]: float(line.split()[0]) for line in functions.strip().splitlines()}
+    assert 100 <= ms["_spin"] <= 200 and 25 <= ms["_wait"] <= 75, report   # 150 and 50 ms a step
+    assert ms["test_host_sampling_attributes_wall_time_to_the_code_that_took_it"] >= 190
+    assert sys.getswitchinterval() == pytest.approx(0.005)                   # restored
+
+
 @pytest.mark.slow
 def test_a_run_records_the_asked_steps_and_reports_them(micro_flux_files, make_run, tmp_path, monkeypatch):
     folder = tmp_path / "profile"
-    monkeypatch.setenv(ENV, f"{folder}:2:2")
+    monkeypatch.setenv(ENV, f"{folder}:2:1")
     config = make_run(micro_flux_files, images=4, epochs=1, stages=1)
     run = train(config, ranks=1)
     assert run.returncode == 0, run.output[-3000:]
     [event] = run.events("profile")
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["steps"] == event["steps"] == 2 and summary["wall_ms_per_step"] > 0
+    assert summary["steps"] == event["steps"] == 1 and summary["wall_ms_per_step"] > 0
     assert summary["gpu_busy"] == 0 and summary["idle_gaps"] == []                  # no GPU here
     assert "aten::" in (folder / "ops.txt").read_text() and (folder / "trace.json").stat().st_size > 0
+    assert event["host_ms_per_step"] > 0
+    host = (folder / "host.txt").read_text()                                        # step 3, sampled
+    assert "samples over 1 steps" in host and "run_loop" in host and "train_batch" in host, host
     assert len(run.events("step")) >= 3

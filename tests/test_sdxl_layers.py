@@ -93,6 +93,31 @@ def test_layers_match_comfyui_forward(small_sdxl):
     assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
 
 
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
+def test_spatial_transformers_keep_the_activation_layout_and_comfyui_maths(small_sdxl, layout):
+    """The re-stated SpatialTransformer forward equals ComfyUI's, output and gradients, and hands a channels-last
+    activation on channels-last (ComfyUI's makes it NCHW, which costs a copy and conversions after it)."""
+    from comfy.ldm.modules.attention import SpatialTransformer
+    from pipetrain.backend.models.sdxl import spatial_transformer_forward
+
+    st = small_sdxl.diffusion_model.middle_block[1]
+    assert type(st) is SpatialTransformer
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, st.in_channels, 3, 5, generator=g, dtype=torch.float64).contiguous(memory_format=layout)
+    context = torch.randn(2, 7, CONTEXT_DIM, generator=g, dtype=torch.float64)
+    results = []
+    for forward in (SpatialTransformer.forward, spatial_transformer_forward):
+        xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
+        out = forward(st, xi, context, {})
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad))
+    (ref, ref_grad), (ours, ours_grad) = results
+    assert torch.allclose(ours, ref, atol=1e-12) and torch.allclose(ours_grad, ref_grad, atol=1e-12)
+    assert ours.is_contiguous(memory_format=layout)
+    if layout == torch.channels_last:
+        assert not ref.is_contiguous(memory_format=torch.channels_last)   # what the re-statement is for
+
+
 @pytest.mark.parametrize("prediction", ["eps", "v"])
 def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sdxl, prediction):
     """What the UNet sees in training is what ComfyUI's ``apply_model`` feeds it for the same noisy latent,

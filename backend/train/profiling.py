@@ -4,8 +4,10 @@
 steps and write, into the folder, ``trace.json`` (Chrome/Perfetto), ``ops.txt`` (operators by GPU time, by CPU
 time without a GPU) and ``summary.json``: wall time per step, the time in which a GPU kernel ran, their ratio,
 and the longest stretches the GPU sat idle with the host operators open then (none: the host was in Python
-between operators). A run that ends inside the range writes nothing. An environment variable, not a config
-key: a diagnostic must not change a run's config, its checkpoints or how it resumes.
+between operators). The same number of steps after those are sampled on the host (``host_sampling``), without
+the profiler's overhead, into ``host.txt``: which Python code a step's wall time went to. A run that ends
+inside the range writes only what was complete. An environment variable, not a config key: a diagnostic must
+not change a run's config, its checkpoints or how it resumes.
 """
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ from pathlib import Path
 import torch
 
 ENV = "PIPETRAIN_PROFILE"
+
+
+def recorded_steps(steps: int) -> int:
+    """Steps a ``steps``-step profile runs slower than the rest: the profiled ones, then the host-sampled ones."""
+    return 2 * steps
 
 
 def _kernel_spans(prof) -> list[tuple[float, float]]:
@@ -73,11 +80,13 @@ def _synchronize() -> None:
 
 
 class StepProfiler:
-    """Records steps ``first`` .. ``first + steps - 1`` (1-based, as the step events count them)."""
+    """Records steps ``first`` .. ``first + steps - 1`` (1-based, as the step events count them) with
+    torch.profiler, then samples the host for as many steps."""
 
     def __init__(self, folder: Path, first: int, steps: int):
         self.folder, self.first, self.steps = folder, first, steps
-        self._prof, self._started = None, 0.0
+        self._prof, self._sampler, self._started = None, None, 0.0
+        self._summary: dict = {}
 
     @classmethod
     def from_env(cls, rank: int) -> "StepProfiler | None":
@@ -102,14 +111,26 @@ class StepProfiler:
             self._prof = profile(activities=activities, record_shapes=True)
             self._prof.__enter__()
             self._started = time.perf_counter()
+        elif step == self.first + self.steps and self._summary and self._sampler is None:
+            from .host_sampling import HostSampler
+
+            _synchronize()
+            self._sampler = HostSampler().__enter__()
+            self._started = time.perf_counter()
 
     def after_step(self, step: int) -> dict | None:
-        """``step``: the step just issued; returns the summary once the last profiled step has run."""
-        if self._prof is None or step != self.first + self.steps - 1:
-            return None
-        _synchronize()
-        wall = time.perf_counter() - self._started
-        self._prof.__exit__(None, None, None)
-        summary = write_profile(self._prof, self.folder, self.steps, wall)
-        self._prof = None
-        return summary
+        """``step``: the step just issued; returns the summary once the host-sampled steps have run too."""
+        if self._prof is not None and step == self.first + self.steps - 1:
+            _synchronize()
+            wall = time.perf_counter() - self._started
+            self._prof.__exit__(None, None, None)
+            self._summary = write_profile(self._prof, self.folder, self.steps, wall)
+            self._prof = None
+        elif self._sampler is not None and step == self.first + 2 * self.steps - 1:
+            _synchronize()
+            wall = time.perf_counter() - self._started
+            self._sampler.__exit__(None, None, None)
+            (self.folder / "host.txt").write_text(self._sampler.report(wall, self.steps))
+            self._sampler = None
+            return {**self._summary, "host_ms_per_step": round(wall * 1e3 / self.steps, 1)}
+        return None
