@@ -93,29 +93,43 @@ def test_layers_match_comfyui_forward(small_sdxl):
     assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
 
 
-@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
-def test_spatial_transformers_keep_the_activation_layout_and_comfyui_maths(small_sdxl, layout):
-    """The re-stated SpatialTransformer forward equals ComfyUI's, output and gradients, and hands a channels-last
-    activation on channels-last (ComfyUI's makes it NCHW, which costs a copy and conversions after it)."""
-    from comfy.ldm.modules.attention import SpatialTransformer
-    from pipetrain.backend.models.sdxl import spatial_transformer_forward
+def _forward_and_grads(forward, x, *args):
+    x = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
+    out = forward(x, *args)
+    out.square().sum().backward()
+    return out.detach(), x.grad
 
-    st = small_sdxl.diffusion_model.middle_block[1]
-    assert type(st) is SpatialTransformer
+
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
+def test_restated_blocks_keep_the_activation_layout_and_comfyui_maths(small_sdxl, layout):
+    """The re-stated SpatialTransformer and ResBlock forwards equal ComfyUI's, output and input gradient, and
+    hand a channels-last activation on channels-last (ComfyUI's SpatialTransformer makes it NCHW, which costs a
+    copy and conversions after it)."""
+    import functools
+
+    from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
+    from pipetrain.backend.models.sdxl import Norms, res_block_forward, restate_blocks, spatial_transformer_forward
+
+    dm = small_sdxl.diffusion_model
+    assert restate_blocks(dm, Norms()) == 11 + 17   # every SpatialTransformer and ResBlock of SDXL
+    st, rb = dm.middle_block[1], dm.output_blocks[4][0]
+    assert type(st) is SpatialTransformer and type(rb) is ResBlock and rb.channels != rb.out_channels
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, st.in_channels, 3, 5, generator=g, dtype=torch.float64).contiguous(memory_format=layout)
     context = torch.randn(2, 7, CONTEXT_DIM, generator=g, dtype=torch.float64)
-    results = []
-    for forward in (SpatialTransformer.forward, spatial_transformer_forward):
-        xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
-        out = forward(st, xi, context, {})
-        out.square().sum().backward()
-        results.append((out.detach(), xi.grad))
-    (ref, ref_grad), (ours, ours_grad) = results
-    assert torch.allclose(ours, ref, atol=1e-12) and torch.allclose(ours_grad, ref_grad, atol=1e-12)
-    assert ours.is_contiguous(memory_format=layout)
-    if layout == torch.channels_last:
-        assert not ref.is_contiguous(memory_format=torch.channels_last)   # what the re-statement is for
+    emb = torch.randn(2, rb.emb_channels, generator=g, dtype=torch.float64)
+    cases = ((functools.partial(SpatialTransformer.forward, st), functools.partial(spatial_transformer_forward, st,
+              Norms()), st.in_channels, (context, {})),
+             (functools.partial(ResBlock._forward, rb), functools.partial(res_block_forward, rb, Norms()),
+              rb.channels, (emb,)))
+    for comfy_forward, ours_forward, channels, args in cases:
+        x = torch.randn(2, channels, 3, 5, generator=g, dtype=torch.float64).contiguous(memory_format=layout)
+        (ref, ref_grad), (ours, ours_grad) = (_forward_and_grads(f, x, *args) for f in (comfy_forward, ours_forward))
+        assert torch.allclose(ours, ref, atol=1e-12) and torch.allclose(ours_grad, ref_grad, atol=1e-12)
+        assert ours.is_contiguous(memory_format=layout)
+    if layout == torch.channels_last:   # what the SpatialTransformer's re-statement is for
+        assert not _forward_and_grads(cases[0][0], x.new_empty(2, st.in_channels, 3, 5).normal_().contiguous(
+            memory_format=layout), context, {})[0].is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("prediction", ["eps", "v"])

@@ -145,33 +145,86 @@ def _resolution_factor(block: nn.Module) -> float:
     return factor
 
 
-def spatial_transformer_forward(st, x, context=None, transformer_options={}):
-    """ComfyUI's ``SpatialTransformer.forward`` (linear projections, as SDXL has them), ending in the input's memory
-    format. ComfyUI's ends in ``.contiguous()``: on a channels-last activation that copies it to NCHW, and every
-    convolution, GroupNorm and residual add after it converts back (37 ms of a 400 ms SDXL batch-8 step on an
-    H200). Same maths, same ``transformer_options`` bookkeeping."""
+def _like(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` in ``x``'s memory format (CUDA's GroupNorm returns NCHW whatever it is given)."""
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+
+
+def group_norm(norm, x):
+    return _like(x, norm(x))
+
+
+def group_norm_act(norm, act, x, shift=None):
+    """``act(norm(x + shift))``: the pair every ResBlock runs twice, the second time after adding its time
+    embedding."""
+    if shift is not None:
+        x = x + shift
+    return _like(x, act(norm(x)))
+
+
+class Norms:
+    """The GroupNorm calls of the re-stated forwards below, shared by every block: eager, or compiled by
+    ``SDXLAdapter.compile`` (Inductor fuses the SiLU and the embedding add into the norm's passes and keeps the
+    activation channels-last; eager CUDA GroupNorm turns it NCHW, and the convolution after it turns it back)."""
+
+    def __init__(self):
+        self.norm, self.norm_act = group_norm, group_norm_act
+
+    def compile(self, dynamic: bool | None) -> None:
+        # dynamic from the first call (unless static shapes are asked for): norms of every width and resolution
+        # share a graph, where automatic dynamic shapes would first compile each of the first two statically
+        dynamic = dynamic is not False
+        self.norm = torch.compile(group_norm, dynamic=dynamic)
+        self.norm_act = torch.compile(group_norm_act, dynamic=dynamic)
+
+
+def spatial_transformer_forward(st, norms, x, context=None, transformer_options={}):
+    """ComfyUI's ``SpatialTransformer.forward`` (linear projections, as SDXL has them), ending in the input's
+    memory format: ComfyUI's ends in ``.contiguous()``, which copies a channels-last activation to NCHW for every
+    op after it to convert back. Same maths, same ``transformer_options`` bookkeeping."""
     if not isinstance(context, list):
         context = [context] * len(st.transformer_blocks)
     b, c, h, w = x.shape
     transformer_options["activations_shape"] = list(x.shape)
     x_in = x
-    x = st.proj_in(st.norm(x).movedim(1, 3).flatten(1, 2))
+    x = st.proj_in(norms.norm(st.norm, x).movedim(1, 3).flatten(1, 2))
     for i, block in enumerate(st.transformer_blocks):
         transformer_options["block_index"] = i
         x = block(x, context=context[i], transformer_options=transformer_options)
     x = st.proj_out(x).reshape(b, h, w, -1).movedim(3, 1)
-    layout = torch.channels_last if x_in.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-    return x.contiguous(memory_format=layout) + x_in
+    return _like(x_in, x.contiguous()) + x_in
 
 
-def keep_memory_format(dm: nn.Module) -> int:
-    """Route every SpatialTransformer of ``dm`` through ``spatial_transformer_forward``; returns how many."""
+def res_block_forward(rb, norms, x, emb):
+    """ComfyUI's ``ResBlock._forward`` for the ResBlocks SDXL has (no resampling inside, the time embedding added,
+    no scale-shift norm), with its GroupNorm + SiLU pairs through ``norms``."""
+    h = rb.in_layers[2](norms.norm_act(rb.in_layers[0], rb.in_layers[1], x))
+    emb_out = rb.emb_layers(emb).type(h.dtype)[..., None, None]
+    h = norms.norm_act(rb.out_layers[0], rb.out_layers[1], h, emb_out)
+    h = rb.out_layers[3](rb.out_layers[2](h))
+    return rb.skip_connection(x) + h
+
+
+def _restates(m: nn.Module) -> bool:
+    from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
+
+    if type(m) is SpatialTransformer:
+        return m.use_linear
+    return (type(m) is ResBlock and not (m.updown or m.skip_t_emb or m.use_scale_shift_norm or m.exchange_temb_dims
+                                         or m.use_checkpoint) and len(m.in_layers) == 3 and len(m.out_layers) == 4)
+
+
+def restate_blocks(dm: nn.Module, norms: Norms) -> int:
+    """Route SDXL's SpatialTransformers and ResBlocks through the forwards above; returns how many."""
     from comfy.ldm.modules.attention import SpatialTransformer
 
     count = 0
     for m in dm.modules():
-        if type(m) is SpatialTransformer and m.use_linear:
-            m.forward = functools.partial(spatial_transformer_forward, m)
+        if _restates(m):
+            forward = spatial_transformer_forward if type(m) is SpatialTransformer else res_block_forward
+            m.forward = functools.partial(forward, m, norms)
             count += 1
     return count
 
@@ -269,6 +322,10 @@ class SDXLAdapter(ModelAdapter):
     # plain contiguous tensors (train.pipeline.sendable).
     memory_format = torch.channels_last
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.norms = Norms()
+
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
         out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
@@ -312,7 +369,7 @@ class SDXLAdapter(ModelAdapter):
 
     def to_layers(self, checkpoint_activations=False):
         dm = self.diffusion_model
-        keep_memory_format(dm)
+        restate_blocks(dm, self.norms)
         pixels = REFERENCE_LATENT[0] * REFERENCE_LATENT[1]
         layers: list[nn.Module] = [SDXLInput(dm, self.patcher.model.encode_adm, self.objective(), self.dtype)]
         for i, block in enumerate(dm.input_blocks):
@@ -328,15 +385,17 @@ class SDXLAdapter(ModelAdapter):
         return layers
 
     def compile(self, layers, checkpoint_inside=True, memory_budget=None):
-        """Only the ``BasicTransformerBlock``s inside the UNet blocks are compiled, with dynamic shapes; ResBlocks,
-        convolutions and resampling stay eager (cuDNN), and so does the layer's checkpoint around them
+        """The ``BasicTransformerBlock``s inside the UNet blocks are compiled, with dynamic shapes, and so are the
+        GroupNorms (with the SiLU and embedding add around them, ``Norms``); convolutions, resampling and the
+        projections stay eager (cuDNN, cuBLAS), and so does the layer's checkpoint around them
         (``checkpoint_inside`` has nothing to act on). Compiling whole UNet blocks failed both ways: with dynamic
         shapes Inductor (torch 2.14) cannot order the symbolic conv strides ("cannot determine truth value of
         Relational"), and statically every block shape and bucket is its own graph (~15 with backward, over 10
         minutes on an H200). The transformer blocks of one width share one graph for every block and bucket.
         ComfyUI's forward is compiled as it is: its ``transformer_options`` hold only the SDPA override here (no
-        patches), and nothing in it adds in place."""
+        patches), and nothing in it adds in place. Returns how many transformer blocks were compiled."""
         from comfy.ldm.modules.attention import BasicTransformerBlock
+        self.norms.compile(self.compile_dynamic)
         blocks = [m for layer in layers for m in layer.modules() if isinstance(m, BasicTransformerBlock)]
         return compile_module_forwards(blocks, dynamic=self.compile_dynamic, memory_budget=memory_budget)
 
