@@ -381,6 +381,7 @@ class RunConfig:
     blocks_to_swap: int = 0                      # per stage: frozen block weights kept in CPU memory (swap.py)
     compile: bool = False                        # torch.compile each transformer block (compiled once, reused)
     activation_memory_budget: Optional[float] = None   # with compile: share of activations kept (compiling.py)
+    compile_cuda_graphs: bool = True             # with compile: replay regions as CUDA graphs where it pays (SDXL)
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None

@@ -153,3 +153,47 @@ def test_sdxl_compiles_its_transformer_blocks_once_per_width_and_matches_eager(c
     # bucket (17 x 2 + 11 norms, 3 buckets).
     norms = len(graphs_of(sdxl.group_norm.__code__)) + len(graphs_of(sdxl.group_norm_act.__code__))
     assert 3 <= norms <= (48 if checkpointing == "unsloth" else 24), norms
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_sdxl_blocks_replayed_as_cuda_graphs_train_like_eager_blocks():
+    """Four SGD steps with the transformer blocks compiled and replayed as CUDA graphs: the same losses and LoRA
+    weights as eager, and no region skipped from graphing."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    adapter = _small_sdxl()
+    dm = adapter.diffusion_model.cuda()
+    initial = {k: v.clone() for k, v in dm.state_dict().items()}
+    layers = adapter.to_layers()
+    batches = [tuple(x.cuda() for x in _sdxl_inputs(8, 8, seed=s)) for s in range(4)]
+
+    def train():
+        dm.load_state_dict(initial)          # in place: the graphs keep the parameters' addresses
+        params = lora.trainable_parameters(dm)
+        opt = torch.optim.SGD(params, lr=0.5)
+        losses = []
+        for batch in batches:
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = adapter.loss(run_layers(layers, batch), batch[:3])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return torch.tensor(losses), [p.detach().clone() for p in params]
+
+    eager_losses, eager_params = train()
+    assert adapter.compile(layers, cuda_graphs=True) == 22
+    graphed_losses, graphed_params = train()
+    assert torch.allclose(graphed_losses, eager_losses, rtol=1e-4), (graphed_losses, eager_losses)
+    assert not torch.equal(eager_params[0], initial_lora_value(initial, dm))    # the steps trained something
+    for pe, pg in zip(eager_params, graphed_params):
+        assert torch.allclose(pg, pe, rtol=1e-3, atol=1e-6), (pg - pe).abs().max()
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def initial_lora_value(initial: dict, dm) -> torch.Tensor:
+    name = next(n for n, p in dm.named_parameters() if p.requires_grad)
+    return initial[name]

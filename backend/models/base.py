@@ -140,10 +140,12 @@ class ModelAdapter(ABC):
         """The network as a flat list of pipeline layers (each maps a tuple of tensors to a tuple)."""
 
     def compile(self, layers: list[nn.Module], checkpoint_inside: bool = True,
-                memory_budget: float | None = None) -> int:
+                memory_budget: float | None = None, cuda_graphs: bool = False) -> int:
         """``compile = true``: compile the layers' transformer blocks in place (compiling.py); returns how many
         regions were compiled. By default each layer's ``block_forward``, its checkpoint inside the graph unless
-        ``checkpoint_inside`` is False; ``memory_budget``: ``activation_memory_budget``."""
+        ``checkpoint_inside`` is False; ``memory_budget``: ``activation_memory_budget``. ``cuda_graphs``: the run
+        allows replaying compiled regions as CUDA graphs (see ``compiling.cuda_graphs_allowed``); an adapter whose
+        steps wait on kernel launches uses it, the default ignores it."""
         from .compiling import compile_blocks
         return compile_blocks(layers, checkpoint_inside, dynamic=self.compile_dynamic, memory_budget=memory_budget)
 

@@ -14,6 +14,11 @@ A layer that is more than a transformer block (SDXL's UNet blocks: ResBlocks, co
 the transformers) compiles the transformer modules inside it instead (``compile_module_forwards``); the rest and
 the layer's checkpoint stay eager around them.
 
+A region can also be replayed as CUDA graphs (torch.compile's ``reduce-overhead``): one launch instead of the
+host issuing each kernel, for models whose steps are many small kernels (SDXL: launching its 70 transformer
+blocks' kernels took the host longer than the GPU took to run them). Only where nothing moves a weight or
+re-runs a forward inside the backward (``cuda_graphs_allowed``): a graph replays fixed addresses.
+
 ``activation_memory_budget`` (below 1) hands the recompute choice to AOTAutograd's partitioner instead of whole
 blocks: each compiled graph keeps at most that share of the activations it would otherwise save for the backward,
 and recomputes the rest, the ops that are cheapest to redo per byte first (norms, activations, modulation) before
@@ -82,14 +87,24 @@ def _compiled_checkpointed_block(dynamic: bool | None):
     return torch.compile(_checkpointed_block, dynamic=dynamic)
 
 
-def compile_module_forwards(modules, dynamic: bool | None = None, memory_budget: float | None = None) -> int:
+def cuda_graphs_allowed(cfg) -> bool:
+    """CUDA graphs for a run (``compile_cuda_graphs``, on by default): on a GPU, one pipeline stage (a stage of
+    several runs forwards of later micro-batches before earlier backwards), no block swapping (it moves weights)
+    and no activation checkpointing (its recompute runs forwards inside the backward)."""
+    return (cfg.compile_cuda_graphs and torch.cuda.is_available() and cfg.pipeline_stages == 1
+            and not cfg.blocks_to_swap and not cfg.activation_checkpointing)
+
+
+def compile_module_forwards(modules, dynamic: bool | None = None, memory_budget: float | None = None,
+                            cuda_graphs: bool = False) -> int:
     """Compile the ``forward`` of every module in ``modules`` (an instance attribute shadows the method); returns
     how many. One compiled function serves them all, the module an argument, so modules of one class and structure
     share a graph."""
     _raise_cache_size_limit()
+    compiled = _compiled_module_forward(dynamic, "reduce-overhead" if cuda_graphs else None)
     count = 0
     for module in modules:
-        module.forward = within_budget(functools.partial(_compiled_module_forward(dynamic), module), memory_budget)
+        module.forward = within_budget(functools.partial(compiled, module), memory_budget)
         count += 1
     return count
 
@@ -99,5 +114,5 @@ def _module_forward(module, *args, **kwargs):
 
 
 @functools.cache
-def _compiled_module_forward(dynamic: bool | None):
-    return torch.compile(_module_forward, dynamic=dynamic)
+def _compiled_module_forward(dynamic: bool | None, mode: str | None = None):
+    return torch.compile(_module_forward, dynamic=dynamic, mode=mode)

@@ -384,7 +384,7 @@ class SDXLAdapter(ModelAdapter):
         layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels)))
         return layers
 
-    def compile(self, layers, checkpoint_inside=True, memory_budget=None):
+    def compile(self, layers, checkpoint_inside=True, memory_budget=None, cuda_graphs=False):
         """The ``BasicTransformerBlock``s inside the UNet blocks are compiled, with dynamic shapes, and so are the
         GroupNorms (with the SiLU and embedding add around them, ``Norms``); convolutions, resampling and the
         projections stay eager (cuDNN, cuBLAS), and so does the layer's checkpoint around them
@@ -393,11 +393,15 @@ class SDXLAdapter(ModelAdapter):
         Relational"), and statically every block shape and bucket is its own graph (~15 with backward, over 10
         minutes on an H200). The transformer blocks of one width share one graph for every block and bucket.
         ComfyUI's forward is compiled as it is: its ``transformer_options`` hold only the SDPA override here (no
-        patches), and nothing in it adds in place. Returns how many transformer blocks were compiled."""
+        patches), and nothing in it adds in place. Returns how many transformer blocks were compiled.
+
+        Where the run allows it (``cuda_graphs``), the transformer blocks replay as CUDA graphs: at batch 8 on an
+        H200 the host took longer to launch their kernels than the GPU to run them (17.6 -> 18.8 samples/s)."""
         from comfy.ldm.modules.attention import BasicTransformerBlock
         self.norms.compile(self.compile_dynamic)
         blocks = [m for layer in layers for m in layer.modules() if isinstance(m, BasicTransformerBlock)]
-        return compile_module_forwards(blocks, dynamic=self.compile_dynamic, memory_budget=memory_budget)
+        return compile_module_forwards(blocks, dynamic=self.compile_dynamic, memory_budget=memory_budget,
+                                       cuda_graphs=cuda_graphs)
 
     def probe_text(self, generator):
         dm = self.diffusion_model

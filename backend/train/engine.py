@@ -10,6 +10,7 @@ from .. import lora
 from ..errors import ConfigError
 from ..models.base import DTYPES
 from ..models.checkpointing import thin_checkpointing
+from ..models.compiling import cuda_graphs_allowed
 from ..optim import make_optimizer
 from . import distributed
 from .clipping import clip_grad_norm_
@@ -80,7 +81,7 @@ def build_engine(trainer) -> None:
     layers = adapter.to_layers(cfg.activation_checkpointing)
     checkpointed = thin_checkpointing(layers, cfg.activation_checkpointing_fraction)
     if cfg.compile:
-        adapter.compile(layers, memory_budget=cfg.activation_memory_budget)
+        adapter.compile(layers, memory_budget=cfg.activation_memory_budget, cuda_graphs=cuda_graphs_allowed(cfg))
     costs = [adapter.layer_cost(layer) for layer in layers]
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
                           loss_fn=adapter.loss)

@@ -86,6 +86,7 @@ def run_loop(trainer) -> None:
             batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
         lr = engine.get_lr()[0]
         engine.reset_activation_shape()
+        torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
         if profiler:
             profiler.before_step(trainer.global_step + 1)
         loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
