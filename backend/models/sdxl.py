@@ -146,9 +146,10 @@ def _resolution_factor(block: nn.Module) -> float:
 
 
 def _like(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` in ``x``'s memory format (CUDA's GroupNorm returns NCHW whatever it is given)."""
+    """``out`` in ``x``'s memory format, copied only if it is not (CUDA's GroupNorm returns NCHW whatever it is
+    given)."""
     channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+    return out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def group_norm(norm, x):
@@ -192,8 +193,8 @@ def spatial_transformer_forward(st, norms, x, context=None, transformer_options=
     for i, block in enumerate(st.transformer_blocks):
         transformer_options["block_index"] = i
         x = block(x, context=context[i], transformer_options=transformer_options)
-    x = st.proj_out(x).reshape(b, h, w, -1).movedim(3, 1)
-    return _like(x_in, x.contiguous()) + x_in
+    x = st.proj_out(x).reshape(b, h, w, -1).movedim(3, 1)    # channels-last strides: no copy for such an x_in
+    return _like(x_in, x) + x_in
 
 
 def res_block_forward(rb, norms, x, emb):
