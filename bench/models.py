@@ -91,29 +91,17 @@ def _step(layers, inputs, adapter, opt) -> torch.Tensor:
 
 
 def profile_steps(arch: str, step, out: Path, steps: int = 2) -> dict:
-    """``steps`` steps under torch.profiler, then ``steps`` more sampled on the host, written to
-    ``out/<arch>-profile/``; returns how much of the profiled wall time the GPU was running kernels."""
-    from torch.profiler import ProfilerActivity, profile
+    """``steps`` steps under torch.profiler, then ``steps`` more sampled on the host, as the trainer's
+    ``PIPETRAIN_PROFILE`` records them, into ``out/<arch>-profile/``; returns the summary."""
+    from pipetrain.backend.train.profiling import StepProfiler, recorded_steps
 
-    from pipetrain.backend.train.host_sampling import HostSampler
-    from pipetrain.backend.train.profiling import write_profile
-
-    folder = out / f"{arch}-profile"
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall_s = time.perf_counter() - start
-    summary = write_profile(prof, folder, steps, wall_s)
-    with HostSampler() as sampler:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall_s = time.perf_counter() - start
-    (folder / "host.txt").write_text(sampler.report(wall_s, steps))
-    return {**summary, "host_ms_per_step": round(wall_s * 1e3 / steps, 1)}
+    profiler = StepProfiler(out / f"{arch}-profile", first=1, steps=steps)
+    summary = None
+    for i in range(1, recorded_steps(steps) + 1):
+        profiler.before_step(i)
+        step()
+        summary = profiler.after_step(i) or summary
+    return summary
 
 
 def measure(arch: str, args, device: str = "cuda") -> dict:
@@ -177,7 +165,7 @@ def main() -> int:
     p.add_argument("--compile-inside-checkpoint", action="store_true",
                    help="compile each block inside an eager checkpoint (the older placement, for comparison)")
     p.add_argument("--deadline-s", type=float, default=1e9)
-    p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of two steps")
+    p.add_argument("--profile", action="store_true", help="also record two steps with torch.profiler and sample two on the host")
     args = p.parse_args()
     ensure_comfyui()
     out = Path(args.out)

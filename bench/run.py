@@ -158,7 +158,8 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
 def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, profile: Path | None = None,
              **overrides) -> dict:
     """The case through ``pipetrain train`` under DeepSpeed's launcher; with ``profile``, the PROFILED_STEPS steps
-    after warm-up are also recorded there with torch.profiler (``PIPETRAIN_PROFILE``) and left out of the timing."""
+    after warm-up are also recorded there with torch.profiler and as many after them sampled on the host
+    (``PIPETRAIN_PROFILE``), all left out of the timing."""
     from pipetrain.backend.launch import deepspeed_command
     from pipetrain.backend.train.profiling import ENV, recorded_steps
 
@@ -208,7 +209,8 @@ def main() -> int:
     p.add_argument("--resolution", type=int, help="override every case's resolution (smoke tests)")
     p.add_argument("--frames", type=int, help="override video cases' clip length (smoke tests)")
     p.add_argument("--profile", action="store_true",
-                   help="record two steps after warm-up with torch.profiler into <out>/<case>-profile/")
+                   help="record two steps after warm-up with torch.profiler and sample two more on the host, into "
+                        "<out>/<case>-profile/ (left out of the timing)")
     args = p.parse_args()
     from pipetrain.backend.runtime import ensure_comfyui
 

@@ -173,8 +173,9 @@ class Norms:
         self.norm, self.norm_act = group_norm, group_norm_act
 
     def compile(self, dynamic: bool | None) -> None:
-        # dynamic from the first call (unless static shapes are asked for): norms of every width and resolution
-        # share a graph, where automatic dynamic shapes would first compile each of the first two statically
+        # dynamic from the first call (unless static shapes are asked for): every resolution and batch shares a
+        # graph, one per channel count (parameters keep static shapes), where automatic dynamic shapes would first
+        # compile the first shapes statically
         dynamic = dynamic is not False
         self.norm = torch.compile(group_norm, dynamic=dynamic)
         self.norm_act = torch.compile(group_norm_act, dynamic=dynamic)
