@@ -121,8 +121,9 @@ def build_engine(trainer) -> None:
 
 
 def zero_trainable_grads_only(engine, params: list[torch.Tensor]) -> None:
-    """DeepSpeed clears gradients after every step by walking ``module.named_parameters()``: every frozen base
-    weight too, 10 ms of host time a step for SDXL's 2.6B-parameter UNet. Only the trained ones hold any."""
+    """DeepSpeed clears gradients after every step by walking ``module.named_parameters()``, every frozen base
+    weight too; only the trained ones hold any. For SDXL batch 8 on an H200, where the host paces the step, clearing
+    only those took 14.9 to 17.6 samples/s."""
     def zero_grad():
         for p in params:
             p.grad = None

@@ -4,8 +4,8 @@
 steps and write, into the folder, ``trace.json`` (Chrome/Perfetto), ``ops.txt`` (operators by GPU time, by CPU
 time without a GPU) and ``summary.json``: wall time per step, the time in which a GPU kernel ran, their ratio,
 and the longest stretches the GPU sat idle with the host operators open then (none: the host was in Python
-between operators). The same number of steps after those are sampled on the host (``host_sampling``), without
-the profiler's overhead, into ``host.txt``: which Python code a step's wall time went to. A run that ends
+between operators). The same number of steps after those are sampled on the host (``host_sampling``), outside
+the profiler, into ``host.txt``: which Python code a step's wall time went to (shares; sampling slows the host). A run that ends
 inside the range writes only what was complete. An environment variable, not a config key: a diagnostic must
 not change a run's config, its checkpoints or how it resumes.
 """
