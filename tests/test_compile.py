@@ -197,3 +197,20 @@ def test_sdxl_blocks_replayed_as_cuda_graphs_train_like_eager_blocks():
 def initial_lora_value(initial: dict, dm) -> torch.Tensor:
     name = next(n for n, p in dm.named_parameters() if p.requires_grad)
     return initial[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's GroupNorm backward is the one that returns NCHW")
+@pytest.mark.parametrize("shift", [False, True])
+def test_compiled_sdxl_norms_hand_back_channels_last_gradients(shift):
+    """CUDA's GroupNorm backward returns an NCHW gradient, which the convolution before the norm copied back to
+    channels-last in every backward; the compiled norms hand theirs on in the input's layout."""
+    from pipetrain.backend.models.sdxl import Norms
+
+    norms = Norms()
+    norms.compile(None)
+    norm, act = torch.nn.GroupNorm(32, 64).cuda(), torch.nn.SiLU()
+    x = torch.randn(2, 64, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = norms.norm_act(norm, act, x, torch.randn(2, 64, 1, 1, device="cuda") if shift else None)
+    y.backward(torch.randn_like(y))
+    assert y.is_contiguous(memory_format=torch.channels_last) and x.grad.is_contiguous(memory_format=torch.channels_last)

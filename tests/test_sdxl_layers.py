@@ -93,6 +93,33 @@ def test_layers_match_comfyui_forward(small_sdxl):
     assert torch.allclose(ours, ref, atol=1e-10, rtol=1e-8), (ours - ref).abs().max()
 
 
+def test_size_conditioning_is_comfyui_adm_made_once_per_bucket(small_sdxl):
+    from pipetrain.backend.models.sdxl import SizeConditioning, comfy_adm
+
+    encode_adm = small_sdxl.patcher.model.encode_adm
+    calls = []
+    conditioning = SizeConditioning(lambda **kw: calls.append(kw) or encode_adm(**kw))
+    pooled = _inputs(batch=3)[4]
+    for size in [(6, 10), (8, 8), (6, 10)]:
+        latent = torch.zeros(3, 4, *size, dtype=torch.float64)
+        y = conditioning(pooled, latent)
+        assert torch.equal(y, comfy_adm(encode_adm, pooled, latent)), size
+    assert [(c["width"], c["height"]) for c in calls] == [(80, 48), (64, 64)]
+
+
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
+def test_norm_inputs_get_their_gradient_back_in_their_own_layout(layout):
+    """The gradient a norm hands back arrives in the layout of the norm's input, whatever layout the norm's own
+    backward made (CUDA's GroupNorm: NCHW), with the same values."""
+    from pipetrain.backend.models.sdxl import _GradientInInputLayout
+
+    other = torch.contiguous_format if layout == torch.channels_last else torch.channels_last
+    x = torch.randn(2, 8, 4, 4).contiguous(memory_format=layout).requires_grad_()
+    grad = torch.randn(2, 8, 4, 4).contiguous(memory_format=other)
+    _GradientInInputLayout.apply(x).backward(grad)
+    assert x.grad.is_contiguous(memory_format=layout) and torch.equal(x.grad, grad)
+
+
 def _forward_and_grads(forward, x, *args):
     x = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
     out = forward(x, *args)

@@ -25,7 +25,7 @@ from torch import nn
 
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
@@ -89,7 +89,7 @@ class AuraInput(TupleLayer):
         c = self.cond_seq_linear(context.to(self.dtype))
         c = torch.cat([comfy.ops.cast_to_input(self.register_tokens, c).repeat(c.shape[0], 1, 1), c], dim=1)
         global_cond = self.t_embedder(self.objective.model_timestep(t), x.dtype)
-        hw = torch.tensor([h, w], device=x.device)
+        hw = sizes(h, w)
         return with_grad(x), with_grad(c), hide(global_cond), hw, text_lengths
 
 

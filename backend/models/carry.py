@@ -22,6 +22,13 @@ def reveal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t.view(dtype)
 
 
+def sizes(*values: int) -> torch.Tensor:
+    """Integers that later layers read (a latent's grid, a count of tokens), carried on the host: reading a value
+    back from the GPU makes the host wait until the GPU has run everything queued before it, once per read. At a
+    stage boundary ``train.pipeline.sendable`` moves them to the device, since the engine sends device tensors."""
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def with_grad(t: torch.Tensor) -> torch.Tensor:
     """A stage output must be part of a graph even when nothing upstream of it trains."""
     return t if t.requires_grad else t.detach().requires_grad_(True)

@@ -25,7 +25,7 @@ from torch import nn
 
 from .attention import text_key_mask
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import CheckpointedLayer
 from .flux import FluxOutput, JoinStreams, double_block, image_tokens, single_block, unpatchify
 from .objectives import FlowMatching
@@ -111,7 +111,7 @@ class ChromaInput(TupleLayer):
         mods = self.modulations(self.objective.model_timestep(t), img)
         img = self.img_in(img)
         txt = self.txt_in(context.to(self.dtype))
-        hw = torch.tensor([h, w], device=x.device)
+        hw = sizes(h, w)
         return with_grad(img), with_grad(txt), hide(mods), hide(pe.float()), hw, text_lengths
 
 

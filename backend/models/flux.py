@@ -12,7 +12,7 @@ from einops import rearrange
 
 from .attention import rope_attention
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import CheckpointedLayer
 from .objectives import FlowMatching
 from .spec import ArchSpec
@@ -90,7 +90,7 @@ class FluxInput(TupleLayer):
             vec = vec + self.guidance_in(timestep_embedding(g, 256).to(dtype))
         vec = vec + self.vector_in(pooled.to(dtype)[:, :self.params.vec_in_dim])
         txt = self.txt_in(context.to(dtype))
-        hw = torch.tensor([x.shape[-2], x.shape[-1]], device=x.device)
+        hw = sizes(x.shape[-2], x.shape[-1])
         return with_grad(img), with_grad(txt), hide(vec), hide(pe.float()), hw
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import CheckpointedLayer
 from .flux import FluxOutput, JoinStreams, build_flux, double_block, image_tokens, single_block, unpatchify
 from .objectives import FlowMatching
@@ -172,7 +172,7 @@ class Flux2Input(TupleLayer):
         txt = self.txt_in(context.to(dtype))
         mods = torch.cat(_chunks(self.double_stream_modulation_img(vec), self.double_stream_modulation_txt(vec),
                                  self.single_stream_modulation(vec)) + [vec[:, None]], dim=-1)
-        hw = torch.tensor([x.shape[-2], x.shape[-1]], device=x.device)
+        hw = sizes(x.shape[-2], x.shape[-1])
         return with_grad(img), with_grad(txt), hide(mods), hide(pe.float()), hw
 
 

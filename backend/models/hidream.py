@@ -32,7 +32,7 @@ from torch import nn
 
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
@@ -111,7 +111,7 @@ class HiDreamInput(TupleLayer):
         img_ids = repeat(img_ids, "h w c -> b (h w) c", b=b)
         txt_ids = torch.zeros(b, t5.shape[1] + 2 * llama.shape[2], 3, device=x.device, dtype=img_ids.dtype)
         rope = self.pe_embedder(torch.cat((img_ids, txt_ids), dim=1))
-        hw = torch.tensor([h, w], device=x.device)
+        hw = sizes(h, w)
         return (with_grad(x), with_grad(text), hide(adaln), hide(rope.float()), hide(llama), hw,
                 t5_lengths, llama_lengths)
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
@@ -150,7 +150,7 @@ class NextInput(TupleLayer):
         ids[:, image, 2] = cols.view(1, -1).repeat(big_h // p, 1).flatten()
         freqs = self.rope_embedder(ids).movedim(1, 2)
 
-        size = torch.tensor([cap_len, big_h, big_w, h, w], device=x.device)
+        size = sizes(cap_len, big_h, big_w, h, w)
         return with_grad(x), with_grad(cap), hide(adaln), hide(freqs.float()), keep, size
 
 

@@ -87,6 +87,7 @@ class DiscreteDiffusion:
         self.sigmas = sigmas
         self.alphas_cumprod = 1.0 / (sigmas ** 2 + 1.0)
         self.num_timesteps = len(sigmas)
+        self._device_sigmas: dict[torch.device, torch.Tensor] = {}
 
     def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
         return torch.randint(0, self.num_timesteps, (batch,), generator=generator).float()
@@ -97,9 +98,16 @@ class DiscreteDiffusion:
     def _coeffs(self, t, like):
         # sqrt(ac) = 1/sqrt(1 + sigma^2), sqrt(1 - ac) = sigma sqrt(ac): ComfyUI's calculate_input, without the
         # cancellation of 1 - ac in float32 at small t
-        sigma = self.sigmas.to(like.device, torch.float64)[t.long()]
+        sigma = self._sigmas_on(like.device)[t.long()]
         a = (1 + sigma ** 2).rsqrt()
         return _expand(a, like), _expand(sigma * a, like)
+
+    def _sigmas_on(self, device: torch.device) -> torch.Tensor:
+        # copied once per device: a copy from pageable host memory waits for the device to finish its queue
+        sigmas = self._device_sigmas.get(device)
+        if sigmas is None:
+            sigmas = self._device_sigmas[device] = self.sigmas.to(device, torch.float64)
+        return sigmas
 
     def noisy(self, x0, noise, t):
         a, s = self._coeffs(t, x0)

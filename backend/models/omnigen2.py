@@ -28,7 +28,7 @@ from torch import nn
 
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
 
@@ -87,7 +87,7 @@ class OmniInput(TupleLayer):
             b, text.shape[1], [int(n) for n in text_lengths], [[0]] * b, [img_len] * b, [None] * b,
             [(hp, wp)] * b, x.device)
         rope = torch.cat([cap_rope, img_rope], dim=1)
-        size = torch.tensor([h, w], device=x.device)
+        size = sizes(h, w)
         return with_grad(img), with_grad(text), hide(temb), hide(rope.float()), size, text_lengths
 
 

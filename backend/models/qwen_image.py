@@ -39,7 +39,7 @@ from torch import nn
 
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
 from .spec import TEXT_ENCODERS, ArchSpec, comfy_clip_target, comfy_diffusion_model
@@ -129,7 +129,7 @@ class QwenInput(TupleLayer):
         img = self.img_in(img)
         txt = self.txt_in(self.txt_norm(context.to(self.dtype)))
         temb = self.time_text_embed(self.objective.model_timestep(t), img)
-        hw = torch.tensor([h, w], device=x.device)
+        hw = sizes(h, w)
         return with_grad(img), with_grad(txt), hide(temb), hide(pe), hw, text_lengths
 
 

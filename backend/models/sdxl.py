@@ -113,6 +113,26 @@ def comfy_adm(encode_adm, pooled: torch.Tensor, latent: torch.Tensor) -> torch.T
     return encode_adm(pooled_output=pooled, width=width, height=height).to(latent.device)
 
 
+class SizeConditioning:
+    """``comfy_adm`` for training steps: ``[pooled, size embedding]``, the size embedding (the part of ``y`` after
+    the pooled vector, which depends only on the latent's size) made by ComfyUI's ``encode_adm`` once per bucket and
+    kept on the device. ``encode_adm`` embeds the sizes on the host and moves the pooled vector there, a round trip
+    that made every step wait for the GPU to finish the step before it."""
+
+    def __init__(self, encode_adm):
+        self._encode_adm = encode_adm
+        self._sizes: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, pooled: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        key = (*latent.shape[-2:], pooled.shape[-1], latent.device)
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            height, width = latent.shape[-2] * VAE_SCALE, latent.shape[-1] * VAE_SCALE
+            y = self._encode_adm(pooled_output=torch.zeros(1, pooled.shape[-1]), width=width, height=height)
+            sizes = self._sizes[key] = y[:, pooled.shape[-1]:].to(latent.device)
+        return torch.cat([pooled, sizes.expand(pooled.shape[0], -1)], dim=1)
+
+
 def block_tflop(block: nn.Module, pixels: int, text_tokens: int = REFERENCE_TEXT_TOKENS) -> float:
     """Forward TFLOP of one UNet block (a sequence of ResBlock / SpatialTransformer / Up/Downsample) run on
     ``pixels`` latent positions: 2 x (conv and linear multiply-adds + attention matmuls)."""
@@ -145,20 +165,40 @@ def _resolution_factor(block: nn.Module) -> float:
     return factor
 
 
+def _is_channels_last(x: torch.Tensor) -> bool:
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
 def _like(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` in ``x``'s memory format, copied only if it is not (CUDA's GroupNorm returns NCHW whatever it is
     given)."""
-    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return out.contiguous(memory_format=torch.channels_last if _is_channels_last(x) else torch.contiguous_format)
+
+
+class _GradientInInputLayout(torch.autograd.Function):
+    """Identity whose backward hands the gradient on in the forward input's memory format. CUDA's GroupNorm backward
+    returns an NCHW gradient, compiled norms keep that stride, and the convolution before the norm then copied it
+    back to channels-last (cuDNN wants its output gradient in its input's layout) in every backward: compiled, the
+    conversion is written by the norm backward's own kernel."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.channels_last = _is_channels_last(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous(memory_format=torch.channels_last if ctx.channels_last else torch.contiguous_format)
 
 
 def group_norm(norm, x):
-    return _like(x, norm(x))
+    return _like(x, norm(_GradientInInputLayout.apply(x)))
 
 
 def group_norm_act(norm, act, x, shift=None):
     """``act(norm(x + shift))``: the pair every ResBlock runs twice, the second time after adding its time
     embedding."""
+    x = _GradientInInputLayout.apply(x)
     if shift is not None:
         x = x + shift
     return _like(x, act(norm(x)))
@@ -239,7 +279,7 @@ class SDXLInput(TupleLayer):
         # only the embedders become children: the blocks belong to other layers
         self.time_embed, self.label_emb = dm.time_embed, dm.label_emb
         self.model_channels = dm.model_channels
-        self._encode_adm = encode_adm  # ComfyUI's model_base.SDXL.encode_adm (no weights)
+        self.size_conditioning = SizeConditioning(encode_adm)  # through ComfyUI's model_base.SDXL.encode_adm
         self.objective, self.dtype = objective, dtype
 
     def run(self, latents, noise, t, context, pooled):
@@ -248,7 +288,7 @@ class SDXLInput(TupleLayer):
         x = self.objective.noisy(latents, noise, t).to(self.dtype).contiguous(memory_format=torch.channels_last)
         t_emb = timestep_embedding(self.objective.model_timestep(t), self.model_channels, repeat_only=False)
         emb = self.time_embed(t_emb.to(self.dtype))
-        emb = emb + self.label_emb(comfy_adm(self._encode_adm, pooled, x).to(self.dtype))
+        emb = emb + self.label_emb(self.size_conditioning(pooled, x).to(self.dtype))
         return hide(emb), hide(context.to(self.dtype)), with_grad(x)
 
 
@@ -303,12 +343,16 @@ class OutputBlock(_Block):
 
 
 class SDXLOutput(TupleLayer):
-    def __init__(self, dm, dtype, cost):
+    """``out(h)``: GroupNorm, SiLU, convolution, the norm pair through ``norms`` as in the ResBlocks."""
+
+    def __init__(self, dm, dtype, cost, norms: Norms):
         super().__init__()
-        self.out, self.dtype, self.cost = dm.out, dtype, cost
+        self.out, self.dtype, self.cost, self.norms = dm.out, dtype, cost, norms
 
     def run(self, emb, context, h):
-        out = self.out(h.type(self.dtype))
+        h = h.type(self.dtype)
+        norm, act, conv = self.out
+        out = conv(self.norms.norm_act(norm, act, h))
         return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
@@ -383,7 +427,7 @@ class SDXLAdapter(ModelAdapter):
         for block in dm.output_blocks:
             layers.append(OutputBlock(block, self.dtype, checkpoint_activations, block_tflop(block, pixels)))
             pixels = int(pixels * _resolution_factor(block))
-        layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels)))
+        layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels), self.norms))
         return layers
 
     def compile(self, layers, checkpoint_inside=True, memory_budget=None, cuda_graphs=False):

@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import ModelError
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter, VideoLatents
-from .carry import TupleLayer, hide, reveal, with_grad
+from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
 from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
@@ -176,7 +176,7 @@ class WanInput(TupleLayer):
             if self.img_emb is not None:
                 context = torch.cat([self.img_emb(clip), context], dim=1)
             image_tokens = clip.shape[-2]
-        size = torch.tensor([frames, h, w, image_tokens], device=x.device)
+        size = sizes(frames, h, w, image_tokens)
         return with_grad(x), hide(e0), hide(e), hide(context), hide(freqs.float()), grid, size
 
 

@@ -42,8 +42,13 @@ class StagedModule(PipelineModule):
 
 def sendable(t):
     """DeepSpeed receives into row-major buffers of the sent shape, and torch.distributed sends a channels-last
-    tensor's bytes as they lie: the next stage would read them scrambled."""
-    return t.contiguous() if torch.is_tensor(t) else t
+    tensor's bytes as they lie: the next stage would read them scrambled. Integers carried on the host
+    (``models.carry.sizes``) go to the GPU, which NCCL sends from."""
+    if not torch.is_tensor(t):
+        return t
+    if t.device.type == "cpu" and torch.cuda.is_available():
+        t = t.to(torch.cuda.current_device())
+    return t.contiguous()
 
 
 def stage_bounds(costs: list[float], num_stages: int) -> list[int]:
