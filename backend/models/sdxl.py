@@ -127,9 +127,8 @@ class SizeConditioning:
         key = (*latent.shape[-2:], pooled.shape[-1], latent.device)
         sizes = self._sizes.get(key)
         if sizes is None:
-            height, width = latent.shape[-2] * VAE_SCALE, latent.shape[-1] * VAE_SCALE
-            y = self._encode_adm(pooled_output=torch.zeros(1, pooled.shape[-1]), width=width, height=height)
-            sizes = self._sizes[key] = y[:, pooled.shape[-1]:].to(latent.device)
+            y = comfy_adm(self._encode_adm, torch.zeros(1, pooled.shape[-1]), latent)
+            sizes = self._sizes[key] = y[:, pooled.shape[-1]:]
         return torch.cat([pooled, sizes.expand(pooled.shape[0], -1)], dim=1)
 
 
