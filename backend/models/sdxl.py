@@ -168,10 +168,14 @@ def _is_channels_last(x: torch.Tensor) -> bool:
     return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
+def _in_layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
 def _like(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` in ``x``'s memory format, copied only if it is not (CUDA's GroupNorm returns NCHW whatever it is
     given)."""
-    return out.contiguous(memory_format=torch.channels_last if _is_channels_last(x) else torch.contiguous_format)
+    return _in_layout(out, _is_channels_last(x))
 
 
 class _GradientInInputLayout(torch.autograd.Function):
@@ -187,7 +191,7 @@ class _GradientInInputLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous(memory_format=torch.channels_last if ctx.channels_last else torch.contiguous_format)
+        return _in_layout(grad, ctx.channels_last)
 
 
 def group_norm(norm, x):
