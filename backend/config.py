@@ -376,7 +376,8 @@ class RunConfig:
     uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = None
-    activation_checkpointing: Union[bool, Literal["unsloth"]] = False   # 'unsloth': inputs parked in CPU memory
+    # 'unsloth': inputs parked in CPU memory; 'selective': attention and MLP down-projection outputs kept
+    activation_checkpointing: Union[bool, Literal["unsloth", "selective"]] = False
     activation_checkpointing_fraction: float = 1.0   # the share of blocks checkpointed (evenly spread)
     blocks_to_swap: int = 0                      # per stage: frozen block weights kept in CPU memory (swap.py)
     compile: bool = False                        # torch.compile each transformer block (compiled once, reused)
@@ -427,7 +428,7 @@ class RunConfig:
                               file=file, key="activation_checkpointing_fraction")
         if self.activation_checkpointing_fraction < 1 and not self.activation_checkpointing:
             raise ConfigError("a share of the blocks to checkpoint needs activation_checkpointing = true (or "
-                              "'unsloth'); set both, or leave the fraction out", file=file,
+                              "'unsloth' or 'selective'); set both, or leave the fraction out", file=file,
                               key="activation_checkpointing_fraction")
         if self.activation_memory_budget is not None:
             if not 0 <= self.activation_memory_budget <= 1:

@@ -39,7 +39,7 @@ class Case:
     arch: str
     resolution: int
     batch: int
-    checkpointing: bool = False
+    checkpointing: bool | str = False  # activation_checkpointing: false, true or a named mode ('selective')
     compile: bool = False
     stages: int = 1
     gradient_accumulation: int = 1
@@ -64,6 +64,8 @@ CASES = {
     "flux-1024-ckpt": Case("flux", 1024, 1, checkpointing=True, native_case="flux"),
     "flux-1024-compile": Case("flux", 1024, 1, compile=True, bare_case="flux", native_case="flux"),
     "flux-1024-ckpt-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, native_case="flux"),
+    "flux-1024-selective-compile": Case("flux", 1024, 1, checkpointing="selective", compile=True,
+                                       native_case="flux"),
     # the adapter dtype bench/diffusion_pipe.py gives diffusion-pipe: LoRA weights and AdamW states in bfloat16
     "flux-1024-ckpt-compile-bf16lora": Case("flux", 1024, 1, checkpointing=True, compile=True, lora_dtype="bfloat16"),
     "flux-1024-budget50-compile": Case("flux", 1024, 1, compile=True, memory_budget=0.5, native_case="flux"),
@@ -229,7 +231,7 @@ def main() -> int:
             r["bare"] = run_script(args.bare, {"COMFYUI_PATH": comfy_root, "CASES": case.bare_case})
         if args.native and case.native_case and args.baselines in ("all", "native"):
             r["native"] = run_script(args.native, {"COMFYUI_PATH": comfy_root, "CASE": case.native_case},
-                                     pick=lambda rec, ckpt=case.checkpointing: rec.get("gc") == ckpt)
+                                     pick=lambda rec, ckpt=bool(case.checkpointing): rec.get("gc") == ckpt)
         results[name] = r
         (out / "bench.json").write_text(json.dumps(results, indent=1))
     print(table(results))

@@ -13,7 +13,7 @@ from ..backend.config import DatasetConfig, RunConfig, load_run_config, save_tom
 from ..backend.errors import ConfigError, DatasetError, ModelError
 from ..backend.schema import from_dict
 from .cluster import check_cluster, cluster_table
-from .specs import DatasetSpec, TrainSpec
+from .specs import DatasetSpec, MemorySpec, TrainSpec
 
 MEDIA_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".mp4", ".webm", ".mov"}
 WHERE = "the PipeTrain nodes"
@@ -61,6 +61,16 @@ def check_edit_pairs(ds: DatasetConfig, model_type: str, label: str) -> None:
 EVAL_DATASET = "eval_dataset.toml"   # beside dataset.toml; the eval set's name is "eval"
 
 
+def checkpointing_mode(m: MemorySpec):
+    """The Memory node's switches as ``activation_checkpointing``'s value."""
+    if not m.activation_checkpointing:
+        return False
+    if m.offload_activations and m.selective:
+        raise ConfigError("offload_activations and selective are two ways of checkpointing; turn one of them off",
+                          file="Memory node", key="selective")
+    return "unsloth" if m.offload_activations else "selective" if m.selective else True
+
+
 def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str | None,
               lora_dir: str | None) -> dict:
     s, p, m = spec.schedule, spec.parallelism, spec.memory
@@ -84,8 +94,7 @@ def run_table(spec: TrainSpec, *, output_dir: str, dataset: str, run_name: str |
         "lr_scheduler": s.lr_scheduler, "save_every_n_epochs": s.save_every_n_epochs,
         "checkpoint_every_n_epochs": s.checkpoint_every_n_epochs,
         "checkpoint_every_n_minutes": s.checkpoint_every_n_minutes,
-        "activation_checkpointing": "unsloth" if m.activation_checkpointing and m.offload_activations
-        else m.activation_checkpointing, "seed": s.seed,
+        "activation_checkpointing": checkpointing_mode(m), "seed": s.seed,
         "run_name": run_name, "lora_dir": lora_dir, "model": model, "adapter": adapter, "optimizer": optimizer,
         "save_every_n_steps": s.save_every_n_steps, "uncond_fraction": spec.dataset.uncond_fraction,
     }

@@ -125,6 +125,7 @@ class MemorySpec:
     compile: bool = False               # torch.compile each block (speed, not memory; it lives with the savers)
     checkpoint_fraction: float = 1.0    # with activation_checkpointing: the share of blocks checkpointed
     memory_budget: float = 1.0          # with compile: activation_memory_budget (1: off)
+    selective: bool = False             # with activation_checkpointing: 'selective' (attention outputs etc. kept)
 
 
 @dataclass(frozen=True)

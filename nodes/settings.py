@@ -279,6 +279,10 @@ class MemoryNode(io.ComfyNode):
                 io.Boolean.Input("offload_activations", default=False, tooltip="With activation checkpointing: keep "
                                  "each block's saved inputs in CPU memory too (diffusion-pipe's 'unsloth'; a little "
                                  "less GPU memory, a little slower)"),
+                io.Boolean.Input("selective", default=False, optional=True, tooltip="With activation "
+                                 "checkpointing: keep the attention and MLP down-projection outputs, recompute the "
+                                 "rest (Flux-dev 1024² compiled on an H200: 2.15 samples/s at 29.5 GiB, against "
+                                 "1.93 at 26.5 GiB recomputing whole blocks). Not with offload_activations"),
                 io.Boolean.Input("compile", default=False, optional=True, tooltip="torch.compile each transformer "
                                  "block: faster steps on a GPU (Flux-dev on an H200: +39%), the first step waits "
                                  "about a minute for the compile"),
@@ -294,7 +298,14 @@ class MemoryNode(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, offload_activations=None, selective=None):
+        if offload_activations and selective:
+            return ("offload_activations and selective are two ways of checkpointing: parked block inputs, or kept "
+                    "attention and down-projection outputs; turn one of them off")
+        return True
+
+    @classmethod
     def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False,
-                compile=False, checkpoint_fraction=1.0, memory_budget=1.0) -> io.NodeOutput:  # noqa: A002
+                compile=False, checkpoint_fraction=1.0, memory_budget=1.0, selective=False) -> io.NodeOutput:  # noqa: A002
         return io.NodeOutput(MemorySpec(activation_checkpointing, blocks_to_swap, offload_activations, compile,
-                                        checkpoint_fraction, memory_budget))
+                                        checkpoint_fraction, memory_budget, selective))

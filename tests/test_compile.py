@@ -69,6 +69,40 @@ def test_compiled_blocks_match_eager_and_compile_once_per_kind_and_shape_regime(
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 
 
+def test_compiled_selective_blocks_recompute_neither_attention_nor_down_projections():
+    """``'selective'`` compiled with its checkpoint inside the block graph: the eager gradients, and the attention
+    kernels and MLP down-projections (inner dimension 4x the output width) run as often in a step as without
+    checkpointing, where ``true`` runs them again in the backward."""
+    from torch.profiler import profile
+
+    torch._dynamo.reset()
+    adapter = _small_flux()
+    inputs = _inputs(6, 10)
+    loss_e, grads_e = _loss_and_grads(adapter, adapter.to_layers(), inputs)
+    runs = {}
+    for mode in (False, True, "selective"):
+        layers = adapter.to_layers(checkpoint_activations=mode)
+        assert compile_blocks(layers) == 5
+        _loss_and_grads(adapter, layers, inputs)           # compiles
+        with profile(record_shapes=True) as prof:
+            loss_c, grads_c = _loss_and_grads(adapter, layers, inputs)
+        events = prof.events()
+        attention = sum(e.name == "aten::_scaled_dot_product_flash_attention_for_cpu" for e in events)
+        products = sum(_is_down_projection(e) for e in events)
+        runs[mode] = (attention, products)
+        assert torch.allclose(loss_c, loss_e, rtol=1e-5)
+        for ge, gc in zip(grads_e, grads_c):
+            assert torch.allclose(gc, ge, rtol=1e-4, atol=1e-6), (gc - ge).abs().max()
+    assert runs[False][0] == 5 and runs[True][0] == 10
+    assert runs[True][1] >= runs[False][1] + 5
+    assert runs["selective"] == runs[False], runs
+
+
+def _is_down_projection(event) -> bool:
+    shapes = {"aten::mm": event.input_shapes[:2], "aten::addmm": event.input_shapes[1:3]}.get(event.name)
+    return bool(shapes) and len(shapes[0]) == 2 and shapes[0][-1] >= 4 * shapes[1][-1]
+
+
 def _saved_bytes_loss_and_grads(adapter, layers, inputs):
     """What autograd keeps for the backward over one forward, weights left out."""
     with saved_bytes(skip=tuple(adapter.diffusion_model.parameters())) as saved:
@@ -121,7 +155,7 @@ def _sdxl_inputs(h, w, seed=1):
             torch.randn(2, 7, SDXL_CONTEXT, generator=g), torch.randn(2, 1280, generator=g))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True, "unsloth"])
+@pytest.mark.parametrize("checkpointing", [False, True, "unsloth", "selective"])
 def test_sdxl_compiles_its_transformer_blocks_once_per_width_and_matches_eager(checkpointing):
     """SDXL compiles ComfyUI's BasicTransformerBlocks (dynamic shapes) and its GroupNorms, not whole UNet blocks:
     the layers' own checkpoint stays around them, and every block and bucket of one width reuses one graph."""

@@ -1,12 +1,14 @@
 """Memory savers on the micro Flux, in process: ``activation_checkpointing = 'unsloth'`` (block inputs parked in
 CPU memory, block recomputed in backward) gives the loss and LoRA gradients of ``true`` and of no
-checkpointing, LoRA dropout included (the recompute replays the RNG)."""
+checkpointing, LoRA dropout included (the recompute replays the RNG); so does ``'selective'``, whose recompute
+skips the attention kernels and MLP down-projections."""
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import micro_flux_with_lora
 from layer_checks import saved_bytes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.backend import lora
 
@@ -45,6 +47,41 @@ def test_unsloth_checkpointing_matches_true_and_no_checkpointing(flux):
     torch.testing.assert_close(grads_u, grads_off, rtol=1e-5, atol=1e-7)
 
 
+class _CostlyKernelRuns(TorchDispatchMode):
+    """Counts, where they really run, SDPA's CPU kernel and the matrix products with an inner dimension at least 4x
+    their output width (the MLP down-projections in the forward): a selective checkpoint's own dispatch mode sits
+    above this one and hands back what it kept in the recompute without calling the kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.attention += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        factors = {torch.ops.aten.mm.default: args[:2], torch.ops.aten.addmm.default: args[1:3]}.get(func)
+        self.products += bool(factors) and factors[0].shape[-1] >= 4 * factors[1].shape[-1]
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_recomputes_neither_attention_nor_down_projections(flux):
+    """``'selective'``: the loss and LoRA gradients of ``true`` and of no checkpointing (dropout included), and
+    the attention kernels and down-projections run as often as without checkpointing; ``true`` runs them again."""
+    adapter, inputs = flux
+    runs, results = {}, {}
+    for mode in (False, True, "selective"):
+        with _CostlyKernelRuns() as counter:
+            results[mode] = _step(adapter, inputs, mode)
+        runs[mode] = (counter.attention, counter.products)
+    blocks = sum(1 for layer in adapter.to_layers(True) if getattr(layer, "checkpoint_activations", False))
+    assert runs[False][0] == blocks and runs[True][0] == 2 * blocks
+    assert runs[True][1] >= runs[False][1] + blocks      # every block's down-projection, again in the recompute
+    assert runs["selective"] == runs[False], runs
+    loss_s, grads_s, _ = results["selective"]
+    for mode in (False, True):
+        assert loss_s == pytest.approx(results[mode][0], rel=1e-6)
+        torch.testing.assert_close(grads_s, results[mode][1], rtol=1e-5, atol=1e-7)
+
+
 def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():
     from pipetrain.backend.config import RunConfig
     from pipetrain.backend.errors import ConfigError
@@ -53,6 +90,8 @@ def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     assert from_dict(RunConfig, {**base, "activation_checkpointing": "unsloth"}).activation_checkpointing == "unsloth"
     assert from_dict(RunConfig, {**base, "activation_checkpointing": True}).activation_checkpointing is True
+    assert from_dict(RunConfig, {**base, "activation_checkpointing": "selective"}).activation_checkpointing \
+        == "selective"
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         from_dict(RunConfig, {**base, "activation_checkpointing": "offload"})
 

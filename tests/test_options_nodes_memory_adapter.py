@@ -2,6 +2,8 @@
 table: a full fine-tune), AdamW8bitKahan, blocks_to_swap, compile; each checked as the Train node checks a graph."""
 from __future__ import annotations
 
+import pytest
+
 from pipetrain.backend.config import RunConfig
 from pipetrain.backend.schema import from_dict
 from pipetrain.launcher.build import run_table
@@ -48,3 +50,21 @@ def test_a_merged_lora_from_the_model_node_reaches_the_config():
                                merge_adapters=("/loras/turbo_adapter.safetensors",)))
     table = run_table(spec, output_dir="/out", dataset="/out/dataset.toml", run_name=None, lora_dir=None)
     assert from_dict(RunConfig, table, file="nodes").model.merge_adapters == ["/loras/turbo_adapter.safetensors"]
+
+
+def test_the_memory_nodes_checkpointing_switches_pick_the_mode():
+    from pipetrain.backend.errors import ConfigError
+    from pipetrain.backend.runtime import ensure_comfyui
+    ensure_comfyui()
+    from pipetrain.nodes.settings import MemoryNode
+
+    modes = {(ckpt, offload, selective): _config(memory=MemoryNode.execute(
+        ckpt, 0, offload_activations=offload, selective=selective).result[0]).activation_checkpointing
+        for ckpt in (False, True) for offload in (False, True) for selective in (False, True)
+        if not (offload and selective)}
+    assert modes == {(False, False, False): False, (False, True, False): False, (False, False, True): False,
+                     (True, False, False): True, (True, True, False): "unsloth", (True, False, True): "selective"}
+    assert MemoryNode.validate_inputs(offload_activations=True, selective=True) != True   # noqa: E712
+    assert MemoryNode.validate_inputs(offload_activations=True, selective=False) is True
+    with pytest.raises(ConfigError, match="selective"):
+        _config(memory=MemorySpec(offload_activations=True, selective=True))

@@ -1,10 +1,14 @@
-"""Activation checkpointing for every architecture's block layers: one function, three modes.
+"""Activation checkpointing for every architecture's block layers: one function, four modes.
 
 ``activation_checkpointing``: false (keep activations), true (torch's non-reentrant checkpoint: keep each
 block's inputs, recompute the block in backward) or ``'unsloth'`` (diffusion-pipe's / Unsloth's variant:
 the block's saved inputs wait in CPU memory, copied out and back with ``non_blocking`` copies, and the block
-is recomputed from them in backward; on the CPU the "copy" keeps the tensor as it is). The recompute
-replays the forward's RNG state, so LoRA dropout draws the same mask.
+is recomputed from them in backward; on the CPU the "copy" keeps the tensor as it is) or ``'selective'`` (as true,
+but the outputs of the ops that cost the most to redo per byte kept are kept: the attention kernels and the matrix
+products whose inner dimension is at least four times their output width, the MLP down-projections. The recompute
+then runs the projections, norms, activations and modulation, a little over half of a forward, for about one more
+hidden-state-sized tensor per op kept). The recompute replays the forward's RNG state, so LoRA dropout draws the
+same mask.
 
 ``activation_checkpointing_fraction`` below 1 keeps checkpointing on that share of the blocks only, spread
 evenly over the model (``thin_checkpointing``): a step costs about that share of one forward pass extra instead
@@ -15,11 +19,50 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .carry import TupleLayer
 
 UNSLOTH = "unsloth"
+SELECTIVE = "selective"
+
+# SDPA's backend kernels, as the checkpoint sees them below F.scaled_dot_product_attention
+_ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name))
+# a product costs twice its inner dimension in FLOPs per output element: the MLP down-projections (inner dimension
+# 4x the width) keep the most compute per byte; the other projections (inner dimension <= width) are recomputed
+KEPT_PRODUCT_RATIO = 4
+
+
+def _kept_product(op, args) -> bool:
+    if op is torch.ops.aten.mm.default:
+        a, b = args[0], args[1]
+    elif op is torch.ops.aten.addmm.default:
+        a, b = args[1], args[2]
+    else:
+        return False
+    return a.shape[-1] >= KEPT_PRODUCT_RATIO * b.shape[-1]
+
+
+def _selective(ctx, op, *args, **kwargs):
+    keep = op in _ATTENTION_OPS or _kept_product(op, args)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_selective)
+
+
+def runs_torch_checkpoint(mode) -> bool:
+    """The modes a compiled block can take inside its graph: torch's checkpoint, without or with a policy."""
+    return mode is True or mode == SELECTIVE
+
+
+def checkpoint_options(mode) -> dict:
+    """torch's checkpoint keyword arguments for a mode that ``runs_torch_checkpoint``."""
+    return {"context_fn": _selective_contexts} if mode == SELECTIVE else {}
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -79,7 +122,7 @@ def run_checkpointed(mode, fn, *args):
     if mode == UNSLOTH:
         anchor = torch.empty(0, requires_grad=True)
         return _OffloadedCheckpoint.apply(fn, anchor, *args)
-    return checkpoint(fn, *args, use_reentrant=False)
+    return checkpoint(fn, *args, use_reentrant=False, **checkpoint_options(mode))
 
 
 class CheckpointedLayer(TupleLayer):

@@ -31,6 +31,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .checkpointing import checkpoint_options, runs_torch_checkpoint
+
 # one cache entry per block kind and shape regime (static-shape models: per block shape and bucket);
 # generous so no block silently falls back to eager
 CACHE_SIZE_LIMIT = 128
@@ -48,8 +50,9 @@ def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None 
         forward = getattr(layer, "block_forward", None)
         if forward is None:
             continue
-        if checkpoint_inside and getattr(layer, "checkpoint_activations", False) is True:
-            compiled = functools.partial(_compiled_checkpointed_block(dynamic), layer)
+        mode = getattr(layer, "checkpoint_activations", False)
+        if checkpoint_inside and runs_torch_checkpoint(mode):
+            compiled = functools.partial(_compiled_checkpointed_block(dynamic, mode), layer)
             layer.checkpoint_activations = False       # the compiled forward checkpoints itself
         else:
             compiled = torch.compile(forward, dynamic=dynamic)
@@ -77,14 +80,14 @@ def _raise_cache_size_limit():
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
 
 
-def _checkpointed_block(layer, *args):
-    return checkpoint(type(layer).block_forward, layer, *args, use_reentrant=False)
-
-
 @functools.cache
-def _compiled_checkpointed_block(dynamic: bool | None):
+def _compiled_checkpointed_block(dynamic: bool | None, mode):
     # one compiled function for every layer: the layer is an argument, so blocks of a kind share a graph
-    return torch.compile(_checkpointed_block, dynamic=dynamic)
+    options = checkpoint_options(mode)
+
+    def checkpointed_block(layer, *args):
+        return checkpoint(type(layer).block_forward, layer, *args, use_reentrant=False, **options)
+    return torch.compile(checkpointed_block, dynamic=dynamic)
 
 
 def cuda_graphs_allowed(cfg) -> bool:

@@ -201,10 +201,11 @@ def group_norm(norm, x):
 def group_norm_act(norm, act, x, shift=None):
     """``act(norm(x + shift))``: the pair every ResBlock runs twice, the second time after adding its time
     embedding."""
+    channels_last = _is_channels_last(x)    # taken before the add: a compiled add may pick NCHW for its output
     x = _GradientInInputLayout.apply(x)
     if shift is not None:
         x = x + shift
-    return _like(x, act(norm(x)))
+    return _in_layout(act(norm(x)), channels_last)
 
 
 class Norms:
