@@ -83,12 +83,20 @@ def give_lora_b_values(dm, seed=2, std=0.05):
 
 def lora_gradients_match_finite_differences(adapter, inputs, rtol=1e-5, atol=1e-9, eps=1e-6):
     """The LoRA gradient of the training layers' loss, projected on a random direction, equals the central
-    finite difference of the loss through ComfyUI's own forward (``adapter.reference_forward``)."""
+    finite difference of the loss through ComfyUI's own forward (``adapter.reference_forward``); selective
+    checkpointing (kept attention and down-projection outputs) gives the gradients of whole-block checkpointing."""
     dm = adapter.diffusion_model
     x0, noise, t, *text = inputs
+    params = lora.trainable_parameters(dm)
+    adapter.loss(run_layers(adapter.to_layers(checkpoint_activations="selective"), inputs), (x0, noise, t)).backward()
+    selective = [p.grad.clone() if p.grad is not None else None for p in params]
+    for p in params:
+        p.grad = None
     loss = adapter.loss(run_layers(adapter.to_layers(checkpoint_activations=True), inputs), (x0, noise, t))
     loss.backward()
-    params = lora.trainable_parameters(dm)
+    for p, g in zip(params, selective):
+        if p.grad is not None:
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-9)
     missing = [p.shape for p in params if p.grad is None or p.grad.abs().sum() == 0]
     assert not missing, f"{len(missing)} LoRA tensors got no gradient"
     g = torch.Generator().manual_seed(3)
