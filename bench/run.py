@@ -84,6 +84,11 @@ CASES = {
     "qwen_image-1024-ckpt": Case("qwen_image", 1024, 1, checkpointing=True),
     "wan1.3b-480x832x81": Case("wan", 640, 1, frames=81, variant="wan-1.3b"),
     "wan1.3b-480x832x81-ckpt": Case("wan", 640, 1, checkpointing=True, frames=81, variant="wan-1.3b"),
+    # the Flux settings that measured best, on the other models (not measured yet)
+    "zimage-1024-b4-selective-compile": Case("z_image", 1024, 4, checkpointing="selective", compile=True),
+    "qwen_image-1024-selective-compile": Case("qwen_image", 1024, 1, checkpointing="selective", compile=True),
+    "wan1.3b-480x832x81-selective-compile": Case("wan", 640, 1, checkpointing="selective", compile=True, frames=81,
+                                                 variant="wan-1.3b"),
 }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from comfy_api.latest import io
 
 from ..backend.errors import PipeTrainError
+from ..launcher.build import checkpointing_mode
 from ..launcher.cluster import FLAGS, LAUNCHERS, OFF, check_cluster, cluster_form
 from ..launcher.specs import AdapterSpec, MemorySpec, OptimizerSpec, ParallelismSpec, ScheduleSpec
 from . import types as t
@@ -299,9 +300,10 @@ class MemoryNode(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, offload_activations=None, selective=None):
-        if offload_activations and selective:
-            return ("offload_activations and selective are two ways of checkpointing: parked block inputs, or kept "
-                    "attention and down-projection outputs; turn one of them off")
+        try:
+            checkpointing_mode(MemorySpec(offload_activations=bool(offload_activations), selective=bool(selective)))
+        except PipeTrainError as e:
+            return str(e)
         return True
 
     @classmethod
