@@ -115,10 +115,12 @@ def test_caption_options_and_prodigy(captions_run):
 
 
 def test_eval_datasets_held_out_loss_per_quantile(micro_flux_files, make_run, captions_run, tmp_path):
-    """Two pipeline stages on two ranks, 8-bit AdamW; evals before step 1, every 3 steps and every epoch."""
+    """Two pipeline stages on two ranks, 8-bit AdamW, selective activation checkpointing; evals before step 1, every
+    3 steps and every epoch."""
     held = _eval_set(tmp_path / "evals")
     config = make_run(micro_flux_files, images=4, name="evals", stages=2, epochs=2, checkpoint_every_n_epochs=None,
                       eval_datasets=[held], eval_every_n_steps=3, eval_every_n_epochs=1,
+                      activation_checkpointing="selective",
                       optimizer={"type": "adamw8bit", "lr": 5e-3, "min_8bit_size": 16})
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
