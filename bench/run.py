@@ -76,6 +76,8 @@ CASES = {
                                          checkpoint_fraction=1 / 3, native_case="flux"),
     "sdxl-1024-b8": Case("sdxl", 1024, 8, bare_case="sdxl", native_case="sdxl"),
     "sdxl-1024-b8-compile": Case("sdxl", 1024, 8, compile=True, bare_case="sdxl", native_case="sdxl"),
+    # TrainLoraNode's SDXL batch (4), checkpointed as its only run that fits: the comparison at equal memory
+    "sdxl-1024-b4-ckpt-compile": Case("sdxl", 1024, 4, checkpointing=True, compile=True, native_case="sdxl"),
     "flux-1024-2stages-ga8": Case("flux", 1024, 1, stages=2, gradient_accumulation=8),
     "flux-1024-1stage-ga8": Case("flux", 1024, 1, gradient_accumulation=8),
     "zimage-1024-b4": Case("z_image", 1024, 4),
