@@ -280,10 +280,6 @@ class MemoryNode(io.ComfyNode):
                 io.Boolean.Input("offload_activations", default=False, tooltip="With activation checkpointing: keep "
                                  "each block's saved inputs in CPU memory too (diffusion-pipe's 'unsloth'; a little "
                                  "less GPU memory, a little slower)"),
-                io.Boolean.Input("selective", default=False, optional=True, tooltip="With activation "
-                                 "checkpointing: keep the attention and MLP down-projection outputs, recompute the "
-                                 "rest (Flux-dev 1024² compiled on an H200: 2.15 samples/s at 29.5 GiB, against "
-                                 "1.93 at 26.5 GiB recomputing whole blocks). Not with offload_activations"),
                 io.Boolean.Input("compile", default=False, optional=True, tooltip="torch.compile each transformer "
                                  "block: faster steps on a GPU (Flux-dev on an H200: +39%), the first step waits "
                                  "about a minute for the compile"),
@@ -294,6 +290,10 @@ class MemoryNode(io.ComfyNode):
                                tooltip="With compile: the share of each block's activations kept for the backward "
                                "pass; torch.compile recomputes the rest, cheapest ops first (1: keep all). An "
                                "alternative to checkpointing whole blocks"),
+                io.Boolean.Input("selective", default=False, optional=True, tooltip="With activation "
+                                 "checkpointing: keep the attention and MLP down-projection outputs, recompute the "
+                                 "rest (Flux-dev 1024² compiled on an H200: 2.15 samples/s at 29.5 GiB, against "
+                                 "1.93 at 26.5 GiB recomputing whole blocks). Not with offload_activations"),
             ],
             outputs=[t.Memory.Output(display_name="memory")],
         )
