@@ -250,3 +250,10 @@ def every_boundary_is_a_stage_boundary_with_lora(adapter, inputs):
         lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), adapter.lora_block_prefixes)
         give_lora_b_values(dm)
     every_boundary_is_a_stage_boundary(adapter, inputs)
+
+
+def is_down_projection(op: str, shapes) -> bool:
+    """A matrix product (``aten::mm`` / ``aten::addmm`` and its operand shapes) whose inner dimension is at least 4x
+    its output width: what selective checkpointing keeps (the MLP down-projections)."""
+    factors = {"aten::mm": shapes[:2], "aten::addmm": shapes[1:3]}.get(op)
+    return bool(factors) and len(factors[0]) == 2 and factors[0][-1] >= 4 * factors[1][-1]

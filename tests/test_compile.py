@@ -2,7 +2,7 @@
 outputs and LoRA gradients, and a new bucket shape costs one recompile, not one per block or per bucket."""
 import pytest
 import torch
-from layer_checks import Patcher, give_lora_b_values, run_layers, saved_bytes
+from layer_checks import Patcher, give_lora_b_values, is_down_projection, run_layers, saved_bytes
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -88,7 +88,7 @@ def test_compiled_selective_blocks_recompute_neither_attention_nor_down_projecti
             loss_c, grads_c = _loss_and_grads(adapter, layers, inputs)
         events = prof.events()
         attention = sum(e.name == "aten::_scaled_dot_product_flash_attention_for_cpu" for e in events)
-        products = sum(_is_down_projection(e) for e in events)
+        products = sum(is_down_projection(e.name, e.input_shapes) for e in events)
         runs[mode] = (attention, products)
         assert torch.allclose(loss_c, loss_e, rtol=1e-5)
         for ge, gc in zip(grads_e, grads_c):
@@ -96,11 +96,6 @@ def test_compiled_selective_blocks_recompute_neither_attention_nor_down_projecti
     assert runs[False][0] == 5 and runs[True][0] == 10
     assert runs[True][1] >= runs[False][1] + 5
     assert runs["selective"] == runs[False], runs
-
-
-def _is_down_projection(event) -> bool:
-    shapes = {"aten::mm": event.input_shapes[:2], "aten::addmm": event.input_shapes[1:3]}.get(event.name)
-    return bool(shapes) and len(shapes[0]) == 2 and shapes[0][-1] >= 4 * shapes[1][-1]
 
 
 def _saved_bytes_loss_and_grads(adapter, layers, inputs):

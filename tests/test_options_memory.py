@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import micro_flux_with_lora
-from layer_checks import saved_bytes
+from layer_checks import is_down_projection, saved_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.backend import lora
@@ -58,8 +58,8 @@ class _CostlyKernelRuns(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.attention += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        factors = {torch.ops.aten.mm.default: args[:2], torch.ops.aten.addmm.default: args[1:3]}.get(func)
-        self.products += bool(factors) and factors[0].shape[-1] >= 4 * factors[1].shape[-1]
+        self.products += is_down_projection(f"aten::{func.__name__.split('.')[0]}",
+                                            [tuple(a.shape) if torch.is_tensor(a) else () for a in args])
         return func(*args, **(kwargs or {}))
 
 
