@@ -1,7 +1,7 @@
 """diffusion-pipe (tdrussell/diffusion-pipe) on the bench's cases, for bench/run.py's table: steady-state samples/s
 (median step time after warm-up) and peak GPU memory of the same LoRA training run.py measures.
 
-    python bench/diffusion_pipe.py --dp .carry/diffusion-pipe --cases flux-1024,flux-1024-ckpt --out $OUT
+    python bench/diffusion_pipe.py --dp .carry/diffusion-pipe --cases flux-1024,sdxl-1024-b8 --out $OUT
 
 diffusion-pipe is not part of this repository: ``--dp`` is a checkout of its source (with
 ``submodules/HunyuanVideo``, which it imports at start-up; ComfyUI comes from ``--comfyui`` / COMFYUI_PATH) and it
@@ -10,24 +10,35 @@ runs as its own process under the DeepSpeed launcher, ``train.py --deepspeed --c
 imports but these cases never use, are stubbed when absent (``stubbed`` in the result). Python >= 3.12 (its
 cache opens sqlite with ``autocommit=``) and CUDA (it moves the VAE to 'cuda' to cache latents).
 
-Weights are random with the real configs, as in run.py: a diffusers FluxPipeline folder with the flux-dev
-transformer (19 double, 38 single blocks, 3072 wide, guidance embedding) and VAE, and one-layer CLIP-L / T5 text
-encoders with the real output widths (768 / 4096; diffusion-pipe caches their outputs before training, so their
-depth does not touch the step). T5 text is always 512 tokens: diffusers pads or cuts to ``max_sequence_length``
-(run.py's captions, reused here, are longer). Eight 1024^2 images, LoRA rank 32 (diffusion-pipe: every Linear in the
-double and single blocks), torch AdamW, bf16.
+Weights are random with the real configs, as in run.py (bench/diffusion_pipe_models.py writes them): Flux as a
+diffusers FluxPipeline folder (flux-dev transformer and VAE; one-layer CLIP-L / T5 text encoders at the real output
+widths, as diffusion-pipe caches their outputs before training), SDXL as a diffusers StableDiffusionXLPipeline folder
+(SDXL base 1.0's UNet and VAE, both text encoders at full depth: diffusion-pipe trains their LoRA in every step),
+Z-Image as ComfyUI-format files with a full-depth Qwen3-4B encoder. Captions are run.py's ``bench_caption``: one
+77-token CLIP chunk for SDXL, 505 T5 tokens elsewhere (diffusers pads or cuts Flux's T5 text to 512). Eight images
+at the case's resolution, LoRA rank 32 on diffusion-pipe's targets, torch AdamW, bf16.
+
+Two calls into diffusion-pipe's loading are answered differently, and nothing else: SDXL's
+``StableDiffusionXLPipeline.from_single_file(checkpoint_path, ...)`` needs component configs from the Hugging Face
+Hub (nothing can be downloaded on the GPU machine), so for a folder this wrapper answers it with
+``from_pretrained(folder, **the same kwargs)``: the pipeline it trains is the same diffusers classes with the same
+configs. And diffusion-pipe 8f83dbf passes ``disable_dynamic=True`` to ComfyUI's ``comfy.sd.load_clip`` and
+``load_diffusion_model``, a keyword newer than the ComfyUI 0.3.75 used here: the wrapper drops it where the
+installed function's signature lacks it.
 
 Measures, per step: wall time of DeepSpeed's ``PipelineEngine.train_batch`` (CUDA-synchronised; this wrapper
 patches the engine method in diffusion-pipe's process, diffusion-pipe's code is untouched) and
 ``torch.cuda.max_memory_allocated`` counted from the first step (run.py's measure), plus the peak of
 ``nvidia-smi``'s memory.used for the whole run (device level: CUDA context and allocator cache included), and
 DeepSpeed's own "iter time" log lines as a cross-check. Writes ``diffusion_pipe.json`` keyed by run.py's case
-names. ``--size tiny --resolution 64`` writes small models (a check of the folder writer; diffusion-pipe itself
-needs CUDA).
+names. ``--size tiny --write-only`` writes small models, datasets and configs (a CPU check of the writers;
+diffusion-pipe itself needs CUDA).
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import os
 import re
@@ -52,96 +63,12 @@ STUBBED = ("wandb", "torchaudio", "av")
 STUB_SUBMODULES = {"av": ("container", "subtitles", "subtitles.stream")}
 
 
-CASE_NAMES = ("flux-1024", "flux-1024-ckpt")   # run.py's cases that diffusion-pipe trains the same way
-
-
-FLUX_DEV = {"attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
-            "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
-            "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}
-FLUX_TINY = {**FLUX_DEV, "num_attention_heads": 2, "num_layers": 1, "num_single_layers": 1}
-FLUX_VAE = {"act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
-            "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "force_upcast": True, "in_channels": 3, "latent_channels": 16, "latents_mean": None, "latents_std": None,
-            "layers_per_block": 2, "mid_block_add_attention": True, "norm_num_groups": 32, "out_channels": 3,
-            "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
-            "up_block_types": ["UpDecoderBlock2D"] * 4, "use_post_quant_conv": False, "use_quant_conv": False}
-FLUX_VAE_TINY = {**FLUX_VAE, "block_out_channels": [32, 32, 32, 32], "layers_per_block": 1}
-FLUX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
-                  "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
-                  "use_dynamic_shifting": True}
-# one layer each, the real output widths (CLIP-L pooled 768, T5-XXL 4096) and vocabularies (the tokenizers' ids)
-CLIP_L = {"vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 1,
-          "num_attention_heads": 12, "max_position_embeddings": 77, "projection_dim": 768, "hidden_act": "quick_gelu",
-          "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 1}
-T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_kv": 64, "d_ff": 256, "num_layers": 1, "num_heads": 4,
-          "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
-          "relative_attention_max_distance": 128, "is_encoder_decoder": False, "use_cache": False,
-          "tie_word_embeddings": False}
-
-
-# --- the diffusers folder ------------------------------------------------------------------------
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
-
-
-def write_flux_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu") -> Path:
-    """A FluxPipeline folder (``diffusers_path``) with random weights; skipped when already complete."""
-    import diffusers
-    import torch
-    import transformers
-    from pipetrain.backend.models.tiny import write_safetensors
-
-    marker = folder / "written.json"
-    if marker.exists():
-        return folder
-    t = time.monotonic()
-    dv = diffusers.__version__
-    _write_json(folder / "model_index.json", {
-        "_class_name": "FluxPipeline", "_diffusers_version": dv, "feature_extractor": [None, None],
-        "image_encoder": [None, None], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]})
-    _write_json(folder / "scheduler" / "scheduler_config.json", {**FLUX_SCHEDULER, "_diffusers_version": dv})
-    full = size == "full"
-    for sub, cls, config in (("transformer", diffusers.FluxTransformer2DModel, FLUX_DEV if full else FLUX_TINY),
-                             ("vae", diffusers.AutoencoderKL, FLUX_VAE if full else FLUX_VAE_TINY)):
-        with torch.device("meta"):
-            module = cls(**config)
-        _write_json(folder / sub / "config.json", {"_class_name": cls.__name__, "_diffusers_version": dv, **config})
-        # streamed one tensor at a time: 12B parameters never sit in memory at once
-        write_safetensors(module, folder / sub / "diffusion_pytorch_model.safetensors", torch.bfloat16, 0,
-                          {"format": "pt"}, device=device)
-    for sub, model in (("text_encoder", transformers.CLIPTextModel(transformers.CLIPTextConfig(**CLIP_L))),
-                       ("text_encoder_2", transformers.T5EncoderModel(transformers.T5Config(**T5_XXL)))):
-        model.to(torch.bfloat16).save_pretrained(folder / sub)
-    write_tokenizers(folder, comfyui)
-    marker.write_text(json.dumps({"size": size, "write_s": round(time.monotonic() - t, 1)}))
-    return folder
-
-
-def write_tokenizers(folder: Path, comfyui: Path) -> None:
-    """CLIP-L and T5 tokenizers from the files ComfyUI ships (nothing can be downloaded)."""
-    clip, t5 = folder / "tokenizer", folder / "tokenizer_2"
-    clip.mkdir(parents=True, exist_ok=True)
-    t5.mkdir(parents=True, exist_ok=True)
-    for name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
-        shutil.copy(comfyui / "comfy" / "sd1_tokenizer" / name, clip / name)
-    config = json.loads((comfyui / "comfy" / "sd1_tokenizer" / "tokenizer_config.json").read_text())
-    # ComfyUI's copy says 8192; FluxPipeline pads CLIP text to model_max_length, which must fit 77 positions
-    config.update(model_max_length=77)
-    config.pop("special_tokens_map_file", None)
-    (clip / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(comfyui / "comfy" / "text_encoders" / "t5_tokenizer" / name, t5 / name)
+CASE_NAMES = ("flux-1024", "flux-1024-ckpt", "sdxl-1024-b8", "sdxl-1024-b4-ckpt", "zimage-1024-b4-ckpt")
 
 
 # --- dataset and diffusion-pipe's TOML configs --------------------------------------------------------
-def write_dataset(folder: Path, count: int, side: int) -> Path:
+def write_dataset(folder: Path, count: int, side: int, caption: str) -> Path:
     from PIL import Image, ImageDraw
-
-    from pipetrain.bench.run import bench_caption
 
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):
@@ -149,15 +76,19 @@ def write_dataset(folder: Path, count: int, side: int) -> Path:
         r, c = side // (4 + i % 3), side // 2
         ImageDraw.Draw(img).ellipse((c - r, c - r, c + r, c + r), fill=(200, 30 * i % 255, 40))
         img.save(folder / f"img{i:02d}.png")
-        (folder / f"img{i:02d}.txt").write_text(bench_caption("flux"))   # 505 T5 tokens: under the 512 diffusers keeps
+        (folder / f"img{i:02d}.txt").write_text(caption)
     return folder
 
 
-def write_configs(run_dir: Path, case: Case, diffusers_path: Path, steps: int, resolution: int) -> Path:
+def write_configs(run_dir: Path, case: Case, model: dict, steps: int, resolution: int) -> Path:
+    """diffusion-pipe's main and dataset TOMLs; ``model``: the [model] section of the case's model files."""
     import tomli_w
 
+    from pipetrain.bench.run import bench_caption
+
     count = 8
-    dataset = write_dataset(run_dir / "dataset", count, resolution)
+    # the baselines' text: one 77-token CLIP chunk for SDXL, 505 T5 tokens elsewhere (under Flux's 512)
+    dataset = write_dataset(run_dir / "dataset", count, resolution, bench_caption(case.arch))
     # one epoch holds every step: an epoch boundary would add diffusion-pipe's end-of-epoch work to a timed step
     repeats = -(-(steps + 1) * case.batch // count)
     # [[directory]] as a table array, not tomli_w's inline table: diffusion-pipe passes this config to worker
@@ -170,12 +101,24 @@ def write_configs(run_dir: Path, case: Case, diffusers_path: Path, steps: int, r
             "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "warmup_steps": 0,
             "save_every_n_epochs": 1000, "activation_checkpointing": case.checkpointing,
             "eval_before_first_step": False, "steps_per_print": 1, "caching_batch_size": 1, "map_num_proc": 1,
-            "model": {"type": "flux", "diffusers_path": str(diffusers_path), "dtype": "bfloat16",
-                      "transformer_dtype": "bfloat16", "flux_shift": True},
+            "model": model,
             "adapter": {"type": "lora", "rank": 32, "dtype": "bfloat16"},
             "optimizer": {"type": "adamw", "lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.01, "eps": 1e-8}}
     (run_dir / "main.toml").write_text(tomli_w.dumps(main))
     return run_dir / "main.toml"
+
+
+def write_case(name: str, case: Case, root: Path, comfyui: Path, size: str, steps: int,
+               resolution: int | None) -> dict:
+    """The case's model files (shared by the cases of one arch and size), dataset and configs."""
+    import torch
+
+    from pipetrain.bench.diffusion_pipe_models import model_folder, write_model_folder
+
+    folder = model_folder(case.arch, root, size)
+    model = write_model_folder(case.arch, folder, size, comfyui, "cuda" if torch.cuda.is_available() else "cpu")
+    config = write_configs(root / name, case, model, steps, resolution or case.resolution)
+    return {"case": asdict(case), "config": str(config), "model_folder": str(folder)}
 
 
 # --- running it ---------------------------------------------------------------------------------------
@@ -231,9 +174,11 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
                              capture_output=True, text=True)
     if written.returncode != 0:
         return {"rc": written.returncode, "stage": "write", "stderr": written.stderr[-3000:]}
-    folder, config = root / f"flux-diffusers-{size}", run_dir / "main.toml"
-    events_file, log_file = run_dir / "events.jsonl", run_dir / "train.log"
     from pipetrain.backend.launch import free_port
+    from pipetrain.bench.diffusion_pipe_models import model_folder
+
+    folder, config = model_folder(case.arch, root, size), run_dir / "main.toml"
+    events_file, log_file = run_dir / "events.jsonl", run_dir / "train.log"
 
     cmd = dp_command(dp, config, events_file, comfyui, free_port())
     smi = SmiPeak()
@@ -272,6 +217,36 @@ class _StubModule(types.ModuleType):
         return stand_in
 
 
+def load_sdxl_folders_with_from_pretrained() -> None:
+    """diffusion-pipe's SDXL loads ``checkpoint_path`` with ``from_single_file``, which fetches the components'
+    configs from the Hub; a diffusers folder (ours) goes to ``from_pretrained`` with the same arguments instead."""
+    import diffusers
+
+    pipeline = diffusers.StableDiffusionXLPipeline
+    from_single_file = pipeline.from_single_file
+
+    def load(cls: type, path: str | os.PathLike, **kwargs: object) -> object:
+        if Path(path).is_dir():
+            return cls.from_pretrained(path, **kwargs)
+        return from_single_file(path, **kwargs)
+
+    pipeline.from_single_file = classmethod(load)
+
+
+def drop_keyword_where_unknown(module: types.ModuleType, name: str, keyword: str) -> None:
+    """``module.name`` accepts ``keyword`` and drops it when the installed function has no such parameter."""
+    function = getattr(module, name)
+    if keyword in inspect.signature(function).parameters:
+        return
+
+    @functools.wraps(function)
+    def without_keyword(*args: object, **kwargs: object) -> object:
+        kwargs.pop(keyword, None)
+        return function(*args, **kwargs)
+
+    setattr(module, name, without_keyword)
+
+
 def entry(argv: list[str]) -> None:
     """Run diffusion-pipe's train.py as __main__ with a timing and memory probe on DeepSpeed's train_batch.
 
@@ -297,8 +272,14 @@ def entry(argv: list[str]) -> None:
             sys.modules[m].__spec__ = importlib.machinery.ModuleSpec(m, None)
     sys.argv = [str(dp / "train.py"), *local_rank, *rest[4:]]
 
+    import comfy.sd
     import torch
     from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    # diffusion-pipe 8f83dbf passes disable_dynamic=True, a keyword newer than ComfyUI 0.3.75
+    for loader in ("load_clip", "load_diffusion_model"):
+        drop_keyword_where_unknown(comfy.sd, loader, "disable_dynamic")
+    load_sdxl_folders_with_from_pretrained()
 
     # cuDNN's attention backward fails on the strides diffusers' Flux attention hands SDPA (torch 2.11, H200:
     # "mha_graph.execute(...) is_good()" under CUDA_LAUNCH_BLOCKING, CUBLAS_STATUS_EXECUTION_FAILED without);
@@ -355,11 +336,7 @@ def main() -> int:
             p.error(f"--cases: {name!r} is not one diffusion-pipe runs here; choose from {', '.join(CASE_NAMES)}")
         case = CASES[name]
         if args.write_only:
-            import torch
-            folder = write_flux_folder(root / f"flux-diffusers-{args.size}", args.size, comfyui,
-                                       "cuda" if torch.cuda.is_available() else "cpu")
-            config = write_configs(root / name, case, folder, args.steps, args.resolution or case.resolution)
-            results[name] = {"case": asdict(case), "config": str(config), "diffusers_path": str(folder)}
+            results[name] = write_case(name, case, root, comfyui, args.size, args.steps, args.resolution)
         else:
             results[name] = {"case": asdict(case), "diffusion_pipe": run_case(
                 name, case, dp, root, comfyui, args.size, args.steps, args.warmup, args.resolution, args.timeout_s)}

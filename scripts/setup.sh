@@ -57,9 +57,10 @@ if ! "$VPY" -c "import deepspeed" 2>/dev/null; then
 fi
 
 reqs_stamp=.venv/.pipetrain-requirements
-if ! cmp -s requirements.txt "$reqs_stamp" || ! "$VPY" -c "import pipetrain, pytest" 2>/dev/null; then
+if ! cmp -s requirements.txt "$reqs_stamp" || ! "$VPY" -c "import pipetrain, pytest, diffusers" 2>/dev/null; then
   echo "[setup] installing PipeTrain (editable), its requirements and test tools"
-  pipi -r requirements.txt pytest pytest-timeout
+  # diffusers: the tests of the model folders bench/diffusion_pipe.py writes for diffusion-pipe
+  pipi -r requirements.txt pytest pytest-timeout diffusers
   pipi --no-deps --no-build-isolation -e .
   cp requirements.txt "$reqs_stamp"
 fi
