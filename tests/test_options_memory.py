@@ -11,6 +11,7 @@ from layer_checks import is_down_projection, saved_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.backend import lora
+from pipetrain.backend.models.checkpointing import ATTENTION_OPS
 
 
 @pytest.fixture(scope="module")
@@ -48,30 +49,34 @@ def test_unsloth_checkpointing_matches_true_and_no_checkpointing(flux):
 
 
 class _CostlyKernelRuns(TorchDispatchMode):
-    """Counts, where they really run, SDPA's CPU kernel and the matrix products with an inner dimension at least 4x
-    their output width (the MLP down-projections in the forward): a selective checkpoint's own dispatch mode sits
-    above this one and hands back what it kept in the recompute without calling the kernel."""
+    """Counts, where they really run, SDPA's kernels (whichever backend it picked: ``kernels`` names them) and the
+    matrix products with an inner dimension at least 4x their output width (the MLP down-projections in the
+    forward): a selective checkpoint's own dispatch mode sits above this one and hands back what it kept in the
+    recompute without calling the kernel."""
 
     def __init__(self):
         super().__init__()
         self.attention = self.products = 0
+        self.kernels = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.attention += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        if func in ATTENTION_OPS:
+            self.attention += 1
+            self.kernels.add(func.__name__)
         self.products += is_down_projection(f"aten::{func.__name__.split('.')[0]}",
                                             [tuple(a.shape) if torch.is_tensor(a) else () for a in args])
         return func(*args, **(kwargs or {}))
 
 
-def test_selective_checkpointing_recomputes_neither_attention_nor_down_projections(flux):
+def _selective_runs_as_often_as_no_checkpointing(adapter, inputs) -> set[str]:
     """``'selective'``: the loss and LoRA gradients of ``true`` and of no checkpointing (dropout included), and
-    the attention kernels and down-projections run as often as without checkpointing; ``true`` runs them again."""
-    adapter, inputs = flux
-    runs, results = {}, {}
+    the attention kernels and down-projections run as often as without checkpointing; ``true`` runs them again.
+    Returns the attention kernels that ran."""
+    runs, results, kernels = {}, {}, {}
     for mode in (False, True, "selective"):
         with _CostlyKernelRuns() as counter:
             results[mode] = _step(adapter, inputs, mode)
-        runs[mode] = (counter.attention, counter.products)
+        runs[mode], kernels[mode] = (counter.attention, counter.products), counter.kernels
     blocks = sum(1 for layer in adapter.to_layers(True) if getattr(layer, "checkpoint_activations", False))
     assert runs[False][0] == blocks and runs[True][0] == 2 * blocks
     assert runs[True][1] >= runs[False][1] + blocks      # every block's down-projection, again in the recompute
@@ -80,6 +85,36 @@ def test_selective_checkpointing_recomputes_neither_attention_nor_down_projectio
     for mode in (False, True):
         assert loss_s == pytest.approx(results[mode][0], rel=1e-6)
         torch.testing.assert_close(grads_s, results[mode][1], rtol=1e-5, atol=1e-7)
+    return kernels["selective"]
+
+
+def test_selective_checkpointing_recomputes_neither_attention_nor_down_projections(flux):
+    adapter, inputs = flux
+    assert _selective_runs_as_often_as_no_checkpointing(adapter, inputs) == {
+        "_scaled_dot_product_flash_attention_for_cpu.default"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's CUDA kernels")
+def test_selective_checkpointing_keeps_what_the_cuda_attention_kernels_return(micro_flux_files):
+    """The same on the GPU, where SDPA runs its flash, memory-efficient or cuDNN kernel: the policy names them."""
+    adapter, (x0, noise, t, text) = micro_flux_with_lora(micro_flux_files)
+    adapter.diffusion_model.cuda()
+    inputs = (x0.cuda(), noise.cuda(), t.cuda(), [x.cuda() for x in text])
+    kernels = _selective_runs_as_often_as_no_checkpointing(adapter, inputs)
+    assert kernels and not any("cpu" in k for k in kernels), kernels
+
+
+def test_selective_warns_only_where_its_policy_runs_eagerly():
+    from pipetrain.backend.models.checkpointing import selective_advice
+    from pipetrain.backend.models.flux import FluxAdapter
+    from pipetrain.backend.models.sdxl import SDXLAdapter
+
+    assert selective_advice("selective", compiled_inside=False)
+    assert selective_advice("selective", compiled_inside=True) is None
+    assert selective_advice(True, compiled_inside=False) is None
+    # SDXL compiles the transformer blocks inside its checkpointed UNet blocks: the policy around them stays eager
+    assert FluxAdapter.compiles_checkpoints and not SDXLAdapter.compiles_checkpoints
 
 
 def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():

@@ -27,7 +27,7 @@ UNSLOTH = "unsloth"
 SELECTIVE = "selective"
 
 # SDPA's backend kernels, as the checkpoint sees them below F.scaled_dot_product_attention
-_ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name))
@@ -47,7 +47,7 @@ def _kept_product(op, args) -> bool:
 
 
 def _selective(ctx, op, *args, **kwargs):
-    keep = op in _ATTENTION_OPS or _kept_product(op, args)
+    keep = op in ATTENTION_OPS or _kept_product(op, args)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -63,6 +63,18 @@ def runs_torch_checkpoint(mode) -> bool:
 def checkpoint_options(mode) -> dict:
     """torch's checkpoint keyword arguments for a mode that ``runs_torch_checkpoint``."""
     return {"context_fn": _selective_contexts} if mode == SELECTIVE else {}
+
+
+def selective_advice(mode, compiled_inside: bool) -> str | None:
+    """A warning for 'selective' where its policy runs eagerly (``compiled_inside``: the adapter compiles the
+    checkpointed blocks with the policy in their graphs): then it is a Python call on every operation of the forward
+    and of the recompute, which costs more than it saves where the host paces the step."""
+    if mode != SELECTIVE or compiled_inside:
+        return None
+    return ("activation_checkpointing = 'selective' runs its policy in Python on every operation here (no compiled "
+            "block holds it): where the host paces the step it is slower than true (SDXL 1024² on an H200: 4.5 "
+            "samples/s at batch 8 against 9.1 with true). It pays where the GPU paces the step (Flux-dev compiled: "
+            "2.15 against 1.93); otherwise set activation_checkpointing = true")
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
