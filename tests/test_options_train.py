@@ -124,6 +124,9 @@ def test_eval_datasets_held_out_loss_per_quantile(micro_flux_files, make_run, ca
                       optimizer={"type": "adamw8bit", "lr": 5e-3, "min_8bit_size": 16})
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
+    # uncompiled, the policy runs eagerly: the run says so once, with the setting to use instead
+    (advice,) = [e["message"] for e in run.events("warning") if "'selective'" in e["message"]]
+    assert advice.endswith("set activation_checkpointing = true")
     evals = run.events("eval")
     assert [e["step"] for e in evals] == [0, 3, 4, 6, 8]     # before step 1; steps 3, 6; ends of epochs 1, 2
     for e in evals:

@@ -34,6 +34,8 @@ class ModelAdapter(ABC):
     timestep_range: bool = False             # honours [model] min_t / max_t (Wan)
     compile_dynamic: bool | None = None      # compile = true: torch.compile's dynamic (None: dynamic from the
                                              # second shape on)
+    compiles_checkpoints: bool = True        # compile = true puts each block's checkpoint (and its policy) inside
+                                             # the compiled graph
     takes_clip_vision: bool = False          # [model] clip_vision names a CLIP-vision file it encodes (Wan 2.1 i2v)
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)

@@ -371,6 +371,7 @@ class SDXLAdapter(ModelAdapter):
     # is a view (+8% samples/s at batch 8 on an H200). SDXLInput makes the latent NHWC; a stage boundary sends
     # plain contiguous tensors (train.pipeline.sendable).
     memory_format = torch.channels_last
+    compiles_checkpoints = False   # compile() compiles the transformer blocks inside the checkpointed UNet blocks
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

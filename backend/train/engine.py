@@ -9,7 +9,7 @@ import torch
 from .. import lora
 from ..errors import ConfigError
 from ..models.base import DTYPES
-from ..models.checkpointing import thin_checkpointing
+from ..models.checkpointing import selective_advice, thin_checkpointing
 from ..models.compiling import cuda_graphs_allowed
 from ..optim import make_optimizer
 from . import distributed
@@ -80,6 +80,10 @@ def build_engine(trainer) -> None:
     attach_lora(trainer)
     layers = adapter.to_layers(cfg.activation_checkpointing)
     checkpointed = thin_checkpointing(layers, cfg.activation_checkpointing_fraction)
+    advice = selective_advice(cfg.activation_checkpointing, cfg.compile and adapter.compiles_checkpoints)
+    if advice and trainer.rank == 0:
+        trainer.reporter.event("warning", message=advice)
+        log.warning(advice)
     if cfg.compile:
         adapter.compile(layers, memory_budget=cfg.activation_memory_budget, cuda_graphs=cuda_graphs_allowed(cfg))
     costs = [adapter.layer_cost(layer) for layer in layers]
