@@ -14,9 +14,15 @@ Weights are random with the real configs, as in run.py (bench/diffusion_pipe_mod
 diffusers FluxPipeline folder (flux-dev transformer and VAE; one-layer CLIP-L / T5 text encoders at the real output
 widths, as diffusion-pipe caches their outputs before training), SDXL as a diffusers StableDiffusionXLPipeline folder
 (SDXL base 1.0's UNet and VAE, both text encoders at full depth: diffusion-pipe trains their LoRA in every step),
-Z-Image as ComfyUI-format files with a full-depth Qwen3-4B encoder. Captions are run.py's ``bench_caption``: one
-77-token CLIP chunk for SDXL, 505 T5 tokens elsewhere (diffusers pads or cuts Flux's T5 text to 512). Eight images
-at the case's resolution, LoRA rank 32 on diffusion-pipe's targets, torch AdamW, bf16.
+Z-Image as ComfyUI-format files with a full-depth Qwen3-4B encoder, Qwen-Image as a diffusers folder (its 20B
+transformer, VAE and whole Qwen2.5-VL-7B encoder: 57.7 GB of disk), Wan 2.1 as the official checkpoint folder with
+ComfyUI-format transformer and full-depth UMT5-XXL encoder and a stand-in tokenizer (the model variant, e.g. 1.3B,
+from the case). Qwen-Image needs ``configs/qwen_image`` in the diffusion-pipe checkout (its tokenizer, processor and
+configs); Wan needs easydict and ftfy, which its code imports, and PyAV, through which it reads video (it refuses
+animated WebP). Captions are run.py's ``bench_caption``: one 77-token CLIP chunk for SDXL, 505 T5 tokens elsewhere
+(diffusers pads or cuts Flux's T5 text to 512). Eight images at the case's resolution, or for video cases eight MP4
+clips of the case's frames at the model's frame rate (``frame_buckets`` of that length), LoRA rank 32 on
+diffusion-pipe's targets, torch AdamW, bf16.
 
 Two calls into diffusion-pipe's loading are answered differently, and nothing else: SDXL's
 ``StableDiffusionXLPipeline.from_single_file(checkpoint_path, ...)`` needs component configs from the Hugging Face
@@ -32,7 +38,7 @@ patches the engine method in diffusion-pipe's process, diffusion-pipe's code is 
 ``nvidia-smi``'s memory.used for the whole run (device level: CUDA context and allocator cache included), and
 DeepSpeed's own "iter time" log lines as a cross-check. Writes ``diffusion_pipe.json`` keyed by run.py's case
 names. ``--size tiny --write-only`` writes small models, datasets and configs (a CPU check of the writers;
-diffusion-pipe itself needs CUDA).
+diffusion-pipe itself needs CUDA); ``--frames`` shortens video cases' clips.
 """
 from __future__ import annotations
 
@@ -63,7 +69,8 @@ STUBBED = ("wandb", "torchaudio", "av")
 STUB_SUBMODULES = {"av": ("container", "subtitles", "subtitles.stream")}
 
 
-CASE_NAMES = ("flux-1024", "flux-1024-ckpt", "sdxl-1024-b8", "sdxl-1024-b4-ckpt", "zimage-1024-b4-ckpt")
+CASE_NAMES = ("flux-1024", "flux-1024-ckpt", "sdxl-1024-b8", "sdxl-1024-b4-ckpt", "zimage-1024-b4-ckpt",
+              "qwen_image-1024-ckpt", "wan1.3b-480x832x81-ckpt")
 
 
 # --- dataset and diffusion-pipe's TOML configs --------------------------------------------------------
@@ -80,7 +87,28 @@ def write_dataset(folder: Path, count: int, side: int, caption: str) -> Path:
     return folder
 
 
-def write_configs(run_dir: Path, case: Case, model: dict, steps: int, resolution: int) -> Path:
+def write_video_dataset(folder: Path, count: int, frames: int, fps: float, side: int, caption: str) -> Path:
+    """``count`` MP4 clips of run.py's moving disc, ``frames`` frames at ``fps`` (diffusion-pipe reads video through
+    PyAV and refuses animated WebP, run.py's format)."""
+    import av
+
+    from pipetrain.bench.run import disc_clip_frames
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        with av.open(str(folder / f"clip{i:02d}.mp4"), "w") as container:
+            # MPEG-4 part 2: FFmpeg's own encoder, in every PyAV build
+            stream = container.add_stream("mpeg4", rate=round(fps))
+            stream.width = stream.height = side
+            stream.pix_fmt = "yuv420p"
+            for picture in disc_clip_frames(i, frames, side):
+                container.mux(stream.encode(av.VideoFrame.from_image(picture)))
+            container.mux(stream.encode())
+        (folder / f"clip{i:02d}.txt").write_text(caption)
+    return folder
+
+
+def write_configs(run_dir: Path, case: Case, model: dict, steps: int, resolution: int, frames: int = 1) -> Path:
     """diffusion-pipe's main and dataset TOMLs; ``model``: the [model] section of the case's model files."""
     import tomli_w
 
@@ -88,13 +116,19 @@ def write_configs(run_dir: Path, case: Case, model: dict, steps: int, resolution
 
     count = 8
     # the baselines' text: one 77-token CLIP chunk for SDXL, 505 T5 tokens elsewhere (under Flux's 512)
-    dataset = write_dataset(run_dir / "dataset", count, resolution, bench_caption(case.arch))
+    if frames > 1:
+        from pipetrain.backend.models.registry import adapter_class
+
+        dataset = write_video_dataset(run_dir / "dataset", count, frames, adapter_class(case.arch).framerate,
+                                      resolution, bench_caption(case.arch))
+    else:
+        dataset = write_dataset(run_dir / "dataset", count, resolution, bench_caption(case.arch))
     # one epoch holds every step: an epoch boundary would add diffusion-pipe's end-of-epoch work to a timed step
     repeats = -(-(steps + 1) * case.batch // count)
     # [[directory]] as a table array, not tomli_w's inline table: diffusion-pipe passes this config to worker
     # processes without the JSON round trip it gives the main config for inline tables' sake
     (run_dir / "dataset.toml").write_text(
-        f"resolutions = [{resolution}]\nenable_ar_bucket = false\nframe_buckets = [1]\n\n"
+        f"resolutions = [{resolution}]\nenable_ar_bucket = false\nframe_buckets = [{frames}]\n\n"
         f"[[directory]]\npath = {json.dumps(str(dataset))}\nnum_repeats = {repeats}\n")
     main = {"output_dir": str(run_dir / "output"), "dataset": str(run_dir / "dataset.toml"), "epochs": 1000,
             "max_steps": steps, "micro_batch_size_per_gpu": case.batch, "pipeline_stages": 1,
@@ -109,15 +143,16 @@ def write_configs(run_dir: Path, case: Case, model: dict, steps: int, resolution
 
 
 def write_case(name: str, case: Case, root: Path, comfyui: Path, size: str, steps: int,
-               resolution: int | None) -> dict:
-    """The case's model files (shared by the cases of one arch and size), dataset and configs."""
+               resolution: int | None, frames: int | None = None) -> dict:
+    """The case's model files (shared by the cases of one arch, size and variant), dataset and configs."""
     import torch
 
     from pipetrain.bench.diffusion_pipe_models import model_folder, write_model_folder
 
-    folder = model_folder(case.arch, root, size)
-    model = write_model_folder(case.arch, folder, size, comfyui, "cuda" if torch.cuda.is_available() else "cpu")
-    config = write_configs(root / name, case, model, steps, resolution or case.resolution)
+    folder = model_folder(case.arch, root, size, case.variant)
+    model = write_model_folder(case.arch, folder, size, comfyui, "cuda" if torch.cuda.is_available() else "cpu",
+                               case.variant)
+    config = write_configs(root / name, case, model, steps, resolution or case.resolution, frames or case.frames)
     return {"case": asdict(case), "config": str(config), "model_folder": str(folder)}
 
 
@@ -164,20 +199,21 @@ def summarise(case: Case, events: list[dict], log: str, warmup: int) -> dict:
 
 
 def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: str, steps: int, warmup: int,
-             resolution: int | None, timeout_s: float | None = None) -> dict:
+             resolution: int | None, timeout_s: float | None = None, frames: int | None = None) -> dict:
     run_dir = root / name
     shutil.rmtree(run_dir, ignore_errors=True)   # a fresh cache and output each time
     # in a child: a CUDA context held here would count in nvidia-smi's figure and take memory from the run
     write = [sys.executable, str(Path(__file__).resolve()), "--write-only", "--cases", name, "--size", size,
              "--work", str(root), "--comfyui", str(comfyui), "--steps", str(steps), "--out", str(run_dir)]
-    written = subprocess.run(write + (["--resolution", str(resolution)] if resolution else []),
-                             capture_output=True, text=True)
+    for flag, value in (("--resolution", resolution), ("--frames", frames)):
+        write += [flag, str(value)] if value else []
+    written = subprocess.run(write, capture_output=True, text=True)
     if written.returncode != 0:
         return {"rc": written.returncode, "stage": "write", "stderr": written.stderr[-3000:]}
     from pipetrain.backend.launch import free_port
     from pipetrain.bench.diffusion_pipe_models import model_folder
 
-    folder, config = model_folder(case.arch, root, size), run_dir / "main.toml"
+    folder, config = model_folder(case.arch, root, size, case.variant), run_dir / "main.toml"
     events_file, log_file = run_dir / "events.jsonl", run_dir / "train.log"
 
     cmd = dp_command(dp, config, events_file, comfyui, free_port())
@@ -319,6 +355,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--size", default="full", help="full (figures) or tiny (a check of the writer)")
     p.add_argument("--resolution", type=int, help="override the cases' resolution (smoke tests)")
+    p.add_argument("--frames", type=int, help="override video cases' clip length (smoke tests)")
     p.add_argument("--timeout-s", type=float, help="end a case's training run after this many seconds")
     p.add_argument("--write-only", action="store_true", help="write the models, dataset and configs; do not train")
     args = p.parse_args()
@@ -335,11 +372,13 @@ def main() -> int:
         if name not in CASE_NAMES:
             p.error(f"--cases: {name!r} is not one diffusion-pipe runs here; choose from {', '.join(CASE_NAMES)}")
         case = CASES[name]
+        frames = args.frames if args.frames and case.frames > 1 else None
         if args.write_only:
-            results[name] = write_case(name, case, root, comfyui, args.size, args.steps, args.resolution)
+            results[name] = write_case(name, case, root, comfyui, args.size, args.steps, args.resolution, frames)
         else:
             results[name] = {"case": asdict(case), "diffusion_pipe": run_case(
-                name, case, dp, root, comfyui, args.size, args.steps, args.warmup, args.resolution, args.timeout_s)}
+                name, case, dp, root, comfyui, args.size, args.steps, args.warmup, args.resolution, args.timeout_s,
+                frames)}
         (out / "diffusion_pipe.json").write_text(json.dumps(results, indent=1))
         r = results[name].get("diffusion_pipe", results[name])
         shown = ("rc", "samples_per_s", "step_s", "peak_gib", "smi_peak_gib", "deepspeed_iter_s", "config")

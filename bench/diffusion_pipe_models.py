@@ -7,8 +7,27 @@ per folder (``written.json`` last, with diffusion-pipe's ``[model]`` section for
   encoders at full depth (diffusion-pipe trains them with LoRA inside every step).
 - Z-Image: ComfyUI-format files from ``pipetrain.backend.models.tiny`` with a full-depth Qwen3-4B text encoder
   (ComfyUI's ``load_clip`` does not read the shallow encoder's config and would leave missing layers empty).
+- Qwen-Image: a diffusers folder (``diffusers_path``) with ``transformer/``, ``vae/`` and ``text_encoder/``
+  safetensors. diffusion-pipe builds all three from its own full configs (``configs/qwen_image`` in its checkout,
+  also its tokenizer and processor) on the meta device and sets each tensor the file holds, so every parameter
+  must be there: the 20B transformer, the Qwen-Image VAE and the whole Qwen2.5-VL-7B text encoder, vision tower
+  included (a meta tensor left over breaks its ``.to('cuda')``). The text encoder file holds a Qwen2.5-VL
+  checkpoint's keys (``model.*``, ``visual.*``, ``lm_head.weight``), which its loader renames. Full size:
+  40.9 GB transformer + 16.6 GB text encoder + 0.25 GB VAE = 57.7 GB (53.7 GiB) of the GPU machine's 64 GiB disk:
+  nothing else that large fits beside it (run.py's own Qwen-Image files, 41 GB, must be gone first).
+- Wan 2.1: the official checkpoint folder diffusion-pipe's ``ckpt_path`` names (``config.json``,
+  ``Wan2.1_VAE.pth``, tokenizer ``google/umt5-xxl``), with the transformer and the full-depth UMT5-XXL encoder
+  as ComfyUI-format files from ``pipetrain.backend.models.tiny`` (``transformer_path``, ``llm_path``: diffusion-pipe
+  maps ComfyUI's UMT5 keys itself and strictly loads all 24 blocks, so a shallow encoder would not do). The VAE is
+  ComfyUI's file resaved as the ``.pth`` diffusion-pipe ``torch.load``s (same keys). The 1.3B variant: 2.8 GB
+  transformer + 11.4 GB encoder + 0.25 GB VAE = 14.5 GB. The tokenizer is a stand-in: the real umt5-xxl one
+  cannot be downloaded and ComfyUI ships none as files. Text is encoded once and cached before training, and
+  Wan pads it to 512 tokens whatever it says, so the timed step does not depend on which ids the tokenizer gives;
+  the stand-in only has to load with ``AutoTokenizer`` and give valid UMT5 ids (a word-level vocabulary of the
+  bench caption's words after T5's pad 0, end 1 and unknown 2).
 
-Modules are built on the meta device and streamed to safetensors a tensor at a time. ``--size tiny``: small widths.
+Modules are built on the meta device and streamed to safetensors a tensor at a time. ``--size tiny``: small widths
+(diffusion-pipe itself reads only its full configs; the tiny files check the writers on the CPU).
 """
 from __future__ import annotations
 
@@ -65,6 +84,47 @@ CLIP_TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "projection_dim": 32}
 TINY_TIME_EMBED_DIM = 8
 
+# Qwen-Image (Qwen/Qwen-Image): the fields of diffusion-pipe's configs/qwen_image that shape the weights
+QWEN_IMAGE_TRANSFORMER = {"attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "guidance_embeds": False,
+                          "in_channels": 64, "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60,
+                          "out_channels": 16, "patch_size": 2}
+# the Wan 2.1 VAE's latent statistics, which Qwen-Image's VAE shares
+WAN21_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+WAN21_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916]
+QWEN_IMAGE_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                  "temperal_downsample": [False, True, True], "dropout": 0.0, "latents_mean": WAN21_LATENTS_MEAN,
+                  "latents_std": WAN21_LATENTS_STD}
+# Qwen2.5-VL-7B-Instruct, vision tower included
+QWEN25_VL_7B = {"tie_word_embeddings": False,
+                "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                                "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                                "rms_norm_eps": 1e-6},
+                "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                                  "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31],
+                                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                                  "window_size": 112}}
+QWEN_IMAGE = {"transformer": QWEN_IMAGE_TRANSFORMER, "vae": QWEN_IMAGE_VAE, "text_encoder": QWEN25_VL_7B}
+QWEN_IMAGE_TINY = {
+    "transformer": {**QWEN_IMAGE_TRANSFORMER, "num_attention_heads": 2, "num_layers": 1, "joint_attention_dim": 64},
+    "vae": {**QWEN_IMAGE_VAE, "base_dim": 16, "num_res_blocks": 1},
+    "text_encoder": {"tie_word_embeddings": False,
+                     "text_config": {"vocab_size": 1024, "bos_token_id": 0, "eos_token_id": 1, "hidden_size": 64,
+                                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                     "num_key_value_heads": 1},
+                     "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                       "out_hidden_size": 64, "fullatt_block_indexes": [1]}}}
+
+# Wan 2.1: what diffusion-pipe finds in the official checkpoint folder
+WAN_TOKENIZER = "google/umt5-xxl"
+WAN_VAE_FILE = "Wan2.1_VAE.pth"
+WAN_TEXT_LEN = 512
+# the official config.json's fields (WanModel's arguments; ComfyUI's others are the defaults)
+WAN_CHECKPOINT_FIELDS = ("model_type", "dim", "ffn_dim", "freq_dim", "in_dim", "num_heads", "num_layers", "out_dim",
+                         "eps")
+UMT5_SPECIAL_IDS = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+
 
 def sdxl_configs(size: str) -> dict[str, dict]:
     """Component folder -> config of the SDXL pipeline; tiny widths keep what the UNet reads consistent: the two
@@ -82,16 +142,19 @@ def sdxl_configs(size: str) -> dict[str, dict]:
 
 
 # --- one folder per arch ----------------------------------------------------------------------------
-def model_folder(arch: str, root: Path, size: str) -> Path:
-    return root / f"{arch}-dp-{size}"
+def model_folder(arch: str, root: Path, size: str, variant: str | None = None) -> Path:
+    return root / (f"{arch}-dp-{size}" + (f"-{variant}" if variant and size == "full" else ""))
 
 
-def write_model_folder(arch: str, folder: Path, size: str, comfyui: Path, device: str = "cpu") -> dict:
-    """Write ``arch``'s files into ``folder`` (skipped when complete); returns diffusion-pipe's [model] section."""
+def write_model_folder(arch: str, folder: Path, size: str, comfyui: Path, device: str = "cpu",
+                       variant: str | None = None) -> dict:
+    """Write ``arch``'s files into ``folder`` (skipped when complete); returns diffusion-pipe's [model] section.
+    ``variant``: a published size other than the arch's full one (run.py's VARIANTS), for the writers that take it."""
     marker = folder / "written.json"
     if not marker.exists():
         t = time.monotonic()
-        section = WRITERS[arch](folder, size, comfyui, device)
+        options = {"variant": variant} if variant else {}
+        section = WRITERS[arch](folder, size, comfyui, device, **options)
         marker.write_text(json.dumps({"size": size, "write_s": round(time.monotonic() - t, 1), "model": section}))
     return json.loads(marker.read_text())["model"]
 
@@ -155,7 +218,81 @@ def write_zimage_files(folder: Path, size: str, comfyui: Path, device: str = "cp
             "dtype": "bfloat16"}
 
 
-WRITERS = {"flux": write_flux_folder, "sdxl": write_sdxl_folder, "z_image": write_zimage_files}
+def qwen_image_configs(size: str) -> dict[str, dict]:
+    return QWEN_IMAGE if size == "full" else QWEN_IMAGE_TINY
+
+
+def qwen_image_modules(size: str) -> dict:
+    """Component folder -> the module whose state dict its file holds, on the meta device."""
+    import diffusers
+    import torch
+    import transformers
+
+    configs = qwen_image_configs(size)
+    with torch.device("meta"):
+        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig(**configs["text_encoder"]))
+        return {"transformer": diffusers.QwenImageTransformer2DModel(**configs["transformer"]),
+                "vae": diffusers.AutoencoderKLQwenImage(**configs["vae"]),
+                "text_encoder": qwen25_vl_checkpoint_layout(text_encoder)}
+
+
+def qwen25_vl_checkpoint_layout(model) -> object:
+    """``model``'s modules under a Qwen2.5-VL checkpoint's names: ``model.*`` (the language model), ``visual.*`` and
+    ``lm_head.weight``, the keys diffusion-pipe's loader renames into the transformers class."""
+    import torch
+
+    layout = torch.nn.Module()
+    layout.model, layout.visual, layout.lm_head = model.model.language_model, model.model.visual, model.lm_head
+    return layout
+
+
+def write_qwen_image_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu") -> dict:
+    import transformers
+
+    configs, modules = qwen_image_configs(size), qwen_image_modules(size)
+    for sub in ("transformer", "vae"):
+        _write_diffusers_weights(folder / sub, modules[sub], configs[sub], device)
+    transformers.Qwen2_5_VLConfig(**configs["text_encoder"]).save_pretrained(folder / "text_encoder")
+    _write_weights(modules["text_encoder"], folder / "text_encoder" / "model.safetensors", device)
+    return {"type": "qwen_image", "diffusers_path": str(folder), "dtype": "bfloat16", "transformer_dtype": "bfloat16"}
+
+
+def wan_unet_config(size: str, variant: str | None = None) -> dict:
+    from pipetrain.backend.models.registry import arch_spec
+    from pipetrain.bench.run import VARIANTS
+
+    return VARIANTS[variant]() if variant and size == "full" else arch_spec("wan").unet_config(size)
+
+
+def wan_checkpoint_config(unet_config: dict) -> dict:
+    """The official checkpoint's config.json for ComfyUI's ``unet_config`` of a Wan model."""
+    return {"_class_name": "WanModel", **{key: unet_config[key] for key in WAN_CHECKPOINT_FIELDS},
+            "text_len": WAN_TEXT_LEN}
+
+
+def write_wan_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu", variant: str | None = None) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from pipetrain.backend.models.tiny import write_model_files
+    from pipetrain.bench.run import bench_caption
+
+    unet_config = wan_unet_config(size, variant)
+    files = write_model_files("wan", folder, size, torch.bfloat16, text_encoder_size=size, init_device=device,
+                              unet_config=unet_config)
+    # diffusion-pipe torch.loads the official VAE .pth; ComfyUI's VAE file holds the same keys
+    torch.save(load_file(files.vae), folder / WAN_VAE_FILE)
+    files.vae.unlink()
+    _write_json(folder / "config.json", wan_checkpoint_config(unet_config))
+    write_umt5_stand_in_tokenizer(folder / WAN_TOKENIZER, bench_caption("wan"))
+    (text_encoder,) = files.text_encoders
+    return {"type": "wan", "ckpt_path": str(folder), "transformer_path": str(files.diffusion_model),
+            "llm_path": str(text_encoder), "dtype": "bfloat16"}
+
+
+WRITERS = {"flux": write_flux_folder, "sdxl": write_sdxl_folder, "z_image": write_zimage_files,
+           "qwen_image": write_qwen_image_folder, "wan": write_wan_folder}
 
 
 # --- pieces of a diffusers folder ---------------------------------------------------------------------
@@ -173,27 +310,36 @@ def _write_model_index(folder: Path, pipeline: str, components: dict) -> None:
     _write_json(folder / "model_index.json", {"_class_name": pipeline, **_diffusers_version(), **components})
 
 
-def _write_diffusers_component(folder: Path, cls: type, config: dict, device: str) -> None:
+def _write_weights(module, path: Path, device: str) -> None:
+    """``module``'s state dict (a meta module), randomly initialised, in bfloat16."""
     import torch
 
     from pipetrain.backend.models.tiny import write_safetensors
 
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_safetensors(module, path, torch.bfloat16, 0, {"format": "pt"}, device=device)
+
+
+def _write_diffusers_component(folder: Path, cls: type, config: dict, device: str) -> None:
+    import torch
+
     with torch.device("meta"):
         module = cls(**config)
-    _write_json(folder / "config.json", {"_class_name": cls.__name__, **_diffusers_version(), **config})
-    write_safetensors(module, folder / "diffusion_pytorch_model.safetensors", torch.bfloat16, 0, {"format": "pt"},
-                      device=device)
+    _write_diffusers_weights(folder, module, config, device)
+
+
+def _write_diffusers_weights(folder: Path, module, config: dict, device: str) -> None:
+    _write_json(folder / "config.json", {"_class_name": type(module).__name__, **_diffusers_version(), **config})
+    _write_weights(module, folder / "diffusion_pytorch_model.safetensors", device)
 
 
 def _write_transformers_component(folder: Path, cls: type, config, device: str) -> None:
     import torch
 
-    from pipetrain.backend.models.tiny import write_safetensors
-
     with torch.device("meta"):
         module = cls(config)
     config.save_pretrained(folder)
-    write_safetensors(module, folder / "model.safetensors", torch.bfloat16, 0, {"format": "pt"}, device=device)
+    _write_weights(module, folder / "model.safetensors", device)
 
 
 def write_clip_tokenizer(folder: Path, comfyui: Path) -> None:
@@ -213,3 +359,21 @@ def write_t5_tokenizer(folder: Path, comfyui: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(comfyui / "comfy" / "text_encoders" / "t5_tokenizer" / name, folder / name)
+
+
+def write_umt5_stand_in_tokenizer(folder: Path, text: str) -> None:
+    """A fast tokenizer in UMT5's place: T5's special ids, then one id per word of ``text`` (others: unknown),
+    and the end token after each text, as T5 adds it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = sorted(set(text.split()))
+    vocab = {**UMT5_SPECIAL_IDS, **{word: len(UMT5_SPECIAL_IDS) + i for i, word in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>",
+                                                             special_tokens=[("</s>", UMT5_SPECIAL_IDS["</s>"])])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
+        "model_max_length": WAN_TEXT_LEN})

@@ -119,19 +119,25 @@ def write_models(case: Case, root: Path, size: str = "full"):
     return data
 
 
-def write_clips(folder: Path, count: int, frames: int, fps: float, side: int) -> None:
-    """``count`` animated WebP clips of a disc crossing the picture, ``frames`` frames at ``fps``."""
+def disc_clip_frames(index: int, frames: int, side: int) -> list:
+    """The pictures of clip ``index``: a disc crossing a ``side``-square picture in ``frames`` frames."""
     from PIL import Image, ImageDraw
 
+    pictures = []
+    for f in range(frames):
+        picture = Image.new("RGB", (side, side), (240, 240, 235))
+        x = int((f / max(frames - 1, 1)) * side * 0.8) + side // 10
+        ImageDraw.Draw(picture).ellipse((x - side // 10, side // 3, x + side // 10, side // 3 + side // 5),
+                                        fill=(200, 40 + 20 * index, 40))
+        pictures.append(picture)
+    return pictures
+
+
+def write_clips(folder: Path, count: int, frames: int, fps: float, side: int) -> None:
+    """``count`` animated WebP clips of a disc crossing the picture, ``frames`` frames at ``fps``."""
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        pictures = []
-        for f in range(frames):
-            picture = Image.new("RGB", (side, side), (240, 240, 235))
-            x = int((f / max(frames - 1, 1)) * side * 0.8) + side // 10
-            ImageDraw.Draw(picture).ellipse((x - side // 10, side // 3, x + side // 10, side // 3 + side // 5),
-                                            fill=(200, 40 + 20 * i, 40))
-            pictures.append(picture)
+        pictures = disc_clip_frames(i, frames, side)
         # a little longer per frame than 1/fps, so the clip surely fills ``frames`` frames at the model's rate
         pictures[0].save(folder / f"clip{i:02d}.webp", save_all=True, append_images=pictures[1:],
                          duration=int(1000 / fps) + 1, lossless=False, quality=60)

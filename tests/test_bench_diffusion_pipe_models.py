@@ -1,6 +1,7 @@
 """The model files bench/diffusion_pipe.py writes for diffusion-pipe: tiny Flux and SDXL folders load as diffusers
-pipelines and run, the full SDXL configs are SDXL base's, Z-Image's configs name files that exist, and the two
-loading shims inside diffusion-pipe's process."""
+pipelines and run, the full SDXL configs are SDXL base's, Z-Image's configs name files that exist, Qwen-Image's and
+Wan's files hold every tensor diffusion-pipe's loaders set (tiny ones loaded, full ones checked on the meta
+device), Wan's clips and configs, and the two loading shims inside diffusion-pipe's process."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SDXL_BASE_UNET_PARAMETERS = 2_567_463_684
+# the diffusion-pipe checkout bench/diffusion_pipe.py runs (git-ignored: absent, its tests skip)
+DP_CHECKOUT = REPO / ".carry" / "diffusion-pipe"
+QWEN_IMAGE_CONFIGS = DP_CHECKOUT / "configs" / "qwen_image"
+WAN_1_3B = {"model_type": "t2v", "dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, "in_dim": 16,
+            "out_dim": 16}
 
 
 def _comfyui() -> Path:
@@ -169,3 +175,145 @@ def test_a_keyword_the_installed_function_lacks_is_dropped():
         drop_keyword_where_unknown(module, name, "disable_dynamic")
     assert module.old("m.safetensors", model_options={}, disable_dynamic=True) == ("m.safetensors", {})
     assert module.new("m.safetensors", disable_dynamic=True) == ("m.safetensors", True)
+
+
+# --- Qwen-Image ----------------------------------------------------------------------------------------
+def _diffusion_pipe_text_encoder_key(file_key: str) -> str:
+    """The name diffusion-pipe's qwen_image.py sets a text-encoder file tensor under: the checkpoint's language model
+    ``model.*`` goes under ``model.language_model``, ``visual.*`` under ``model``, and the head stays."""
+    return "lm_head.weight" if "lm_head" in file_key else "model." + file_key.replace("model.", "language_model.")
+
+
+def _set_every_tensor(module, file: Path, rename=lambda key: key) -> None:
+    """diffusion-pipe's route into a module built with empty weights: each file tensor set in place."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        for key in f.keys():
+            set_module_tensor_to_device(module, rename(key), device="cpu", value=f.get_tensor(key))
+
+
+def _meta_left(module) -> list[str]:
+    return [name for name, p in module.named_parameters() if p.is_meta]
+
+
+def test_tiny_qwen_image_folder_loads_the_way_diffusion_pipe_loads_it(tiny_folder):
+    """Each component built empty from its config, then every file tensor set: no parameter is left on meta."""
+    diffusers = pytest.importorskip("diffusers")
+    import transformers
+    from accelerate import init_empty_weights
+
+    folder = tiny_folder("qwen_image")
+    for sub, cls in (("transformer", diffusers.QwenImageTransformer2DModel),
+                     ("vae", diffusers.AutoencoderKLQwenImage)):
+        with init_empty_weights():
+            module = cls.from_config(json.loads((folder / sub / "config.json").read_text()))
+        _set_every_tensor(module, folder / sub / "diffusion_pytorch_model.safetensors")
+        assert not _meta_left(module), sub
+    with init_empty_weights():
+        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig.from_pretrained(folder / "text_encoder"))
+    _set_every_tensor(text_encoder, folder / "text_encoder" / "model.safetensors", _diffusion_pipe_text_encoder_key)
+    assert not _meta_left(text_encoder)
+
+
+@pytest.mark.skipif(not QWEN_IMAGE_CONFIGS.is_dir(), reason="no diffusion-pipe checkout with configs/qwen_image")
+def test_full_qwen_image_files_hold_every_tensor_diffusion_pipe_sets():
+    """The full-size files' tensors (meta: nothing written), under diffusion-pipe's names, are exactly the
+    parameters of the modules it builds from its own configs, shape for shape."""
+    diffusers = pytest.importorskip("diffusers")
+    import transformers
+    from accelerate import init_empty_weights
+
+    from pipetrain.bench.diffusion_pipe_models import qwen_image_modules
+
+    ours = qwen_image_modules("full")
+    with init_empty_weights():
+        theirs = {sub: cls.from_config(json.loads((QWEN_IMAGE_CONFIGS / sub / "config.json").read_text()))
+                  for sub, cls in (("transformer", diffusers.QwenImageTransformer2DModel),
+                                   ("vae", diffusers.AutoencoderKLQwenImage))}
+        theirs["text_encoder"] = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig.from_pretrained(QWEN_IMAGE_CONFIGS / "text_encoder", local_files_only=True))
+    for sub, module in theirs.items():
+        rename = _diffusion_pipe_text_encoder_key if sub == "text_encoder" else (lambda key: key)
+        written = {rename(key): tuple(t.shape) for key, t in ours[sub].state_dict().items()}
+        assert written == {name: tuple(p.shape) for name, p in module.named_parameters()}, sub
+
+
+# --- Wan ----------------------------------------------------------------------------------------------
+def _run_wan_check(request: dict) -> dict:
+    """tests/diffusion_pipe_wan_check.py in a subprocess with diffusion-pipe's checkout importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DP_CHECKOUT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "diffusion_pipe_wan_check.py")],
+                         input=json.dumps(request), env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_tiny_wan_folder_loads_with_diffusion_pipes_wan_code(tiny_folder):
+    """Its transformer, UMT5 encoder (ComfyUI keys, its own mapping, strict), VAE (.pth) and the stand-in tokenizer:
+    512 valid ids ending in T5's end token, which the encoder reads."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.models.spec import WAN21_VAE_DIM
+    from pipetrain.bench.run import bench_caption
+
+    folder = tiny_folder("wan")
+    model = json.loads((folder / "written.json").read_text())["model"]
+    caption = bench_caption("wan")
+    result = _run_wan_check({"mode": "load", "ckpt": model["ckpt_path"], "transformer": model["transformer_path"],
+                             "llm": model["llm_path"], "vae_dim": WAN21_VAE_DIM["tiny"], "caption": caption})
+    assert result["meta_left"] == []
+    assert result["ids_shape"] == [1, 512] and result["ends"] == 1 and result["tokens"] == len(caption.split()) + 1
+    assert 2 < result["ids_max"] < 256384
+    assert result["context_shape"] == [1, 512, 4096] and result["context_finite"]
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_full_wan_1_3b_files_hold_what_diffusion_pipe_loads():
+    """The 1.3B config.json picks diffusion-pipe's t2v 1.3B config, and files with the full-size tensors (meta:
+    nothing written) load by its route: every transformer parameter, the strict full UMT5-XXL and VAE loads."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.models.registry import arch_spec
+    from pipetrain.backend.models.tiny import build_text_encoder, build_vae, text_encoder_config
+    from pipetrain.bench.diffusion_pipe_models import wan_checkpoint_config, wan_unet_config
+
+    unet_config = wan_unet_config("full", "wan-1.3b")
+    config = wan_checkpoint_config(unet_config)
+    assert {key: config[key] for key in WAN_1_3B} == WAN_1_3B and config["text_len"] == 512
+
+    def shapes(module) -> dict:
+        return {key: list(t.shape) for key, t in module.state_dict().items()}
+
+    _run_wan_check({"mode": "keys", "config": config, "transformer": shapes(arch_spec("wan").build(unet_config)),
+                    "text_encoder": shapes(build_text_encoder("umt5xxl", text_encoder_config("umt5xxl", "full"))),
+                    "vae": shapes(build_vae("wan", "full"))})
+
+
+def test_tiny_qwen_image_and_wan_write_only_configs_and_wan_clips(tmp_path):
+    """The CLI writes both cases; Wan's dataset is MP4 clips of the asked frames at Wan's 16 fps in one frame
+    bucket of that length."""
+    pytest.importorskip("diffusers")
+    av = pytest.importorskip("av")
+
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui())}
+    work, out, frames = tmp_path / "work", tmp_path / "out", 9
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion_pipe.py"), "--size", "tiny", "--write-only",
+                          "--cases", "qwen_image-1024-ckpt,wan1.3b-480x832x81-ckpt", "--resolution", "32",
+                          "--frames", str(frames), "--work", str(work), "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    qwen = tomllib.loads((work / "qwen_image-1024-ckpt" / "main.toml").read_text())["model"]
+    assert qwen["type"] == "qwen_image" and Path(qwen["diffusers_path"], "text_encoder", "model.safetensors").is_file()
+    wan_dir = work / "wan1.3b-480x832x81-ckpt"
+    wan = tomllib.loads((wan_dir / "main.toml").read_text())["model"]
+    assert wan["type"] == "wan" and Path(wan["ckpt_path"], "Wan2.1_VAE.pth").is_file()
+    dataset = tomllib.loads((wan_dir / "dataset.toml").read_text())
+    assert dataset["frame_buckets"] == [frames] and dataset["resolutions"] == [32]
+    clips = sorted(Path(dataset["directory"][0]["path"]).glob("*.mp4"))
+    assert len(clips) == 8
+    with av.open(str(clips[0])) as container:
+        stream = container.streams.video[0]
+        decoded = list(container.decode(stream))
+        assert stream.average_rate == 16 and len(decoded) == frames and decoded[0].width == 32
