@@ -207,10 +207,40 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
             **({"profile": profiled[0]} if profiled else {})}
 
 
+# PyAV: ComfyUI's comfy_api imports it (and names two of its submodules) when TrainLoraNode's module loads
+AV_MODULES = ("av", "av.container", "av.subtitles", "av.subtitles.stream")
+AV_STAND_IN = """def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return type(name, (), {})
+"""
+
+
+def write_av_stand_in(folder: Path) -> Path:
+    """A stand-in PyAV package under ``folder`` (to put on PYTHONPATH) for a machine without it: any name imported
+    from it is an empty class. The native baseline trains on latents and never decodes video."""
+    for module in AV_MODULES:
+        package = folder.joinpath(*module.split("."))
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "__init__.py").write_text(AV_STAND_IN)
+    return folder
+
+
 def run_script(script: str, env: dict, pick=lambda record: True) -> dict:
-    """Run a baseline script in its own process; its result is the JSON line ``pick`` accepts."""
-    out = subprocess.run([sys.executable, script], env={**os.environ, **env}, capture_output=True, text=True)
-    records = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    """Run a baseline script in its own process; its result is the JSON line ``pick`` accepts. Where PyAV is not
+    installed, the script sees a stand-in (``stand_in_av`` in the result)."""
+    import importlib.util
+    import tempfile
+
+    env = {**os.environ, **env}
+    stand_in = importlib.util.find_spec("av") is None
+    with tempfile.TemporaryDirectory() as tmp:
+        if stand_in:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(write_av_stand_in(Path(tmp))),
+                                                              env.get("PYTHONPATH")]))
+        out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True)
+    records = [{**json.loads(x), **({"stand_in_av": True} if stand_in else {})}
+               for x in out.stdout.splitlines() if x.startswith("{")]
     chosen = [r for r in records if pick(r)]
     return chosen[-1] if chosen else {"rc": out.returncode, "stderr": out.stderr[-2000:], "records": records}
 

@@ -86,3 +86,26 @@ def test_bench_captions_are_as_long_as_the_baselines_text():
     assert len(sdxl["g"]) == len(sdxl["l"]) == 1                       # one chunk of 77
     t5 = FluxTokenizer().tokenize_with_weights(bench_caption("flux"))["t5xxl"]
     assert sum(len(chunk) for chunk in t5) in range(490, 513)
+
+
+def test_the_native_baseline_loads_comfyuis_train_node_over_the_pyav_stand_in(tmp_path):
+    """On a machine without PyAV, TrainLoraNode's module (which imports comfy_api, which imports PyAV) loads over
+    the stand-in that run.py puts in front of the baseline script."""
+    import os
+    import subprocess
+    import sys
+
+    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.bench.run import write_av_stand_in
+
+    comfyui = ensure_comfyui()
+    script = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+              "import comfy.options; comfy.options.enable_args_parsing(False)\n"
+              "from comfy.cli_args import args; args.cpu = True\n"
+              "import av; assert not hasattr(av, '__version__'), 'the installed PyAV, not the stand-in'\n"
+              "import comfy_extras.nodes_train as nt; print(nt.TrainLoraNode.__name__)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(write_av_stand_in(tmp_path)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script, str(comfyui)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("TrainLoraNode"), out.stderr[-3000:]
