@@ -22,7 +22,8 @@ RUN = {
     "disable_block_swap_for_eval": Unsupported("eval swaps blocks as training does", inert=ANY),
     "x_axis_examples": Unsupported("TensorBoard's x-axis is the optimizer step; remove the key", inert=(False,)),
     "reentrant_activation_checkpointing": Unsupported(
-        "activation checkpointing here is non-reentrant; remove the key", inert=(False,)),
+        "activation_checkpointing = true recomputes as reentrant checkpointing does (the block runs without "
+        "autograd, and again in backward)", inert=ANY),
     "map_num_proc": Unsupported("caching is split over the ranks instead", inert=ANY),
     "video_clip_mode": Unsupported("a video trains as one clip from its start (diffusion-pipe's default, "
                                    "'single_beginning')", inert=("single_beginning",)),

@@ -173,15 +173,16 @@ def test_sdxl_compiles_its_transformer_blocks_once_per_width_and_matches_eager(c
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
 
     from pipetrain.backend.models import compiling, sdxl
-    # two widths (64, 128): at most a static and a dynamic graph each, whatever the block or bucket ('unsloth'
-    # runs the forward once more without grad: its own graphs)
+    # two widths (64, 128): at most a static and a dynamic graph each, whatever the block or bucket (true and
+    # 'unsloth' run the forward without grad and recompute it with grad: graphs of their own for each)
+    no_grad_forward = checkpointing in (True, "unsloth")
     blocks = len(graphs_of(compiling._module_forward.__code__))
-    assert 2 <= blocks <= (8 if checkpointing == "unsloth" else 4), blocks
+    assert 2 <= blocks <= (8 if no_grad_forward else 4), blocks
     # GroupNorms: one graph per channel count (parameters have static shapes), with and without the embedding add;
-    # the tiny buckets' 1- and 2-wide levels add 0/1 specialisations ('unsloth': twice). Not one per norm and
-    # bucket (17 x 2 + 11 norms, 3 buckets).
+    # the tiny buckets' 1- and 2-wide levels add 0/1 specialisations (a forward without grad: twice). Not one per
+    # norm and bucket (17 x 2 + 11 norms, 3 buckets).
     norms = len(graphs_of(sdxl.group_norm.__code__)) + len(graphs_of(sdxl.group_norm_act.__code__))
-    assert 3 <= norms <= (48 if checkpointing == "unsloth" else 24), norms
+    assert 3 <= norms <= (48 if no_grad_forward else 24), norms
 
 
 @pytest.mark.gpu

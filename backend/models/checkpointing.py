@@ -1,7 +1,7 @@
 """Activation checkpointing for every architecture's block layers: one function, four modes.
 
-``activation_checkpointing``: false (keep activations), true (torch's non-reentrant checkpoint: keep each
-block's inputs, recompute the block in backward) or ``'unsloth'`` (diffusion-pipe's / Unsloth's variant:
+``activation_checkpointing``: false (keep activations), true (keep each block's inputs, run the block without
+autograd and recompute it in backward) or ``'unsloth'`` (diffusion-pipe's / Unsloth's variant:
 the block's saved inputs wait in CPU memory, copied out and back with ``non_blocking`` copies, and the block
 is recomputed from them in backward; on the CPU the "copy" keeps the tensor as it is) or ``'selective'`` (as true,
 but the outputs of the ops that cost the most to redo per byte kept are kept: the attention kernels and the matrix
@@ -9,6 +9,13 @@ products whose inner dimension is at least four times their output width, the ML
 then runs the projections, norms, activations and modulation, a little over half of a forward, for about one more
 hidden-state-sized tensor per op kept). The recompute replays the forward's RNG state, so LoRA dropout draws the
 same mask.
+
+true and 'unsloth' run the forward under no_grad in an autograd Function and recompute in its backward, not through
+torch's non-reentrant checkpoint, whose saved-tensor hooks are a Python call for every tensor each op saves, in the
+forward and again in the recompute: on a model whose step the host paces (SDXL) that is most of the checkpoint's
+cost (a tiny SDXL step on the CPU, where the host is all the time: 75 ms non-reentrant, 57 ms this way, 39 ms
+without checkpointing). 'selective' needs torch's checkpoint (its policy is a dispatch mode), and so do blocks
+compiled with their checkpoint inside the graph (compiling.py), where the hooks are traced away.
 
 ``activation_checkpointing_fraction`` below 1 keeps checkpointing on that share of the blocks only, spread
 evenly over the model (``thin_checkpointing``): a step costs about that share of one forward pass extra instead
@@ -85,17 +92,18 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out.copy_(t.detach(), non_blocking=True)
 
 
-class _OffloadedCheckpoint(torch.autograd.Function):
-    """forward(run, grad_anchor, *args): ``run(*args)`` without keeping activations; its tensor args are parked in
-    CPU memory. ``grad_anchor`` requires grad, so the output does even when no input does (frozen embedders
-    upstream): the adapters inside the block still get their gradients."""
+class _RecomputedCheckpoint(torch.autograd.Function):
+    """forward(run, park, grad_anchor, *args): ``run(*args)`` without keeping activations, recomputed in backward
+    from its tensor args, kept where they are or, with ``park``, in CPU memory. ``grad_anchor`` requires grad, so
+    the output does even when no input does (frozen embedders upstream): the adapters inside the block still get
+    their gradients."""
 
     @staticmethod
-    def forward(ctx, run, grad_anchor, *args):
+    def forward(ctx, run, park, grad_anchor, *args):
         ctx.run = run
         ctx.devices = [a.device if torch.is_tensor(a) else None for a in args]
         ctx.needs_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
-        ctx.parked = [_to(a, torch.device("cpu")) if torch.is_tensor(a) else a for a in args]
+        ctx.parked = [_to(a, torch.device("cpu") if park else a.device) if torch.is_tensor(a) else a for a in args]
         ctx.cuda = any(d is not None and d.type == "cuda" for d in ctx.devices)
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state() if ctx.cuda else None
@@ -123,17 +131,18 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         ctx.parked = None
-        return (None, None) + tuple(a.grad if torch.is_tensor(a) and needs else None
+        return (None, None, None) + tuple(a.grad if torch.is_tensor(a) and needs else None
                                     for a, needs in zip(args, ctx.needs_grad))
 
 
 def run_checkpointed(mode, fn, *args):
-    """``fn(*args)`` under the configured activation checkpointing (``mode``: False, True or 'unsloth')."""
+    """``fn(*args)`` under the configured activation checkpointing (``mode``: False, True, 'unsloth' or
+    'selective')."""
     if not mode or not torch.is_grad_enabled():
         return fn(*args)
-    if mode == UNSLOTH:
+    if mode is True or mode == UNSLOTH:
         anchor = torch.empty(0, requires_grad=True)
-        return _OffloadedCheckpoint.apply(fn, anchor, *args)
+        return _RecomputedCheckpoint.apply(fn, mode == UNSLOTH, anchor, *args)
     return checkpoint(fn, *args, use_reentrant=False, **checkpoint_options(mode))
 
 

@@ -41,8 +41,8 @@ CACHE_SIZE_LIMIT = 128
 def compile_blocks(layers, checkpoint_inside: bool = True, dynamic: bool | None = None,
                    memory_budget: float | None = None) -> int:
     """Compile the ``block_forward`` of every layer that has one; returns how many were wrapped.
-    ``checkpoint_inside=False`` leaves torch's checkpoint eager around the compiled block (for comparison);
-    ``dynamic`` is torch.compile's (the adapter's ``compile_dynamic``); ``memory_budget`` the config's
+    ``checkpoint_inside=False`` leaves the layer's own checkpoint eager around the compiled block (for
+    comparison); ``dynamic`` is torch.compile's (the adapter's ``compile_dynamic``); ``memory_budget`` the config's
     ``activation_memory_budget``."""
     _raise_cache_size_limit()
     count = 0
