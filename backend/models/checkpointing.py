@@ -132,7 +132,7 @@ class _RecomputedCheckpoint(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         ctx.parked = None
         return (None, None, None) + tuple(a.grad if torch.is_tensor(a) and needs else None
-                                    for a, needs in zip(args, ctx.needs_grad))
+                                          for a, needs in zip(args, ctx.needs_grad))
 
 
 def run_checkpointed(mode, fn, *args):
