@@ -99,13 +99,11 @@ def test_the_native_baseline_loads_comfyuis_train_node_over_the_pyav_stand_in(tm
     from pipetrain.bench.run import write_av_stand_in
 
     comfyui = ensure_comfyui()
-    script = ("import sys; sys.path.insert(0, sys.argv[1])\n"
-              "import comfy.options; comfy.options.enable_args_parsing(False)\n"
+    script = ("import comfy.options; comfy.options.enable_args_parsing(False)\n"
               "from comfy.cli_args import args; args.cpu = True\n"
               "import av; assert not hasattr(av, '__version__'), 'the installed PyAV, not the stand-in'\n"
               "import comfy_extras.nodes_train as nt; print(nt.TrainLoraNode.__name__)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(write_av_stand_in(tmp_path)),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(write_av_stand_in(tmp_path)), str(comfyui),
                                                         os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", script, str(comfyui)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("TrainLoraNode"), out.stderr[-3000:]
