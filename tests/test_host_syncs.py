@@ -16,11 +16,13 @@ def _step(adapter, layers, inputs):
     return loss.detach()
 
 
+@pytest.mark.parametrize("checkpointing", [False, True, "unsloth"])
 @pytest.mark.parametrize("model", ["flux", "sdxl"])
-def test_a_training_step_never_waits_for_the_gpu(model):
+def test_a_training_step_never_waits_for_the_gpu(model, checkpointing):
+    """Checkpointed too: the recompute Function keeps the forward's RNG states, read from the host's copies."""
     adapter, inputs = (_small_flux(), _inputs(6, 10)) if model == "flux" else (_small_sdxl(), _sdxl_inputs(8, 8))
     adapter.diffusion_model.cuda()
-    layers = adapter.to_layers()
+    layers = adapter.to_layers(checkpointing)
     inputs = tuple(x.cuda() for x in inputs)
     _step(adapter, layers, inputs)          # the first step of a bucket may copy its tables to the device
     torch.cuda.synchronize()
