@@ -15,11 +15,13 @@ resolution (640^2 stands for 480x832: the same area, the same token count). Prin
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -232,9 +234,6 @@ def write_av_stand_in(folder: Path) -> Path:
 def run_script(script: str, env: dict, pick=lambda record: True) -> dict:
     """Run a baseline script in its own process; its result is the JSON line ``pick`` accepts. Where PyAV is not
     installed, the script sees a stand-in (``stand_in_av`` in the result)."""
-    import importlib.util
-    import tempfile
-
     env = {**os.environ, **env}
     stand_in = importlib.util.find_spec("av") is None
     with tempfile.TemporaryDirectory() as tmp:
