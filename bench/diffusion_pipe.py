@@ -283,6 +283,28 @@ def drop_keyword_where_unknown(module: types.ModuleType, name: str, keyword: str
     setattr(module, name, without_keyword)
 
 
+def wan_attention_through_sdpa_without_flash_attn() -> None:
+    """diffusion-pipe's Wan calls flash-attn's varlen kernel and asserts that flash-attn is installed. Where it is
+    not (no wheel matches the GPU machine's torch), its calls go to the SDPA branch of the same file's
+    ``attention``. That branch ignores key lengths: a step's one clip has no padding, the text keys' padding is
+    attended (512 instead of the caption's tokens, in cross-attention only)."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("flash_attn") or importlib.util.find_spec("flash_attn_interface"):
+        return
+    from models.wan import attention     # before models.wan.model and .clip bind flash_attention
+
+    warnings.filterwarnings("ignore", message="Padding mask is disabled")
+
+    def sdpa(q, k, v, q_lens=None, k_lens=None, dropout_p=0.0, softmax_scale=None, q_scale=None, causal=False,
+             window_size=(-1, -1), deterministic=False, dtype=None, version=None):
+        kw = {"dtype": dtype} if dtype is not None else {}
+        return attention.attention(q, k, v, dropout_p=dropout_p, causal=causal, **kw).type(q.dtype)
+
+    attention.flash_attention = sdpa
+
+
 def entry(argv: list[str]) -> None:
     """Run diffusion-pipe's train.py as __main__ with a timing and memory probe on DeepSpeed's train_batch.
 
@@ -300,6 +322,7 @@ def entry(argv: list[str]) -> None:
     # bind diffusion-pipe's first (its own code puts its ComfyUI submodule on the path only after that, too)
     import models, optimizers, utils  # noqa: F401
     sys.path.insert(1, str(comfyui))
+    wan_attention_through_sdpa_without_flash_attn()
     stubbed = [m for m in STUBBED if importlib.util.find_spec(m) is None]
     for top in stubbed:
         for m in (top, *(f"{top}.{sub}" for sub in STUB_SUBMODULES.get(top, ()))):

@@ -4,6 +4,7 @@ Wan's files hold every tensor diffusion-pipe's loaders set (tiny ones loaded, fu
 device), Wan's clips and configs, and the two loading shims inside diffusion-pipe's process."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -317,3 +318,35 @@ def test_tiny_qwen_image_and_wan_write_only_configs_and_wan_clips(tmp_path):
         stream = container.streams.video[0]
         decoded = list(container.decode(stream))
         assert stream.average_rate == 16 and len(decoded) == frames and decoded[0].width == 32
+
+
+WAN_ATTENTION_CHECK = """
+import json, math, torch
+import models  # diffusion-pipe's package, bound before ours is imported
+from pipetrain.bench.diffusion_pipe import wan_attention_through_sdpa_without_flash_attn
+wan_attention_through_sdpa_without_flash_attn()
+from models.wan import model
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 16, 4, 8) for _ in range(3))
+out = model.flash_attention(q=q, k=k, v=v, k_lens=torch.tensor([16]), window_size=(-1, -1))
+weights = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(8), dim=-1)
+ref = torch.einsum("bhqk,bkhd->bqhd", weights, v)
+print(json.dumps({"dtype": str(out.dtype), "shape": list(out.shape), "err": (out - ref).abs().max().item()}))
+"""
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_wan_attention_runs_through_sdpa_where_flash_attn_is_missing():
+    """diffusion-pipe's Wan asserts flash-attn is installed; the GPU machine has no wheel for it, so the bench routes
+    its calls to the SDPA branch of Wan's own attention: attention over [batch, tokens, heads, dim], the caller's
+    dtype back."""
+    pytest.importorskip("diffusers")
+    if importlib.util.find_spec("flash_attn"):
+        pytest.skip("flash-attn is installed: diffusion-pipe's Wan uses it")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DP_CHECKOUT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", WAN_ATTENTION_CHECK], env=env, cwd=DP_CHECKOUT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["dtype"] == "torch.float32" and result["shape"] == [1, 16, 4, 8]
+    assert result["err"] < 0.03      # bf16 inside, as flash-attn computes

@@ -56,9 +56,9 @@ def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path):
     assert Image.open(clip).n_frames == 9
 
 
-def test_the_bf16_lora_case_trains_the_adapter_in_bfloat16_as_diffusion_pipe_is_configured(tmp_path):
-    """``flux-1024-ckpt-compile-bf16lora`` compares memory with diffusion-pipe at its adapter dtype; the other cases
-    keep PipeTrain's default (float32 LoRA weights)."""
+def test_the_bf16_lora_cases_train_the_adapter_in_bfloat16_as_diffusion_pipe_is_configured(tmp_path):
+    """The ``-bf16lora`` cases compare memory with diffusion-pipe at its adapter dtype; the other cases keep
+    PipeTrain's default (float32 LoRA weights)."""
     import torch
 
     from pipetrain.backend.config import load_run_config
@@ -66,11 +66,24 @@ def test_the_bf16_lora_case_trains_the_adapter_in_bfloat16_as_diffusion_pipe_is_
     from pipetrain.bench.run import CASES, write_config
 
     files = {"diffusion_model": "dm.safetensors", "vae": "vae.safetensors", "text_encoders": ["t5.safetensors"]}
-    dtypes = {}
-    for name in ("flux-1024-ckpt-compile-bf16lora", "flux-1024-ckpt-compile"):
+    names = [n for n in CASES if n.endswith("-bf16lora")]
+    assert len(names) == 5
+    for name in (*names, "flux-1024-ckpt-compile", "zimage-1024-b4-ckpt", "qwen_image-1024-ckpt"):
         cfg = load_run_config(write_config(name, CASES[name], files, tmp_path, steps=2), check_dataset=False)
-        dtypes[name] = DTYPES[cfg.adapter.dtype] if cfg.adapter.dtype else torch.float32   # as engine.attach_lora
-    assert dtypes == {"flux-1024-ckpt-compile-bf16lora": torch.bfloat16, "flux-1024-ckpt-compile": torch.float32}
+        dtype = DTYPES[cfg.adapter.dtype] if cfg.adapter.dtype else torch.float32   # as engine.attach_lora
+        assert dtype == (torch.bfloat16 if name in names else torch.float32), name
+
+
+def test_a_failed_case_brings_back_the_end_of_its_log(tmp_path):
+    """The GPU machine returns only $OUT: a case that fails carries its log's last lines in the results, and they
+    name what went wrong (here a model file that does not exist)."""
+    from pipetrain.bench.run import CASES, run_ours
+
+    files = {"diffusion_model": str(tmp_path / "missing-dm.safetensors"), "vae": str(tmp_path / "vae.safetensors"),
+             "text_encoders": [str(tmp_path / "te.safetensors")]}
+    result = run_ours("zimage-1024-b4", CASES["zimage-1024-b4"], files, tmp_path, steps=2, warmup=0)
+    assert result["rc"] != 0
+    assert "diffusion_model: file not found" in result["log_tail"], result["log_tail"]
 
 
 def test_bench_captions_are_as_long_as_the_baselines_text():
