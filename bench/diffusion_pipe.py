@@ -24,13 +24,15 @@ animated WebP). Captions are run.py's ``bench_caption``: one 77-token CLIP chunk
 clips of the case's frames at the model's frame rate (``frame_buckets`` of that length), LoRA rank 32 on
 diffusion-pipe's targets, torch AdamW, bf16.
 
-Two calls into diffusion-pipe's loading are answered differently, and nothing else: SDXL's
+Three calls into diffusion-pipe are answered differently, and nothing else: SDXL's
 ``StableDiffusionXLPipeline.from_single_file(checkpoint_path, ...)`` needs component configs from the Hugging Face
 Hub (nothing can be downloaded on the GPU machine), so for a folder this wrapper answers it with
 ``from_pretrained(folder, **the same kwargs)``: the pipeline it trains is the same diffusers classes with the same
 configs. And diffusion-pipe 8f83dbf passes ``disable_dynamic=True`` to ComfyUI's ``comfy.sd.load_clip`` and
 ``load_diffusion_model``, a keyword newer than the ComfyUI 0.3.75 used here: the wrapper drops it where the
-installed function's signature lacks it.
+installed function's signature lacks it. Its Wan code calls flash-attn's varlen kernel and asserts flash-attn is
+installed: where it is not, those calls go to the SDPA branch of its own Wan ``attention.py``
+(``wan_attention_through_sdpa_without_flash_attn``).
 
 Measures, per step: wall time of DeepSpeed's ``PipelineEngine.train_batch`` (CUDA-synchronised; this wrapper
 patches the engine method in diffusion-pipe's process, diffusion-pipe's code is untouched) and

@@ -217,7 +217,6 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
 
 
 # PyAV: ComfyUI's comfy_api imports it (and names two of its submodules) when TrainLoraNode's module loads
-AV_MODULES = ("av", "av.container", "av.subtitles", "av.subtitles.stream")
 AV_STAND_IN = """def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(name)
@@ -228,7 +227,9 @@ AV_STAND_IN = """def __getattr__(name):
 def write_av_stand_in(folder: Path) -> Path:
     """A stand-in PyAV package under ``folder`` (to put on PYTHONPATH) for a machine without it: any name imported
     from it is an empty class. The native baseline trains on latents and never decodes video."""
-    for module in AV_MODULES:
+    from pipetrain.bench.diffusion_pipe import STUB_SUBMODULES   # the submodules comfy_api names
+
+    for module in ("av", *(f"av.{sub}" for sub in STUB_SUBMODULES["av"])):
         package = folder.joinpath(*module.split("."))
         package.mkdir(parents=True, exist_ok=True)
         (package / "__init__.py").write_text(AV_STAND_IN)
