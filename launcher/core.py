@@ -49,7 +49,9 @@ class Launcher:
         self.before_launch = before_launch
         self.stop_timeout, self.kill_timeout = stop_timeout, kill_timeout
         self.procs: dict[str, ProcessRef] = {}   # runs whose processes may be alive
-        self.dead: set[str] = set()                 # runs known to have no process (checked once)
+        # runs found without a live process, with their launcher.json's identity then: another launcher (the CLI,
+        # a second ComfyUI) may record a process for the run later, and a rewritten file means look again
+        self.dead: dict[str, tuple[int, int] | None] = {}
         self.deadlines: dict[str, tuple[float, int]] = {}   # run id -> (when, signal to send)
         self.lock = threading.RLock()
         self.reattach()
@@ -68,14 +70,16 @@ class Launcher:
         """Whether the run's processes are running; a run never seen before is looked up in its files."""
         with self.lock:
             ref = self.procs.get(run_id)
-            if ref is None and run_id not in self.dead:
-                ref = ProcessRef.from_dict(read_json(self.dirs.path(run_id) / "launcher.json").get("process", {}))
+            info_path = self.dirs.path(run_id) / "launcher.json"
+            recorded = _identity(info_path)
+            if ref is None and (run_id not in self.dead or self.dead[run_id] != recorded):
+                ref = ProcessRef.from_dict(read_json(info_path).get("process", {}))
                 if ref is not None:
                     self.procs[run_id] = ref
             if ref is not None and ref.alive():
                 return True
             self.procs.pop(run_id, None)
-            self.dead.add(run_id)
+            self.dead[run_id] = recorded
             return False
 
     def held_gpus(self) -> dict[int, str]:
@@ -187,7 +191,7 @@ class Launcher:
                 "launched": time.time(), "launches": old.get("launches", 0) + 1, "command": argv,
                 "gpus": list(devices), "log": str(log), "process": ref.as_dict(), **(info or {})})
             self.procs[run_id] = ref
-            self.dead.discard(run_id)
+            self.dead.pop(run_id, None)
             self.deadlines.pop(run_id, None)
             return ref
 
@@ -252,6 +256,15 @@ class Launcher:
         info = read_json(run_dir / "launcher.json")
         info.update(fields)
         write_launcher_info(run_dir, info)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Changes whenever the file is rewritten (atomic writes give it a new inode)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def nodes_text(cluster: dict, joins: list[dict], gpus: list[int] | None = None) -> str:

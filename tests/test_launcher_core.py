@@ -76,6 +76,21 @@ def test_launch_reattach_after_restart_and_kill(launcher):
     restarted.launch("run-b", SLEEPER, (1,))  # GPU 1 is free again
 
 
+def test_a_run_launched_elsewhere_is_seen_alive_once_its_process_is_recorded(launcher):
+    """ComfyUI watches a run folder that another launcher (the CLI) fills: the folder shows before its process."""
+    watcher, cli = launcher(), launcher()
+    run_dir = watcher.dirs.path("run-x")
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.toml").write_text("")
+    assert watcher.list()[0]["id"] == "run-x" and not watcher.alive("run-x")   # no process recorded yet
+    cli.launch("run-x", SLEEPER, (0,))
+    assert watcher.alive("run-x") and watcher.list()[0]["alive"]
+    cli.kill("run-x")
+    assert not watcher.alive("run-x")
+    cli.launch("run-x", SLEEPER, (0,))             # resumed by the CLI: a new process in a rewritten record
+    assert watcher.alive("run-x")
+
+
 def test_graceful_stop_uses_the_stop_file(launcher):
     la = launcher()
     la.launch("run-g", GRACEFUL, (0,))

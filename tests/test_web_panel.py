@@ -95,6 +95,7 @@ STATE = f"{card(RUN_ID, '.pipetrain-state')}?.textContent"
 EPOCHS = "(document.querySelector('#pipetrain-panel .pipetrain-epochs')?.innerText ?? '')"
 BUTTON = ("((scope, label) => [...document.querySelectorAll(`#pipetrain-panel ${scope} button`)]"
           ".find((b) => b.textContent === label))")
+CLICK = "((b) => (b ? (b.click(), true) : false))"   # clicks once the button is there
 LOADER = ("(() => { const n = window.app?.graph?.findNodesByType('PipeTrainLoadEpochLoRA')?.[0];"
           " return n ? Object.fromEntries(n.widgets.map((w) => [w.name, w.value])) : null; })()")
 
@@ -117,10 +118,10 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         await page.screenshot(ARTIFACTS / "pipetrain-panel.png")
 
         # the epoch's button puts a Load Epoch LoRA node for it into the graph
-        await page.js(f"{BUTTON}('.pipetrain-epochs', 'Add loader node').click()")
+        await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-epochs', 'Add loader node'))", 10, "an Add loader button")
         loader = await page.wait_for(LOADER, 10, "showing a Load Epoch LoRA node")
         # Stop goes through the route; the run shows "stopping" until its process is gone
-        await page.js(f"{BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop').click()")
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop'))", 10, "a Stop button")
         await page.wait_for(f"{STATE} === 'stopping'", 20, "stopping")
         return {"first": first, "later": later, "loader": loader, "exceptions": page.exceptions}
 

@@ -187,6 +187,7 @@ function onEvent({ detail }) {
 function mount(container) {
   state.root = el("div", { class: "pipetrain-panel", id: "pipetrain-panel" });
   container.replaceChildren(state.root);
+  render();          // the tab is re-mounted each time it opens: show what is known while the list reloads
   refreshRuns();
 }
 
