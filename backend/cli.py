@@ -1,4 +1,6 @@
-"""``python -m pipetrain {cache,train,demo}``: parse, build the RunConfig, run the named phase.
+"""``python -m pipetrain COMMAND``: parse, build the RunConfig, run the named phase.
+
+Commands: cache, train, launch, sample, check-config, doctor, demo.
 
 Run ``cache`` and ``train`` under DeepSpeed's launcher for several ranks, e.g.
 ``deepspeed --num_gpus 2 --module pipetrain train run.toml``; a plain ``python -m pipetrain train``
@@ -37,6 +39,20 @@ def _parser() -> argparse.ArgumentParser:
     sample = sub.add_parser("sample", help="render the [samples] prompts with a LoRA through ComfyUI's sampler")
     sample.add_argument("config")
     sample.add_argument("lora")
+    check = sub.add_parser("check-config", help="what each key of a config pair (diffusion-pipe's or ours) means "
+                                                "here, the defaults that differ and what is refused, with its fix")
+    check.add_argument("config")
+    doctor = sub.add_parser("doctor", help="ComfyUI, torch/CUDA/DeepSpeed, GPUs and each model type's parity "
+                                           "with that ComfyUI's model code")
+    doctor.add_argument("--comfyui", default=None, metavar="PATH", help="check this ComfyUI folder (default: the "
+                        "one a run finds: COMFYUI_PATH, the ComfyUI holding custom_nodes/, the pinned copy)")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--model-type", action="append", default=None, dest="model_types", metavar="TYPE",
+                        help="check only this model type (repeatable)")
+    probe = sub.add_parser("comfyui-probe", help="(internal) one ComfyUI's side of the pinned-fallback decision "
+                                                 "(backend/comfyui_probe.py), in a child process")
+    probe.add_argument("what", choices=("forward", "lora"))
+    probe.add_argument("args", nargs="+")
     demo = sub.add_parser("demo", help="tiny Flux model + generated dataset -> cache -> 2-rank pipeline -> LoRA in ComfyUI")
     demo.add_argument("--workdir", default=None, help="where the demo writes (default .work/demo in the repo)")
     demo.add_argument("--ranks", type=int, default=2)
@@ -47,20 +63,35 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "doctor":
+            from .doctor import main as doctor_main
+            return doctor_main(args.comfyui, args.json, args.model_types)
+        if args.command == "check-config":
+            from .check_config import main as check_main
+            return check_main(args.config)
         if args.command == "demo":
             from .demo import run_demo
             return run_demo(args.workdir, args.ranks)
         if args.command == "sample":
             from .sampling import main as sample_main
             return sample_main(args.config, args.lora)
+        if args.command == "comfyui-probe":
+            from .comfyui_probe import probe_main
+            return probe_main(args.what, args.args)
         if args.command == "launch":
             from .cluster_cli import launch_cluster
             return launch_cluster(args.config, args.node_rank, args.print_only, args.resume)
         from .config import load_run_config
+        from .fallback import select_comfyui
+        from .preflight import check_run
         from .runtime import ensure_comfyui
         from .train.trainer import Trainer, TrainOptions
 
         cfg = load_run_config(args.config)
+        # the host's ComfyUI, or the pinned copy where the host's code moved: chosen before any ComfyUI import,
+        # then the architecture's own checks run against the one chosen
+        select_comfyui(cfg.model.type)
+        check_run(cfg)
         ensure_comfyui()
         if args.command == "cache":
             opts = TrainOptions(regenerate_cache=args.regenerate_cache, cache_only=True)

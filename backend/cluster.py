@@ -3,14 +3,18 @@ started by hand (``no_ssh``), the environment forwarded to every node, and NCCL 
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import RunConfig
 from .errors import ConfigError
 from .fsutil import atomic_write_bytes
-from .launch import deepspeed_command
+from .process_inputs import env_name_problem, env_value_problem, host_problem, plain_problem
+from .commands import deepspeed_command
 
 
 @dataclass
@@ -23,27 +27,52 @@ class NodeCommand:
         return shlex.join(self.argv)
 
 
+MAX_HOSTFILE = 64 * 1024     # a hostfile lists hosts; anything larger is not one
+
+
 def read_hosts(cfg: RunConfig) -> list[tuple[str, int]]:
+    """(host, slots) per node, from ``hosts`` or the hostfile. Each host passes the same rule as ``hosts``; a
+    refusal names the file, the line and the problem, never the line itself (any readable file may be named
+    here, and its content must not come back in a message)."""
     c = cfg.cluster
     if c.hosts is not None:
         return [(h.partition(":")[0], int(h.partition(":")[2])) for h in c.hosts]
     path = cfg.resolve(c.hostfile)
-    hosts = []
+    key = "cluster.hostfile"
+
+    def refuse(message: str):
+        return ConfigError(f"hostfile {path}: {message}", file=cfg.file, key=key)
+
     try:
-        lines = path.read_text().splitlines()
+        if not stat.S_ISREG(path.stat().st_mode):      # a folder, a FIFO (would block), a device
+            raise refuse("not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_HOSTFILE + 1)
     except FileNotFoundError:
-        raise ConfigError(f"hostfile not found: {path}", file=cfg._file, key="cluster.hostfile") from None
-    for n, line in enumerate(lines, 1):
-        line = line.split("#")[0].strip()
+        raise refuse("not found") from None
+    except OSError as e:        # no permission, a name too long, ...
+        raise refuse(f"cannot be read ({e.strerror})") from None
+    if len(data) > MAX_HOSTFILE:
+        raise refuse(f"larger than {MAX_HOSTFILE // 1024} KiB; a hostfile lists '<host> slots=<n>' a line")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise refuse("not UTF-8 text; a hostfile lists '<host> slots=<n>' a line") from None
+    hosts = []
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.split("#")[0].strip(" \t\r")
         if not line:
             continue
-        parts = line.split()
-        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit():
-            raise ConfigError(f"{path}:{n}: expected '<host> slots=<n>', got {line!r}", file=cfg._file,
-                              key="cluster.hostfile")
+        parts = line.split(" ") if "\t" not in line else line.replace("\t", " ").split(" ")
+        parts = [p for p in parts if p]
+        if len(parts) != 2 or not re.fullmatch(r"slots=[0-9]{1,4}", parts[1]) or parts[1] == "slots=0":
+            raise refuse(f"line {n} is not '<host> slots=<n>' (a host name, a space, slots= and a number of GPUs)")
+        problem = host_problem(parts[0])
+        if problem:
+            raise refuse(f"the host on line {n} {problem}")
         hosts.append((parts[0], int(parts[1][6:])))
     if not hosts:
-        raise ConfigError(f"{path} names no host", file=cfg._file, key="cluster.hostfile")
+        raise refuse("names no host; write '<host> slots=<n>' a line")
     return hosts
 
 
@@ -70,6 +99,9 @@ def prepare_run_folder(cfg: RunConfig, run_dir: Path) -> Path:
     hostfile = run_dir / "hostfile"
     atomic_write_bytes(hostfile, "".join(f"{h} slots={s}\n" for h, s in hosts).encode())
     env = node_environment(cfg)
+    for k, v in env.items():     # the layer below the config's rules: one KEY=VALUE a line, nothing else
+        if env_name_problem(k) or env_value_problem(v):
+            raise ConfigError(f"{k}: {env_name_problem(k) or env_value_problem(v)}", file=cfg.file, key="cluster.env")
     atomic_write_bytes(run_dir / ".deepspeed_env", "".join(f"{k}={v}\n" for k, v in env.items()).encode())
     return hostfile
 
@@ -80,6 +112,8 @@ def node_commands(cfg: RunConfig, run_toml: Path, hostfile: Path, extra: list[st
     c = cfg.cluster
     hosts = read_hosts(cfg)
     cfg.check_world_size(sum(s for _, s in hosts))
+    if c.launcher == "pdsh":
+        _check_pdsh_words(cfg, [str(run_toml.parent), str(run_toml), sys.executable, *extra])
     common = ["--hostfile", str(hostfile)] + (["--master_addr", c.master_addr] if c.master_addr else [])
 
     def command(slots: int, launcher_args: list[str]) -> list[str]:
@@ -91,6 +125,16 @@ def node_commands(cfg: RunConfig, run_toml: Path, hostfile: Path, extra: list[st
         return [NodeCommand(None, hosts[0][0], command(hosts[0][1], ["--launcher", c.launcher]))]
     return [NodeCommand(rank, host, command(slots, ["--no_ssh", "--node_rank", str(rank)]))
             for rank, (host, slots) in enumerate(hosts)]
+
+
+def _check_pdsh_words(cfg: RunConfig, words: list[str]) -> None:
+    """DeepSpeed's pdsh runner puts ``cd <run dir>;``, the interpreter and the module's arguments into the remote
+    shell's command line unquoted (or in double quotes where they hold a space): each must be plain."""
+    for word in words:
+        problem = plain_problem(word)
+        if problem:
+            raise ConfigError(f"{word!r} {problem}; with launcher = 'pdsh' the run folder (output_dir) and Python "
+                              "must sit at such paths", file=cfg.file, key="cluster.launcher")
 
 
 def _without_num_gpus(argv: list[str]) -> list[str]:

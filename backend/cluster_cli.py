@@ -7,18 +7,19 @@ import sys
 from .cluster import launch_environment, node_commands, prepare_run_folder
 from .config import load_run_config, replace, save_toml
 from .errors import ConfigError
-from .train.rundir import new_run_name
+from .preflight import load_run
+from .rundir import RunDir, new_run_id
 
 
 def launch_cluster(config: str, node_rank: int | None, print_only: bool, resume: bool) -> int:
-    cfg = load_run_config(config)
+    cfg = load_run(config)
     if cfg.cluster is None:
         raise ConfigError("launch needs a [cluster] table; on one machine run "
-                          "`deepspeed --num_gpus N --module pipetrain train CONFIG`", file=cfg._file, key="cluster")
+                          "`deepspeed --num_gpus N --module pipetrain train CONFIG`", file=cfg.file, key="cluster")
     if cfg.run_name is None:
-        cfg = replace(cfg, run_name=new_run_name())
-    run_dir = cfg.resolve(cfg.output_dir) / cfg.run_name
-    run_toml = run_dir / "run.toml"
+        cfg = replace(cfg, run_name=new_run_id())
+    run = RunDir(cfg.resolve(cfg.output_dir) / cfg.run_name)
+    run_dir, run_toml = run.path, run.run_toml
     if not run_toml.exists():
         run_dir.mkdir(parents=True, exist_ok=True)
         save_toml(cfg.with_absolute_paths(), run_toml)

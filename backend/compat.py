@@ -1,17 +1,20 @@
-"""diffusion-pipe keys PipeTrain knows but does not act on, each with the reason and what to do instead.
+"""diffusion-pipe's spellings and the keys PipeTrain knows but does not act on (reason and fix for each).
 
-A diffusion-pipe main + dataset TOML pair loads as is when it trains a model PipeTrain supports: keys
-with the same meaning are config fields (``config.py``); keys whose value changes nothing here (``inert``
-values, e.g. ``compile = false``) are accepted and dropped;
-any other value of a key listed here fails naming the key and the fix. A key in neither place is a
-typo and fails listing the accepted keys.
+A diffusion-pipe main + dataset TOML pair loads as is when it trains a model PipeTrain supports from ComfyUI
+single files: keys with the same meaning are config fields (``backend/config``); diffusion-pipe's other names
+for them (its type strings, ``transformer_path`` & co., ``transformer_dtype``) are rewritten by the
+``preprocess_*`` hooks; its edit models (``flux`` / ``qwen_image`` with control images) are mapped by
+``edit_type`` once the dataset is read; keys whose value changes nothing here (``inert`` values, e.g.
+``compile = false``) are accepted and dropped; any other value of a key listed here fails naming the key and
+the fix. A key in neither place is a typo and fails listing the accepted keys. ``check_config.py`` reports
+all of this for one config pair.
 """
 from __future__ import annotations
 
 import math
 
 from .errors import ConfigError
-from .schema import ANY, Unsupported
+from .schema import ANY, Unsupported  # noqa: F401  (ANY: check_config tells inert keys apart)
 
 SINGLE_FILES_HINT = ("PipeTrain loads single-file ComfyUI weights: set diffusion_model = "
                      "'<diffusion model>.safetensors' (ComfyUI's models/diffusion_models), vae = '<vae>.safetensors' "
@@ -41,16 +44,58 @@ RUN = {
                               inert=lambda v: isinstance(v, dict) and not v.get("enable_wandb", False)),
 }
 
+# diffusion-pipe's type strings that name a model type here by another spelling
+TYPE_ALIASES = {"hunyuan-video": "hunyuan_video", "ltx-video": "ltx_video", "lumina_2": "lumina2",
+                "hunyuan_image": "hunyuan_image_21"}
+# diffusion-pipe declares an edit model as its base type plus a dataset with control images (control_path)
+EDIT_TYPES = {"flux": "flux_kontext", "qwen_image": "qwen_image_edit"}
+# diffusion-pipe's other names for our keys: its single-file keys (ComfyUI files), and transformer_dtype (its
+# name for diffusion_model_dtype on its older models)
+MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "transformer_dtype": "diffusion_model_dtype"}
+# both spellings diffusion-pipe's code and its example read
+RUN_RENAMES = {"image_eval_micro_batch_size_per_gpu": "eval_image_micro_batch_size_per_gpu"}
+# its text-encoder file keys, in the order the model types here list their text encoders (the LLM / T5 first,
+# then CLIP-L or ByT5: HunyuanVideo is llm_path + clip_path, HunyuanImage 2.1 text_encoder_path + byt5_path)
+TEXT_ENCODER_KEYS = ("llm_path", "text_encoder_path", "t5_path", "clip_path", "byt5_path")
+
+# Defaults that differ from diffusion-pipe's, for keys a file leaves out: (file, key, diffusion-pipe, PipeTrain).
+# The README's table lists the same rows.
+DEFAULT_DIFFERENCES = [
+    ("main", "epochs", "required", "10"),
+    ("main", "save_every_n_epochs", "one save_every_* key required", "1"),
+    ("main", "partition_method", "'parameters'", "'compute' (stages balanced by per-layer compute estimates)"),
+    ("main", "model.dtype", "required", "'bfloat16'"),
+    ("main", "adapter.dtype", "the model's dtype", "'float32'"),
+    ("main", "adapter.alpha", "the key is refused (alpha = rank)", "rank (the key is allowed)"),
+    ("dataset", "resolutions", "required", "[512]"),
+    ("dataset", "min_ar, max_ar, num_ar_buckets", "required with enable_ar_bucket = true", "0.5, 2.0, 7"),
+    ("dataset", "skip_empty_caption", "true (its docs say false)", "false: an image without a caption trains "
+     "with the empty caption"),
+    ("dataset", "shuffle_metadata", "true", "the order is reshuffled every epoch (the key changes nothing)"),
+]
+
+# Keys whose values mean something else here (shown by check-config where a file sets them)
+MEANING_DIFFERENCES = {
+    "lr_scheduler": "'linear' and 'cosine' decay to 0 at the run's last step (diffusion-pipe: over the epochs, "
+                    "cosine to 1e-6)",
+    "partition_split": "layer indices of PipeTrain's layer list (a different list from diffusion-pipe's)",
+}
+
+_FOLDERS = ("a model folder in Diffusers or the official layout is not read yet (issue 20, item 1); "
+            f"{SINGLE_FILES_HINT}. diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and "
+            "text_encoder_path are read as these single files")
 MODEL = {
-    **{key: Unsupported(f"a path in a format PipeTrain cannot load. {SINGLE_FILES_HINT}")
-       for key in ("diffusers_path", "transformer_path", "ckpt_path", "vae_path", "llm_path", "clip_path",
-                   "t5_path", "text_encoder_path", "text_encoder", "audio_vae", "llm_adapter_path")},
+    **{key: Unsupported(_FOLDERS) for key in ("diffusers_path", "ckpt_path", "single_file_path", "llama3_path")},
+    **{key: Unsupported(f"not read by PipeTrain. {SINGLE_FILES_HINT}")
+       for key in ("text_encoder", "audio_vae", "llm_adapter_path")},
     "checkpoint_path": Unsupported(f"a combined checkpoint (UNet + VAE + text encoders in one file) is not read. "
                                    f"{SINGLE_FILES_HINT}"),
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
     "min_snr_gamma": Unsupported("not implemented; remove the key"),
     "debiased_estimation_loss": Unsupported("not implemented; remove the key", inert=(False,)),
+    "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
+                                  "remove the key", inert=(0, 0.0)),
     "unet_lr": Unsupported("one learning rate for everything that trains: set [optimizer] lr"),
     "text_encoder_1_lr": Unsupported("text encoders are not trained; remove the key"),
     "text_encoder_2_lr": Unsupported("text encoders are not trained; remove the key"),
@@ -65,9 +110,13 @@ ADAPTER = {
 
 OPTIMIZER = {
     "gradient_release": Unsupported("not implemented; remove the key", inert=(False,)),
+    # diffusion-pipe's AdamW8bitKahan argument: false (its default) is plain AdamW, as here
+    "stabilize": Unsupported("StableAdamW's update scaling is not implemented for AdamW8bitKahan; set "
+                             "stabilize = false, or use type = 'stableadamw' (optimi's StableAdamW, with Kahan "
+                             "summation for bf16 weights)", inert=(False,)),
 }
 
-_MASKS = "masked training is not supported"
+_MASKS = "masked training is not supported yet (issue 20, item 3); remove the key: the whole image trains"
 _DATASET_COMMON = {
     "shuffle_metadata": Unsupported("the order is reshuffled every epoch anyway", inert=ANY),
     "online_captions": Unsupported("captions are always cached as embeddings", inert=(False,)),
@@ -104,27 +153,45 @@ def _key(prefix: str, name: str) -> str:
 
 def preprocess_run(data: dict, file, prefix: str) -> dict:
     mbs = data.get("micro_batch_size_per_gpu")
-    if isinstance(mbs, list):
-        raise ConfigError(f"got {mbs!r}; per-resolution batch sizes are not supported: give one integer",
-                          file=file, key="micro_batch_size_per_gpu")
-    # every bucket here is an image bucket, so diffusion-pipe's image batch sizes are the batch sizes
-    for alias, target in (("image_micro_batch_size_per_gpu", "micro_batch_size_per_gpu"),
-                          ("eval_image_micro_batch_size_per_gpu", "eval_micro_batch_size_per_gpu"),
-                          ("image_eval_micro_batch_size_per_gpu", "eval_micro_batch_size_per_gpu")):
-        if alias in data:
-            data[target] = data.pop(alias)
+    for key in ("micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu", "eval_micro_batch_size_per_gpu",
+                "eval_image_micro_batch_size_per_gpu", "image_eval_micro_batch_size_per_gpu"):
+        if isinstance(data.get(key), list):
+            raise ConfigError(f"got {data[key]!r}; per-resolution batch sizes are not supported: give one integer",
+                              file=file, key=key)
+    for alias, target in RUN_RENAMES.items():
+        _rename(data, alias, target, file, prefix)
     if ("save_every_n_steps" in data or "save_every_n_examples" in data) and "save_every_n_epochs" not in data:
         data["save_every_n_epochs"] = None   # as in diffusion-pipe: saving by steps alone means no epoch saves
     return data
 
 
+def _rename(data: dict, alias: str, target: str, file, prefix: str) -> None:
+    """diffusion-pipe's ``alias`` key is our ``target``; giving both fails."""
+    if alias in data:
+        if target in data:
+            raise ConfigError(f"give {target} or {alias}, not both (the same setting)", file=file,
+                              key=_key(prefix, alias))
+        data[target] = data.pop(alias)
+
+
 def preprocess_model(data: dict, file, prefix: str) -> dict:
-    if "transformer_dtype" in data:   # diffusion-pipe's name for the same thing on its older models
-        if "diffusion_model_dtype" in data:
-            raise ConfigError("give diffusion_model_dtype or transformer_dtype, not both", file=file,
-                              key=_key(prefix, "transformer_dtype"))
-        data["diffusion_model_dtype"] = data.pop("transformer_dtype")
+    if isinstance(data.get("type"), str):
+        data["type"] = TYPE_ALIASES.get(data["type"], data["type"])
+    for alias, target in MODEL_RENAMES.items():
+        _rename(data, alias, target, file, prefix)
+    given = [k for k in TEXT_ENCODER_KEYS if k in data]
+    if given:
+        if "text_encoders" in data:
+            raise ConfigError(f"give text_encoders or {' and '.join(given)}, not both (the same files)", file=file,
+                              key=_key(prefix, given[0]))
+        data["text_encoders"] = [data.pop(k) for k in given]
     return data
+
+
+def edit_type(model_type: str, has_control: bool) -> str:
+    """The model type a run trains: diffusion-pipe's ``flux`` / ``qwen_image`` with control images in the
+    dataset (``control_path``) is Flux Kontext / Qwen-Image-Edit."""
+    return EDIT_TYPES.get(model_type, model_type) if has_control else model_type
 
 
 def preprocess_adapter(data: dict, file, prefix: str) -> dict:

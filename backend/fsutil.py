@@ -1,10 +1,15 @@
 """Atomic file writes: a reader sees the old file or the complete new one, never a partial one."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import PipeTrainError
 
 
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
@@ -28,9 +33,74 @@ def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode(), durable)
 
 
+class OutOfSpace(PipeTrainError):
+    def __init__(self, folder: Path):
+        super().__init__(f"no space left in {folder}: free space there (or point output_dir, lora_dir or the "
+                         "cache elsewhere), then start the run again or resume it with --resume")
+        self.folder = folder
+
+
+# torch.save reports a full disk through its zip writer, without the errno or the OS message
+_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed", "iostream error")
+
+
+def is_out_of_space(e: BaseException, folder: Path) -> bool:
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if "No space left on device" in str(e):   # safetensors' writer: SafetensorError with the OS message
+        return True
+    if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _TORCH_WRITE_FAILED):
+        try:
+            return shutil.disk_usage(folder).free < _NEARLY_FULL
+        except OSError:
+            return False
+    return False
+
+
+_NEARLY_FULL = 64 << 20
+
+
+@contextmanager
+def space_guard(folder: Path, *partial: Path):
+    """Turns a full disk while writing under ``folder`` into ``OutOfSpace`` naming it, after removing the
+    ``partial`` files or folders the failed write leaves (which also makes room for the failed status)."""
+    try:
+        yield
+    except BaseException as e:
+        if not is_out_of_space(e, folder):
+            raise
+        for path in partial:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        raise OutOfSpace(folder) from None
+
+
 def temp_path_beside(path: Path) -> Path:
     """A unique temporary name in the same folder (so ``os.replace`` stays atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     return Path(tmp)
+
+
+# --- fault injection (tests only) ---------------------------------------------------------------------------
+# PIPETRAIN_KILL_AT="<point>:<n>" SIGKILLs this process's whole process group at the n-th time this process
+# passes the named save/rename point (``fault_point``), so a test can stop a run exactly between two writes.
+# Unset (always, outside tests) it costs one dictionary look-up per write.
+KILL_AT_ENV = "PIPETRAIN_KILL_AT"
+_passed: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    spec = os.environ.get(KILL_AT_ENV)
+    if not spec:
+        return
+    point, _, nth = spec.rpartition(":")
+    if point != name:
+        return
+    _passed[name] = _passed.get(name, 0) + 1
+    if _passed[name] == int(nth):
+        import signal
+        os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -44,7 +44,7 @@ PIP_NAMES = {"bitsandbytes": "bitsandbytes", "optimi": "torch-optimi", "pytorch_
 
 
 def _where(cfg):
-    return getattr(cfg, "_file", None)
+    return getattr(cfg, "file", None)
 
 
 def _import(module: str, cfg):
@@ -67,10 +67,16 @@ def optimizer_class(cfg):
             klass = mod.load_optimizer(name)   # case-insensitive lookup of its registry
         except Exception:  # noqa: BLE001  (it raises NotImplementedError for unknown names)
             klass = None
-    if klass is None:
+    if not _is_optimizer_class(klass):    # any other name of the module (a function, a loss) is never called
         raise ConfigError(f"got {name!r}: not a known optimizer; use one of {', '.join(BUILTIN)} or a class of "
                           "pytorch_optimizer (e.g. 'Prodigy', 'CAME', 'ADOPT')", file=_where(cfg), key="optimizer.type")
     return klass
+
+
+def _is_optimizer_class(klass) -> bool:
+    import torch
+
+    return inspect.isclass(klass) and issubclass(klass, torch.optim.Optimizer)
 
 
 def _check_kwargs(klass, kwargs: dict, cfg) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RuntimeSetupError
@@ -96,6 +97,31 @@ def comfy_nodes():
 
 
 def comfyui_version() -> str:
-    root = ensure_comfyui()
-    text = (root / "comfyui_version.py").read_text()
-    return text.split('"')[1] if '"' in text else "unknown"
+    from .versions import read_version
+
+    return read_version(ensure_comfyui())
+
+
+@contextmanager
+def comfy_training_paths(on: bool = True):
+    """While inside, ComfyUI's model code takes its training paths (``on``) or its inference paths.
+
+    ComfyUI (the 0.38 line) reads ``comfy.model_management.in_training`` at call time: while it is true its model
+    code runs eager, autograd-safe code (RoPE without the fused inference kernel, out-of-place residuals, no fused
+    SwiGLU) that computes the same maths. Older ComfyUIs have no such flag and ignore it.
+    """
+    ensure_comfyui()
+    import comfy.model_management as mm
+
+    before = getattr(mm, "in_training", _ABSENT)
+    mm.in_training = on
+    try:
+        yield
+    finally:
+        if before is _ABSENT:
+            del mm.in_training
+        else:
+            mm.in_training = before
+
+
+_ABSENT = object()

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from .fsutil import atomic_write_json
+from .rundir import RunDir
 
-REQUESTS = "sample_requests"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
@@ -28,14 +28,14 @@ def marker_path(lora: Path) -> Path:
     return lora.with_name(f"{lora.with_suffix('').name}.samples.json")
 
 
-def request_path(run_dir: Path, lora: Path) -> Path:
-    return Path(run_dir) / REQUESTS / f"{Path(lora).with_suffix('').name}.json"
+def request_path(run_dir: Path | RunDir, lora: Path) -> Path:
+    return RunDir(run_dir).sample_requests / f"{Path(lora).with_suffix('').name}.json"
 
 
 def write_request(run_dir: Path, lora: Path, epoch: int, step: int) -> dict:
     """The request for ``lora``'s samples; returns its content (``request`` = the file)."""
     path = request_path(run_dir, lora)
-    request = {"run_toml": str(Path(run_dir) / "run.toml"), "lora": str(lora), "epoch": epoch, "step": step,
+    request = {"run_toml": str(RunDir(run_dir).run_toml), "lora": str(lora), "epoch": epoch, "step": step,
                "marker": str(marker_path(lora)), "time": time.time()}
     atomic_write_json(path, request)
     return request | {"request": str(path)}
@@ -67,8 +67,8 @@ def write_marker(lora: Path, *, renderer: str, pngs: list[Path] | None = None, e
     return marker
 
 
-def requests(run_dir: Path) -> list[Path]:
-    folder = Path(run_dir) / REQUESTS
+def requests(run_dir: Path | RunDir) -> list[Path]:
+    folder = RunDir(run_dir).sample_requests
     return sorted(folder.glob("*.json")) if folder.is_dir() else []
 
 

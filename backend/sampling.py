@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,13 +21,15 @@ from typing import Callable
 import torch
 
 from . import sample_host
-from .cache import CacheStore, file_digest, model_fingerprint, text_key
+from .cache import CacheStore, file_digest, text_key
 from .cache.builder import TextWork, encode_text
 from .cache.keys import caption_image
 from .config import RunConfig, load_run_config
 from .errors import ConfigError
+from .commands import pipetrain_command
 from .fsutil import temp_path_beside
 from .models.registry import adapter_class
+from .rundir import RunDir, cache_folder
 from .runtime import ensure_comfyui
 from .train import distributed
 
@@ -41,14 +42,14 @@ def sample_paths(lora_path: Path, count: int) -> list[Path]:
     return [Path(f"{stem}-sample{i:02d}.png") for i in range(count)]
 
 
-def render_epoch_samples(trainer, lora_path: Path | None, epoch: int) -> None:
-    """Every rank calls this after an epoch LoRA is saved; returns once its samples are announced."""
-    if trainer.cfg.samples is None:
+def render_epoch_samples(cfg: RunConfig, run_dir: RunDir, reporter, is_main: bool, lora_path: Path | None, epoch: int,
+                         step: int, stopping: Callable[[], bool]) -> None:
+    """Every rank calls this after an epoch LoRA is saved; returns once its samples are announced (global rank 0,
+    ``is_main``, renders them or has them rendered; ``stopping``: whether a stop has been asked for)."""
+    if cfg.samples is None:
         return
-    stop_file = trainer.run_dir / "stop"
-    job = EpochSamples(trainer.cfg, trainer.run_dir, trainer.reporter, lora_path, epoch, trainer.global_step,
-                       stopping=lambda: trainer.stop_requested or stop_file.exists())
-    wait_together(job.poll if trainer.rank == 0 and lora_path is not None else None)
+    job = EpochSamples(cfg, run_dir, reporter, lora_path, epoch, step, stopping=stopping)
+    wait_together(job.poll if is_main and lora_path is not None else None)
 
 
 def wait_together(poll: Callable[[], object] | None, interval: float = 0.2, sync_s: float = SYNC_S):
@@ -72,9 +73,9 @@ class EpochSamples:
     ``host_timeout_s`` (warn, render here) | a stop asked for (warn; the request stays for ComfyUI).
     run: ``python -m pipetrain sample`` in a child process -> announce, or warn with its error."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, reporter, lora: Path, epoch: int, step: int,
+    def __init__(self, cfg: RunConfig, run_dir: Path | RunDir, reporter, lora: Path, epoch: int, step: int,
                  stopping: Callable[[], bool] = lambda: False):
-        self.cfg, self.run_dir, self.reporter = cfg, Path(run_dir), reporter
+        self.cfg, self.run_dir, self.reporter = cfg, RunDir(run_dir), reporter
         self.lora, self.epoch, self.step, self.stopping = lora, epoch, step, stopping
         self.proc: subprocess.Popen | None = None
         self.deadline = None
@@ -117,8 +118,8 @@ class EpochSamples:
             sample_host.withdraw(self.run_dir, self.lora)
             sample_host.marker_path(self.lora).unlink(missing_ok=True)
             self.warn(f"{why}; the training run renders them itself")
-        cmd = [sys.executable, "-m", "pipetrain", "sample", str(self.run_dir / "run.toml"), str(self.lora)]
-        with open(self.run_dir / "samples.log", "ab") as out:
+        cmd = pipetrain_command("sample", str(self.run_dir.run_toml), str(self.lora))
+        with open(self.run_dir.samples_log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
     def _poll_run(self) -> str | None:
@@ -126,8 +127,8 @@ class EpochSamples:
             return None
         marker = sample_host.read_marker(self.lora)
         if self.proc.returncode != 0 or marker is None or marker.get("error"):
-            tail = (self.run_dir / "samples.log").read_text(errors="replace").strip().splitlines()[-1:]
-            self.warn(f"sampling failed for epoch {self.epoch}: {tail} (see {self.run_dir / 'samples.log'})")
+            tail = self.run_dir.samples_log.read_text(errors="replace").strip().splitlines()[-1:]
+            self.warn(f"sampling failed for epoch {self.epoch}: {tail} (see {self.run_dir.samples_log})")
             return "failed"
         self.announce(marker)
         return "run"
@@ -159,7 +160,7 @@ def _text(adapter, store: CacheStore, prompt: str, state: dict, control: Path | 
     text encoder reads the control image read ``control`` at the sample ``size`` with it."""
     files = adapter.model_files()["text_encoders"]
     seen = caption_image(adapter, file_digest(control) if control else None, size)
-    key = text_key(prompt, [model_fingerprint(p) for p in files], adapter.arch, seen)
+    key = text_key(prompt, [store.fingerprint(p) for p in files], adapter.arch, seen)
     if not store.has("text", key):
         if "clip" not in state:
             state["clip"] = adapter.load_text_encoders()
@@ -183,7 +184,7 @@ def sample_control(cfg: RunConfig) -> Path:
     controls = sorted(item.control for item in scan_dataset(cfg.dataset_config).items if item.control is not None)
     if not controls:
         raise ConfigError("an edit model's samples need a control image: the dataset has none (control_path)",
-                          file=cfg._file, key="samples")
+                          file=cfg.file, key="samples")
     return controls[0]
 
 
@@ -209,9 +210,9 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     if s.sampler not in comfy.samplers.KSampler.SAMPLERS or s.scheduler not in comfy.samplers.KSampler.SCHEDULERS:
         raise ConfigError(f"unknown sampler/scheduler {s.sampler!r}/{s.scheduler!r}; ComfyUI has "
                           f"{comfy.samplers.KSampler.SAMPLERS} and {comfy.samplers.KSampler.SCHEDULERS}",
-                          file=cfg._file, key="samples.sampler")
+                          file=cfg.file, key="samples.sampler")
     adapter = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
-    store, state = CacheStore(cfg.resolve(cfg.output_dir) / "cache"), {}
+    store, state = CacheStore(cache_folder(cfg.resolve(cfg.output_dir))), {}
     control = sample_control(cfg) if adapter.needs_control else None
     texts = [_text(adapter, store, p, state, control, (s.width, s.height)) for p in [*s.prompts, s.negative_prompt]]
     state.clear()
@@ -254,7 +255,7 @@ def _with_lora(patcher, lora_path: Path):
 def render_and_mark(cfg: RunConfig, lora_path: Path, renderer: str) -> list[Path]:
     """``render``, then the marker beside the LoRA (``sample_host``): the PNGs, or the error."""
     if cfg.samples is None:
-        raise ConfigError("no [samples] table with prompts", file=cfg._file, key="samples")
+        raise ConfigError("no [samples] table with prompts", file=cfg.file, key="samples")
     try:
         pngs = render(cfg, Path(lora_path))
     except Exception as e:

@@ -66,12 +66,12 @@ def check_lora(cfg: RunConfig, lora_path: Path, seed: int = 0) -> LoRACheck:
         patched = comfy_lora_model(base, lora_path)
         keys_loaded = len(patched.patches)
         mm.load_models_gpu([patched], force_full_load=True)
-        adapter.patcher = patched
+        adapter.use_model(patched)
         comfy_out = _reference(adapter, x_t, t, text)
         # unpatching restores the patched weights from backups kept on the offload device (the CPU):
         # bring the whole model back to one device
         patched.unpatch_model(device_to=patched.load_device)
-        adapter.patcher = base
+        adapter.use_model(base)
 
         lora.inject(adapter.diffusion_model, lora.spec_from_config(cfg.adapter), adapter.lora_block_prefixes,
                     cfg.adapter.target_modules)

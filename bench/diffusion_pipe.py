@@ -212,7 +212,7 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
     written = subprocess.run(write, capture_output=True, text=True)
     if written.returncode != 0:
         return {"rc": written.returncode, "stage": "write", "stderr": written.stderr[-3000:]}
-    from pipetrain.backend.launch import free_port
+    from pipetrain.backend.commands import free_port
     from pipetrain.bench.diffusion_pipe_models import model_folder
 
     folder, config = model_folder(case.arch, root, size, case.variant), run_dir / "main.toml"

@@ -32,10 +32,8 @@ def build(arch: str, device: str, dtype: torch.dtype, size: str):
     from pipetrain.backend.models import loading, tiny
     from pipetrain.backend.models.registry import adapter_class, arch_spec
 
-    model_config = loading._model_config(arch, arch_spec(arch).unet_config(size))
-    model_config.set_inference_dtype(dtype, None)
-    model = model_config.get_model({}, "", device=device).to(device)   # some buffers are made on the CPU
-    dm = model.diffusion_model
+    patcher = loading.build_model(arch, arch_spec(arch).unet_config(size), dtype, device)
+    dm = patcher.model.diffusion_model
     inits = {key: init for key, _, init in tiny.tensor_plan(dm)}
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -49,7 +47,7 @@ def build(arch: str, device: str, dtype: torch.dtype, size: str):
                 t.fill_(1.0 if init == "ones" else 0.0)
     adapter = adapter_class(arch)(ModelConfig(type=arch, diffusion_model="unused", vae="unused",
                                               dtype="bfloat16" if dtype == torch.bfloat16 else "float32"))
-    adapter.patcher = type("Patcher", (), {"model": model})()
+    adapter.use_model(patcher)
     return adapter
 
 
@@ -106,7 +104,7 @@ def profile_steps(arch: str, step, out: Path, steps: int = 2) -> dict:
 
 def measure(arch: str, args, device: str = "cuda") -> dict:
     from pipetrain.backend import lora
-    from pipetrain.backend.models.checkpointing import thin_checkpointing
+    from pipetrain.backend.models.checkpointing import apply_checkpointing
 
     gc.collect()                          # the previous model's weights must be gone before the peak is reset
     torch.cuda.empty_cache()
@@ -116,8 +114,8 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     dm = adapter.diffusion_model
     params_b = sum(p.numel() for p in dm.parameters()) / 1e9
     lora.inject(dm, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
-    layers = adapter.to_layers(args.checkpointing)
-    thin_checkpointing(layers, args.checkpoint_fraction)
+    layers = adapter.to_layers()
+    apply_checkpointing(layers, args.checkpointing, args.checkpoint_fraction)
     if args.compile:
         adapter.compile(layers, checkpoint_inside=not args.compile_inside_checkpoint, memory_budget=args.memory_budget)
     trainable = lora.trainable_parameters(dm)

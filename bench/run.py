@@ -52,6 +52,7 @@ class Case:
     checkpoint_fraction: float = 1.0  # with checkpointing: the share of blocks checkpointed
     lora_dtype: str | None = None     # [adapter] dtype; None: PipeTrain's default (float32 weights and AdamW states)
     memory_budget: float | None = None  # with compile: activation_memory_budget
+    fp8_compute: bool = False         # frozen base linears multiply in FP8 (bench/fp8_gate.py: its quality gate)
 
 
 def _wan_1_3b() -> dict:
@@ -63,6 +64,7 @@ VARIANTS = {"wan-1.3b": _wan_1_3b}    # name -> the diffusion model's unet_confi
 
 CASES = {
     "flux-1024": Case("flux", 1024, 1, bare_case="flux", native_case="flux"),
+    "flux-1024-compile-fp8": Case("flux", 1024, 1, compile=True, fp8_compute=True, bare_case="flux"),
     "flux-1024-ckpt": Case("flux", 1024, 1, checkpointing=True, native_case="flux"),
     "flux-1024-compile": Case("flux", 1024, 1, compile=True, bare_case="flux", native_case="flux"),
     "flux-1024-ckpt-compile": Case("flux", 1024, 1, checkpointing=True, compile=True, native_case="flux"),
@@ -176,6 +178,7 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
            "activation_checkpointing": case.checkpointing, "compile": case.compile, "run_name": "bench",
            "activation_checkpointing_fraction": case.checkpoint_fraction,
            **({"activation_memory_budget": case.memory_budget} if case.memory_budget is not None else {}),
+           **({"fp8_compute": True} if case.fp8_compute else {}),
            "model": {"type": case.arch, "diffusion_model": files["diffusion_model"], "vae": files["vae"],
                      "text_encoders": files["text_encoders"], "dtype": "bfloat16"},
            "adapter": {"rank": 32, "alpha": 32.0, **({"dtype": case.lora_dtype} if case.lora_dtype else {})},
@@ -190,7 +193,8 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
     """The case through ``pipetrain train`` under DeepSpeed's launcher; with ``profile``, the PROFILED_STEPS steps
     after warm-up are also recorded there with torch.profiler and as many after them sampled on the host
     (``PIPETRAIN_PROFILE``), all left out of the timing."""
-    from pipetrain.backend.launch import deepspeed_command
+    from pipetrain.backend.commands import deepspeed_command
+    from pipetrain.backend.rundir import RunDir
     from pipetrain.backend.train.profiling import ENV, recorded_steps
 
     config = write_config(name, case, files, root, steps, **overrides)
@@ -199,7 +203,7 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
     with open(log, "w") as f:
         env = {**os.environ, **({ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {})}
         rc = subprocess.run(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    events_file = config.parent / "output" / "bench" / "events.jsonl"
+    events_file = RunDir(config.parent / "output" / "bench").events_file
     events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
     steps_ = [e for e in events if e["type"] == "step"][warmup:]
     profiled = [{k: e[k] for k in ("wall_ms_per_step", "kernel_busy_ms_per_step", "gpu_busy", "host_ms_per_step")

@@ -2,7 +2,8 @@
 """Caching alone, for the Cache node: ``python -m pipetrain cache run.toml`` as a child process.
 
 The config goes to ``<runs root>/.cache-jobs/<hash of the specs>/`` (the same dataset gives the same
-folder, so the backend reuses its manifest); progress comes from ``<runs root>/cache/events.jsonl``.
+folder, so the backend reuses its manifest); progress comes from the events of ``<runs root>/cache/``
+(``RunsRoot.cache``).
 The cache is content-addressed, so a second call with nothing changed encodes nothing.
 """
 from __future__ import annotations
@@ -15,9 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..backend.errors import CacheError
+from ..backend.rundir import RunDir, RunsRoot
 from .build import write_config
 from .procs import child_env, python_argv, spawn
-from .registry import read_events
 from .specs import TrainSpec
 
 Progress = Callable[[str, int, int], None]
@@ -34,16 +35,16 @@ def run_cache(spec: TrainSpec, runs_root: Path, *, comfyui_root: Path | None, pr
     runs_root = Path(runs_root)
     folder = job_dir(runs_root, spec)
     run_toml = write_config(spec, folder, output_dir=runs_root, run_name=None, lora_dir=None)
-    events_path = runs_root / "cache" / "events.jsonl"
-    offset = events_path.stat().st_size if events_path.exists() else 0
-    log = folder / "log.txt"
+    cache = RunsRoot(runs_root).cache
+    offset = cache.events_file.stat().st_size if cache.events_file.exists() else 0
+    log = RunDir(folder).log_file
     log.write_bytes(b"")
-    env = child_env(runs_root / ".pythonpath", comfyui_root)
+    env = child_env(comfyui_root)
     ref = spawn(python_argv("cache", str(run_toml)), cwd=folder, log_path=log, env=env)
     result: dict = {}
     while True:
         done = not ref.leader_alive()
-        events, offset = read_events(events_path, offset)
+        events, offset = cache.read_events(offset)
         for e in events:
             if e.get("type") == "cache":
                 progress(str(e.get("kind", "")), int(e.get("done", 0)), int(e.get("total", 0)))

@@ -70,8 +70,21 @@ def install() -> None:
         return
     server = PromptServer.instance
     add_routes(server.routes, get_launcher)
+    _guard_runs_folder(server.app)
     host = SampleHost(get_launcher().dirs, queue_prompt)
     _relay = EventRelay(get_launcher(), server.send_sync, sample_host=host).start()
+
+
+def _guard_runs_folder(app) -> None:
+    """ComfyUI's file routes serve and write ``output/``; never the runs folder (``runs_guard.py``)."""
+    import folder_paths
+
+    from .runs_guard import runs_folder_guard
+
+    try:     # custom nodes load before the server starts, while middlewares can still be added
+        app.middlewares.append(runs_folder_guard(lambda: [runs_root()], folder_paths.get_directory_by_type))
+    except RuntimeError:
+        log.warning("pipetrain: could not guard the runs folder from ComfyUI's file routes (the server had started)")
 
 
 def queue_prompt(graph: dict, timeout: float = 60.0) -> str | None:

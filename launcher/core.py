@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """The launcher: a small state machine over run directories.
 
-It starts runs detached, records their process in ``launcher.json`` (atomically), finds live runs
+It starts runs detached, records their process in the run folder's ``launcher.json`` (atomically), finds live runs
 again after a ComfyUI restart, stops them gracefully and refuses a run on GPUs that a live run holds.
 A run is "stopped" only once its processes are gone.
 
@@ -27,10 +27,11 @@ from typing import Callable
 from ..backend.cluster import launch_environment, node_commands, prepare_run_folder, read_hosts
 from ..backend.config import load_run_config
 from ..backend.errors import PipeTrainError
+from ..backend.rundir import RunDir, RunsRoot, new_run_id
 from .build import write_config
-from .cluster import cluster_hosts, join_command, local_devices
+from .cluster_form import cluster_hosts, join_command, local_devices
 from .procs import ProcessRef, child_env, deepspeed_argv, package_path, spawn
-from .registry import RunDirs, details, new_run_id, read_json, summarize, write_launcher_info
+from .summaries import details, file_identity, summarize
 from .specs import TrainSpec
 
 
@@ -42,7 +43,7 @@ class Launcher:
     def __init__(self, runs_root: Path, *, lora_root: Path | None = None, comfyui_root: Path | None = None,
                  before_launch: Callable[[tuple[int, ...]], None] | None = None,
                  stop_timeout: float = 300.0, kill_timeout: float = 60.0):
-        self.dirs = RunDirs(runs_root)
+        self.dirs = RunsRoot(runs_root)
         self.dirs.root.mkdir(parents=True, exist_ok=True)
         self.lora_root = Path(lora_root) if lora_root else None
         self.comfyui_root = comfyui_root
@@ -51,7 +52,7 @@ class Launcher:
         self.procs: dict[str, ProcessRef] = {}   # runs whose processes may be alive
         # runs found without a live process, with their launcher.json's identity then: another launcher (the CLI,
         # a second ComfyUI) may record a process for the run later, and a rewritten file means look again
-        self.dead: dict[str, tuple[int, int] | None] = {}
+        self.dead: dict[str, list[int] | None] = {}
         self.deadlines: dict[str, tuple[float, int]] = {}   # run id -> (when, signal to send)
         self.lock = threading.RLock()
         self.reattach()
@@ -70,10 +71,10 @@ class Launcher:
         """Whether the run's processes are running; a run never seen before is looked up in its files."""
         with self.lock:
             ref = self.procs.get(run_id)
-            info_path = self.dirs.path(run_id) / "launcher.json"
-            recorded = _identity(info_path)
+            run = self.dirs.run(run_id)
+            recorded = file_identity(run.launcher_file)
             if ref is None and (run_id not in self.dead or self.dead[run_id] != recorded):
-                ref = ProcessRef.from_dict(read_json(info_path).get("process", {}))
+                ref = ProcessRef.from_dict(run.read_launcher().get("process", {}))
                 if ref is not None:
                     self.procs[run_id] = ref
             if ref is not None and ref.alive():
@@ -87,7 +88,7 @@ class Launcher:
         with self.lock:
             for run_id in self.dirs.ids():
                 if self.alive(run_id):
-                    for gpu in read_json(self.dirs.path(run_id) / "launcher.json").get("gpus", []):
+                    for gpu in self.dirs.run(run_id).read_launcher().get("gpus", []):
                         held[int(gpu)] = run_id
         return held
 
@@ -98,11 +99,11 @@ class Launcher:
         self._require(run_id)
         return details(self.dirs, run_id, self.alive(run_id))
 
-    def _require(self, run_id: str) -> Path:
-        path = self.dirs.path(run_id)          # RunIdError on a bad id
+    def _require(self, run_id: str) -> RunDir:
+        run = self.dirs.run(run_id)          # RunIdError on a bad id
         if not self.dirs.exists(run_id):
             raise KeyError(run_id)
-        return path
+        return run
 
     # --- starting ----------------------------------------------------------------------------
     def start(self, spec: TrainSpec, name: str = "") -> str:
@@ -110,29 +111,58 @@ class Launcher:
         cluster = spec.parallelism.cluster
         devices = local_devices(cluster.launcher, cluster_hosts(cluster)) if cluster else spec.parallelism.devices
         self._refuse_held(devices)
+        env, info = self._comfyui_for(spec.model_type) if cluster is None else (None, {})
         run_id = new_run_id(name)
-        run_dir = self.dirs.path(run_id)
+        run_dir = self.dirs.run(run_id)
         lora_dir = self.lora_root / run_id if self.lora_root else None
-        run_toml = write_config(spec, run_dir, output_dir=self.dirs.root, run_name=run_id, lora_dir=lora_dir)
+        run_toml = write_config(spec, run_dir.path, output_dir=self.dirs.root, run_name=run_id, lora_dir=lora_dir)
+        run_dir.claim_format()
         if cluster is not None:
             self._launch_cluster(run_id, run_toml, resume=False, name=name or run_id)
         else:
-            self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id)
+            self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id, env=env,
+                        info=info)
         return run_id
 
+    def _comfyui_for(self, model_type: str) -> tuple[dict[str, str] | None, dict]:
+        """Which ComfyUI trains the run (``backend/fallback.py``), decided once here for its ranks and recorded
+        for the Train node; a refusal raises. Where it cannot be decided here, each rank decides."""
+        import json
+
+        from ..backend.fallback import CHOICE_ENV, choose_comfyui
+
+        try:
+            choice = choose_comfyui(model_type, self.comfyui_root)
+        except PipeTrainError:
+            return None, {}
+        if choice.refused:   # before the run exists: nothing is written
+            raise LauncherError(choice.refused)
+        env = child_env(Path(choice.path)) | {CHOICE_ENV: json.dumps(choice.event())}
+        return env, {"comfyui": {"path": choice.path, "version": choice.version, "pinned": choice.pinned,
+                                 "reason": choice.reason}}
+
     def resume(self, run_id: str) -> None:
+        with self.lock:     # two Resume clicks at once: the second finds the first one's process alive
+            self._resume(run_id)
+
+    def _resume(self, run_id: str) -> None:
         run_dir = self._require(run_id)
         if self.alive(run_id):
             raise LauncherError(f"run {run_id} is still running")
-        info = read_json(run_dir / "launcher.json")
-        if not summarize(self.dirs, run_id, False)["resumable"]:
+        run_dir.check_format()
+        info = run_dir.read_launcher()
+        summary = summarize(self.dirs, run_id, False)
+        if run_dir.read_status().get("state") == "finished":
+            raise LauncherError(f"run {run_id} has finished: every epoch is trained and saved; start a new run to "
+                                "train more")
+        if not summary["resumable"]:
             raise LauncherError(f"run {run_id} has no checkpoint to resume from")
-        (run_dir / "stop").unlink(missing_ok=True)
+        run_dir.clear_stop()
         if info.get("cluster"):
-            self._launch_cluster(run_id, run_dir / "run.toml", resume=True, name=info.get("name", run_id))
+            self._launch_cluster(run_id, run_dir.run_toml, resume=True, name=info.get("name", run_id))
             return
         devices = tuple(info.get("gpus") or (0,))
-        self.launch(run_id, deepspeed_argv("train", run_dir / "run.toml", devices, ["--resume", run_id]), devices,
+        self.launch(run_id, deepspeed_argv("train", run_dir.run_toml, devices, ["--resume", run_id]), devices,
                     name=info.get("name", run_id))
 
     def _refuse_held(self, devices) -> None:
@@ -159,16 +189,20 @@ class Launcher:
         cluster = {"launcher": cc.launcher, "hosts": [f"{h}:{s}" for h, s in hosts], "master_addr": cc.master_addr,
                    "master_port": cc.master_port}
         if others:
-            with open(run_toml.parent / "log.txt", "a") as log:
+            with open(RunDir(run_toml.parent).log_file, "a") as log:
                 log.write(f"[pipetrain] {nodes_text(cluster, others)}\n")
-        env = child_env(shim, self.comfyui_root, base=launch_environment(cfg))
+        env = child_env(self.comfyui_root, base=launch_environment(cfg))
         return self.launch(run_id, commands[0].argv, local_devices(cc.launcher, hosts), name=name, env=env,
                            info={"cluster": cluster, "node_commands": others})
 
     def where(self, run_id: str) -> str:
         """Where a started run runs, for the Train node: its GPUs, or its nodes and the commands left to run."""
-        info = read_json(self._require(run_id) / "launcher.json")
+        info = self._require(run_id).read_launcher()
         if not info.get("cluster"):
+            comfyui = info.get("comfyui") or {}
+            if comfyui.get("pinned"):
+                return (f"on GPU(s) {info.get('gpus', [])}, with PipeTrain's pinned ComfyUI {comfyui.get('version')} "
+                        f"({comfyui.get('reason')})")
             return f"on GPU(s) {info.get('gpus', [])}"
         return nodes_text(info["cluster"], info.get("node_commands") or [], info.get("gpus", []))
 
@@ -178,18 +212,20 @@ class Launcher:
         the default child environment; ``info`` adds fields to ``launcher.json``."""
         with self.lock:
             self._refuse_held(devices)
-            run_dir = self.dirs.path(run_id)
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run_dir = self.dirs.run(run_id)
+            run_dir.path.mkdir(parents=True, exist_ok=True)
             if self.before_launch is not None:
                 self.before_launch(tuple(devices))
-            old = read_json(run_dir / "launcher.json")
-            log = run_dir / "log.txt"
-            env = env or child_env(self.dirs.root / ".pythonpath", self.comfyui_root)
-            ref = spawn(argv, cwd=run_dir, log_path=log, env=env)
-            write_launcher_info(run_dir, {
+            old = run_dir.read_launcher()
+            status_before = file_identity(run_dir.status_file)   # until it changes, the status is the old one
+            log = run_dir.log_file
+            env = env or child_env(self.comfyui_root)
+            ref = spawn(argv, cwd=run_dir.path, log_path=log, env=env)
+            run_dir.write_launcher({
                 "id": run_id, "name": name or old.get("name") or run_id, "created": old.get("created", time.time()),
                 "launched": time.time(), "launches": old.get("launches", 0) + 1, "command": argv,
-                "gpus": list(devices), "log": str(log), "process": ref.as_dict(), **(info or {})})
+                "gpus": list(devices), "log": str(log), "process": ref.as_dict(), "status_before": status_before,
+                **(info or {})})
             self.procs[run_id] = ref
             self.dead.pop(run_id, None)
             self.deadlines.pop(run_id, None)
@@ -204,7 +240,7 @@ class Launcher:
         if kill:
             return self.kill(run_id)
         with self.lock:
-            (run_dir / "stop").touch()
+            run_dir.request_stop()
             self._update_info(run_dir, stop_requested=time.time())
             # a second Stop keeps the first one's escalation time
             self.deadlines.setdefault(run_id, (time.monotonic() + self.stop_timeout, signal.SIGTERM))
@@ -249,22 +285,13 @@ class Launcher:
                     if sig == signal.SIGTERM:
                         self.deadlines[run_id] = (now + self.kill_timeout, signal.SIGKILL)
                     else:
-                        self._update_info(self.dirs.path(run_id), killed=time.time())
+                        self._update_info(self.dirs.run(run_id), killed=time.time())
                         self.deadlines.pop(run_id, None)
 
-    def _update_info(self, run_dir: Path, **fields) -> None:
-        info = read_json(run_dir / "launcher.json")
+    def _update_info(self, run_dir: RunDir, **fields) -> None:
+        info = run_dir.read_launcher()
         info.update(fields)
-        write_launcher_info(run_dir, info)
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    """Changes whenever the file is rewritten (atomic writes give it a new inode)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns
+        run_dir.write_launcher(info)
 
 
 def nodes_text(cluster: dict, joins: list[dict], gpus: list[int] | None = None) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +111,8 @@ def spawn(argv: list[str], *, cwd: Path, log_path: Path, env: dict[str, str]) ->
 
 
 def package_path(shim_dir: Path) -> str:
-    """A folder to put on PYTHONPATH so that ``import pipetrain`` finds this repository."""
+    """A folder to put on PYTHONPATH so that ``import pipetrain`` finds this repository (for the commands a multi-node
+    run prints for its other nodes; PipeTrain's own processes need none)."""
     if REPO.name == "pipetrain":
         return str(REPO.parent)
     shim_dir.mkdir(parents=True, exist_ok=True)
@@ -125,20 +125,22 @@ def package_path(shim_dir: Path) -> str:
     return str(shim_dir)
 
 
-def child_env(shim_dir: Path, comfyui_root: Path | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) + the package on PYTHONPATH and ComfyUI's location."""
+def child_env(comfyui_root: Path | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) + ComfyUI's location. The package needs no PYTHONPATH:
+    children run the entry file by its path (``backend.commands.pipetrain_command``)."""
     env = dict(os.environ if base is None else base)
-    paths = [package_path(shim_dir)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if comfyui_root is not None:
         env["COMFYUI_PATH"] = str(comfyui_root)
     env["PYTHONUNBUFFERED"] = "1"
+    # ``python -m`` would put the working folder (the run folder) first on sys.path, in the launcher and in every
+    # rank it starts: nothing in a run folder is ever imported
+    env["PYTHONSAFEPATH"] = "1"
     return env
 
 
 def deepspeed_argv(command: str, config: Path, devices: tuple[int, ...], extra: list[str] = ()) -> list[str]:
-    """``deepspeed --num_gpus N --module pipetrain COMMAND CONFIG ...`` (``--include`` for other GPU ids)."""
-    from ..backend.launch import deepspeed_command
+    """``deepspeed --num_gpus N pipetrain COMMAND CONFIG ...`` (``--include`` for other GPU ids)."""
+    from ..backend.commands import deepspeed_command
 
     if tuple(devices) == tuple(range(len(devices))):
         return deepspeed_command(command, config, len(devices), list(extra))
@@ -148,4 +150,6 @@ def deepspeed_argv(command: str, config: Path, devices: tuple[int, ...], extra: 
 
 
 def python_argv(*args: str) -> list[str]:
-    return [sys.executable, "-u", "-m", "pipetrain", *args]
+    from ..backend.commands import pipetrain_command
+
+    return pipetrain_command(*args)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .core import Launcher
-from .registry import read_events, summarize
+from .summaries import summarize
 from .samples import SampleHost
 
 log = logging.getLogger("pipetrain")
@@ -33,7 +33,7 @@ class EventRelay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for run_id in launcher.dirs.ids():        # history is served by the routes, not replayed
-            self.offsets[run_id] = _size(launcher.dirs.path(run_id) / "events.jsonl")
+            self.offsets[run_id] = _size(launcher.dirs.run(run_id).events_file)
 
     def start(self) -> "EventRelay":
         self._thread = threading.Thread(target=self._run, name="pipetrain-relay", daemon=True)
@@ -58,8 +58,7 @@ class EventRelay:
         sent = 0
         new_events = {}
         for run_id in self.launcher.dirs.ids():
-            path = self.launcher.dirs.path(run_id) / "events.jsonl"
-            events, self.offsets[run_id] = read_events(path, self.offsets.get(run_id, 0))
+            events, self.offsets[run_id] = self.launcher.dirs.run(run_id).read_events(self.offsets.get(run_id, 0))
             new_events[run_id] = events
             summary = summarize(self.launcher.dirs, run_id, self.launcher.alive(run_id))
             key = (summary["state"], summary["alive"], summary["step"], len(summary["loras"]))

@@ -1,36 +1,70 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """HTTP routes under ``/pipetrain``: list runs, one run, stop, resume, an epoch's sample images.
 
-Run ids are checked by ``registry.check_run_id`` and the resolved folder must sit directly in the runs
-root: a bad id is a 400, an unknown one a 404. State changes are POSTs.
+Run ids are checked by ``backend.rundir.check_run_id`` and the resolved folder must sit directly in the runs
+root: a bad id is a 400, an unknown one a 404. State changes are POSTs whose body, if any, is a small JSON
+object: anything else (not JSON, not an object, nested past what ``json`` can parse, larger than
+``MAX_BODY``) is a 400 or 413 naming the problem, never a traceback. A refused state change is a 409.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Callable
 
 from aiohttp import web
 
 from ..backend.errors import PipeTrainError
+from ..backend.rundir import RunIdError
 from .core import Launcher
-from .registry import RunIdError, sample_file
+from .summaries import sample_file
+
+
+MAX_BODY = 16 * 1024          # {"kill": true} is all a body carries
+
+
+class BodyError(ValueError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+async def _body(request: web.Request) -> dict:
+    """The POST body as a dict ({} when empty); ``BodyError`` for anything else."""
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise BodyError(413, f"request body larger than {MAX_BODY} bytes")
+    data = b""
+    while len(data) <= MAX_BODY:          # read() may return less than asked: read to the end or past the limit
+        chunk = await request.content.read(MAX_BODY + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    if len(data) > MAX_BODY:
+        raise BodyError(413, f"request body larger than {MAX_BODY} bytes")
+    if not data.strip():
+        return {}
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):  # RecursionError: a deeply nested body
+        raise BodyError(400, "request body is not a JSON object (send {} or {\"kill\": true})") from None
+    if not isinstance(body, dict):
+        raise BodyError(400, "request body must be a JSON object, e.g. {\"kill\": true}")
+    return body
+
+
 def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) -> None:
     def guarded(action):
         async def handler(request: web.Request) -> web.Response:
             run_id = request.match_info.get("run_id", "")
-            body = {}
-            if request.method == "POST" and request.can_read_body:
-                try:
-                    body = await request.json()
-                except ValueError:
-                    body = {}
-            args = dict(request.query) | (body if isinstance(body, dict) else {})
+            try:
+                body = await _body(request) if request.method == "POST" and request.can_read_body else {}
+            except BodyError as e:
+                return _error(e.status, str(e))
+            args = dict(request.query) | body
             loop = asyncio.get_running_loop()
             try:  # file I/O and process waits stay off the event loop
                 return web.json_response(await loop.run_in_executor(None, action, get_launcher(), run_id, args))

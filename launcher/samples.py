@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..backend import sample_host
 from ..backend.errors import PipeTrainError
-from .registry import RunDirs
+from ..backend.rundir import RunsRoot
 
 log = logging.getLogger("pipetrain")
 SAMPLES_NODE = "PipeTrainEpochSamples"
@@ -27,11 +27,11 @@ class SampleRequestError(PipeTrainError):
     pass
 
 
-def request_file(dirs: RunDirs, run_id: str, request: str) -> Path:
+def request_file(dirs: RunsRoot, run_id: str, request: str) -> Path:
     """The request ``request`` (a LoRA stem) of run ``run_id``; only files inside the runs root."""
-    if not sample_host.NAME.match(request or "") or ".." in request:
+    if not sample_host.NAME.fullmatch(request or "") or ".." in request:
         raise SampleRequestError(f"invalid sample request name {request!r}")
-    path = dirs.path(run_id) / sample_host.REQUESTS / f"{request}.json"
+    path = dirs.run(run_id).sample_requests / f"{request}.json"
     if not path.is_file():
         raise SampleRequestError(f"run {run_id} has no sample request {request!r} ({path})")
     return path
@@ -42,7 +42,7 @@ def sampling_graph(run_id: str, request: str) -> dict:
     return {"1": {"class_type": SAMPLES_NODE, "inputs": {"run_id": run_id, "request": request}}}
 
 
-def fulfil_request(dirs: RunDirs, run_id: str, request: str):
+def fulfil_request(dirs: RunsRoot, run_id: str, request: str):
     """Render (or read back) a request's samples here; returns (PNG paths, IMAGE tensor [B, H, W, 3])."""
     from ..backend.sampling import fulfil
 
@@ -63,7 +63,7 @@ class SampleHost:
     """Queues a prompt for each sample request of the runs under ``dirs``; ``queue(graph)`` returns the
     prompt id, or None when ComfyUI is not ready yet (the request is tried again next tick)."""
 
-    def __init__(self, dirs: RunDirs, queue: Callable[[dict], str | None], rescan_s: float = 30.0):
+    def __init__(self, dirs: RunsRoot, queue: Callable[[dict], str | None], rescan_s: float = 30.0):
         self.dirs = dirs
         self.queue = queue
         self.rescan_s = rescan_s
@@ -80,7 +80,7 @@ class SampleHost:
         if time.monotonic() >= self.next_scan:
             self.next_scan = time.monotonic() + self.rescan_s
             for run_id in self.dirs.ids():
-                self.waiting.update((run_id, p.stem) for p in sample_host.pending(self.dirs.path(run_id)))
+                self.waiting.update((run_id, p.stem) for p in sample_host.pending(self.dirs.run(run_id)))
         return [pid for item in sorted(self.waiting) if (pid := self._queue(*item))]
 
     def _queue(self, run_id: str, request: str) -> str | None:

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""ComfyUI V3 nodes: forms that validate their inputs and return typed specs (``launcher.specs``)."""
+"""ComfyUI V3 nodes: forms that validate their inputs and return run keys (``backend/config/patch.py``, each
+widget starting at its key's config default) or, for what exists in the UI alone, specs (``launcher.specs``)."""
 from comfy_api.latest import ComfyExtension, io
 
 from .data import DatasetNode, ModelNode

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
+from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
-from ..launcher.build import check_dataset_folder
-from ..launcher.specs import DatasetSpec, DirectorySpec, ModelSpec
+from ..launcher.build import check_caption_extension, check_dataset_folder
+from ..launcher.specs import DatasetSpec
 from . import types as t
+from .widgets import DATASET, choices, start
 
 WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
-COMPUTE_DTYPES = ["bfloat16", "float16", "float32"]
+COMPUTE_DTYPES = choices("model.dtype")
 CKPT_PREFIX = "checkpoints/"
 NONE = "none"
 
@@ -43,6 +45,28 @@ def parse_resolutions(text: str) -> tuple[int, ...]:
     return values
 
 
+def dataset_input_error(folder=None, resolutions=None, caption_extension=None, frame_buckets=None,
+                        control_folder=None) -> str | None:
+    """What is wrong with the Dataset node's inputs given (None: not checked), or None."""
+    try:
+        if caption_extension is not None:   # a file ending, never a path (the backend's rule)
+            check_caption_extension(caption_extension, "the Dataset node", "caption_extension")
+        if folder is not None:
+            check_dataset_folder(dataset_folder(folder), caption_extension or ".txt")
+        if control_folder and control_folder.strip() and not dataset_folder(control_folder).is_dir():
+            return (f"control_folder {control_folder!r}: {dataset_folder(control_folder)} is not a folder; pick "
+                    "the folder of control images under ComfyUI's input directory or type an absolute path")
+        if resolutions is not None:
+            parse_resolutions(resolutions)
+        if frame_buckets is not None:
+            parse_frame_buckets(frame_buckets)
+    except (PipeTrainError, ValueError) as e:
+        return str(e)
+    except OSError as e:     # a path the system refuses (too long, no permission)
+        return f"folder: {e.strerror}"
+    return None
+
+
 class DatasetNode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -52,28 +76,41 @@ class DatasetNode(io.ComfyNode):
             inputs=[
                 io.String.Input("folder", default="", tooltip="Folder of images (+ captions): a path under ComfyUI's "
                                 "input directory, or an absolute path"),
-                io.String.Input("resolutions", default="512", tooltip="Training side length(s) in pixels, comma "
+                io.String.Input("resolutions", default=", ".join(map(str, start("resolutions", DATASET))),
+                                tooltip="Training side length(s) in pixels, comma "
                                 "separated multiples of 64; each image trains at every resolution"),
-                io.Boolean.Input("enable_ar_bucket", default=True, tooltip="Group images by aspect ratio instead of "
+                io.Boolean.Input("enable_ar_bucket", default=start("enable_ar_bucket", DATASET),
+                                 tooltip="Group images by aspect ratio instead of "
                                  "cropping them square"),
-                io.Float.Input("min_ar", default=0.5, min=0.1, max=1.0, step=0.05, tooltip="Smallest aspect ratio "
+                io.Float.Input("min_ar", default=start("min_ar", DATASET), min=0.1, max=1.0, step=0.05,
+                               tooltip="Smallest aspect ratio "
                                "(width/height) of a bucket"),
-                io.Float.Input("max_ar", default=2.0, min=1.0, max=10.0, step=0.05, tooltip="Largest aspect ratio "
+                io.Float.Input("max_ar", default=start("max_ar", DATASET), min=1.0, max=10.0, step=0.05,
+                               tooltip="Largest aspect ratio "
                                "(width/height) of a bucket"),
-                io.Int.Input("num_ar_buckets", default=7, min=1, max=64, tooltip="Number of aspect-ratio buckets"),
-                io.Int.Input("num_repeats", default=1, min=1, max=1000, tooltip="How often each image of this folder "
+                io.Int.Input("num_ar_buckets", default=start("num_ar_buckets", DATASET), min=1, max=64,
+                             tooltip="Number of aspect-ratio buckets"),
+                io.Int.Input("num_repeats", default=start("num_repeats", DATASET), min=1, max=1000,
+                             tooltip="How often each image of this folder "
                              "is seen per epoch"),
-                io.String.Input("caption_extension", default=".txt", tooltip="Extension of the caption file beside "
+                io.String.Input("caption_extension", default=start("caption_extension", DATASET),
+                                tooltip="Extension of the caption file beside "
                                 "each image (a missing caption trains with an empty one)"),
-                io.String.Input("caption_prefix", optional=True, default="", tooltip="Text put before every caption of this "
+                io.String.Input("caption_prefix", optional=True, default=start("caption_prefix", DATASET),
+                                tooltip="Text put before every caption of this "
                                 "folder, e.g. a trigger word 'sks, ' (outside any tag shuffling)"),
-                io.Boolean.Input("shuffle_tags", optional=True, default=False, tooltip="Train on a copy of each caption with its "
+                io.Boolean.Input("shuffle_tags", optional=True, default=start("shuffle_tags", DATASET),
+                                 tooltip="Train on a copy of each caption with its "
                                  "comma-separated tags shuffled (the same as 1 shuffled variant)"),
-                io.Int.Input("cache_shuffle_num", optional=True, default=0, min=0, max=64, tooltip="Tag-shuffled variants of each "
+                io.Int.Input("cache_shuffle_num", optional=True, default=start("cache_shuffle_num", DATASET), min=0,
+                             max=64, tooltip="Tag-shuffled variants of each "
                              "caption, each trained as its own example (0: the caption as written)"),
-                io.String.Input("frame_buckets", optional=True, default="1", tooltip="Video models: clip lengths in frames, comma "
+                io.String.Input("frame_buckets", optional=True,
+                                default=", ".join(map(str, start("frame_buckets", DATASET))),
+                                tooltip="Video models: clip lengths in frames, comma "
                                 "separated (Wan: 4k+1, e.g. 1, 33, 65); each video trains as the longest it fills"),
-                io.Float.Input("uncond_fraction", optional=True, default=0.0, min=0.0, max=0.99, step=0.01, tooltip="Caption "
+                io.Float.Input("uncond_fraction", optional=True, default=start("uncond_fraction"), min=0.0, max=0.99,
+                               step=0.01, tooltip="Caption "
                                "dropout: train this fraction of samples with the empty caption (the run uses the "
                                "training dataset's value; an eval dataset's is ignored)"),
                 io.String.Input("control_folder", optional=True, default="", tooltip="Edit models (Flux Kontext, "
@@ -81,37 +118,47 @@ class DatasetNode(io.ComfyNode):
                                 "image (a.png <-> a.jpg); under ComfyUI's input directory or an absolute path. "
                                 "Leave empty for other models"),
                 t.Dataset.Input("previous", optional=True, tooltip="Another PipeTrain Dataset to add this folder to"),
+                io.Boolean.Input("skip_empty_caption", optional=True, default=start("skip_empty_caption", DATASET),
+                                 tooltip="Leave out images without a caption (else they train with an empty one)"),
+                io.String.Input("cache_shuffle_delimiter", optional=True,
+                                default=start("cache_shuffle_delimiter", DATASET), tooltip="What separates the tags "
+                                "that shuffle_tags and cache_shuffle_num shuffle"),
+                io.Combo.Input("on_unreadable", optional=True, options=choices("on_unreadable", DATASET),
+                               default=start("on_unreadable", DATASET), tooltip="An image or video that cannot be "
+                               "read: skip it (listed in the log) or stop with an error"),
+                io.Int.Input("caching_batch_size", optional=True, default=start("caching_batch_size"), min=1, max=256,
+                             tooltip="Images encoded at once when the latents are cached (the training dataset's "
+                             "value counts)"),
             ],
             outputs=[t.Dataset.Output(display_name="dataset")],
         )
 
     @classmethod
-    def validate_inputs(cls, folder=None, resolutions=None, caption_extension=None, frame_buckets=None,
-                        control_folder=None):
-        try:
-            if folder is not None:
-                check_dataset_folder(dataset_folder(folder), caption_extension or ".txt")
-            if control_folder and control_folder.strip() and not dataset_folder(control_folder).is_dir():
-                return (f"control_folder {control_folder!r}: {dataset_folder(control_folder)} is not a folder; pick "
-                        "the folder of control images under ComfyUI's input directory or type an absolute path")
-            if resolutions is not None:
-                parse_resolutions(resolutions)
-            if frame_buckets is not None:
-                parse_frame_buckets(frame_buckets)
-        except (PipeTrainError, ValueError) as e:
-            return str(e)
-        return True
+    def validate_inputs(cls, folder=None):
+        # Only the folder at queue time: ComfyUI repeats a failed check's message once per input this method names
+        # (a missing folder came 5 times). The rest is checked when the node runs, before the Cache and Train nodes
+        # that take its output.
+        return dataset_input_error(folder=folder) or True
 
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
-                caption_extension, caption_prefix="", shuffle_tags=False, cache_shuffle_num=0, frame_buckets="1",
-                uncond_fraction=0.0, control_folder="", previous=None) -> io.NodeOutput:
+                caption_extension, frame_buckets=None, uncond_fraction=None, control_folder="", previous=None,
+                on_unreadable=None, caching_batch_size=None, **directory_keys) -> io.NodeOutput:
+        frame_buckets = frame_buckets or ", ".join(map(str, start("frame_buckets", DATASET)))
+        error = dataset_input_error(folder, resolutions, caption_extension, frame_buckets, control_folder)
+        if error:
+            raise ValueError(error)
         res = parse_resolutions(resolutions)
         ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
-        control = str(dataset_folder(control_folder)) if control_folder.strip() else ""
-        directory = DirectorySpec(str(dataset_folder(folder)), num_repeats, res, ext, caption_prefix, shuffle_tags,
-                                  cache_shuffle_num, parse_frame_buckets(frame_buckets), control)
-        spec = DatasetSpec((directory,), res, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, uncond_fraction)
+        control = str(dataset_folder(control_folder)) if control_folder.strip() else None
+        # caption_prefix, shuffle_tags, cache_shuffle_num, skip_empty_caption, cache_shuffle_delimiter: as named
+        directory = RunPatch.of({**directory_keys, "path": str(dataset_folder(folder)), "num_repeats": num_repeats,
+                                 "resolutions": res, "caption_extension": ext,
+                                 "frame_buckets": parse_frame_buckets(frame_buckets), "control_path": control})
+        shared = RunPatch.of(dict(resolutions=res, enable_ar_bucket=enable_ar_bucket, min_ar=min_ar, max_ar=max_ar,
+                                  num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable))
+        run = RunPatch.of(dict(uncond_fraction=uncond_fraction, caching_batch_size=caching_batch_size))
+        spec = DatasetSpec((directory,), shared, run)
         return io.NodeOutput(previous.plus(spec) if previous is not None else spec)
 
 
@@ -119,6 +166,23 @@ def diffusion_model_options() -> list[str]:
     import folder_paths
     return (folder_paths.get_filename_list("diffusion_models")
             + [CKPT_PREFIX + n for n in folder_paths.get_filename_list("checkpoints")])
+
+
+def model_input_error(diffusion_model=None, model_type=None, min_t=0.0, max_t=1.0) -> str | None:
+    """What is wrong with the Model node's file, type and timestep range (None: not checked), or None."""
+    from ..backend.errors import ModelError
+    if min_t is not None and max_t is not None and min_t >= max_t:
+        return f"min_t ({min_t}) must be below max_t ({max_t})"
+    if diffusion_model is None:
+        return None
+    path = model_path(diffusion_model)
+    if path is None:
+        return f"model file {diffusion_model} not found in models/diffusion_models or models/checkpoints"
+    try:
+        detect(path, model_type)     # None: the file's architecture alone (whatever model_type says)
+    except (ModelError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def model_path(name: str) -> str | None:
@@ -160,6 +224,19 @@ def clip_vision_options() -> list[str]:
     return folder_paths.get_filename_list("clip_vision")
 
 
+def parity_text(model_type: str) -> str:
+    """The parity verdict of ``model_type`` on this ComfyUI, as a run will find it (``backend/parity.py``;
+    memoised, so the node pays for it once per ComfyUI)."""
+    from ..backend.models.registry import ADAPTERS
+    from ..backend.parity import check_model_type
+    r = check_model_type(model_type)
+    if r.ok or model_type not in ADAPTERS:
+        return f"{model_type} on ComfyUI {r.comfyui_version}: {r.summary()}" if r.ok else r.message()
+    # backend/fallback.py: where only the API moved, the run trains on the pinned copy instead
+    return (f"{r.message()} Before refusing, a run compares this ComfyUI's own forward with PipeTrain's pinned "
+            f"ComfyUI's: where they compute the same, the run trains on the pinned copy and its status says so.")
+
+
 class ModelNode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -185,9 +262,9 @@ class ModelNode(io.ComfyNode):
                                "(a Flux file), Qwen-Image-Edit, Wan 2.2 5B image-to-video"),
                 io.Combo.Input("clip_vision", options=[NONE] + clip_vision_options(), default=NONE, optional=True,
                                tooltip="Wan 2.1 image-to-video: clip_vision_h from models/clip_vision"),
-                io.Float.Input("min_t", default=0.0, min=0.0, max=1.0, step=0.005, optional=True,
+                io.Float.Input("min_t", default=start("model.min_t"), min=0.0, max=1.0, step=0.005, optional=True,
                                tooltip="Train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 t2v, 0.9 i2v)"),
-                io.Float.Input("max_t", default=1.0, min=0.0, max=1.0, step=0.005, optional=True,
+                io.Float.Input("max_t", default=start("model.max_t"), min=0.0, max=1.0, step=0.005, optional=True,
                                tooltip="Train only timesteps <= max_t (Wan 2.2 low-noise expert: 0.875 t2v, 0.9 i2v)"),
                 io.Combo.Input("merge_lora", options=[NONE] + folder_paths.get_filename_list("loras"), default=NONE,
                                optional=True, tooltip="A LoRA from models/loras baked into the base weights before "
@@ -196,40 +273,68 @@ class ModelNode(io.ComfyNode):
                                "used to encode the images into latents"),
                 io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default", tooltip="Storage dtype of the "
                                "frozen diffusion-model weights; fp8 halves memory"),
-                io.Combo.Input("compute_dtype", options=COMPUTE_DTYPES, default="bfloat16", tooltip="Dtype the "
-                               "model computes in"),
+                io.Combo.Input("compute_dtype", options=COMPUTE_DTYPES, default=start("model.dtype"), tooltip="Dtype "
+                               "the model computes in"),
+                io.Combo.Input("timestep_sample_method", options=choices("model.timestep_sample_method"),
+                               default=start("model.timestep_sample_method"), optional=True, tooltip="How training "
+                               "timesteps are drawn: logit_normal (more in the middle) or uniform"),
+                io.Float.Input("sigmoid_scale", default=start("model.sigmoid_scale"), min=0.01, max=100.0, step=0.1,
+                               optional=True, tooltip="logit_normal's spread (larger: more timesteps near the ends)"),
+                io.Float.Input("shift", default=start("model.shift", off=0.0), min=0.0, max=100.0, step=0.1,
+                               optional=True,
+                               tooltip="Shift the timesteps toward noise by this factor (0: the model's own)"),
+                io.Boolean.Input("flux_shift", default=start("model.flux_shift"), optional=True, tooltip="Flux's "
+                                 "resolution-dependent timestep shift"),
+                io.Float.Input("guidance", default=start("model.guidance"), min=0.0, max=100.0, step=0.1,
+                               optional=True, tooltip="The distilled guidance input trained with (Flux-dev)"),
+                io.Boolean.Input("v_pred", default=start("model.v_pred"), optional=True, tooltip="SDXL: a "
+                                 "v-prediction model (else epsilon)"),
             ],
             outputs=[t.Model.Output(display_name="model")],
         )
 
     @classmethod
-    def validate_inputs(cls, diffusion_model=None, model_type=AUTO, min_t=0.0, max_t=1.0):
-        from ..backend.errors import ModelError
-        if min_t is not None and max_t is not None and min_t >= max_t:
-            return f"min_t ({min_t}) must be below max_t ({max_t})"
-        name = diffusion_model
-        if name is None:
-            return True
-        path = model_path(name)
-        if path is None:
-            return f"model file {name} not found in models/diffusion_models or models/checkpoints"
-        try:
-            detect(path, model_type)
-        except (ModelError, ValueError) as e:
-            return str(e)
-        return True
+    def validate_inputs(cls, diffusion_model=None):
+        # Only the file and its architecture at queue time (ComfyUI repeats a failed check's message once per input
+        # named here); whether model_type fits it and the timestep range are checked when the node runs, before
+        # Cache and Train.
+        return model_input_error(diffusion_model) or True
 
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
                 compute_dtype, text_encoder_3=NONE, text_encoder_4=NONE, model_type=AUTO, clip_vision=NONE,
-                min_t=0.0, max_t=1.0, merge_lora=NONE) -> io.NodeOutput:
+                min_t=None, max_t=None, merge_lora=NONE, shift=None, **keys) -> io.NodeOutput:
         import folder_paths
+        min_t = start("model.min_t") if min_t is None else min_t
+        max_t = start("model.max_t") if max_t is None else max_t
+        error = model_input_error(diffusion_model, model_type, min_t, max_t)
+        if error:
+            raise ValueError(error)
         path = model_path(diffusion_model)
         names = (text_encoder_1, text_encoder_2, text_encoder_3, text_encoder_4)
         tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in names if n not in (NONE, None)]
-        vision = None if clip_vision in (NONE, None) else folder_paths.get_full_path_or_raise("clip_vision", clip_vision)
-        spec = ModelSpec(detect(path, model_type), path, folder_paths.get_full_path_or_raise("vae", vae), tuple(tes),
-                         compute_dtype, None if weight_dtype == "default" else weight_dtype, vision,
-                         None if not min_t else min_t, None if max_t in (None, 1.0) else max_t,
-                         () if merge_lora in (NONE, None) else (folder_paths.get_full_path_or_raise("loras", merge_lora),))
-        return io.NodeOutput(spec)
+        vision = (None if clip_vision in (NONE, None)
+                  else folder_paths.get_full_path_or_raise("clip_vision", clip_vision))
+        # timestep_sample_method, sigmoid_scale, flux_shift, guidance, v_pred: the keys as named
+        patch = RunPatch.of({**keys, "type": detect(path, model_type), "diffusion_model": path,
+                             "vae": folder_paths.get_full_path_or_raise("vae", vae), "text_encoders": tes,
+                             "dtype": compute_dtype, "diffusion_model_dtype": None if weight_dtype == "default"
+                             else weight_dtype, "clip_vision": vision, "min_t": min_t, "max_t": max_t,
+                             "shift": shift or None,   # 0: the model's own shift
+                             "merge_adapters": [] if merge_lora in (NONE, None)
+                             else [folder_paths.get_full_path_or_raise("loras", merge_lora)]}, "model")
+        model_type = patch.get("model.type")
+        check_model_patch(patch)    # the architecture's own rules (timestep range, CLIP vision), now
+        return io.NodeOutput(patch, ui=ui.PreviewText(parity_text(model_type)))
+
+
+def check_model_patch(patch: RunPatch) -> None:
+    """The Model node's keys as ``[model]``, checked by the preflight the launcher and the CLI run."""
+    from ..backend.config import ModelConfig
+    from ..backend.preflight import check_model
+    from ..backend.schema import from_dict
+    try:
+        check_model(from_dict(ModelConfig, patch.table()["model"], file="the Model node", prefix="model"),
+                    "the Model node")
+    except PipeTrainError as e:
+        raise ValueError(str(e)) from None

@@ -59,6 +59,12 @@ def status_text(s: dict) -> str:
         parts.append(f"ETA {int(s['eta_s']) // 60} min")
     if s.get("error"):
         parts.append(f"error: {s['error']}")
+    comfyui = s.get("comfyui") or {}
+    if comfyui.get("parity") and not s.get("error"):
+        parts.append(f"ComfyUI {comfyui.get('version')}: parity {comfyui['parity'].get('verdict')}")
+    if comfyui.get("pinned"):   # backend/fallback.py: the host's model code moved or is missing
+        parts.append(f"trained on PipeTrain's pinned ComfyUI {comfyui.get('version')} instead of "
+                     f"ComfyUI {(comfyui.get('host') or {}).get('version')}: {comfyui.get('reason')}")
     return ", ".join(parts)
 
 
@@ -121,7 +127,7 @@ class StopNode(io.ComfyNode):
 
 
 def _lora_file(run: str, epoch: int, run_handle=None) -> dict:
-    from ..launcher.registry import lora_for_epoch
+    from ..launcher.summaries import lora_for_epoch
     launcher = _launcher()
     run_id = resolve_run(run, run_handle)
     found = lora_for_epoch(launcher.dirs, run_id, epoch)

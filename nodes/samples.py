@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..launcher.specs import SamplesSpec
+from ..backend.config.patch import RunPatch
 from . import types as t
+from .widgets import start
 
 RENDER_ON = {"host ComfyUI": "host", "training run": "run"}
+RENDER_NAMES = {v: k for k, v in RENDER_ON.items()}
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -29,25 +31,32 @@ class SamplesNode(io.ComfyNode):
                         "they land beside the LoRA and show in the panel and TensorBoard.",
             inputs=[
                 io.String.Input("prompts", default="", multiline=True, tooltip="One prompt a line"),
-                io.String.Input("negative_prompt", default="", multiline=True, tooltip="Negative prompt (used "
+                io.String.Input("negative_prompt", default=start("samples.negative_prompt"), multiline=True,
+                                tooltip="Negative prompt (used "
                                 "when cfg > 1)"),
-                io.Int.Input("seed", default=0, min=0, max=2**63 - 1, tooltip="Noise seed (the same for every "
+                io.Int.Input("seed", default=start("samples.seed"), min=0, max=2**63 - 1,
+                             tooltip="Noise seed (the same for every "
                              "epoch, so the images are comparable)"),
-                io.Int.Input("width", default=1024, min=16, max=8192, step=16, tooltip="Image width"),
-                io.Int.Input("height", default=1024, min=16, max=8192, step=16, tooltip="Image height"),
-                io.Int.Input("steps", default=20, min=1, max=1000, tooltip="Sampling steps"),
-                io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1, round=0.01,
+                io.Int.Input("width", default=start("samples.width"), min=16, max=8192, step=16, tooltip="Image width"),
+                io.Int.Input("height", default=start("samples.height"), min=16, max=8192, step=16,
+                             tooltip="Image height"),
+                io.Int.Input("steps", default=start("samples.steps"), min=1, max=1000, tooltip="Sampling steps"),
+                io.Float.Input("cfg", default=start("samples.cfg"), min=0.0, max=100.0, step=0.1, round=0.01,
                                tooltip="Classifier-free guidance scale (Flux-dev: 1, with guidance below)"),
-                io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1, round=0.01,
+                io.Float.Input("guidance", default=start("samples.guidance"), min=0.0, max=100.0, step=0.1, round=0.01,
                                tooltip="Flux-dev's distilled guidance input"),
-                io.Combo.Input("sampler", options=comfy.samplers.KSampler.SAMPLERS, default="euler",
+                io.Combo.Input("sampler", options=comfy.samplers.KSampler.SAMPLERS, default=start("samples.sampler"),
                                tooltip="ComfyUI sampler"),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple",
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS,
+                               default=start("samples.scheduler"),
                                tooltip="ComfyUI scheduler"),
-                io.Combo.Input("render_on", options=list(RENDER_ON), default="host ComfyUI", optional=True,
-                               tooltip="host ComfyUI: this ComfyUI renders them on its queue (sharing the GPU "
-                                       "with your prompts; the run waits, and renders them itself if ComfyUI "
-                                       "does not answer in 15 min); training run: the run's rank 0 does"),
+                io.Combo.Input("render_on", options=list(RENDER_ON), default=RENDER_NAMES[start("samples.render")],
+                               optional=True, tooltip="host ComfyUI: this ComfyUI renders them on its queue (sharing "
+                               "the GPU with your prompts; the run waits, and renders them itself if ComfyUI does "
+                               "not answer within host_timeout_s); training run: the run's rank 0 does"),
+                io.Float.Input("host_timeout_s", default=start("samples.host_timeout_s"), min=1.0, max=86400.0,
+                               step=60.0, optional=True, tooltip="render_on host ComfyUI: how long the run waits for "
+                               "this ComfyUI's samples before it renders them itself (seconds)"),
             ],
             outputs=[t.Samples.Output(display_name="samples")],
         )
@@ -62,10 +71,10 @@ class SamplesNode(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, prompts, negative_prompt, seed, width, height, steps, cfg, guidance, sampler,
-                scheduler, render_on="host ComfyUI") -> io.NodeOutput:
-        return io.NodeOutput(SamplesSpec(parse_prompts(prompts), negative_prompt, seed, width, height, steps, cfg,
-                                         guidance, sampler, scheduler, render=RENDER_ON[render_on]))
+    def execute(cls, prompts, render_on=None, **keys) -> io.NodeOutput:
+        # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s: as named
+        render = RENDER_ON[render_on] if render_on is not None else None
+        return io.NodeOutput(RunPatch.of({**keys, "prompts": parse_prompts(prompts), "render": render}, "samples"))
 
 
 class EpochSamplesNode(io.ComfyNode):
@@ -76,6 +85,9 @@ class EpochSamplesNode(io.ComfyNode):
         return io.Schema(
             node_id="PipeTrainEpochSamples", display_name="PipeTrain Epoch Samples", category=t.CATEGORY,
             is_output_node=True,
+            # internal (PipeTrain queues it): the frontend hides "deprecated" nodes from its library and search,
+            # and still runs them
+            is_deprecated=True,
             description="Renders a run's [samples] prompts with one epoch LoRA through ComfyUI's sampler (queued "
                         "by PipeTrain for runs whose Samples node renders on this ComfyUI); the PNGs land beside "
                         "the LoRA and the run announces them.",

@@ -6,18 +6,34 @@ from pathlib import Path
 
 from comfy_api.latest import io
 
+from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
-from ..launcher.build import checkpointing_mode
-from ..launcher.cluster import FLAGS, LAUNCHERS, OFF, check_cluster, cluster_form
-from ..launcher.specs import AdapterSpec, MemorySpec, OptimizerSpec, ParallelismSpec, ScheduleSpec
+from ..launcher.cluster_form import FLAGS, LAUNCHERS, OFF, check_cluster, cluster_form
+from ..launcher.forms import FULL_FINETUNE, adapter_patch, checkpointing_mode, memory_patch, unset_if_zero
+from ..launcher.specs import ParallelismSpec
 from . import types as t
+from .widgets import choices, start
 
 
 def _words(text: str) -> tuple[str, ...]:
     return tuple(w.strip() for w in text.replace(";", ",").split(",") if w.strip())
 
 
-ADAPTER_TYPES = ("lora", "lokr", "full")   # full: no [adapter] table, every weight trains
+ADAPTER_TYPES = (*choices("adapter.type"), FULL_FINETUNE)   # full: no [adapter] table, every weight trains
+DEFAULT = "default"   # a dtype combo's "unset": the config's own default applies
+
+
+def lora_options() -> list[str]:
+    import folder_paths
+    return folder_paths.get_filename_list("loras")
+
+
+def lora_path(name: str | None) -> str | None:
+    """A LoRA picked from models/loras as its full path (the combo lists only those files)."""
+    if name in (None, "", "none"):
+        return None
+    import folder_paths
+    return folder_paths.get_full_path_or_raise("loras", name)
 
 
 class AdapterNode(io.ComfyNode):
@@ -26,27 +42,49 @@ class AdapterNode(io.ComfyNode):
         return io.Schema(
             node_id="PipeTrainAdapter", display_name="PipeTrain LoRA Adapter", category=t.CATEGORY,
             inputs=[
-                io.Int.Input("rank", default=16, min=1, max=1000000, tooltip="LoRA rank: capacity of the adapter "
+                io.Int.Input("rank", default=start("adapter.rank"), min=1, max=1000000,
+                             tooltip="LoRA rank: capacity of the adapter "
                              "(LoKr: the rank of its second Kronecker factor; a huge rank such as 1000000 makes "
-                             "it a full matrix)"),
-                io.Float.Input("alpha", default=0.0, min=0.0, max=4096.0, step=1.0, tooltip="LoRA alpha; the update "
-                               "is scaled by alpha/rank. 0 means alpha = rank (scale 1)"),
-                io.Float.Input("dropout", default=0.0, min=0.0, max=0.99, step=0.01, tooltip="Dropout on the LoRA "
+                             "it a full matrix; OFT: the largest block size)"),
+                io.Float.Input("alpha", default=start("adapter.alpha"), min=0.0, max=4096.0, step=1.0,
+                               tooltip="LoRA alpha; the update "
+                               "is scaled by alpha/rank. 0 means alpha = rank (scale 1); OFT: its constraint, 0 none"),
+                io.Float.Input("dropout", default=start("adapter.dropout"), min=0.0, max=0.99, step=0.01,
+                               tooltip="Dropout on the LoRA "
                                "input during training"),
-                io.String.Input("target_modules", default="", tooltip="Comma-separated module name patterns to adapt; "
+                io.String.Input("target_modules", default=start("adapter.target_modules", off=""),
+                                tooltip="Comma-separated module name patterns to adapt; "
                                 "empty: the model's default attention and MLP layers"),
-                io.Combo.Input("type", options=list(ADAPTER_TYPES), default="lora", optional=True, tooltip="lora; "
-                               "lokr (LyCORIS Kronecker product, saved with ComfyUI's LoKr keys); or full: no adapter, "
+                io.Combo.Input("type", options=list(ADAPTER_TYPES), default=start("adapter.type"), optional=True,
+                               tooltip="lora; lokr (LyCORIS Kronecker product); loha (LyCORIS Hadamard product); "
+                               "oft (orthogonal fine-tuning: rank bounds its block size, alpha is its constraint, 0 "
+                               "none), each saved with the keys ComfyUI's LoRA loader reads; or full: no adapter, "
                                "every weight of the diffusion model trains and each epoch saves a whole model "
                                "(<run>/models); needs far more memory: see the README's Memory section"),
-                io.Int.Input("decompose_factor", default=-1, min=-1, max=65536, optional=True, tooltip="LoKr: size "
-                             "of the first Kronecker factor's sides (-1: as square as possible)"),
+                io.Int.Input("decompose_factor", default=start("adapter.decompose_factor"), min=-1, max=65536,
+                             optional=True, tooltip="LoKr: size of the first Kronecker factor's sides (-1: as square "
+                             "as possible)"),
+                io.Boolean.Input("dora", default=start("adapter.dora"), optional=True,
+                                 tooltip="lora: weight-decomposed LoRA (DoRA), a trained magnitude per input column "
+                                 "saved as ComfyUI's dora_scale"),
+                io.Combo.Input("dtype", options=[DEFAULT, *choices("adapter.dtype")], default=DEFAULT, optional=True,
+                               tooltip="The adapter's weight dtype while training (default: float32)"),
+                io.Combo.Input("init_from_existing", options=["none", *lora_options()], default="none",
+                               optional=True, tooltip="Start from this LoRA in models/loras instead of a fresh one "
+                               "(its rank and modules must match)"),
+                io.Combo.Input("save_dtype", options=[DEFAULT, *choices("save_dtype")], default=DEFAULT,
+                               optional=True, tooltip="The dtype the saved LoRAs (or models) are written in "
+                               "(default: as trained)"),
             ],
             outputs=[t.Adapter.Output(display_name="adapter")],
         )
 
     @classmethod
-    def validate_inputs(cls, type=None, decompose_factor=None):  # noqa: A002
+    def validate_inputs(cls, type=None, decompose_factor=None, dora=None, dropout=None):  # noqa: A002
+        if dora and type not in (None, "lora"):
+            return "dora decomposes a LoRA: set type to lora, or turn dora off"
+        if dropout and type == "oft":
+            return "OFT rotates the layer's output and has no adapter input to drop: set dropout to 0"
         if decompose_factor == 0:
             return "decompose_factor: give 1 or more, or -1 (as square as possible)"
         if decompose_factor not in (None, -1) and type not in (None, "lokr"):
@@ -54,13 +92,19 @@ class AdapterNode(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, rank, alpha, dropout, target_modules, type="lora",  # noqa: A002
-                decompose_factor=-1) -> io.NodeOutput:
-        return io.NodeOutput(AdapterSpec(rank, alpha or None, dropout, _words(target_modules) or None, type,
-                                         decompose_factor))
+    def execute(cls, rank, alpha, dropout, target_modules, type=start("adapter.type"),  # noqa: A002
+                decompose_factor=start("adapter.decompose_factor"), dora=start("adapter.dora"), dtype=DEFAULT,
+                init_from_existing="none", save_dtype=DEFAULT) -> io.NodeOutput:
+        # dora off leaves the key out (its default), so other types' tables carry no LoRA-only key
+        patch = adapter_patch(dict(type=type, rank=rank, alpha=alpha, dropout=dropout, dora=dora or None,
+                                   target_modules=_words(target_modules), decompose_factor=decompose_factor,
+                                   dtype=None if dtype == DEFAULT else dtype,
+                                   init_from_existing=lora_path(init_from_existing)))
+        return io.NodeOutput(patch | RunPatch.of({"save_dtype": None if save_dtype == DEFAULT else save_dtype}))
 
 
-OPTIMIZERS = ["adamw", "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy", "CAME",
+OPTIMIZERS = [start("optimizer.type"), "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy",
+                    "CAME",
               "ADOPT",
               "ScheduleFreeAdamW", "Lion"]
 NO_BETAS = {"sgd"}
@@ -92,19 +136,30 @@ class OptimizerNode(io.ComfyNode):
         return io.Schema(
             node_id="PipeTrainOptimizer", display_name="PipeTrain Optimizer", category=t.CATEGORY,
             inputs=[
-                io.Combo.Input("type", options=OPTIMIZERS, default="adamw", tooltip="Optimizer algorithm: adamw "
+                io.Combo.Input("type", options=OPTIMIZERS, default=start("optimizer.type"),
+                               tooltip="Optimizer algorithm: adamw "
                                "(torch), adamw8bit (bitsandbytes), AdamW8bitKahan (8-bit AdamW with Kahan-compensated "
                                "bfloat16 weights: a full fine-tune or bfloat16 adapters), adamw_optimi / stableadamw "
                                "(torch-optimi), sgd, or a pytorch_optimizer class (Prodigy: set lr 1)"),
-                io.Float.Input("lr", default=2e-4, min=1e-8, max=1.0, step=1e-5, round=1e-8, tooltip="Peak learning rate"),
-                io.Float.Input("beta1", default=0.9, min=0.0, max=0.9999, step=0.001, tooltip="Adam beta1 (momentum)"),
-                io.Float.Input("beta2", default=0.99, min=0.0, max=0.99999, step=0.001, tooltip="Adam beta2"),
-                io.Float.Input("weight_decay", default=0.01, min=0.0, max=1.0, step=0.001, tooltip="Decoupled weight "
+                io.Float.Input("lr", default=start("optimizer.lr"), min=1e-8, max=1.0, step=1e-5, round=1e-8,
+                               tooltip="Peak learning rate"),
+                io.Float.Input("beta1", default=start("optimizer.betas")[0], min=0.0, max=0.9999, step=0.001,
+                               tooltip="Adam beta1 (momentum)"),
+                io.Float.Input("beta2", default=start("optimizer.betas")[1], min=0.0, max=0.99999, step=0.001,
+                               tooltip="Adam beta2"),
+                io.Float.Input("weight_decay", default=start("optimizer.weight_decay"), min=0.0, max=1.0, step=0.001,
+                               tooltip="Decoupled weight "
                                "decay"),
-                io.Float.Input("eps", default=1e-8, min=1e-12, max=1e-3, step=1e-9, round=1e-12, tooltip="Adam epsilon"),
+                io.Float.Input("eps", default=start("optimizer.eps"), min=1e-12, max=1e-3, step=1e-9, round=1e-12,
+                               tooltip="Adam epsilon"),
                 io.String.Input("extra_args", default="", multiline=True, tooltip="More constructor arguments of the "
                                 "optimizer as TOML key = value pairs, e.g. d_coef = 2, decouple = true (Prodigy) or "
                                 "momentum = 0.9 (sgd); checked against the optimizer when queued"),
+                io.Float.Input("beta2_half_life", default=start("optimizer.beta2_half_life", off=0.0), min=0.0, max=1e9,
+                               step=1.0, optional=True, tooltip="Sets beta2 = 0.5 ** (global batch / half-life), in "
+                               "examples (0: off, beta2 as given)"),
+                io.Float.Input("gradient_clipping", default=start("gradient_clipping"), min=0.0, max=1e6, step=0.1,
+                               optional=True, tooltip="Clip the gradients' global norm to this (0: no clipping)"),
             ],
             outputs=[t.Optimizer.Output(display_name="optimizer")],
         )
@@ -118,9 +173,19 @@ class OptimizerNode(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, type, lr, beta1, beta2, weight_decay, eps, extra_args="") -> io.NodeOutput:  # noqa: A002
-        return io.NodeOutput(OptimizerSpec(type, lr, (beta1, beta2), weight_decay, eps, parse_kwargs(extra_args),
-                                           use_betas=type not in NO_BETAS))
+    def defaults(cls) -> RunPatch:
+        """The node as it starts (what Train uses without an Optimizer node)."""
+        return cls.execute(start("optimizer.type"), start("optimizer.lr"), *start("optimizer.betas"),
+                           start("optimizer.weight_decay"), start("optimizer.eps")).result[0]
+
+    @classmethod
+    def execute(cls, type, lr, beta1, beta2, weight_decay, eps, extra_args="",  # noqa: A002
+                beta2_half_life=0.0,
+                gradient_clipping=start("gradient_clipping")) -> io.NodeOutput:
+        betas = {"betas": (beta1, beta2), "eps": eps} if type not in NO_BETAS else {}
+        keys = {"type": type, "lr": lr, "weight_decay": weight_decay, **betas, **dict(parse_kwargs(extra_args)),
+                "beta2_half_life": unset_if_zero(beta2_half_life)}
+        return io.NodeOutput(RunPatch.of(keys, "optimizer") | RunPatch.of({"gradient_clipping": gradient_clipping}))
 
 
 class ScheduleNode(io.ComfyNode):
@@ -129,41 +194,64 @@ class ScheduleNode(io.ComfyNode):
         return io.Schema(
             node_id="PipeTrainSchedule", display_name="PipeTrain Schedule", category=t.CATEGORY,
             inputs=[
-                io.Int.Input("epochs", default=10, min=1, max=100000, tooltip="Passes over the dataset"),
-                io.Combo.Input("lr_scheduler", options=["constant", "linear", "cosine"], default="constant",
+                io.Int.Input("epochs", default=start("epochs"), min=1, max=100000, tooltip="Passes over the dataset"),
+                io.Combo.Input("lr_scheduler", options=choices("lr_scheduler"), default=start("lr_scheduler"),
                                tooltip="Learning-rate curve after warm-up"),
-                io.Int.Input("warmup_steps", default=0, min=0, max=1000000, tooltip="Steps of linear LR warm-up"),
-                io.Int.Input("save_every_n_epochs", default=1, min=0, max=10000, tooltip="Write an epoch LoRA into "
-                             "models/loras/pipetrain/<run> every N epochs (0: none, with save_every_n_steps set)"),
-                io.Int.Input("checkpoint_every_n_epochs", default=0, min=0, max=10000, tooltip="Save a resumable "
-                             "checkpoint every N epochs (0: off)"),
-                io.Float.Input("checkpoint_every_n_minutes", default=30.0, min=0.0, max=10000.0, step=1.0,
-                               tooltip="Save a resumable checkpoint every N minutes (0: off)"),
-                io.Int.Input("seed", default=42, min=0, max=2**31 - 1, tooltip="Random seed of the run"),
-                io.Int.Input("save_every_n_steps", default=0, min=0, max=10000000, tooltip="Also write a step LoRA "
-                             "every N optimizer steps (0: off)"),
-                io.Int.Input("eval_every_n_epochs", default=1, min=0, max=10000, tooltip="With an eval dataset on "
-                             "Train: held-out loss at the end of every N-th epoch (0: off)"),
-                io.Int.Input("eval_every_n_steps", default=0, min=0, max=10000000, tooltip="With an eval dataset on "
-                             "Train: held-out loss every N steps (0: off)"),
+                io.Int.Input("warmup_steps", default=start("warmup_steps"), min=0, max=1000000,
+                             tooltip="Steps of linear LR warm-up"),
+                io.Int.Input("save_every_n_epochs", default=start("save_every_n_epochs"), min=0, max=10000,
+                             tooltip="Write an epoch LoRA into models/loras/pipetrain/<run> every N epochs (0: none, "
+                             "with save_every_n_steps set)"),
+                io.Int.Input("checkpoint_every_n_epochs", default=start("checkpoint_every_n_epochs"), min=0,
+                             max=10000, tooltip="Save a resumable checkpoint every N epochs (0: off)"),
+                io.Float.Input("checkpoint_every_n_minutes", default=start("checkpoint_every_n_minutes", off=0.0),
+                               min=0.0, max=10000.0, step=1.0, tooltip="Save a resumable checkpoint every N minutes "
+                               "(0: off)"),
+                io.Int.Input("seed", default=start("seed"), min=0, max=2**31 - 1, tooltip="Random seed of the run"),
+                io.Int.Input("save_every_n_steps", default=start("save_every_n_steps"), min=0, max=10000000,
+                             tooltip="Also write a step LoRA every N optimizer steps (0: off)"),
+                io.Int.Input("eval_every_n_epochs", default=start("eval_every_n_epochs"), min=0, max=10000,
+                             tooltip="With an eval dataset on Train: held-out loss at the end of every N-th epoch "
+                             "(0: off)"),
+                io.Int.Input("eval_every_n_steps", default=start("eval_every_n_steps"), min=0, max=10000000,
+                             tooltip="With an eval dataset on Train: held-out loss every N steps (0: off)"),
+                *(io.Int.Input(key, default=start(key), min=0, max=10**9, optional=True, tooltip=tip)
+                  for key, tip in COUNTS),
+                io.Boolean.Input("eval_before_first_step", default=start("eval_before_first_step"), optional=True,
+                                 tooltip="With an eval dataset: a held-out loss before training starts"),
+                io.Int.Input("eval_micro_batch_size_per_gpu", default=start("eval_micro_batch_size_per_gpu"), min=0,
+                             max=256, optional=True, tooltip="Eval micro batch (0: the training one)"),
+                io.Int.Input("eval_gradient_accumulation_steps", default=start("eval_gradient_accumulation_steps"),
+                             min=1, max=1024, optional=True, tooltip="Eval micro batches per eval step"),
+                io.Int.Input("steps_per_print", default=start("steps_per_print"), min=1, max=100000, optional=True,
+                             tooltip="DeepSpeed prints its step log every N steps"),
+                io.Int.Input("eval_image_micro_batch_size_per_gpu",
+                             default=start("eval_image_micro_batch_size_per_gpu"), min=0, max=256, optional=True, tooltip="Video models: the eval micro batch of images "
+                             "(0: the eval micro batch)"),
             ],
             outputs=[t.Schedule.Output(display_name="schedule")],
         )
 
     @classmethod
-    def validate_inputs(cls, save_every_n_epochs=None, save_every_n_steps=None):
-        if save_every_n_epochs == 0 and save_every_n_steps == 0:
+    def validate_inputs(cls, save_every_n_epochs=None, save_every_n_steps=None, save_every_n_examples=None):
+        if save_every_n_epochs == 0 and save_every_n_steps == 0 and not save_every_n_examples:
             return "nothing would be saved: set save_every_n_epochs or save_every_n_steps"
         return True
 
     @classmethod
-    def execute(cls, epochs, lr_scheduler, warmup_steps, save_every_n_epochs, checkpoint_every_n_epochs,
-                checkpoint_every_n_minutes, seed, save_every_n_steps=0, eval_every_n_epochs=1,
-                eval_every_n_steps=0) -> io.NodeOutput:
-        return io.NodeOutput(ScheduleSpec(epochs, lr_scheduler, warmup_steps, save_every_n_epochs or None,
-                                          checkpoint_every_n_epochs or None, checkpoint_every_n_minutes or None, seed,
-                                          save_every_n_steps or None, eval_every_n_epochs or None,
-                                          eval_every_n_steps or None))
+    def execute(cls, **keys) -> io.NodeOutput:
+        # the widgets are the run keys; 0 leaves an optional one out (its default: off)
+        counts = {k: unset_if_zero(v) for k, v in keys.items() if k in UNSET_BY_ZERO}
+        return io.NodeOutput(RunPatch.of({**keys, **counts}))
+
+
+# optional counts whose 0 means "off" (the key left out)
+COUNTS = (("max_steps", "Stop after this many optimizer steps (0: after the epochs)"),
+          ("save_every_n_examples", "Also write a LoRA every N training examples (0: off)"),
+          ("eval_every_n_examples", "With an eval dataset: held-out loss every N training examples (0: off)"))
+UNSET_BY_ZERO = {"save_every_n_epochs", "checkpoint_every_n_epochs", "checkpoint_every_n_minutes",
+                 "save_every_n_steps", "eval_every_n_epochs", "eval_every_n_steps", "eval_micro_batch_size_per_gpu",
+                 "eval_image_micro_batch_size_per_gpu", *(k for k, _ in COUNTS)}
 
 
 def parse_gpu_ids(text: str) -> tuple[int, ...]:
@@ -171,9 +259,18 @@ def parse_gpu_ids(text: str) -> tuple[int, ...]:
         ids = tuple(int(w) for w in _words(text))
     except ValueError:
         raise ValueError(f"gpu_ids {text!r}: write GPU indices separated by commas, e.g. 0,1") from None
-    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-        raise ValueError(f"gpu_ids {text!r}: each GPU index once, 0 or more")
+    if len(set(ids)) != len(ids) or any(not 0 <= i < 1024 for i in ids):
+        raise ValueError(f"gpu_ids {text!r}: each GPU index once, 0 to 1023")
     return ids
+
+
+def parse_split(text: str | None) -> tuple[int, ...] | None:
+    """``12`` or ``8, 16``: the layer indices where the stages after the first start (empty: None)."""
+    try:
+        split = tuple(int(w) for w in _words(text or ""))
+    except ValueError:
+        raise ValueError(f"partition_split {text!r}: write layer indices separated by commas, e.g. 8, 16") from None
+    return split or None
 
 
 def hostfile_path(text: str | None) -> str:
@@ -194,10 +291,13 @@ class ParallelismNode(io.ComfyNode):
             inputs=[
                 io.Int.Input("gpus", default=1, min=1, max=64, tooltip="Number of GPUs (DeepSpeed ranks) for the run "
                              "on this machine; with a cluster the hosts' slots decide instead"),
-                io.Int.Input("pipeline_stages", default=1, min=1, max=64, tooltip="Split the model over this many "
+                io.Int.Input("pipeline_stages", default=start("pipeline_stages"), min=1, max=64,
+                             tooltip="Split the model over this many "
                              "GPUs; must divide gpus, or a cluster's total slots (the rest is data parallel)"),
-                io.Int.Input("micro_batch_size_per_gpu", default=1, min=1, max=256, tooltip="Images per micro batch"),
-                io.Int.Input("gradient_accumulation_steps", default=1, min=1, max=1024, tooltip="Micro batches per "
+                io.Int.Input("micro_batch_size_per_gpu", default=start("micro_batch_size_per_gpu"), min=1, max=256,
+                             tooltip="Images per micro batch"),
+                io.Int.Input("gradient_accumulation_steps", default=start("gradient_accumulation_steps"), min=1,
+                             max=1024, tooltip="Micro batches per "
                              "optimizer step"),
                 io.String.Input("gpu_ids", default="", tooltip="Which GPUs, e.g. 2,3 (empty: the first `gpus` ones); "
                                 "one machine only"),
@@ -216,22 +316,35 @@ class ParallelismNode(io.ComfyNode):
                 io.Int.Input("master_port", default=29500, min=1, max=65535, optional=True, tooltip="Cluster: the "
                              "TCP port on node 0 where the ranks meet"),
                 io.String.Input("env", default="", multiline=True, optional=True, tooltip="Cluster: environment "
-                                "variables for every node, KEY=VALUE a line (e.g. HF_HOME=/shared/hf)"),
+                                "variables for every node, KEY=VALUE a line (e.g. NCCL_DEBUG=INFO): NCCL_, GLOO_, "
+                                    "UCX_, FI_, "
+                                "OMP_, MKL_, CUDA_, TORCH_ switches; paths and code loaders are refused (README: "
+                                    "Security)"),
                 io.String.Input("nccl_socket_ifname", default="", optional=True, tooltip="Cluster: "
                                 "NCCL_SOCKET_IFNAME, the network interface NCCL uses, e.g. eth0 (empty: NCCL picks)"),
                 io.Combo.Input("nccl_ib_disable", options=list(FLAGS), default="default", optional=True,
                                tooltip="Cluster: NCCL_IB_DISABLE; true turns InfiniBand off (default: not set)"),
                 io.Combo.Input("nccl_p2p_disable", options=list(FLAGS), default="default", optional=True,
                                tooltip="Cluster: NCCL_P2P_DISABLE; true turns GPU peer-to-peer off (default: not set)"),
+                io.Combo.Input("partition_method", options=choices("partition_method"),
+                               default=start("partition_method"), optional=True, tooltip="How the layers are split "
+                               "over the pipeline stages: compute (measured cost), parameters, uniform, or manual "
+                               "(partition_split)"),
+                io.String.Input("partition_split", default="", optional=True, tooltip="partition_method manual: the "
+                                "layer index each stage after the first starts at, e.g. 12 for 2 stages"),
+                io.Int.Input("image_micro_batch_size_per_gpu", default=start("image_micro_batch_size_per_gpu"), min=0,
+                             max=256, optional=True, tooltip="Video models: images per micro batch, e.g. 4 where one "
+                             "clip fills the GPU (0: micro_batch_size_per_gpu)"),
             ],
             outputs=[t.Parallelism.Output(display_name="parallelism")],
         )
 
     @classmethod
     def validate_inputs(cls, gpus=None, pipeline_stages=None, gpu_ids=None, cluster=None, hostfile=None, hosts=None,
-                        master_addr=None, master_port=None, env=None):
+                        master_addr=None, master_port=None, env=None, nccl_socket_ifname=None, partition_split=None):
         stages = pipeline_stages
         try:
+            parse_split(partition_split)
             ids = parse_gpu_ids(gpu_ids or "")
         except ValueError as e:
             return str(e)
@@ -241,6 +354,7 @@ class ParallelismNode(io.ComfyNode):
             try:  # the hosts (hostfile read now), the backend's [cluster] rules, stages vs. total slots
                 spec = cluster_form(cluster, hostfile=hostfile_path(hostfile), hosts=hosts or "",
                                     master_addr=master_addr or "", env=env or "",
+                                    nccl_socket_ifname=nccl_socket_ifname or "",
                                     master_port=29500 if master_port is None else master_port)
                 if stages is not None:
                     check_cluster(spec, stages)
@@ -257,12 +371,16 @@ class ParallelismNode(io.ComfyNode):
     @classmethod
     def execute(cls, gpus, pipeline_stages, micro_batch_size_per_gpu, gradient_accumulation_steps, gpu_ids,
                 cluster=OFF, hostfile="", hosts="", master_addr="", master_port=29500, env="", nccl_socket_ifname="",
-                nccl_ib_disable="default", nccl_p2p_disable="default") -> io.NodeOutput:
+                nccl_ib_disable="default", nccl_p2p_disable="default", partition_method=start("partition_method"),
+                partition_split="", image_micro_batch_size_per_gpu=0) -> io.NodeOutput:
         spec = cluster_form(cluster, hostfile=hostfile_path(hostfile), hosts=hosts, master_addr=master_addr,
                             master_port=master_port, env=env, nccl_socket_ifname=nccl_socket_ifname,
                             nccl_ib_disable=nccl_ib_disable, nccl_p2p_disable=nccl_p2p_disable)
-        return io.NodeOutput(ParallelismSpec(gpus, parse_gpu_ids(gpu_ids), pipeline_stages, micro_batch_size_per_gpu,
-                                             gradient_accumulation_steps, spec))
+        run = RunPatch.of(dict(pipeline_stages=pipeline_stages, micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+                               gradient_accumulation_steps=gradient_accumulation_steps,
+                               partition_method=partition_method, partition_split=parse_split(partition_split),
+                               image_micro_batch_size_per_gpu=unset_if_zero(image_micro_batch_size_per_gpu)))
+        return io.NodeOutput(ParallelismSpec(gpus, parse_gpu_ids(gpu_ids), spec, run))
 
 
 class MemoryNode(io.ComfyNode):
@@ -271,22 +389,27 @@ class MemoryNode(io.ComfyNode):
         return io.Schema(
             node_id="PipeTrainMemory", display_name="PipeTrain Memory", category=t.CATEGORY,
             inputs=[
-                io.Boolean.Input("activation_checkpointing", default=True, tooltip="Recompute activations in the "
+                io.Boolean.Input("activation_checkpointing", default=bool(start("activation_checkpointing")),
+                                 tooltip="Recompute activations in the "
                                  "backward pass: much less memory, ~30% slower"),
-                io.Int.Input("blocks_to_swap", default=0, min=0, max=200, tooltip="Per pipeline stage: this many "
+                io.Int.Input("blocks_to_swap", default=start("blocks_to_swap"), min=0, max=200,
+                             tooltip="Per pipeline stage: this many "
                              "transformer blocks keep their frozen weights in CPU memory and are copied to the "
                              "GPU just before use (0: off). Less GPU memory, slower steps; fewer than a stage's "
                              "blocks; adapters only (not a full fine-tune)"),
                 io.Boolean.Input("offload_activations", default=False, tooltip="With activation checkpointing: keep "
                                  "each block's saved inputs in CPU memory too (diffusion-pipe's 'unsloth'; a little "
                                  "less GPU memory, a little slower)"),
-                io.Boolean.Input("compile", default=False, optional=True, tooltip="torch.compile each transformer "
+                io.Boolean.Input("compile", default=start("compile"), optional=True,
+                                 tooltip="torch.compile each transformer "
                                  "block: faster steps on a GPU (Flux-dev on an H200: +39%), the first step waits "
                                  "about a minute for the compile"),
-                io.Float.Input("checkpoint_fraction", default=1.0, min=0.05, max=1.0, step=0.05, optional=True,
+                io.Float.Input("checkpoint_fraction", default=start("activation_checkpointing_fraction"), min=0.05,
+                               max=1.0, step=0.05, optional=True,
                                tooltip="With activation checkpointing: the share of blocks checkpointed, evenly "
                                "spread (1: all). Lower is faster and takes more memory; pick the lowest that fits"),
-                io.Float.Input("memory_budget", default=1.0, min=0.0, max=1.0, step=0.05, optional=True,
+                io.Float.Input("memory_budget", default=start("activation_memory_budget", off=1.0), min=0.0, max=1.0,
+                               step=0.05, optional=True,
                                tooltip="With compile: the share of each block's activations kept for the backward "
                                "pass; torch.compile recomputes the rest, cheapest ops first (1: keep all). An "
                                "alternative to checkpointing whole blocks"),
@@ -296,6 +419,14 @@ class MemoryNode(io.ComfyNode):
                                  "1.93 at 26.5 GiB recomputing whole blocks). Needs compile to pay: uncompiled, "
                                  "and on SDXL, its per-operation policy made steps slower (SDXL: 4.5 against 9.1 "
                                  "samples/s). Not with offload_activations"),
+                io.Boolean.Input("fp8_compute", default=start("fp8_compute"), optional=True,
+                                 tooltip="The frozen base weights "
+                                 "multiply in FP8 (one FP8 copy of each, made at the start), the LoRA in its own "
+                                 "dtype: faster steps on Hopper and newer GPUs, refused elsewhere. Not with "
+                                 "blocks_to_swap"),
+                io.Boolean.Input("compile_cuda_graphs", default=start("compile_cuda_graphs"), optional=True,
+                                 tooltip="With compile: replay compiled regions as CUDA graphs where that pays "
+                                 "(SDXL); off: plain compiled kernels"),
             ],
             outputs=[t.Memory.Output(display_name="memory")],
         )
@@ -303,13 +434,12 @@ class MemoryNode(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, offload_activations=None, selective=None):
         try:
-            checkpointing_mode(MemorySpec(offload_activations=bool(offload_activations), selective=bool(selective)))
+            checkpointing_mode(True, bool(offload_activations), bool(selective))
         except PipeTrainError as e:
             return str(e)
         return True
 
     @classmethod
-    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False,
-                compile=False, checkpoint_fraction=1.0, memory_budget=1.0, selective=False) -> io.NodeOutput:  # noqa: A002
-        return io.NodeOutput(MemorySpec(activation_checkpointing, blocks_to_swap, offload_activations, compile,
-                                        checkpoint_fraction, memory_budget, selective))
+    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False, **keys) -> io.NodeOutput:
+        return io.NodeOutput(memory_patch(activation_checkpointing, offload_activations, blocks_to_swap=blocks_to_swap,
+                                          **keys))

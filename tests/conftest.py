@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -12,9 +13,28 @@ from pathlib import Path
 import pytest
 
 from pipetrain.backend.demo import make_dataset, write_configs
-from pipetrain.backend.launch import deepspeed_command
+from pipetrain.backend.commands import deepspeed_command
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_terminal_summary(terminalreporter):
+    free = shutil.disk_usage(REPO).free / 2**30
+    terminalreporter.write_line(f"disk: {free:.1f} GiB free after the tests")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_temp_dirs(request, tmp_path_factory):
+    """Remove the folders a test module made with ``tmp_path_factory`` once the module passed (a passing test's
+    own ``tmp_path`` goes at once: ``tmp_path_retention_policy``). The suite writes gigabytes of model files,
+    checkpoints and ComfyUI copies, and CI's disk is shared: keeping them all until the end filled it."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for folder in set(base.iterdir()) - before:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

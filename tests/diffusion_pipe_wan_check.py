@@ -1,5 +1,5 @@
 """diffusion-pipe's own Wan code reading the files bench/diffusion_pipe_models.py writes, for
-tests/test_bench_diffusion_pipe_models.py. Runs in a subprocess with diffusion-pipe's checkout on PYTHONPATH (its
+tests/ranks/test_bench_diffusion_pipe_models.py. Runs in a subprocess with diffusion-pipe's checkout on PYTHONPATH (its
 ``models`` package); reads a JSON request on stdin and prints a JSON line last.
 
 - ``{"mode": "load", "ckpt": ..., "transformer": ..., "llm": ..., "vae_dim": N, "caption": ...}``: the written

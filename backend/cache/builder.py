@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,10 +29,11 @@ class TextWork:
 
 def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, dict]:
     latents, texts = {}, {}
+    stored_latents, stored_texts = store.keys("latents"), store.keys("text")
     for e in entries:
-        if e.latent not in latents and not store.has("latents", e.latent):
+        if e.latent not in latents and e.latent not in stored_latents:
             latents[e.latent] = e
-        if e.text not in texts and not store.has("text", e.text):
+        if e.text not in texts and e.text not in stored_texts:
             texts[e.text] = TextWork(e.caption, e.control, e.bucket)
     return latents, texts
 
@@ -40,25 +42,40 @@ def _mine(keys, rank: int, world: int) -> list[str]:
     return [k for i, k in enumerate(sorted(keys)) if i % world == rank]
 
 
-def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batch_size: int,
-                   progress: Progress) -> None:
+def _load_media(work: dict[str, CacheEntry], chunk: list[str], bucket: tuple, framerate):
+    """One chunk's pixels [B, H, W, 3] (images) or list of clips [F, H, W, 3] (videos, bucket (w, h, frames))."""
     from ..data import load_pixels
     from ..data.video import load_video
 
+    if len(bucket) == 3:
+        return [load_video(Path(work[k].path), bucket, framerate) for k in chunk]
+    return torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
+
+
+def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batch_size: int,
+                   progress: Progress) -> None:
     by_bucket = defaultdict(list)
     for key, e in work.items():
         by_bucket[e.bucket].append(key)
+    chunks = [(bucket, keys[i:i + batch_size]) for bucket, keys in sorted(by_bucket.items())
+              for i in range(0, len(keys), batch_size)]
     vae = adapter.load_vae()
     done, total = 0, len(work)
-    for bucket, keys in sorted(by_bucket.items()):
-        for i in range(0, len(keys), batch_size):
-            chunk = keys[i:i + batch_size]
+    # the next chunk's files are decoded in a thread while the encoder works on this one (decoding releases the
+    # GIL): otherwise the device waits for every picture's decode
+    with ThreadPoolExecutor(1) as loader:
+        def load(n):
+            return loader.submit(_load_media, work, chunks[n][1], chunks[n][0], adapter.framerate)
+        pending = load(0) if chunks else None
+        for n, (bucket, chunk) in enumerate(chunks):
+            media = pending.result()
+            if n + 1 < len(chunks):
+                pending = load(n + 1)
             with torch.no_grad():
                 if len(bucket) == 3:  # video clips (width, height, frames), one at a time
-                    media = [load_video(Path(work[k].path), bucket, adapter.framerate) for k in chunk]
                     latents = [adapter.encode_video(vae, frames) for frames in media]
                 else:
-                    pixels = torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
+                    pixels = media
                     latents = adapter.encode_images(vae, pixels)
                     media = [pixels[j:j + 1] for j in range(len(chunk))]
                 payloads = [{"latent": lat} for lat in latents]

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
+from ..fsutil import atomic_write_json
+
 CACHE_FORMAT = 1          # bump when the stored layout or the encoding code changes
-_SAMPLE_BYTES = 1 << 20
 
 
 def _sha(obj) -> str:
@@ -23,23 +23,33 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(path: Path) -> str:
-    """Identity of a (multi-GB) model file without reading all of it: its size, mtime, safetensors
-    header (every tensor's name, dtype, shape and offset) and its first and last MiB."""
+def model_fingerprint(path: Path, memo: Path | None = None) -> str:
+    """SHA-256 of a model file's whole content: any changed byte changes every key built on it (a copy that
+    keeps size, header, ends and mtime, as ``cp -p``, ``rsync -a`` or tar make, included). Multi-GB files are
+    read once: ``memo`` (a JSON file in the cache folder) keeps each digest under the file's device, inode,
+    size, mtime and ctime, and any write to the file or a file put in its place changes the ctime."""
     st = path.stat()
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            if 0 < n < 100 << 20:
-                h.update(f.read(n))
-        f.seek(0)
-        h.update(f.read(_SAMPLE_BYTES))
-        if st.st_size > _SAMPLE_BYTES:
-            f.seek(max(0, st.st_size - _SAMPLE_BYTES))
-            h.update(f.read(_SAMPLE_BYTES))
-    return h.hexdigest()
+    identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    name = str(path.resolve())
+    known = _read_memo(memo)
+    if known.get(name, {}).get("stat") == identity:
+        return known[name]["sha256"]
+    digest = file_digest(path)
+    if memo is not None:
+        known = _read_memo(memo)   # another rank or run may have added files meanwhile
+        known[name] = {"stat": identity, "sha256": digest}
+        atomic_write_json(memo, known)
+    return digest
+
+
+def _read_memo(memo: Path | None) -> dict:
+    if memo is None:
+        return {}
+    try:
+        known = json.loads(memo.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def latent_key(image_digest: str, bucket: tuple[int, int], preprocess_version: str, vae_fingerprint: str,

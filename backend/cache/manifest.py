@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CacheError
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_bytes
 from .keys import caption_image, file_digest, latent_key, model_fingerprint, text_key
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,10 @@ class CacheManifest:
     entries: list[CacheEntry]
 
     def save(self, path: Path) -> None:
-        atomic_write_json(path, {"arch": self.arch, "entries": [asdict(e) for e in self.entries]})
+        # one line, without indentation: json's C encoder writes it (indenting takes its Python encoder, several
+        # seconds for a large dataset); an entry's fields are plain values, so a shallow copy is its dict
+        data = {"arch": self.arch, "entries": [dict(vars(e)) for e in self.entries]}
+        atomic_write_bytes(path, json.dumps(data, sort_keys=True, separators=(",", ":")).encode())
 
     @classmethod
     def load(cls, path: Path) -> "CacheManifest":
@@ -50,15 +53,16 @@ def manifest_path(cache_dir: Path, dataset_file: Path, arch: str) -> Path:
     return cache_dir / "manifests" / f"{arch}-{tag}.json"
 
 
-def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheEntry]:
+def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=model_fingerprint) -> list[CacheEntry]:
+    """``fingerprint``: a model file's identity (``CacheStore.fingerprint`` remembers the digests)."""
     from ..data import PREPROCESS_VERSION
     from ..data.video import VIDEO_PREPROCESS_VERSION
     VIDEO_PREPROCESS = f"{PREPROCESS_VERSION}/video{VIDEO_PREPROCESS_VERSION}"
 
-    vae_fp = model_fingerprint(files["vae"][0])
-    te_fps = [model_fingerprint(p) for p in files["text_encoders"]]
+    vae_fp = fingerprint(files["vae"][0])
+    te_fps = [fingerprint(p) for p in files["text_encoders"]]
     # files only the conditioning is encoded with (e.g. Wan 2.1 i2v's CLIP vision)
-    cond_models = {"models": [model_fingerprint(p) for p in files["conditioning"]]} if files.get("conditioning") else {}
+    cond_models = {"models": [fingerprint(p) for p in files["conditioning"]]} if files.get("conditioning") else {}
     digests: dict[Path, str] = {}
     entries = []
     for s in samples:
@@ -79,10 +83,11 @@ def build_entries(samples, adapter, files: dict[str, list[Path]]) -> list[CacheE
     return entries
 
 
-def build_or_load_manifest(path: Path, samples_fn, adapter, files, trust_cache: bool) -> CacheManifest:
+def build_or_load_manifest(path: Path, samples_fn, adapter, files, trust_cache: bool,
+                           fingerprint=model_fingerprint) -> CacheManifest:
     if trust_cache:
         log.info("trusting the cache manifest %s without re-reading the dataset", path)
         return CacheManifest.load(path)
-    manifest = CacheManifest(arch=adapter.arch, entries=build_entries(samples_fn(), adapter, files))
+    manifest = CacheManifest(arch=adapter.arch, entries=build_entries(samples_fn(), adapter, files, fingerprint))
     manifest.save(path)
     return manifest

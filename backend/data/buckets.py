@@ -67,6 +67,7 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
     from .video import frame_bucket, frames_at_rate
 
     buckets_by_resolution: dict[int, list[tuple[int, int]]] = {}
+    assigned: dict[tuple[int, int, int], tuple[int, int]] = {}   # (width, height, resolution): pictures share sizes
     samples, too_short = [], []
     for item in items:
         frames = None
@@ -79,7 +80,10 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
             if resolution not in buckets_by_resolution:
                 buckets_by_resolution[resolution] = make_buckets(
                     resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets, side_multiple)
-            bucket = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
+            size = (item.width, item.height, resolution)
+            if size not in assigned:
+                assigned[size] = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
+            bucket = assigned[size]
             samples.append(Sample(item=item, bucket=bucket if frames is None else (*bucket, frames)))
     if too_short:
         log.warning("leaving out %d video(s) shorter than every frame bucket above 1 at %g fps:%s", len(too_short),

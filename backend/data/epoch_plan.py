@@ -14,6 +14,10 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def _is_image(bucket: Bucket) -> bool:
+    return len(bucket) < 3 or bucket[2] == 1
+
+
 def _bucket_name(bucket: Bucket) -> str:
     return "x".join(str(v) for v in bucket[:2]) + (f", {bucket[2]} frames" if len(bucket) > 2 else "")
 
@@ -23,26 +27,35 @@ class EpochPlan:
 
     Every rank builds the same plan from the same samples and seed, so the ranks agree on the order of
     global batches; each rank then takes its own slice of every micro batch. A global batch never
-    mixes buckets, so every micro batch stacks into one tensor.
+    mixes buckets, so every micro batch stacks into one tensor. ``image_micro_batch_size`` (default
+    ``micro_batch_size``) is the micro batch of one-frame buckets (images), as diffusion-pipe's
+    ``image_micro_batch_size_per_gpu``: a video model can batch several images where one clip fills the GPU.
     """
 
     def __init__(self, samples: list[Sample], repeats: list[int] | None, micro_batch_size: int,
-                 grad_accum_steps: int, dp_rank: int, dp_world: int, seed: int):
+                 grad_accum_steps: int, dp_rank: int, dp_world: int, seed: int,
+                 image_micro_batch_size: int | None = None):
         if repeats is None:
             repeats = [sample.item.num_repeats for sample in samples]
         if len(repeats) != len(samples):
             raise ValueError(f"got {len(repeats)} repeat counts for {len(samples)} samples")
-        if micro_batch_size < 1 or grad_accum_steps < 1 or dp_world < 1:
-            raise ValueError("micro_batch_size, grad_accum_steps and dp_world must each be 1 or more")
+        if image_micro_batch_size is None:
+            image_micro_batch_size = micro_batch_size
+        if min(micro_batch_size, image_micro_batch_size, grad_accum_steps, dp_world) < 1:
+            raise ValueError("micro batch sizes, grad_accum_steps and dp_world must each be 1 or more")
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_world - 1}")
         self.micro_batch_size = micro_batch_size
+        self.image_micro_batch_size = image_micro_batch_size
         self.grad_accum_steps = grad_accum_steps
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.seed = seed
-        self.global_batch = micro_batch_size * grad_accum_steps * dp_world
         self._by_bucket = self._expand_and_group(samples, repeats)
+        # what settings counted in examples are divided by (save_every_n_examples, beta2_half_life): an image
+        # dataset's global batch, else a clip's
+        all_images = all(_is_image(b) for b in self._by_bucket)
+        self.global_batch = (image_micro_batch_size if all_images else micro_batch_size) * grad_accum_steps * dp_world
         if self.steps_per_epoch() == 0:
             raise DatasetError(self._no_steps_message())
 
@@ -53,20 +66,27 @@ class EpochPlan:
             grouped[sample.bucket].extend([sample] * count)
         return {bucket: grouped[bucket] for bucket in sorted(grouped)}
 
+    def micro_batch_size_of(self, bucket: Bucket) -> int:
+        """A one-frame bucket (an image) batches ``image_micro_batch_size`` samples, a clip ``micro_batch_size``."""
+        return self.image_micro_batch_size if _is_image(bucket) else self.micro_batch_size
+
+    def global_batch_of(self, bucket: Bucket) -> int:
+        return self.micro_batch_size_of(bucket) * self.grad_accum_steps * self.dp_world
+
     def steps_per_epoch(self) -> int:
-        return sum(len(group) // self.global_batch for group in self._by_bucket.values())
+        return sum(len(group) // self.global_batch_of(bucket) for bucket, group in self._by_bucket.items())
 
     def dropped(self) -> dict[Bucket, int]:
         """Samples (after repeats) left out of each bucket every epoch because they fill no global batch."""
-        return {bucket: len(group) % self.global_batch for bucket, group in self._by_bucket.items()}
+        return {bucket: len(group) % self.global_batch_of(bucket) for bucket, group in self._by_bucket.items()}
 
     def warnings(self) -> list[str]:
         """One message for each bucket too small to give even one global batch."""
         return [
             f"bucket {_bucket_name(bucket)} has {_plural(len(group), 'sample')}, fewer than one global batch of "
-            f"{self.global_batch}: it is not trained; add images of this shape, raise its num_repeats, or lower "
-            "the global batch (micro batch size x gradient accumulation steps x data-parallel GPUs)"
-            for bucket, group in self._by_bucket.items() if len(group) < self.global_batch
+            f"{self.global_batch_of(bucket)}: it is not trained; add images of this shape, raise its num_repeats, "
+            "or lower the global batch (micro batch size x gradient accumulation steps x data-parallel GPUs)"
+            for bucket, group in self._by_bucket.items() if len(group) < self.global_batch_of(bucket)
         ]
 
     def epoch(self, epoch: int) -> list[list[list[Sample]]]:
@@ -74,17 +94,18 @@ class EpochPlan:
         # A string seed is hashed with SHA-512, so the order does not depend on PYTHONHASHSEED or platform.
         rng = random.Random(f"pipetrain-epoch:{self.seed}:{epoch}")
         global_batches = []
-        for group in self._by_bucket.values():
+        for bucket, group in self._by_bucket.items():
             shuffled = list(group)
             rng.shuffle(shuffled)
-            usable = len(shuffled) - len(shuffled) % self.global_batch
-            global_batches += [shuffled[i:i + self.global_batch] for i in range(0, usable, self.global_batch)]
+            size = self.global_batch_of(bucket)
+            usable = len(shuffled) - len(shuffled) % size
+            global_batches += [shuffled[i:i + size] for i in range(0, usable, size)]
         rng.shuffle(global_batches)
         return [self._rank_slice(batch) for batch in global_batches]
 
     def _rank_slice(self, global_batch: list[Sample]) -> list[list[Sample]]:
         """This rank's micro batches of one global batch: micro batch m holds ranks' slices side by side."""
-        size = self.micro_batch_size
+        size = len(global_batch) // (self.grad_accum_steps * self.dp_world)
         starts = ((m * self.dp_world + self.dp_rank) * size for m in range(self.grad_accum_steps))
         return [global_batch[start:start + size] for start in starts]
 

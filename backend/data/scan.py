@@ -12,14 +12,18 @@ from PIL import Image
 
 from ..config import DatasetConfig, DirectoryConfig
 from ..errors import DatasetError
+from .headers import EXIF_ORIENTATION_TAG, TRANSPOSING_ORIENTATIONS, size_from_header
 from .items import MediaItem
 
 log = logging.getLogger(__name__)
 
-EXIF_ORIENTATION_TAG = 0x0112
-# EXIF orientations 5-8 rotate by 90 or 270 degrees, so the displayed image has width and height swapped.
-TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 PROBE_THREADS = 8
+PROBE_CHUNK = 64
+# Only files with these extensions are dataset files: anything else in the folder (notes.md, a metadata .json,
+# a caption of another extension) is never opened as an image. Videos count for image models too, so that a
+# clip in an image model's folder is reported as unusable rather than silently ignored.
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif",
+                    ".heic", ".heif", ".jxl", ".ppm", ".pgm", ".pbm", ".pnm", ".tga", ".ico", ".dds"}
 
 
 @dataclass
@@ -49,6 +53,10 @@ def _probe_size(path: Path) -> tuple[int, int] | str:
     """(width, height) as displayed, or the reason Pillow cannot decode the file."""
     try:
         with Image.open(path) as image:
+            checked = size_from_header(image)
+        if checked is not None:
+            return checked
+        with Image.open(path) as image:
             image.load()  # decodes fully, so truncated files fail here rather than during training
             width, height = image.size
             if image.getexif().get(EXIF_ORIENTATION_TAG) in TRANSPOSING_ORIENTATIONS:
@@ -61,16 +69,54 @@ def _probe_size(path: Path) -> tuple[int, int] | str:
 def _read_caption(caption_path: Path) -> str | None:
     """The stripped caption, or None when the file does not exist."""
     try:
-        return caption_path.read_text(encoding="utf-8-sig").strip()
+        with open(caption_path, encoding="utf-8-sig") as f:
+            return f.read().strip()
     except FileNotFoundError:
         return None
 
 
+def is_media_file(path: Path) -> bool:
+    return path.suffix.lower() in _media_extensions()
+
+
+def _media_extensions() -> set[str]:
+    from .video import CONTAINER_EXTENSIONS
+
+    return IMAGE_EXTENSIONS | CONTAINER_EXTENSIONS
+
+
 def _candidate_files(directory: Path, caption_extension: str) -> list[Path]:
-    return sorted(
-        p for p in directory.iterdir()
-        if not p.name.startswith(".") and not p.name.endswith(caption_extension) and p.is_file()
-    )
+    extensions = _media_extensions()
+    with os.scandir(directory) as entries:   # a directory entry knows its type: no stat per file
+        names = [e.name for e in entries
+                 if not e.name.startswith(".") and not e.name.endswith(caption_extension)
+                 and os.path.splitext(e.name)[1].lower() in extensions and e.is_file()]
+    return [directory / name for name in sorted(names)]
+
+
+def _probe_with_caption(probe, caption_extension: str, file: Path):
+    """(``probe``'s answer, the caption: its text, None when missing, or the error reading it); a file that cannot
+    be probed has its caption left unread."""
+    size = probe(file)
+    if isinstance(size, str):
+        return size, None
+    try:
+        return size, _read_caption(file.parent / (file.stem + caption_extension))
+    except (OSError, UnicodeDecodeError) as e:
+        return size, e
+
+
+def _probe_many(probe, caption_extension: str, files: list[Path]) -> list:
+    return [_probe_with_caption(probe, caption_extension, file) for file in files]
+
+
+def _probed(pool: ThreadPoolExecutor, probe, caption_extension: str, files: list[Path]):
+    """``_probe_with_caption`` of every file, in order; the pool's threads take the files PROBE_CHUNK at a time (a
+    task per file costs more in hand-overs than reading a picture's header), and read the captions too (read here,
+    each small read would wait for the threads to hand back Python's interpreter lock)."""
+    chunks = [files[i:i + PROBE_CHUNK] for i in range(0, len(files), PROBE_CHUNK)]
+    for results in pool.map(_probe_many, [probe] * len(chunks), [caption_extension] * len(chunks), chunks):
+        yield from results
 
 
 def _probe_media(path: Path):
@@ -100,17 +146,18 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     scan = _DirectoryScan(path, control=_control_dir(cfg, directory))
     files = _candidate_files(path, caption_extension)
     frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
-    for file, size in zip(files, pool.map(_probe_media if videos else _probe_size, files)):
+    probed = _probed(pool, _probe_media if videos else _probe_size, caption_extension, files)
+    for file, (size, caption) in zip(files, probed):
         if isinstance(size, str):
             scan.unreadable.append((file, size))
             continue
         video = {} if isinstance(size, tuple) else {"frames": size.frames, "fps": size.fps}
         size = size if isinstance(size, tuple) else (size.width, size.height)
-        caption_path = file.parent / (file.stem + caption_extension)
-        try:
-            caption = _read_caption(caption_path)
-        except (OSError, UnicodeDecodeError) as e:
-            scan.unreadable.append((caption_path, f"caption file is not readable UTF-8 text ({e})"))
+        if isinstance(caption, (OSError, UnicodeDecodeError)):
+            # the reason, never the bytes (a decode error's text quotes the byte it stopped at)
+            why = caption.strerror if isinstance(caption, OSError) else f"not UTF-8 at byte {caption.start}"
+            scan.unreadable.append((file.parent / (file.stem + caption_extension),
+                                    f"caption file is not readable UTF-8 text ({why})"))
             continue
         if not caption and captions.skip_empty:
             scan.skipped_empty.append(file)

@@ -27,7 +27,7 @@ from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 AURA_SHIFT = 1.73          # ComfyUI's sampling_settings for AuraFlow (supported_models.AuraFlow)
 AURA_MULTIPLIER = 1.0
@@ -58,9 +58,7 @@ AURA_SPEC = ArchSpec(
     title="AuraFlow", comfy_configs=("AuraFlow",), unet_config=auraflow_config,
     build=comfy_diffusion_model("comfy.ldm.aura.mmdit:MMDiT"),
     detected_sizes=("full",), text_encoders=("pile_t5xl",), clip_type="STABLE_DIFFUSION",
-    clip_target=comfy_clip_target("comfy.text_encoders.aura_t5:AuraT5Tokenizer",
-                                  "comfy.text_encoders.aura_t5:AuraT5Model"),
-    vae="kl4", example_file="aura_flow_0.3.safetensors")
+    vae="kl4", example_file="aura_flow_0.3.safetensors", text_encoder_types=("auraflow", "stable_diffusion"))
 
 
 def _key_mask(text_lengths, c_len: int, x_len: int):
@@ -112,8 +110,8 @@ def _image_tokens(hw, patch_size: int) -> int:
 
 
 class AuraSingle(BlockLayer):
-    def __init__(self, block, patch_size: int, dtype, checkpoint_activations=False):
-        super().__init__(block, dtype, checkpoint_activations)
+    def __init__(self, block, patch_size: int, dtype):
+        super().__init__(block, dtype)
         self.patch_size = patch_size
 
     def block_forward(self, cx, global_cond, hw, text_lengths):
@@ -160,12 +158,12 @@ class AuraFlowAdapter(ModelAdapter):
     def objective(self):
         return self.flow_matching(AURA_SHIFT, AURA_MULTIPLIER)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [AuraInput(dm, self.objective(), self.dtype)]
-        layers += [AuraDouble(b, self.dtype, checkpoint_activations) for b in dm.double_layers]
+        layers += [AuraDouble(b, self.dtype) for b in dm.double_layers]
         layers.append(AuraJoin())
-        layers += [AuraSingle(b, dm.patch_size, self.dtype, checkpoint_activations) for b in dm.single_layers]
+        layers += [AuraSingle(b, dm.patch_size, self.dtype) for b in dm.single_layers]
         layers.append(AuraOutput(dm, self.dtype))
         return layers
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
 from .spec import ArchSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -37,6 +37,7 @@ class ModelAdapter(ABC):
     compiles_checkpoints: bool = True        # compile = true puts each block's checkpoint (and its policy) inside
                                              # the compiled graph
     takes_clip_vision: bool = False          # [model] clip_vision names a CLIP-vision file it encodes (Wan 2.1 i2v)
+    parity_dtype: torch.dtype = torch.float64   # the parity check's dtype (parity.py): what remains is rounding
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
@@ -44,7 +45,25 @@ class ModelAdapter(ABC):
     #                                          caption (encode_caption_with_image); cached per caption and image
     memory_format: torch.memory_format = torch.contiguous_format  # how the engine stores 4-D weights in training
 
+    @classmethod
+    def check_config(cls, cfg: ModelConfig, file) -> None:
+        """What this architecture accepts in ``[model]`` beyond the keys every model has (``preflight`` runs it)."""
+        if (cfg.min_t, cfg.max_t) != (0.0, 1.0) and not cls.timestep_range:
+            raise ConfigError(f"a {cfg.type} model trains on every timestep; min_t and max_t are for Wan models "
+                              "(remove them)", file=file, key="model.min_t")
+        if cfg.clip_vision is not None and not cls.takes_clip_vision:
+            raise ConfigError(f"a {cfg.type} model takes no CLIP-vision file (Wan 2.1 i2v does); remove the key",
+                              file=file, key="model.clip_vision")
+        allowed = cls.spec.accepted_text_encoder_types()
+        for i, declared in cfg.declared_text_encoder_types():
+            if declared.lower() not in allowed:
+                raise ConfigError(f"got type = {declared!r}; a {cfg.type} model takes text encoders of type "
+                                  f"{' or '.join(repr(a) for a in allowed)}", file=file,
+                                  key=f"model.text_encoders[{i}]")
+
     def __init__(self, cfg: ModelConfig, resolve=lambda p: Path(p)):
+        from ..runtime import ensure_comfyui
+        ensure_comfyui()   # an adapter runs ComfyUI's code: its methods take ``comfy`` as importable
         self.cfg = cfg
         self.resolve = resolve
         self.dtype = DTYPES[cfg.dtype]
@@ -53,7 +72,7 @@ class ModelAdapter(ABC):
     # --- files ------------------------------------------------------------------------------
     def model_files(self) -> dict[str, list[Path]]:
         files = {"diffusion_model": [self.resolve(self.cfg.diffusion_model)], "vae": [self.resolve(self.cfg.vae)],
-                 "text_encoders": [self.resolve(p) for p in self.cfg.text_encoders]}
+                 "text_encoders": [self.resolve(p) for p in self.cfg.text_encoder_files]}
         for role, paths in files.items():
             for p in paths:
                 if not p.is_file():
@@ -112,10 +131,16 @@ class ModelAdapter(ABC):
     def load_diffusion_model(self):
         from .loading import load_diffusion_model, merge_loras
         weight_dtype = DTYPES[self.cfg.diffusion_model_dtype] if self.cfg.diffusion_model_dtype else self.dtype
-        self.patcher = load_diffusion_model(self.model_files()["diffusion_model"][0], weight_dtype)
+        self.use_model(load_diffusion_model(self.model_files()["diffusion_model"][0], weight_dtype))
         if self.cfg.merge_adapters:
             merge_loras(self.patcher, [self.resolve(p) for p in self.cfg.merge_adapters])
         return self.patcher
+
+    def use_model(self, patcher) -> None:
+        """Train (or check) ``patcher``'s model from now on: ComfyUI's ModelPatcher as ``load_diffusion_model``
+        loads it from the config's file, or one built in memory (``loading.build_model``: benchmarks, tests) or
+        patched with a LoRA (``verify.py``)."""
+        self.patcher = patcher
 
     @property
     def diffusion_model(self) -> nn.Module:
@@ -138,8 +163,9 @@ class ModelAdapter(ABC):
         return FlowMatching.from_model_config(self.cfg, default_shift=default_shift, multiplier=multiplier)
 
     @abstractmethod
-    def to_layers(self, checkpoint_activations: bool = False) -> list[nn.Module]:
-        """The network as a flat list of pipeline layers (each maps a tuple of tensors to a tuple)."""
+    def to_layers(self) -> list[nn.Module]:
+        """The network as a flat list of pipeline layers (each maps a tuple of tensors to a tuple), built without
+        activation checkpointing: the run applies its mode afterwards (``checkpointing.apply_checkpointing``)."""
 
     def compile(self, layers: list[nn.Module], checkpoint_inside: bool = True,
                 memory_budget: float | None = None, cuda_graphs: bool = False) -> int:

@@ -17,6 +17,9 @@ cost (a tiny SDXL step on the CPU, where the host is all the time: 75 ms non-ree
 without checkpointing). 'selective' needs torch's checkpoint (its policy is a dispatch mode), and so do blocks
 compiled with their checkpoint inside the graph (compiling.py), where the hooks are traced away.
 
+The mode is a run policy: adapters build their layers without it and ``apply_checkpointing`` sets it on every
+``CheckpointedLayer`` once, after construction (the engine, benchmarks and tests all go through it).
+
 ``activation_checkpointing_fraction`` below 1 keeps checkpointing on that share of the blocks only, spread
 evenly over the model (``thin_checkpointing``): a step costs about that share of one forward pass extra instead
 of a whole one, and memory lands between the two ends. Pick the smallest fraction that fits.
@@ -147,11 +150,9 @@ def run_checkpointed(mode, fn, *args):
 
 
 class CheckpointedLayer(TupleLayer):
-    """A pipeline layer whose ``block_forward(*tensors)`` runs under the configured activation checkpointing."""
-
-    def __init__(self, checkpoint_activations=False):
-        super().__init__()
-        self.checkpoint_activations = checkpoint_activations
+    """A pipeline layer whose ``block_forward(*tensors)`` runs under the run's activation checkpointing. Layers are
+    built without it; ``apply_checkpointing`` sets the mode on every such layer once the list is built."""
+    checkpoint_activations: bool | str = False   # the mode: False, True, 'unsloth' or 'selective'
 
     def checkpointed(self, *args):
         return run_checkpointed(self.checkpoint_activations, self.block_forward, *args)
@@ -164,9 +165,19 @@ class BlockLayer(CheckpointedLayer):
     """One of ComfyUI's transformer blocks as a checkpointed pipeline layer (``block_forward`` calls it)."""
     cost = 1.0
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, dtype):
+        super().__init__()
         self.block, self.dtype = block, dtype
+
+
+def apply_checkpointing(layers, mode, fraction: float = 1.0) -> int:
+    """The run's activation checkpointing, applied once to an adapter's freshly built layers: every
+    ``CheckpointedLayer`` takes ``mode`` (False, True, 'unsloth' or 'selective'), then ``fraction`` below 1 leaves it
+    on that share of them (``thin_checkpointing``). Returns how many layers checkpoint."""
+    blocks = [layer for layer in layers if isinstance(layer, CheckpointedLayer)]
+    for layer in blocks:
+        layer.checkpoint_activations = mode
+    return thin_checkpointing(blocks, fraction)
 
 
 def thin_checkpointing(layers, fraction: float) -> int:

@@ -29,7 +29,7 @@ from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import CheckpointedLayer
 from .flux import FluxOutput, JoinStreams, double_block, image_tokens, single_block, unpatchify
 from .objectives import FlowMatching
-from .spec import ArchSpec
+from .spec import ArchSpec, comfy_diffusion_model
 
 GUIDANCE = 0.0               # model_base.Chroma's default distilled guidance
 MOD_INDEX_LENGTH = 344       # rows of the modulation table (comfy.ldm.chroma.model, fixed)
@@ -51,24 +51,15 @@ def chroma_config(size: str) -> dict:
     return dict(CHROMA_FULL if size == "full" else CHROMA_TINY)
 
 
-def build_chroma(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.chroma.model
-    import comfy.ops
-    return comfy.ldm.chroma.model.Chroma(device="meta", operations=comfy.ops.disable_weight_init, **config)
+build_chroma = comfy_diffusion_model("comfy.ldm.chroma.model:Chroma")
 
 
-def _chroma_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.pixart_t5 as pixart_t5
-    return comfy.supported_models_base.ClipTarget(pixart_t5.PixArtTokenizer, pixart_t5.pixart_te())
 
 
 CHROMA_SPEC = ArchSpec(
     title="Chroma", comfy_configs=("Chroma",), unet_config=chroma_config, build=build_chroma,
-    detected_sizes=("full",), text_encoders=("t5xxl",), clip_type="CHROMA", clip_target=_chroma_clip_target,
-    vae="kl16", example_file="chroma-unlocked-v50.safetensors")
+    detected_sizes=("full",), text_encoders=("t5xxl",), clip_type="CHROMA", vae="kl16",
+    example_file="chroma-unlocked-v50.safetensors", text_encoder_types=("chroma", "pixart"))
 
 
 class ChromaInput(TupleLayer):
@@ -118,8 +109,8 @@ class ChromaInput(TupleLayer):
 class ChromaDouble(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, index: int, get_modulations, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, index: int, get_modulations, dtype):
+        super().__init__()
         self.block, self.index, self.dtype = block, index, dtype
         self._get_modulations = get_modulations  # Chroma.get_modulations (no weights)
 
@@ -141,8 +132,8 @@ class ChromaJoin(JoinStreams):
 class ChromaSingle(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, index: int, get_modulations, patch_size: int, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, index: int, get_modulations, patch_size: int, dtype):
+        super().__init__()
         self.block, self.index, self.patch_size, self.dtype = block, index, patch_size, dtype
         self._get_modulations = get_modulations
 
@@ -181,13 +172,13 @@ class ChromaAdapter(ModelAdapter):
     def objective(self):
         return FlowMatching.from_model_config(self.cfg)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [ChromaInput(dm, self.objective(), self.dtype)]
-        layers += [ChromaDouble(b, i, dm.get_modulations, self.dtype, checkpoint_activations)
+        layers += [ChromaDouble(b, i, dm.get_modulations, self.dtype)
                    for i, b in enumerate(dm.double_blocks)]
         layers.append(ChromaJoin())
-        layers += [ChromaSingle(b, i, dm.get_modulations, dm.patch_size, self.dtype, checkpoint_activations)
+        layers += [ChromaSingle(b, i, dm.get_modulations, dm.patch_size, self.dtype)
                    for i, b in enumerate(dm.single_blocks)]
         layers.append(ChromaOutput(dm, self.dtype))
         return layers

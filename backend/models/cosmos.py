@@ -32,7 +32,7 @@ from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 
 def predict2_config(model_channels: int, num_blocks: int, num_heads: int) -> dict:
@@ -60,9 +60,8 @@ def cosmos_predict2_config(size: str) -> dict:
 
 PREDICT2_SPEC = ArchSpec(
     title="Cosmos-Predict2 t2i", comfy_configs=("CosmosT2IPredict2",), unet_config=cosmos_predict2_config,
-    build=comfy_diffusion_model("comfy.ldm.cosmos.predict2:MiniTrainDIT"), detected_sizes=("full",), text_encoders=("t5xxl_old",), clip_type="COSMOS",
-    clip_target=comfy_clip_target("comfy.text_encoders.cosmos:CosmosT5Tokenizer",
-                                  "comfy.text_encoders.cosmos:te()"),
+    build=comfy_diffusion_model("comfy.ldm.cosmos.predict2:MiniTrainDIT"), detected_sizes=("full",),
+    text_encoders=("t5xxl_old",), clip_type="COSMOS",
     vae="wan21", example_file="cosmos_predict2_2B_t2i.safetensors")
 
 _NONE = torch.zeros(0)   # stands for an absent tensor (no adaLN-LoRA, no extra position embedding)
@@ -147,10 +146,10 @@ class CosmosPredict2Adapter(ModelAdapter):
     def objective(self):
         return FlowMatching.from_model_config(self.cfg, multiplier=1.0)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [Predict2Input(dm, self.objective(), self.dtype)]
-        layers += [Predict2Block(b, self.dtype, checkpoint_activations) for b in dm.blocks]
+        layers += [Predict2Block(b, self.dtype) for b in dm.blocks]
         layers.append(Predict2Output(dm, self.dtype))
         return layers
 

@@ -40,7 +40,7 @@ from .base import ModelAdapter, VideoLatents
 from .carry import TupleLayer, hide, reveal, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 COSMOS1_FPS = 24
 SIGMA_DATA = 0.5
@@ -83,7 +83,6 @@ COSMOS1_SPEC = ArchSpec(
     title="Cosmos 1.0 t2v", comfy_configs=("CosmosT2V",), unet_config=cosmos1_unet_config,
     build=comfy_diffusion_model("comfy.ldm.cosmos.model:GeneralDIT"), detected_sizes=("full",),
     text_encoders=("t5xxl_old",), clip_type="COSMOS",
-    clip_target=comfy_clip_target("comfy.text_encoders.cosmos:CosmosT5Tokenizer", "comfy.text_encoders.cosmos:te()"),
     vae="cosmos1_cv8x8x8", example_file="Cosmos-1_0-Diffusion-7B-Text2World.safetensors")
 
 
@@ -188,6 +187,9 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
     text_fields = ("cond",)
     framerate = COSMOS1_FPS
     frame_multiple = 8          # clips of 8k + 1 frames (the tokenizer's causal 8x temporal compression)
+    # the parity check (backend/parity.py) runs in float32: ComfyUI normalises the positional embeddings in
+    # float32, which torch refuses for float64 input
+    parity_dtype = torch.float32
 
     def encode_caption(self, clip, caption):
         """T5-XXL's 512 (or more) hidden states, padding zeroed: all of them, since ComfyUI attends to all."""
@@ -198,10 +200,10 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
         return EDMObjective(sample_method=self.cfg.timestep_sample_method, sigmoid_scale=self.cfg.sigmoid_scale,
                             shift=self.cfg.shift, flux_shift=self.cfg.flux_shift)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [Cosmos1Input(dm, self.objective(), self.dtype)]
-        layers += [Cosmos1Block(b, self.dtype, checkpoint_activations) for b in dm.blocks.values()]
+        layers += [Cosmos1Block(b, self.dtype) for b in dm.blocks.values()]
         layers.append(Cosmos1Output(dm, self.dtype))
         return layers
 

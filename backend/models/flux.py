@@ -2,7 +2,7 @@
 
 ComfyUI's block forwards add residuals in place (``img += ...``), which autograd rejects, so the
 pipeline layers below re-state the block maths out of place while calling ComfyUI's own submodules
-(and therefore its weights, LoRA targets and key names). ``tests/test_flux_layers.py`` checks them
+(and therefore its weights, LoRA targets and key names). ``tests/unit/test_flux_layers.py`` checks them
 against ComfyUI's forward.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import CheckpointedLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec
+from .spec import ArchSpec, comfy_diffusion_model
 
 # Flux-dev as ComfyUI detects it (comfy/model_detection.py fixes heads, axes and widths).
 FLUX_DEV = {
@@ -37,25 +37,16 @@ def flux_config(size: str) -> dict:
 
 def build_flux(config: dict | str) -> torch.nn.Module:
     """ComfyUI's Flux on the meta device, from a config or a size name."""
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ldm.flux.model
-    import comfy.ops
     config = flux_config(config) if isinstance(config, str) else config
-    return comfy.ldm.flux.model.Flux(device="meta", operations=comfy.ops.disable_weight_init, **config)
+    return comfy_diffusion_model("comfy.ldm.flux.model:Flux")(config)
 
 
-def _flux_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.flux
-    return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
-                                                  comfy.text_encoders.flux.flux_clip())
 
 
 FLUX_SPEC = ArchSpec(
     title="Flux", comfy_configs=("Flux", "FluxSchnell"), unet_config=flux_config, build=build_flux,
     detected_sizes=("tiny", "full"), text_encoders=("clip_l", "t5xxl"), clip_type="FLUX",
-    clip_target=_flux_clip_target, vae="kl16", example_file="flux1-dev.safetensors")
+    vae="kl16", example_file="flux1-dev.safetensors")
 
 
 class FluxInput(TupleLayer):
@@ -121,10 +112,16 @@ def double_block(blk, img, txt, mods, pe, mask=None):
     return img, txt
 
 
+def _mlp_width(blk) -> int:
+    """The MLP's share of ``linear1``'s output: ``mlp_hidden_dim_first`` (twice the MLP width for Flux 2's gated
+    SiLU) where ComfyUI has it (0.3.6x on), the MLP width before."""
+    return getattr(blk, "mlp_hidden_dim_first", blk.mlp_hidden_dim)
+
+
 def single_block(blk, x, mod, pe, mask=None):
     """ComfyUI's ``SingleStreamBlock.forward`` out of place, with the block's modulation ``mod``."""
     qkv, mlp = torch.split(blk.linear1(_modulate(blk.pre_norm(x), mod)),
-                           [3 * blk.hidden_size, blk.mlp_hidden_dim_first], dim=-1)
+                           [3 * blk.hidden_size, _mlp_width(blk)], dim=-1)
     q, k, v = _heads(qkv, blk.num_heads)
     q, k = blk.norm(q, k, v)
     attn = rope_attention(q, k, v, pe, mask)
@@ -134,8 +131,8 @@ def single_block(blk, x, mod, pe, mask=None):
 class DoubleBlock(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, dtype):
+        super().__init__()
         self.block, self.dtype = block, dtype
 
     def block_forward(self, img, txt, vec, pe, hw):
@@ -156,8 +153,8 @@ class JoinStreams(TupleLayer):
 class SingleBlock(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, dtype):
+        super().__init__()
         self.block, self.dtype = block, dtype
 
     def block_forward(self, x, vec, pe, hw):
@@ -208,12 +205,12 @@ class FluxAdapter(ModelAdapter):
     def objective(self):
         return FlowMatching.from_model_config(self.cfg)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers = [self.input_layer(dm, self.objective(), self.dtype, self.cfg.guidance)]
-        layers += [DoubleBlock(b, self.dtype, checkpoint_activations) for b in dm.double_blocks]
+        layers += [DoubleBlock(b, self.dtype) for b in dm.double_blocks]
         layers.append(JoinStreams())
-        layers += [SingleBlock(b, self.dtype, checkpoint_activations) for b in dm.single_blocks]
+        layers += [SingleBlock(b, self.dtype) for b in dm.single_blocks]
         layers.append(FluxOutput(dm, self.dtype))
         return layers
 

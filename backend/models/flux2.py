@@ -60,57 +60,8 @@ def flux2_config(size: str) -> dict:
     return dict(FLUX2_DEV if size == "full" else FLUX2_TINY)
 
 
-def comfy_mistral_tokenizer_on_transformers5() -> None:
-    """Let ComfyUI 0.3.75 build Flux 2's tokenizer under transformers 5.
-
-    ComfyUI's ``load_mistral_tokenizer`` hands transformers 4's ``MistralConverter`` the tekken vocabulary
-    (``MistralConverter(vocab=...)``), and transformers 4's Llama tokenizer puts ``<s>`` first. transformers 5's
-    converter reads a tekken.json file instead and its Llama tokenizer adds no ``<s>``, so ComfyUI's tokenizer
-    fails to build. Under transformers 5 this swaps in a loader that writes the tekken bytes to a file for the new
-    converter and adds the ``<s>`` (id 1): the same ids, with tekken's own pre-tokenizer pattern, as ComfyUI's
-    later releases give. Under transformers 4 it changes nothing.
-    """
-    import inspect
-
-    import comfy.text_encoders.flux as comfy_flux
-    try:
-        from transformers.integrations.mistral import MistralConverter
-    except ImportError:
-        return
-    vocab_file = inspect.signature(MistralConverter.__init__).parameters.get("vocab_file")
-    if vocab_file is None or vocab_file.default is not inspect.Parameter.empty:
-        return   # transformers 4: ComfyUI's own loader works
-    if getattr(comfy_flux.load_mistral_tokenizer, "pipetrain", False):
-        return
-    comfy_flux.load_mistral_tokenizer = _load_mistral_tokenizer
 
 
-def _load_mistral_tokenizer(data) -> dict:
-    import tempfile
-    from pathlib import Path
-
-    from tokenizers import processors
-    from transformers.integrations.mistral import MistralConverter
-
-    raw = data.numpy().tobytes() if torch.is_tensor(data) else data
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "tekken.json"
-        path.write_bytes(raw if isinstance(raw, bytes) else str(raw).encode())
-        tokenizer = MistralConverter(str(path)).converted()
-    tokenizer.post_processor = processors.Sequence([
-        tokenizer.post_processor, processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])])
-    return {"tokenizer_object": tokenizer, "legacy": False}
-
-
-_load_mistral_tokenizer.pipetrain = True
-
-
-def _flux2_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.flux
-    comfy_mistral_tokenizer_on_transformers5()
-    return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.Flux2Tokenizer,
-                                                  comfy.text_encoders.flux.flux2_te())
 
 
 FLUX2_SPEC = ArchSpec(
@@ -118,7 +69,7 @@ FLUX2_SPEC = ArchSpec(
     detected_sizes=("full",), text_encoders=("mistral3_24b",),
     # ComfyUI's CLIPLoader "flux2" type has no CLIPType in 0.3.75 and falls back to this one; the Mistral
     # weights themselves select Flux 2's text encoder
-    clip_type="STABLE_DIFFUSION", clip_target=_flux2_clip_target, vae="flux2",
+    clip_type="STABLE_DIFFUSION", vae="flux2", text_encoder_types=("flux2",),
     example_file="flux2-dev.safetensors")
 
 
@@ -179,8 +130,8 @@ class Flux2Input(TupleLayer):
 class Flux2Double(CheckpointedLayer):
     cost = 2.0   # two streams of a single block's width each: twice a single block's linears
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, dtype):
+        super().__init__()
         self.block, self.dtype = block, dtype
 
     def block_forward(self, img, txt, mods, pe, hw):
@@ -192,8 +143,8 @@ class Flux2Double(CheckpointedLayer):
 class Flux2Single(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, dtype):
+        super().__init__()
         self.block, self.dtype = block, dtype
 
     def block_forward(self, x, mods, pe, hw):
@@ -215,12 +166,6 @@ class Flux2Adapter(ModelAdapter):
     lora_block_prefixes = ("double_blocks", "single_blocks")
     text_fields = ("mistral",)
 
-    def load_text_encoders(self):
-        from ..runtime import ensure_comfyui
-        ensure_comfyui()
-        comfy_mistral_tokenizer_on_transformers5()
-        return super().load_text_encoders()
-
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
         return {"mistral": clip.encode_from_tokens(tokens, return_dict=True)["cond"][0].float().cpu()}
@@ -238,12 +183,12 @@ class Flux2Adapter(ModelAdapter):
     def seq_len(self, latent):
         return latent.shape[-1] * latent.shape[-2]   # one token per latent pixel
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [Flux2Input(dm, self.objective(), self.dtype, self.cfg.guidance)]
-        layers += [Flux2Double(b, self.dtype, checkpoint_activations) for b in dm.double_blocks]
+        layers += [Flux2Double(b, self.dtype) for b in dm.double_blocks]
         layers.append(JoinStreams())
-        layers += [Flux2Single(b, self.dtype, checkpoint_activations) for b in dm.single_blocks]
+        layers += [Flux2Single(b, self.dtype) for b in dm.single_blocks]
         layers.append(Flux2Output(dm, self.dtype))
         return layers
 

@@ -34,7 +34,7 @@ from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 # HiDream-I1 as ComfyUI's detection gives it (model_detection pins every value).
 HIDREAM_FULL = {
@@ -58,8 +58,6 @@ HIDREAM_SPEC = ArchSpec(
     title="HiDream-I1", comfy_configs=("HiDream",), unet_config=hidream_config,
     build=comfy_diffusion_model("comfy.ldm.hidream.model:HiDreamImageTransformer2DModel"),
     detected_sizes=("full",), text_encoders=("clip_l", "clip_g", "t5xxl", "llama"), clip_type="HIDREAM",
-    clip_target=comfy_clip_target("comfy.text_encoders.hidream:HiDreamTokenizer",
-                                  "comfy.text_encoders.hidream:hidream_clip()"),
     vae="kl16", example_file="hidream_i1_full_fp16.safetensors")
 
 
@@ -117,8 +115,8 @@ class HiDreamInput(TupleLayer):
 
 
 class _Block(BlockLayer):
-    def __init__(self, block, projection, llama_layer: int, patch_size: int, dtype, checkpoint_activations=False):
-        super().__init__(block, dtype, checkpoint_activations)
+    def __init__(self, block, projection, llama_layer: int, patch_size: int, dtype):
+        super().__init__(block, dtype)
         self.caption_projection, self.llama_layer, self.patch_size = projection, llama_layer, patch_size
 
     def llama_tokens(self, llama):
@@ -201,16 +199,16 @@ class HiDreamAdapter(ModelAdapter):
     def objective(self):
         return self.flow_matching(default_multiplier=1000.0)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         n_double = len(dm.double_stream_blocks)
         blocks = [(b, i) for i, b in enumerate(dm.double_stream_blocks)]
         layers: list[nn.Module] = [HiDreamInput(dm, self.objective(), self.dtype)]
-        layers += [HiDreamDouble(b, dm.caption_projection[i], dm.llama_layers[i], dm.patch_size, self.dtype,
-                                 checkpoint_activations) for b, i in blocks]
+        layers += [HiDreamDouble(b, dm.caption_projection[i], dm.llama_layers[i], dm.patch_size, self.dtype)
+                   for b, i in blocks]
         layers.append(HiDreamJoin())
         layers += [HiDreamSingle(b, dm.caption_projection[n_double + i], dm.llama_layers[n_double + i], dm.patch_size,
-                                 self.dtype, checkpoint_activations) for i, b in enumerate(dm.single_stream_blocks)]
+                                 self.dtype) for i, b in enumerate(dm.single_stream_blocks)]
         layers.append(HiDreamOutput(dm, self.dtype))
         return layers
 

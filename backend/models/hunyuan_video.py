@@ -34,7 +34,7 @@ from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
 from .checkpointing import CheckpointedLayer
 from .flux import double_block, single_block
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 HUNYUAN_FPS = 24
 GLYPH_WIDTH = 1472           # byT5-small glyph's hidden size (ComfyUI's ByT5Mapper in_dim)
@@ -73,24 +73,18 @@ build_hunyuan = comfy_diffusion_model("comfy.ldm.hunyuan_video.model:HunyuanVide
 HV_SPEC = ArchSpec(
     title="HunyuanVideo", comfy_configs=("HunyuanVideo",), unet_config=_sizes(HV_CONFIGS), build=build_hunyuan,
     detected_sizes=("tiny", "full"), text_encoders=("llama", "clip_l"), clip_type="HUNYUAN_VIDEO",
-    clip_target=comfy_clip_target("comfy.text_encoders.hunyuan_video:HunyuanVideoTokenizer",
-                                  "comfy.text_encoders.hunyuan_video:hunyuan_video_clip()"),
     vae="hunyuan_video", example_file="hunyuan_video_t2v_720p_bf16.safetensors")
 
 HV15_SPEC = ArchSpec(
     title="HunyuanVideo 1.5", comfy_configs=("HunyuanVideo15",), unet_config=_sizes(HV15_CONFIGS),
     build=build_hunyuan, detected_sizes=("tiny", "full"), text_encoders=("qwen25_7b", "byt5_small"),
     clip_type="HUNYUAN_VIDEO_15",
-    clip_target=comfy_clip_target("comfy.text_encoders.hunyuan_video:HunyuanVideo15Tokenizer",
-                                  "comfy.text_encoders.hunyuan_image:te()"),
     vae="hunyuan_video_15", example_file="hunyuanvideo1.5_720p_t2v_fp16.safetensors")
 
 HI21_SPEC = ArchSpec(
     title="HunyuanImage 2.1", comfy_configs=("HunyuanImage21",), unet_config=_sizes(HI21_CONFIGS),
     build=build_hunyuan, detected_sizes=("tiny", "full"), text_encoders=("qwen25_7b", "byt5_small"),
     clip_type="HUNYUAN_IMAGE",
-    clip_target=comfy_clip_target("comfy.text_encoders.hunyuan_image:HunyuanImageTokenizer",
-                                  "comfy.text_encoders.hunyuan_image:te()"),
     vae="hunyuan_image_21", example_file="hunyuanimage2.1_bf16.safetensors")
 
 
@@ -179,8 +173,8 @@ class HunyuanInput(TupleLayer):
 class HunyuanDouble(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, dtype):
+        super().__init__()
         self.block, self.dtype = block, dtype
 
     def block_forward(self, img, txt, vec, pe, size, txt_valid):
@@ -201,8 +195,8 @@ class HunyuanJoin(TupleLayer):
 class HunyuanSingle(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
-        super().__init__(checkpoint_activations)
+    def __init__(self, block, dtype):
+        super().__init__()
         self.block, self.dtype = block, dtype
 
     def block_forward(self, x, vec, pe, size, txt_valid):
@@ -287,18 +281,15 @@ class HunyuanAdapter(ModelAdapter):
     # --- training ---------------------------------------------------------------------------------------
     def objective(self):
         import comfy.supported_models
-
-        from ..runtime import ensure_comfyui
-        ensure_comfyui()
         shift = getattr(comfy.supported_models, self.comfy_config).sampling_settings["shift"]
         return self.flow_matching(shift, 1000.0)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [HunyuanInput(dm, self.objective(), self.dtype, self.cfg.guidance)]
-        layers += [HunyuanDouble(b, self.dtype, checkpoint_activations) for b in dm.double_blocks]
+        layers += [HunyuanDouble(b, self.dtype) for b in dm.double_blocks]
         layers.append(HunyuanJoin())
-        layers += [HunyuanSingle(b, self.dtype, checkpoint_activations) for b in dm.single_blocks]
+        layers += [HunyuanSingle(b, self.dtype) for b in dm.single_blocks]
         layers.append(HunyuanOutput(dm, self.dtype))
         return layers
 

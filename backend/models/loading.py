@@ -1,26 +1,31 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Load diffusion models, text encoders and VAEs with ComfyUI's own code.
 
-Real files go through ComfyUI's loaders and detection unchanged. PipeTrain's tiny files (see
-``tiny.py``), whose configs ComfyUI cannot detect, carry their config in the safetensors metadata; they
-are built from ComfyUI's classes with that config and come back as the same objects (``ModelPatcher``,
-``comfy.sd.CLIP``), so callers never tell the two apart. Every failure is a ``ModelError`` naming the file.
-Nothing here names an architecture: each one's facts are its adapter's ``spec`` (``spec.py``).
+Real files go through ComfyUI's loaders and detection unchanged, and so do PipeTrain's tiny files (``tiny.py``)
+wherever ComfyUI can read them: a tiny diffusion model whose config its weights do not tell carries the config in
+its safetensors metadata, and ComfyUI's own ``load_diffusion_model`` loads it with its detection given that config
+(``patches_comfyui.detection_from_config``); tiny text encoders go through ComfyUI's text-encoder loading with their
+configs as its model options and their kinds given (``patches_comfyui.text_encoder_kinds``: ComfyUI tells kinds, and
+which encoder of a pair a file is, by layers only full-depth files have); a tiny VAE goes through ``comfy.sd.VAE``
+like a real one, narrowed where ComfyUI fixes the width. Only tiny CLIP-vision files are still built from ComfyUI's
+class with the config from their metadata (ComfyUI picks a CLIP-vision config file by layer keys). Every result is the object ComfyUI returns (``ModelPatcher``, ``comfy.sd.CLIP``), so
+callers never tell the two apart. Every failure is a ``ModelError`` naming the file. Nothing here names an
+architecture: each one's facts are its adapter's ``spec`` (``spec.py``) and the kinds of ``encoders.py`` / ``vaes.py``.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
-import math
 from pathlib import Path
 
 import torch
 
 from ..errors import ModelError
+from ..patches_comfyui import detection_from_config, narrowed_class, text_encoder_kinds
 from ..runtime import ensure_comfyui
 from .registry import ADAPTERS, arch_spec, arch_specs
-from .spec import TEXT_ENCODERS, UMT5_MARKER, VAES
+from .encoders import TEXT_ENCODERS, UMT5_MARKER
+from .vaes import VAES
 
 SUPPORTED_ARCHS = tuple(ADAPTERS)
 META_ARCH, META_UNET, META_TE_KIND, META_TE = (
@@ -103,6 +108,19 @@ def detect_architecture(path) -> str | None:
     return _arch_of(*read_header(path))
 
 
+def check_architecture(path, model_type: str) -> None:
+    """Before anything is cached or loaded: the diffusion-model file is of a kind ``model_type`` trains (the
+    header alone tells; types that share ComfyUI's model class, like Flux and Flux Kontext, share files)."""
+    path = _require_file(path)
+    shapes, metadata = read_header(path)
+    found = _arch_of(shapes, metadata)
+    if found is None:
+        raise _undetected(path, shapes)
+    if found != model_type and not set(arch_spec(found).comfy_configs) & set(arch_spec(model_type).comfy_configs):
+        raise ModelError(f"{path}: model.type = {model_type!r}, but this file is a {arch_spec(found).title} "
+                         f"diffusion model; set model.type = {found!r} or pick a {arch_spec(model_type).title} file")
+
+
 def _arch_of(shapes: dict, metadata: dict) -> str | None:
     if META_UNET in metadata:
         arch = metadata.get(META_ARCH)
@@ -122,7 +140,9 @@ def _undetected(path: Path, shapes: dict) -> ModelError:
 
 
 def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = None):
-    """A ``comfy.model_patcher.ModelPatcher`` for a diffusion model of a supported type (real or tiny).
+    """A ``comfy.model_patcher.ModelPatcher`` for a diffusion model of a supported type (real or tiny), loaded by
+    ComfyUI's ``comfy.sd.load_diffusion_model``; a file that names its config in its metadata (a tiny one) has
+    ComfyUI's detection give that config (``patches_comfyui.detection_from_config``).
 
     ``arch``, when given, is what the caller expects; another architecture raises ``ModelError``.
     """
@@ -133,62 +153,54 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
         raise _undetected(path, shapes)
     if arch is not None and found != arch:
         raise ModelError(f"{path}: expected a {arch} diffusion model, but this file is {found}")
-    if META_UNET in metadata:
-        return _load_from_config(path, found, json.loads(metadata[META_UNET]), dtype)
     ensure_comfyui()
     import comfy.sd
     options = {} if dtype is None else {"dtype": dtype}
-    return comfy.sd.load_diffusion_model(str(path), model_options=options)
+    if META_UNET not in metadata:
+        return comfy.sd.load_diffusion_model(str(path), model_options=options)
+    unet_config = json.loads(metadata[META_UNET])
+    try:
+        with detection_from_config(unet_config, model_config(found, unet_config)):
+            patcher = comfy.sd.load_diffusion_model(str(path), model_options=options)
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot build the {found} model from its '{META_UNET}' metadata ({exc})") from exc
+    missing = sorted(k for k in set(patcher.model.diffusion_model.state_dict()) - set(shapes)
+                     if not k.endswith(SCALE_KEYS))
+    if missing:   # ComfyUI only logs them
+        raise ModelError(f"{path}: {len(missing)} weights of the {found} model in its metadata are missing, "
+                         f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
+    return patcher
 
 
-def _model_config(arch: str, unet_config: dict):
+def model_config(arch: str, unet_config: dict):
+    """ComfyUI's ``comfy.supported_models`` config for ``arch`` with this unet_config (ComfyUI's detection picks the
+    same class from a real file's weights)."""
     import comfy.supported_models as sm
     candidates = [getattr(sm, name) for name in arch_spec(arch).comfy_configs]
     config_cls = next((c for c in candidates if c.matches(unet_config)), candidates[0])
-    model_config = config_cls(unet_config)
+    config = config_cls(unet_config)
     # BASE.__init__ overwrites head settings with the published ones; the file's own values win.
-    model_config.unet_config.update({k: unet_config[k] for k in config_cls.unet_extra_config if k in unet_config})
-    return model_config
+    config.unet_config.update({k: unet_config[k] for k in config_cls.unet_extra_config if k in unet_config})
+    return config
 
 
 SCALE_KEYS = (".scale_weight", ".scale_input")   # scaled-fp8 linears default them to 1 when a file leaves them out
 
 
-def _detect_quantization(model_config, sd: dict, metadata: dict) -> None:
-    """ComfyUI's own detection of fp8_scaled files (a ``scaled_fp8`` marker tensor, per-layer ``scale_weight``)
-    and of per-layer quantization metadata, as ``comfy.model_detection.model_config_from_unet`` does it."""
-    from comfy.model_detection import detect_layer_quantization
-    marker = sd.pop("scaled_fp8", None)
-    if marker is not None:
-        model_config.scaled_fp8 = torch.float8_e4m3fn if marker.dtype == torch.float32 else marker.dtype
-        model_config.optimizations["fp8"] = marker.nelement() != 2
-    layers = detect_layer_quantization(dict(metadata))
-    if layers:
-        model_config.layer_quant_config = layers
-
-
-def _load_from_config(path: Path, arch: str, unet_config: dict, dtype):
-    """Mirror of ``comfy.sd.load_diffusion_model_state_dict`` with the config from the file's metadata."""
+def build_model(arch: str, unet_config: dict, dtype: torch.dtype, device=None):
+    """ComfyUI's model (``model_base``: the diffusion model and its model_sampling) for ``arch`` built from a
+    config in memory, its weights as ComfyUI's constructors leave them, in a ModelPatcher: what
+    ``ModelAdapter.use_model`` takes where no file is loaded (benchmarks, tests)."""
+    ensure_comfyui()
     import comfy.model_management as mm
     import comfy.model_patcher
-    model_config = _model_config(arch, unet_config)
-    sd, metadata = _load_state_dict(path)
-    _detect_quantization(model_config, sd, metadata)
-    load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
-    supported = model_config.supported_inference_dtypes
-    dtype = dtype or mm.unet_dtype(model_params=sum(v.numel() for v in sd.values()), supported_dtypes=supported)
-    manual_cast = mm.unet_manual_cast(None if model_config.layer_quant_config else dtype, load_device, supported)
-    model_config.set_inference_dtype(dtype, manual_cast)
-    try:
-        model = model_config.get_model(sd, "").to(offload_device)
-    except Exception as exc:
-        raise ModelError(f"{path}: cannot build the {arch} model from its '{META_UNET}' metadata ({exc})") from exc
-    missing = sorted(k for k in set(model.diffusion_model.state_dict()) - set(sd) if not k.endswith(SCALE_KEYS))
-    if missing:
-        raise ModelError(f"{path}: {len(missing)} weights of the {arch} model in its metadata are missing, "
-                         f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
-    model.load_model_weights(sd, "")
-    return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
+    config = model_config(arch, unet_config)
+    config.set_inference_dtype(dtype, None)
+    model = config.get_model({}, "", device=device)
+    if device is not None:
+        model = model.to(device)   # some buffers are made on the CPU
+    return comfy.model_patcher.ModelPatcher(model, load_device=device or mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
 
 
 def merge_loras(patcher, paths: list[Path]) -> None:
@@ -257,6 +269,12 @@ def _check_vision_towers(paths: list[Path], headers, kinds: list[str], arch: str
                                  "use the full file, e.g. ComfyUI's qwen_2.5_vl_7b_fp8_scaled.safetensors")
 
 
+def _patch_for(kinds: list[str]) -> None:
+    """What ComfyUI needs patched before it builds these kinds' tokenizers (``TextEncoderKind.comfy_patch``)."""
+    for patch in {TEXT_ENCODERS[kind].comfy_patch for kind in kinds} - {None}:
+        patch()
+
+
 def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
     """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny)."""
     if arch not in ADAPTERS:
@@ -273,6 +291,7 @@ def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
     kinds = [_real_te_kind(shapes) for shapes, _ in headers]
     _check_kinds(paths, kinds, arch)
     _check_vision_towers(paths, headers, kinds, arch)
+    _patch_for(kinds)
     import comfy.sd
     clip_type = getattr(comfy.sd.CLIPType, arch_spec(arch).clip_type)
     options = {} if dtype is None else {"dtype": dtype}
@@ -283,24 +302,30 @@ def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
 
 
 def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
-    """ComfyUI's text-encoder classes with each file's config (its ``<kind>_model_config`` option)."""
+    """ComfyUI's own text-encoder loading (``load_text_encoder_state_dicts``, what ``load_clip`` runs on a real
+    file's tensors) with each file's config as its ``<kind>_model_config`` option and its kind given
+    (``patches_comfyui.text_encoder_kinds``): ComfyUI tells kinds apart by layers only full-depth files have."""
     import comfy.sd
     kinds = [meta.get(META_TE_KIND, "unknown") for _, meta in headers]
     _check_kinds(paths, kinds, arch)
+    _patch_for(kinds)
     options = {TEXT_ENCODERS[kind].model_option or f"{TEXT_ENCODERS[kind].comfy_name or kind}_model_config":
                json.loads(meta[META_TE])
                for kind, (_, meta) in zip(kinds, headers)}
     if dtype is not None:
         options["dtype"] = dtype
-    params = sum(math.prod(s) for shapes, _ in headers for s in shapes.values())
     state_dicts = [_load_state_dict(path)[0] for path in paths]
-    # what ComfyUI's load_clip hands the tokenizer: e.g. a SentencePiece model stored in the file (UMT5)
-    tokenizer_data = {k: sd.pop(k) for kind, sd in zip(kinds, state_dicts)
-                      for k in TEXT_ENCODERS[kind].extras if k in sd}
-    clip = comfy.sd.CLIP(arch_spec(arch).clip_target(), parameters=params, model_options=options,
-                         tokenizer_data=tokenizer_data)
+    given = {id(sd): (TEXT_ENCODERS[kind].te_model, TEXT_ENCODERS[kind].comfy_name or kind)
+             for kind, sd in zip(kinds, state_dicts)}
+    loaded: dict[int, object] = {}
+    clip_type = getattr(comfy.sd.CLIPType, arch_spec(arch).clip_type)
+    try:
+        with text_encoder_kinds(given, loaded):
+            clip = comfy.sd.load_text_encoder_state_dicts(state_dicts, clip_type=clip_type, model_options=options)
+    except Exception as exc:
+        raise ModelError(f"{', '.join(map(str, paths))}: ComfyUI could not load these text encoders ({exc})") from exc
     for path, kind, sd in zip(paths, kinds, state_dicts):
-        missing, _ = getattr(clip.cond_stage_model, TEXT_ENCODERS[kind].comfy_name or kind).load_sd(sd)
+        missing = loaded[id(sd)][0]
         reads_images = arch_spec(arch).text_encoders_read_images    # then no part of the file may be left out
         omitted = () if reads_images else tuple(name + "." for name in TEXT_ENCODERS[kind].tiny_omits)
         missing = [k for k in missing if not k.startswith(omitted)] if omitted else missing
@@ -346,22 +371,13 @@ def load_clip_vision(path):
 
 
 # --- VAE -----------------------------------------------------------------------------------------
-@contextlib.contextmanager
 def _narrowed_vae_class(metadata: dict):
     """A tiny file of a VAE whose width ComfyUI fixes (``VAEKind.widths``, e.g. Wan 2.2's) names its widths in
     its metadata: while ComfyUI's detection builds the VAE, its class takes them."""
     kind = VAES.get(metadata.get(META_VAE_KIND, ""))
     if META_VAE not in metadata or kind is None or not kind.narrowed_class:
-        yield
-        return
-    module_name, _, name = kind.narrowed_class.partition(":")
-    module = importlib.import_module(module_name)
-    cls, widths = getattr(module, name), json.loads(metadata[META_VAE])
-    setattr(module, name, lambda *args, **kwargs: cls(*args, **{**kwargs, **widths}))
-    try:
-        yield
-    finally:
-        setattr(module, name, cls)
+        return contextlib.nullcontext()
+    return narrowed_class(kind.narrowed_class, json.loads(metadata[META_VAE]))
 
 
 def load_vae(path, *, arch: str | None = None):

@@ -38,7 +38,7 @@ from .base import ModelAdapter, VideoLatents
 from .carry import TupleLayer, hide, reveal, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 LTX_FPS = 25                      # ComfyUI's LTXV default frame_rate (LTXVConditioning, model_base.LTXV)
 LTX_SHIFT_TOKENS = (1024, 4096)   # ModelSamplingLTXV / LTXVScheduler: mu interpolated between these token counts
@@ -66,7 +66,6 @@ LTXV_SPEC = ArchSpec(
     title="LTX-Video", comfy_configs=("LTXV",), unet_config=ltxv_unet_config,
     build=comfy_diffusion_model("comfy.ldm.lightricks.model:LTXVModel"),
     detected_sizes=("tiny", "full"), text_encoders=("t5xxl",), clip_type="LTXV",
-    clip_target=comfy_clip_target("comfy.text_encoders.lt:LTXVT5Tokenizer", "comfy.text_encoders.lt:ltxv_te()"),
     vae="ltxv", example_file="ltx-video-2b-v0.9.5.safetensors")
 
 
@@ -109,10 +108,10 @@ class LTXInput(TupleLayer):
         self.caption_projection = dm.caption_projection
         self.patchifier, self.inner_dim = dm.patchifier, dm.inner_dim
         self.vae_scale_factors, self.causal = dm.vae_scale_factors, dm.causal_temporal_positioning
+        self.rope = rope_tables(dm)
         self.objective, self.dtype = objective, dtype
 
     def run(self, latents, noise, t, context, text_lengths):
-        from comfy.ldm.lightricks.model import precompute_freqs_cis
         from comfy.ldm.lightricks.symmetric_patchifier import latent_to_pixel_coords
 
         x_t = self.objective.noisy(latents, noise, t).to(self.dtype)
@@ -121,7 +120,7 @@ class LTXInput(TupleLayer):
         coords = latent_to_pixel_coords(latent_coords, self.vae_scale_factors, causal_fix=self.causal).float()
         coords[:, 0] = coords[:, 0] * (1.0 / LTX_FPS)
         x = self.patchify_proj(x)
-        pe = precompute_freqs_cis(coords, dim=self.inner_dim, out_dtype=x.dtype)
+        pe = pack_rope(self.rope(coords, x.dtype))
         b = x.shape[0]
         timestep, embedded = self.adaln_single(self.objective.model_timestep(t).flatten() * 1000.0,
                                                {"resolution": None, "aspect_ratio": None}, batch_size=b,
@@ -129,7 +128,46 @@ class LTXInput(TupleLayer):
         timestep = timestep.view(b, -1, timestep.shape[-1])
         embedded = embedded.view(b, -1, embedded.shape[-1])
         context = self.caption_projection(context.to(self.dtype)).view(b, -1, x.shape[-1])
-        return with_grad(x), hide(context), hide(timestep), hide(embedded), hide(pe), size, text_lengths
+        return with_grad(x), hide(context), hide(timestep), hide(embedded), hide(pe[0]), size, text_lengths
+
+
+def rope_tables(dm):
+    """``(pixel coordinates, dtype) -> RoPE tables`` as this ComfyUI builds them: the module function
+    ``precompute_freqs_cis`` (to 0.7: one tensor, or a (cos, sin) pair before 0.3.7x), or the model's own
+    ``_precompute_freqs_cis`` (0.8 on: a rotation matrix and whether it is split)."""
+    method = getattr(dm, "_precompute_freqs_cis", None)
+    if method is not None:
+        return lambda coords, dtype: method(coords, dim=dm.inner_dim, out_dtype=dtype,
+                                            theta=dm.positional_embedding_theta,
+                                            max_pos=dm.positional_embedding_max_pos,
+                                            use_middle_indices_grid=dm.use_middle_indices_grid,
+                                            num_attention_heads=dm.num_attention_heads)
+    from comfy.ldm.lightricks.model import precompute_freqs_cis
+    return lambda coords, dtype: precompute_freqs_cis(coords, dim=dm.inner_dim, out_dtype=dtype)
+
+
+def rope_kind(dm) -> str:
+    """How this ComfyUI's RoPE tables look (``pack_rope``), from one position."""
+    return pack_rope(rope_tables(dm)(torch.zeros(1, 3, 1), torch.float32))[1]
+
+
+def pack_rope(pe) -> tuple:
+    """ComfyUI's RoPE tables as one tensor (what crosses a stage boundary) and their kind: ``tensor``, ``pair``
+    (cos, sin) or ``split`` / ``matrix`` (a rotation matrix and its split flag)."""
+    if isinstance(pe, torch.Tensor):
+        return pe, "tensor"
+    first, second = pe
+    if isinstance(second, torch.Tensor):
+        return torch.stack((first, second)), "pair"
+    return first, "split" if second else "matrix"
+
+
+def unpack_rope(pe: torch.Tensor, kind: str):
+    if kind == "pair":
+        return tuple(pe.unbind(0))
+    if kind in ("split", "matrix"):
+        return pe, kind == "split"
+    return pe
 
 
 def ltx_block(block, x, context, timestep, pe, mask, transformer_options):
@@ -150,9 +188,12 @@ def ltx_block(block, x, context, timestep, pe, mask, transformer_options):
 
 
 class LTXBlock(BlockLayer):
+    rope_kind = "tensor"   # how ComfyUI's RoPE tables cross stage boundaries (pack_rope), set by to_layers
+
     def block_forward(self, x, context, timestep, pe, text_lengths):
         context = reveal(context, self.dtype)
-        return ltx_block(self.block, x, context, reveal(timestep, self.dtype), reveal(pe, self.dtype),
+        pe = unpack_rope(reveal(pe, self.dtype), self.rope_kind)
+        return ltx_block(self.block, x, context, reveal(timestep, self.dtype), pe,
                          key_mask(text_lengths, context.shape[1], x.dtype), sdpa_transformer_options())
 
     def run(self, x, context, timestep, embedded, pe, size, text_lengths):
@@ -209,10 +250,14 @@ class LTXVideoAdapter(VideoLatents, ModelAdapter):
         return LTXFlowMatching(sample_method=self.cfg.timestep_sample_method, sigmoid_scale=self.cfg.sigmoid_scale,
                                shift=self.cfg.shift, multiplier=1.0)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [LTXInput(dm, self.objective(), self.dtype)]
-        layers += [LTXBlock(b, self.dtype, checkpoint_activations) for b in dm.transformer_blocks]
+        blocks = [LTXBlock(b, self.dtype) for b in dm.transformer_blocks]
+        kind = rope_kind(dm)
+        for block in blocks:
+            block.rope_kind = kind
+        layers += blocks
         layers.append(LTXOutput(dm, self.dtype))
         return layers
 

@@ -36,7 +36,7 @@ from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 # Lumina 2's default system prompt in ComfyUI's CLIPTextEncodeLumina2 ("superior"), as the model was trained
 LUMINA2_SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree of "
@@ -77,12 +77,10 @@ build_nextdit = comfy_diffusion_model("comfy.ldm.lumina.model:NextDiT")
 ZIMAGE_SPEC = ArchSpec(
     title="Z-Image", comfy_configs=("ZImage",), unet_config=_config("z_image"), build=build_nextdit,
     detected_sizes=("full",), text_encoders=("qwen3_4b",), clip_type="LUMINA2",
-    clip_target=comfy_clip_target("comfy.text_encoders.z_image:ZImageTokenizer", "comfy.text_encoders.z_image:te()"),
     vae="kl16", example_file="z_image_turbo_bf16.safetensors")
 LUMINA2_SPEC = ArchSpec(
     title="Lumina Image 2.0", comfy_configs=("Lumina2",), unet_config=_config("lumina2"), build=build_nextdit,
     detected_sizes=("full",), text_encoders=("gemma2_2b",), clip_type="LUMINA2",
-    clip_target=comfy_clip_target("comfy.text_encoders.lumina2:LuminaTokenizer", "comfy.text_encoders.lumina2:te()"),
     vae="kl16", example_file="lumina_2_model_bf16.safetensors")
 
 
@@ -231,13 +229,13 @@ class NextDiTAdapter(ModelAdapter):
     def objective(self):
         return self.flow_matching()
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [NextInput(dm, self.objective(), self.dtype)]
-        layers += [NextContextRefiner(b, self.dtype, checkpoint_activations) for b in dm.context_refiner]
-        layers += [NextNoiseRefiner(b, self.dtype, checkpoint_activations) for b in dm.noise_refiner]
+        layers += [NextContextRefiner(b, self.dtype) for b in dm.context_refiner]
+        layers += [NextNoiseRefiner(b, self.dtype) for b in dm.noise_refiner]
         layers.append(NextJoin())
-        layers += [NextBlock(b, self.dtype, checkpoint_activations) for b in dm.layers]
+        layers += [NextBlock(b, self.dtype) for b in dm.layers]
         layers.append(NextOutput(dm, self.dtype))
         return layers
 

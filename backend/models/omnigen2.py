@@ -30,7 +30,7 @@ from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 OMNIGEN2_SHIFT = 2.6          # ComfyUI's sampling_settings for OmniGen2 (supported_models.Omnigen2)
 OMNIGEN2_MULTIPLIER = 1.0
@@ -56,8 +56,6 @@ OMNIGEN2_SPEC = ArchSpec(
     title="OmniGen2", comfy_configs=("Omnigen2",), unet_config=omnigen2_config,
     build=comfy_diffusion_model("comfy.ldm.omnigen.omnigen2:OmniGen2Transformer2DModel"),
     detected_sizes=("full",), text_encoders=("qwen25_3b",), clip_type="OMNIGEN2",
-    clip_target=comfy_clip_target("comfy.text_encoders.omnigen2:Omnigen2Tokenizer",
-                                  "comfy.text_encoders.omnigen2:te()"),
     vae="kl16", example_file="omnigen2_fp16.safetensors")
 
 
@@ -122,8 +120,8 @@ def _grid(size, patch_size: int) -> tuple[int, int]:
 
 
 class OmniBlock(BlockLayer):
-    def __init__(self, block, patch_size: int, dtype, checkpoint_activations=False):
-        super().__init__(block, dtype, checkpoint_activations)
+    def __init__(self, block, patch_size: int, dtype):
+        super().__init__(block, dtype)
         self.patch_size = patch_size
 
     def block_forward(self, x, temb, rope, size, text_lengths):
@@ -171,13 +169,13 @@ class OmniGen2Adapter(ModelAdapter):
     def objective(self):
         return self.flow_matching(OMNIGEN2_SHIFT, OMNIGEN2_MULTIPLIER)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [OmniInput(dm, self.objective(), self.dtype)]
-        layers += [OmniContextRefiner(b, self.dtype, checkpoint_activations) for b in dm.context_refiner]
-        layers += [OmniNoiseRefiner(b, self.dtype, checkpoint_activations) for b in dm.noise_refiner]
+        layers += [OmniContextRefiner(b, self.dtype) for b in dm.context_refiner]
+        layers += [OmniNoiseRefiner(b, self.dtype) for b in dm.noise_refiner]
         layers.append(OmniJoin())
-        layers += [OmniBlock(b, dm.patch_size, self.dtype, checkpoint_activations) for b in dm.layers]
+        layers += [OmniBlock(b, dm.patch_size, self.dtype) for b in dm.layers]
         layers.append(OmniOutput(dm, self.dtype))
         return layers
 

@@ -42,7 +42,8 @@ from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import TEXT_ENCODERS, ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .encoders import TEXT_ENCODERS
+from .spec import ArchSpec, comfy_diffusion_model
 
 QWEN_SHIFT = math.exp(1.15)   # ComfyUI's sampling_settings for QwenImage: ModelSamplingFlux, shift (mu) 1.15
 
@@ -73,8 +74,6 @@ def qwen_config(size: str) -> dict:
 
 
 build_qwen_image = comfy_diffusion_model("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel")
-_qwen_clip_target = comfy_clip_target("comfy.text_encoders.qwen_image:QwenImageTokenizer",
-                                      "comfy.text_encoders.qwen_image:te()")
 
 
 def _edit_files_look_like_qwen_image(unet_config: dict) -> bool:
@@ -83,12 +82,12 @@ def _edit_files_look_like_qwen_image(unet_config: dict) -> bool:
 
 QWEN_IMAGE_SPEC = ArchSpec(
     title="Qwen-Image", comfy_configs=("QwenImage",), unet_config=qwen_config, build=build_qwen_image,
-    detected_sizes=("full",), text_encoders=("qwen25_7b",), clip_type="QWEN_IMAGE", clip_target=_qwen_clip_target,
-    vae="wan21", example_file="qwen_image_bf16.safetensors")
+    detected_sizes=("full",), text_encoders=("qwen25_7b",), clip_type="QWEN_IMAGE", vae="wan21",
+    example_file="qwen_image_bf16.safetensors")
 QWEN_IMAGE_EDIT_SPEC = ArchSpec(
     title="Qwen-Image-Edit", comfy_configs=("QwenImage",), unet_config=qwen_config, build=build_qwen_image,
-    detected_sizes=("full",), text_encoders=("qwen25_7b",), clip_type="QWEN_IMAGE", clip_target=_qwen_clip_target,
-    vae="wan21", example_file="qwen_image_edit_bf16.safetensors", accepts=_edit_files_look_like_qwen_image,
+    detected_sizes=("full",), text_encoders=("qwen25_7b",), clip_type="QWEN_IMAGE", vae="wan21",
+    example_file="qwen_image_edit_bf16.safetensors", accepts=_edit_files_look_like_qwen_image,
     text_encoders_read_images=True)
 
 
@@ -134,8 +133,8 @@ class QwenInput(TupleLayer):
 
 
 class QwenBlock(BlockLayer):
-    def __init__(self, block, dtype, last: bool, checkpoint_activations=False):
-        super().__init__(block, dtype, checkpoint_activations)
+    def __init__(self, block, dtype, last: bool):
+        super().__init__(block, dtype)
         self.last = last
 
     def block_forward(self, img, txt, temb, pe, text_lengths):
@@ -206,11 +205,11 @@ class QwenImageAdapter(ModelAdapter):
     def objective(self):
         return FlowMatching.from_model_config(self.cfg, default_shift=QWEN_SHIFT, multiplier=1.0)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         blocks = list(dm.transformer_blocks)
         layers: list[nn.Module] = [QwenInput(dm, self.objective(), self.dtype)]
-        layers += [QwenBlock(b, self.dtype, i == len(blocks) - 1, checkpoint_activations) for i, b in enumerate(blocks)]
+        layers += [QwenBlock(b, self.dtype, i == len(blocks) - 1) for i, b in enumerate(blocks)]
         layers.append(QwenOutput(dm, self.dtype))
         return layers
 

@@ -3,31 +3,32 @@ from __future__ import annotations
 
 import importlib
 
-# type string -> "module:Class" (imported lazily so only the chosen model's code loads)
+# type string -> "module:Class", the module relative to this package (imported lazily so only the chosen model's
+# code loads; relative because ComfyUI imports a custom node under a module name made of its folder's path)
 ADAPTERS: dict[str, str] = {
-    "flux": "pipetrain.backend.models.flux:FluxAdapter",
-    "sdxl": "pipetrain.backend.models.sdxl:SDXLAdapter",
-    "sd3": "pipetrain.backend.models.sd3:SD3Adapter",
-    "chroma": "pipetrain.backend.models.chroma:ChromaAdapter",
-    "wan": "pipetrain.backend.models.wan:WanAdapter",
-    "flux2": "pipetrain.backend.models.flux2:Flux2Adapter",
-    "flux_kontext": "pipetrain.backend.models.flux_kontext:FluxKontextAdapter",
-    "hunyuan_video": "pipetrain.backend.models.hunyuan_video:HunyuanAdapter",
-    "hunyuan_video_15": "pipetrain.backend.models.hunyuan_video:HunyuanVideo15Adapter",
-    "hunyuan_image_21": "pipetrain.backend.models.hunyuan_video:HunyuanImage21Adapter",
-    "wan_i2v": "pipetrain.backend.models.wan:WanI2VAdapter",
-    "wan22_5b": "pipetrain.backend.models.wan22:Wan22Adapter",
-    "wan22_5b_i2v": "pipetrain.backend.models.wan22:Wan22I2VAdapter",
-    "qwen_image": "pipetrain.backend.models.qwen_image:QwenImageAdapter",
-    "qwen_image_edit": "pipetrain.backend.models.qwen_image:QwenImageEditAdapter",
-    "ltx_video": "pipetrain.backend.models.ltx_video:LTXVideoAdapter",
-    "cosmos_predict2": "pipetrain.backend.models.cosmos:CosmosPredict2Adapter",
-    "cosmos": "pipetrain.backend.models.cosmos1:Cosmos1Adapter",
-    "auraflow": "pipetrain.backend.models.auraflow:AuraFlowAdapter",
-    "hidream": "pipetrain.backend.models.hidream:HiDreamAdapter",
-    "omnigen2": "pipetrain.backend.models.omnigen2:OmniGen2Adapter",
-    "z_image": "pipetrain.backend.models.lumina:ZImageAdapter",
-    "lumina2": "pipetrain.backend.models.lumina:Lumina2Adapter",
+    "flux": ".flux:FluxAdapter",
+    "sdxl": ".sdxl:SDXLAdapter",
+    "sd3": ".sd3:SD3Adapter",
+    "chroma": ".chroma:ChromaAdapter",
+    "wan": ".wan:WanAdapter",
+    "flux2": ".flux2:Flux2Adapter",
+    "flux_kontext": ".flux_kontext:FluxKontextAdapter",
+    "hunyuan_video": ".hunyuan_video:HunyuanAdapter",
+    "hunyuan_video_15": ".hunyuan_video:HunyuanVideo15Adapter",
+    "hunyuan_image_21": ".hunyuan_video:HunyuanImage21Adapter",
+    "wan_i2v": ".wan:WanI2VAdapter",
+    "wan22_5b": ".wan22:Wan22Adapter",
+    "wan22_5b_i2v": ".wan22:Wan22I2VAdapter",
+    "qwen_image": ".qwen_image:QwenImageAdapter",
+    "qwen_image_edit": ".qwen_image:QwenImageEditAdapter",
+    "ltx_video": ".ltx_video:LTXVideoAdapter",
+    "cosmos_predict2": ".cosmos:CosmosPredict2Adapter",
+    "cosmos": ".cosmos1:Cosmos1Adapter",
+    "auraflow": ".auraflow:AuraFlowAdapter",
+    "hidream": ".hidream:HiDreamAdapter",
+    "omnigen2": ".omnigen2:OmniGen2Adapter",
+    "z_image": ".lumina:ZImageAdapter",
+    "lumina2": ".lumina:Lumina2Adapter",
 }
 
 # Models whose code the pinned ComfyUI (0.3.75) does not have: type string -> (name, the first ComfyUI
@@ -59,12 +60,16 @@ def unavailable_reason(model_type: str) -> str | None:
 
 
 def adapter_class(model_type: str):
+    """The adapter class of a supported model type, its module imported now. Importing one imports no ComfyUI
+    (config validation reads the classes' facts, e.g. in ``pipetrain launch``, where ComfyUI's device probe would hold
+    a GPU context through the run); ComfyUI is set up once an adapter is constructed (``ModelAdapter.__init__``) and
+    wherever a ComfyUI class is named (``spec.comfy_object``)."""
     try:
         target = ADAPTERS[model_type]
     except KeyError:
         raise KeyError(unavailable_reason(model_type)) from None
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(module, __package__), name)
 
 
 def arch_spec(model_type: str):

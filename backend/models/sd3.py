@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .checkpointing import run_checkpointed
+from .checkpointing import CheckpointedLayer, run_checkpointed
 from .attention import sdpa_transformer_options, text_key_mask
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
-from .spec import ArchSpec
+from .spec import ArchSpec, comfy_diffusion_model
 
 SD3_SHIFT = 3.0        # ComfyUI's sampling_settings for SD3 (supported_models.SD3)
 
@@ -58,25 +58,15 @@ def sd3_config(size: str) -> dict:
     return dict(SD3_CONFIGS["full" if size == "full" else "tiny"])
 
 
-def build_mmdit(config: dict) -> nn.Module:
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ops
-    from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
-    return OpenAISignatureMMDITWrapper(**config, device="meta", operations=comfy.ops.disable_weight_init)
+build_mmdit = comfy_diffusion_model("comfy.ldm.modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper")
 
 
-def _sd3_clip_target():
-    import comfy.supported_models_base
-    import comfy.text_encoders.sd3_clip as sd3_clip
-    return comfy.supported_models_base.ClipTarget(sd3_clip.SD3Tokenizer,
-                                                  sd3_clip.sd3_clip(clip_l=True, clip_g=True, t5=True))
 
 
 SD3_SPEC = ArchSpec(
     title="SD3 / SD3.5", comfy_configs=("SD3",), unet_config=sd3_config, build=build_mmdit,
     detected_sizes=("tiny", "full"), text_encoders=("clip_l", "clip_g", "t5xxl"), clip_type="SD3",
-    clip_target=_sd3_clip_target, vae="kl16", example_file="sd3.5_large.safetensors")
+    vae="kl16", example_file="sd3.5_large.safetensors")
 
 
 class SD3Input(TupleLayer):
@@ -107,12 +97,12 @@ class SD3Input(TupleLayer):
         return with_grad(x), with_grad(context), hide(c), size, text_lengths
 
 
-class SD3Block(TupleLayer):
+class SD3Block(CheckpointedLayer):
     cost = 1.0
 
-    def __init__(self, block, dtype, checkpoint_activations=False):
+    def __init__(self, block, dtype):
         super().__init__()
-        self.block, self.dtype, self.checkpoint_activations = block, dtype, checkpoint_activations
+        self.block, self.dtype = block, dtype
 
     def block_forward(self, x, context, c, text_lengths):
         mask = text_key_mask(text_lengths, context.shape[1], x.shape[1])
@@ -160,10 +150,10 @@ class SD3Adapter(ModelAdapter):
     def objective(self):
         return self.flow_matching(SD3_SHIFT, 1000.0)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [SD3Input(dm, self.objective(), self.dtype)]
-        layers += [SD3Block(b, self.dtype, checkpoint_activations) for b in dm.joint_blocks]
+        layers += [SD3Block(b, self.dtype) for b in dm.joint_blocks]
         layers.append(SD3Output(dm, self.dtype))
         return layers
 

@@ -31,20 +31,20 @@ module-path prefixes, checked against the loaded model.
 """
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
 from torch import nn
 
 from ..errors import ModelError
-from .checkpointing import run_checkpointed
+from ..patches_comfyui import rebind_forwards
+from .checkpointing import CheckpointedLayer, run_checkpointed
 from .compiling import compile_module_forwards
 from .attention import sdpa_transformer_options
 from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, with_grad
 from .objectives import DiscreteDiffusion
-from .spec import ArchSpec
+from .spec import ArchSpec, comfy_diffusion_model
 
 # The SpatialTransformer of every SDXL UNet block that has one: input levels 1-2, middle, output levels 2-1.
 SDXL_TRANSFORMERS = (
@@ -76,24 +76,16 @@ def sdxl_unet_config(size: str) -> dict:
 
 def build_sdxl_unet(config: dict | str) -> nn.Module:
     """ComfyUI's SDXL ``UNetModel`` on the meta device, from a config or a size name."""
-    from ..runtime import ensure_comfyui
-    ensure_comfyui()
-    import comfy.ops
-    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
     config = sdxl_unet_config(config) if isinstance(config, str) else config
-    return UNetModel(**config, device="meta", operations=comfy.ops.disable_weight_init)
+    return comfy_diffusion_model("comfy.ldm.modules.diffusionmodules.openaimodel:UNetModel")(config)
 
 
-def _sdxl_clip_target():
-    import comfy.sdxl_clip
-    import comfy.supported_models_base
-    return comfy.supported_models_base.ClipTarget(comfy.sdxl_clip.SDXLTokenizer, comfy.sdxl_clip.SDXLClipModel)
 
 
 SDXL_SPEC = ArchSpec(
     title="SDXL", comfy_configs=("SDXL",), unet_config=sdxl_unet_config, build=build_sdxl_unet,
     detected_sizes=("full",), text_encoders=("clip_l", "clip_g"), clip_type="STABLE_DIFFUSION",
-    clip_target=_sdxl_clip_target, vae="kl4", example_file="an SDXL UNet or checkpoint")
+    vae="kl4", example_file="an SDXL UNet or checkpoint", text_encoder_types=("sdxl", "stable_diffusion"))
 
 VAE_SCALE = 8                  # pixels per latent position (ComfyUI's sampler hard-codes it for width/height)
 REFERENCE_LATENT = (128, 128)  # layer costs are estimated at SDXL's native 1024x1024 ...
@@ -265,14 +257,10 @@ def _restates(m: nn.Module) -> bool:
 def restate_blocks(dm: nn.Module, norms: Norms) -> int:
     """Route SDXL's SpatialTransformers and ResBlocks through the forwards above; returns how many."""
     from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
 
-    count = 0
-    for m in dm.modules():
-        if _restates(m):
-            forward = spatial_transformer_forward if type(m) is SpatialTransformer else res_block_forward
-            m.forward = functools.partial(forward, m, norms)
-            count += 1
-    return count
+    forwards = {SpatialTransformer: spatial_transformer_forward, ResBlock: res_block_forward}
+    return rebind_forwards([m for m in dm.modules() if _restates(m)], forwards, norms)
 
 
 class SDXLInput(TupleLayer):
@@ -296,13 +284,12 @@ class SDXLInput(TupleLayer):
         return hide(emb), hide(context.to(self.dtype)), with_grad(x)
 
 
-class _Block(TupleLayer):
+class _Block(CheckpointedLayer):
     """One of ComfyUI's ``TimestepEmbedSequential`` blocks, run by ComfyUI's ``forward_timestep_embed``."""
 
-    def __init__(self, block, dtype, checkpoint_activations: bool, cost: float):
+    def __init__(self, block, dtype, cost: float):
         super().__init__()
-        self.block, self.dtype = block, dtype
-        self.checkpoint_activations, self.cost = checkpoint_activations, cost
+        self.block, self.dtype, self.cost = block, dtype, cost
 
     def block_forward(self, h, emb, context, output_shape):
         from comfy.ldm.modules.diffusionmodules.openaimodel import forward_timestep_embed
@@ -321,8 +308,8 @@ class InputBlock(_Block):
     """``input_blocks[i]`` on the top of the stack; its output is pushed as a skip connection
     (``input_blocks[0]`` replaces the noisy latent, which is no skip)."""
 
-    def __init__(self, block, dtype, checkpoint_activations, cost, replace_top: bool = False):
-        super().__init__(block, dtype, checkpoint_activations, cost)
+    def __init__(self, block, dtype, cost, replace_top: bool = False):
+        super().__init__(block, dtype, cost)
         self.replace_top = replace_top
 
     def run(self, emb, context, *stack):
@@ -385,8 +372,6 @@ class SDXLAdapter(ModelAdapter):
     def collate_text(self, items):
         """Captions of different chunk counts (77, 154, ... tokens) are batched the way ComfyUI batches
         them (``CONDCrossAttn.concat``: repeated to a common length, which leaves attention unchanged)."""
-        from ..runtime import ensure_comfyui
-        ensure_comfyui()
         from comfy.conds import CONDCrossAttn
 
         conds = [CONDCrossAttn(it["cond"][None]) for it in items]
@@ -418,19 +403,18 @@ class SDXLAdapter(ModelAdapter):
         v_pred = v_pred or isinstance(ms, cms.V_PREDICTION)  # a v-pred checkpoint samples as v in ComfyUI
         return DiscreteDiffusion(ms, "v" if v_pred else "eps")
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         restate_blocks(dm, self.norms)
         pixels = REFERENCE_LATENT[0] * REFERENCE_LATENT[1]
         layers: list[nn.Module] = [SDXLInput(dm, self.patcher.model.encode_adm, self.objective(), self.dtype)]
         for i, block in enumerate(dm.input_blocks):
-            layers.append(InputBlock(block, self.dtype, checkpoint_activations, block_tflop(block, pixels),
+            layers.append(InputBlock(block, self.dtype, block_tflop(block, pixels),
                                      replace_top=i == 0))
             pixels = int(pixels * _resolution_factor(block))
-        layers.append(MiddleBlock(dm.middle_block, self.dtype, checkpoint_activations,
-                                  block_tflop(dm.middle_block, pixels)))
+        layers.append(MiddleBlock(dm.middle_block, self.dtype, block_tflop(dm.middle_block, pixels)))
         for block in dm.output_blocks:
-            layers.append(OutputBlock(block, self.dtype, checkpoint_activations, block_tflop(block, pixels)))
+            layers.append(OutputBlock(block, self.dtype, block_tflop(block, pixels)))
             pixels = int(pixels * _resolution_factor(block))
         layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels), self.norms))
         return layers

@@ -7,15 +7,16 @@ module. Every network is ComfyUI's own class (Flux, the SDXL ``UNetModel``, ``Au
 so writing a 12B model needs the memory of one tensor, not of the model.
 
 What each architecture's files are -- its diffusion-model config per size, text encoders and VAE -- is
-its adapter's ``spec`` (``spec.py``); nothing here names an architecture.
+its adapter's ``spec`` (``spec.py``) with the text-encoder and VAE kinds of ``encoders.py`` / ``vaes.py``, and
+tokenizers ComfyUI does not ship come from ``tiny_tokenizers.py``; nothing here names an architecture.
 
 - ``full``: the published configs; ComfyUI detects each file by itself (``comfy.sd.load_diffusion_model``,
   ``comfy.sd.load_clip``, ``comfy.sd.VAE``).
 - ``tiny`` / ``micro``: small configs. Where ComfyUI's detection still recognises one (``spec.detected_sizes``,
   e.g. Flux-dev at its real width with 1 double + 1 single block) the file is plain; where it pins widths
   it cannot see (SDXL's UNet, narrow Flux, text encoders) the config travels in the file's safetensors
-  metadata (``pipetrain.unet_config`` / ``pipetrain.te_config``) and ``loading.py`` builds ComfyUI's class
-  from it. KL VAEs are always real size (ComfyUI fixes that architecture); the Wan VAE reads its width.
+  metadata (``pipetrain.unet_config`` / ``pipetrain.te_config``), which ``loading.py`` gives ComfyUI's
+  loading (see there). KL VAEs are always real size (ComfyUI fixes that architecture); the Wan VAE reads its width.
 
 CLI: ``python -m pipetrain.backend.models.tiny ARCH OUT_DIR [--size micro|tiny|full] [--dtype bfloat16]``.
 """
@@ -35,10 +36,12 @@ import torch
 from ..errors import ModelError
 from ..fsutil import temp_path_beside
 from .registry import ADAPTERS, arch_spec
-from .spec import SIZES, TEXT_ENCODERS, VAES
+from .encoders import TEXT_ENCODERS
+from .spec import SIZES
+from .vaes import VAES
 
 ARCHS = tuple(ADAPTERS)
-TINY_FILES_VERSION = "1"   # bump when the files written for a size change
+TINY_FILES_VERSION = "2"   # bump when the files written for a size change
 INIT_STD = 0.02
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
@@ -67,9 +70,9 @@ SHALLOW = "shallow"   # text encoders for benchmarks: the real width (what the d
 
 
 def text_encoder_config(kind: str, size: str) -> dict:
-    from ..runtime import ensure_comfyui
+    from ..runtime import locate_comfyui
     spec = TEXT_ENCODERS[kind]
-    config = spec.config() if callable(spec.config) else json.loads((ensure_comfyui() / spec.config).read_text())
+    config = spec.config() if callable(spec.config) else json.loads((locate_comfyui() / spec.config).read_text())
     if size == SHALLOW:
         return {**config, **{key: value for key, value in spec.tiny.items() if "layers" in key}}
     return {**config, **spec.tiny} if size == "tiny" else config
@@ -215,39 +218,39 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
                        [out_dir / f"{arch}_{text_encoder_size or size}_{kind}.safetensors"
                         for kind in spec.text_encoders])
     _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed, init_device, unet_config)
-    write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1,
-                      {"pipetrain.arch": arch, **_vae_metadata(spec.vae, size)},
+    # VAEs and text encoders are seeded by their kind, not their place in the architecture, so the same
+    # component is the same file in every architecture (the shared cache stores it once)
+    write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1, _vae_metadata(spec.vae, size),
                       {name: make() for name, make in vae_kind.extras.items()}, device=init_device,
                       init=vae_kind.init)
-    for i, (kind, path) in enumerate(zip(spec.text_encoders, files.text_encoders)):
-        _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + i, init_device,
-                            spec.text_encoders_read_images)
+    for kind, path in zip(spec.text_encoders, files.text_encoders):
+        _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + zlib.crc32(kind.encode()) % 997,
+                            init_device, spec.text_encoders_read_images)
     return files
 
 
 def write_clip_vision(path: Path, size: str = "tiny", dtype=torch.float32, seed: int = 0) -> int:
     """A CLIP-vision file (ViT-H/14, as Wan 2.1 i2v takes); tiny ones carry their config in the metadata."""
-    from ..runtime import ensure_comfyui
-    from .spec import CLIP_VISION_H_CONFIG, CLIP_VISION_TINY
-    ensure_comfyui()
-    import comfy.clip_model
-    import comfy.ops
-    config = json.loads((ensure_comfyui() / CLIP_VISION_H_CONFIG).read_text())
+    from ..runtime import locate_comfyui
+    from .encoders import CLIP_VISION_H_CONFIG, CLIP_VISION_TINY, clip_vision_model
+    config = json.loads((locate_comfyui() / CLIP_VISION_H_CONFIG).read_text())
     meta = {"pipetrain.size": size}
     if size != "full":
         config = {**config, **CLIP_VISION_TINY}
         meta["pipetrain.clip_vision_config"] = json.dumps(config)
-    module = comfy.clip_model.CLIPVisionModelProjection(config, torch.float32, "meta", comfy.ops.disable_weight_init)
-    return write_safetensors(module, Path(path), dtype, seed, meta)
+    return write_safetensors(clip_vision_model(config), Path(path), dtype, seed, meta)
 
 
 def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) -> ModelFiles:
     """Model files written once and shared by the demo and the tests (``.work/tiny-models`` in the repo).
     A ``complete`` marker is written last, so an interrupted write is redone, never half-used. It names the files
-    relative to the folder, so a moved or linked ``.work`` still finds them."""
+    relative to the folder, so a moved or linked ``.work`` still finds them. Identical VAE and text-encoder files
+    of different architectures are one file on disk (hard links into ``blobs/``): the cache must not fill the disk
+    it shares with the runs."""
     from ..runtime import REPO_ROOT
 
-    folder = (root or REPO_ROOT / ".work" / "tiny-models") / f"{arch}-{size}-v{TINY_FILES_VERSION}"
+    root = root or REPO_ROOT / ".work" / "tiny-models"
+    folder = root / f"{arch}-{size}-v{TINY_FILES_VERSION}"
     marker = folder / "complete"
     if marker.is_file():
         data = json.loads(marker.read_text())
@@ -255,9 +258,31 @@ def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) 
             return folder / Path(name).name
         return ModelFiles(here(data["diffusion_model"]), here(data["vae"]), [here(p) for p in data["text_encoders"]])
     files = write_model_files(arch, folder, size)
+    for path in (files.vae, *files.text_encoders):
+        _share_identical(path, root / "blobs")
     marker.write_text(json.dumps({"diffusion_model": files.diffusion_model.name, "vae": files.vae.name,
                                   "text_encoders": [p.name for p in files.text_encoders]}))
     return files
+
+
+def _share_identical(path: Path, blobs: Path) -> None:
+    """Replace ``path`` by a hard link to the blob of the same content (or make it that blob). Where links are
+    not possible (another file system), the file simply stays as it is."""
+    import hashlib
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    blob = blobs / f"{digest.hexdigest()}.safetensors"
+    blobs.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        if blob.is_file() and not os.path.samefile(blob, path):   # (renaming a link onto itself does nothing)
+            link = path.with_name(f".{path.name}.{os.getpid()}.link")
+            link.unlink(missing_ok=True)
+            os.link(blob, link)
+            os.replace(link, path)
+        elif not blob.is_file():
+            os.link(path, blob)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ from .base import ModelAdapter, VideoLatents
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
-from .spec import ArchSpec, comfy_clip_target, comfy_diffusion_model
+from .spec import ArchSpec, comfy_diffusion_model
 
 WAN_FPS = 16
 
@@ -72,18 +72,17 @@ def wan_i2v_config(size: str) -> dict:
 
 
 build_wan = comfy_diffusion_model("comfy.ldm.wan.model:WanModel")
-_wan_clip_target = comfy_clip_target("comfy.text_encoders.wan:WanT5Tokenizer", "comfy.text_encoders.wan:te()")
 
 
 WAN_SPEC = ArchSpec(
     title="Wan 2.1 / 2.2 14B t2v", comfy_configs=("WAN21_T2V",), unet_config=wan21_config, build=build_wan,
-    detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN", clip_target=_wan_clip_target,
-    vae="wan21", example_file="wan2.1_t2v_14B_bf16.safetensors", accepts=lambda c: c.get("in_dim") == 16)
+    detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN", vae="wan21",
+    example_file="wan2.1_t2v_14B_bf16.safetensors", accepts=lambda c: c.get("in_dim") == 16)
 
 WAN_I2V_SPEC = ArchSpec(
     title="Wan 2.1 / 2.2 14B i2v", comfy_configs=("WAN21_I2V", "WAN21_T2V"), unet_config=wan_i2v_config,
     build=build_wan, detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN",
-    clip_target=_wan_clip_target, vae="wan21", example_file="wan2.2_i2v_high_noise_14B_fp16.safetensors",
+    vae="wan21", example_file="wan2.2_i2v_high_noise_14B_fp16.safetensors",
     accepts=lambda c: c.get("in_dim") == 36)
 
 
@@ -235,10 +234,10 @@ class WanAdapter(VideoLatents, ModelAdapter):
         base = self.flow_matching(default_multiplier=1000.0)
         return RangedFlowMatching(**vars(base), min_t=self.cfg.min_t, max_t=self.cfg.max_t)
 
-    def to_layers(self, checkpoint_activations=False):
+    def to_layers(self):
         dm = self.diffusion_model
         layers: list[nn.Module] = [WanInput(dm, self.objective(), self.dtype, self.conditioning_fields)]
-        layers += [WanBlock(b, self.dtype, checkpoint_activations) for b in dm.blocks]
+        layers += [WanBlock(b, self.dtype) for b in dm.blocks]
         layers.append(WanOutput(dm, self.dtype))
         return layers
 

@@ -19,7 +19,7 @@ import torch
 from ..errors import ModelError
 from .objectives import mse_loss
 from .spec import ArchSpec
-from .wan import WanAdapter, _wan_clip_target, build_wan, first_frame_mask, wan_config
+from .wan import WanAdapter, build_wan, first_frame_mask, wan_config
 
 WAN22_FPS = 24
 
@@ -34,8 +34,8 @@ def wan22_5b_config(size: str) -> dict:
 
 WAN22_5B_SPEC = ArchSpec(
     title="Wan 2.2 TI2V 5B", comfy_configs=("WAN22_T2V",), unet_config=wan22_5b_config, build=build_wan,
-    detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN", clip_target=_wan_clip_target,
-    vae="wan22", example_file="wan2.2_ti2v_5B_fp16.safetensors")
+    detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN", vae="wan22",
+    example_file="wan2.2_ti2v_5B_fp16.safetensors")
 
 
 class Wan22Adapter(WanAdapter):

@@ -5,11 +5,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..cache import CacheStore, file_digest, model_fingerprint, text_key
+from ..cache import CacheStore, file_digest, text_key
 from ..cache.builder import TextWork, fill
 from ..cache.keys import caption_image
 from ..cache.manifest import CacheManifest, build_or_load_manifest, manifest_path
+from ..config import RunConfig
+from ..fsutil import space_guard
+from ..rundir import cache_folder
 from . import distributed
+from .events import RunReporter
+from .parts import CachedData, Topology
 
 log = logging.getLogger("pipetrain")
 
@@ -44,31 +49,26 @@ def _datasets(cfg) -> dict[str, tuple]:
     return out
 
 
-def check_optimizer_early(trainer) -> None:
-    """Fail before the (possibly long) cache phase on an optimizer that cannot be built."""
-    if trainer.opts.cache_only:
-        return
-    from ..optim import resolve_optimizer
-    resolve_optimizer(trainer.cfg)
-
-
-def prepare_cache(trainer):
-    cfg, adapter, rank = trainer.cfg, trainer.adapter, trainer.rank
-    check_optimizer_early(trainer)
-    store = CacheStore(cfg.resolve(cfg.output_dir) / "cache")
+def prepare_cache(cfg: RunConfig, adapter, topology: Topology, reporter: RunReporter, *, regenerate: bool = False,
+                  trust: bool = False) -> CachedData:
+    """Map the datasets to cache keys (rank 0) and encode what is missing (every rank its share); ``regenerate``
+    clears the cache first, ``trust`` reuses manifests without checking the files behind them."""
+    rank = topology.rank
+    store = CacheStore(cache_folder(cfg.resolve(cfg.output_dir)))
     datasets = _datasets(cfg)
     paths = {name: manifest_path(store.root, file, adapter.arch) for name, (_, file) in datasets.items()}
     error = None
     if rank == 0:
         try:
-            if trainer.opts.regenerate_cache:
+            if regenerate:
                 store.clear()
             files = adapter.model_files()
             for name, (ds, _) in datasets.items():
                 label = "dataset" if name is None else f"eval dataset {name!r}"
-                build_or_load_manifest(paths[name], lambda ds=ds, label=label: _samples(ds, cfg.seed, trainer.reporter,
-                                                                                         label, adapter),
-                                       adapter, files, trainer.opts.trust_cache)
+                with space_guard(store.root):
+                    build_or_load_manifest(paths[name], lambda ds=ds, label=label: _samples(ds, cfg.seed, reporter,
+                                                                                            label, adapter),
+                                           adapter, files, trust, store.fingerprint)
         except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
             error = e
     if distributed.broadcast_object(error is not None):
@@ -77,31 +77,30 @@ def prepare_cache(trainer):
         raise SystemExit(1)
     manifests = {name: CacheManifest.load(path).entries for name, path in paths.items()}
     entries = manifests.pop(None)
-    trainer.eval_entries = manifests
     every = entries + [e for es in manifests.values() for e in es]
-    trainer.uncond_text, extra = empty_captions(adapter, entries) if cfg.uncond_fraction > 0 else (None, {})
+    uncond_text, extra = empty_captions(adapter, entries, store) if cfg.uncond_fraction > 0 else (None, {})
 
     def progress(kind, done, total):
         if rank == 0:
-            trainer.reporter.update(state="caching", cache={"kind": kind, "done": done, "total": total})
-            trainer.reporter.event("cache", kind=kind, done=done, total=total)
+            reporter.update(state="caching", cache={"kind": kind, "done": done, "total": total})
+            reporter.event("cache", kind=kind, done=done, total=total)
 
-    n_lat, n_txt = fill(adapter, store, every, rank, trainer.world, cfg.caching_batch_size, progress, extra)
+    n_lat, n_txt = fill(adapter, store, every, rank, topology.world, cfg.caching_batch_size, progress, extra)
     counts = distributed.all_gather_object((n_lat, n_txt))
     distributed.barrier()
     if rank == 0:
         total_lat, total_txt = sum(c[0] for c in counts), sum(c[1] for c in counts)
-        trainer.reporter.event("cached", latents_encoded=total_lat, texts_encoded=total_txt, entries=len(entries),
-                               eval_entries={name: len(es) for name, es in manifests.items()})
+        reporter.event("cached", latents_encoded=total_lat, texts_encoded=total_txt, entries=len(entries),
+                       eval_entries={name: len(es) for name, es in manifests.items()})
         log.info("cache ready: %d entries (%d latents and %d captions encoded now)", len(entries), total_lat, total_txt)
-    return store, entries
+    return CachedData(store, entries, manifests, uncond_text)
 
 
-def empty_captions(adapter, entries) -> tuple[dict[str, str], dict[str, TextWork]]:
+def empty_captions(adapter, entries, store: CacheStore) -> tuple[dict[str, str], dict[str, TextWork]]:
     """Caption dropout: each training caption's key -> the key of the empty caption that replaces it (one for
     every sample, or one per control image and bucket where the text encoder reads that image too), and the
     encoding work for those keys."""
-    te_fps = [model_fingerprint(p) for p in adapter.model_files()["text_encoders"]]
+    te_fps = [store.fingerprint(p) for p in adapter.model_files()["text_encoders"]]
     digests, swap, work = {}, {}, {}
     for e in entries:
         if adapter.caption_sees_control and e.control and e.control not in digests:

@@ -1,54 +1,96 @@
 """Training-state checkpoints: DeepSpeed's own (LoRA weights, optimizer, LR schedule) plus our position
-in the data and every rank's RNG state. A checkpoint is written under a temporary name and renamed
-only once every rank has finished, so a final name never holds a partial checkpoint."""
+in the data and every rank's RNG state. A checkpoint is written under a temporary name, marked complete
+(``pipetrain.json``) and renamed only once every rank has finished, so a final name never holds a partial
+checkpoint; a checkpoint of the same step already there is moved aside, not deleted, until its
+replacement is in place."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..fsutil import atomic_write_bytes
+from ..fsutil import atomic_write_bytes, fault_point, space_guard
 from . import distributed
 
 LATEST = "latest"
+COMPLETE = "pipetrain.json"   # our client state, written last into the temporary folder
+PARTIAL, ASIDE = ".partial-", ".old-"
+
+log = logging.getLogger("pipetrain")
 
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
+def is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE).is_file()
+
+
 def save(engine, ckpt_root: Path, step: int, client_state: dict) -> Path:
     tag = tag_for(step)
-    partial = f".partial-{tag}"
+    partial, final, aside = ckpt_root / f"{PARTIAL}{tag}", ckpt_root / tag, ckpt_root / f"{ASIDE}{tag}"
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(ckpt_root / partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
     distributed.barrier()
-    engine.save_checkpoint(str(ckpt_root), tag=partial, client_state=client_state, save_latest=False,
-                           exclude_frozen_parameters=True)
-    torch.save({"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-               ckpt_root / partial / f"rng_rank{rank:05d}.pt")
-    distributed.barrier()
-    final = ckpt_root / tag
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        (ckpt_root / partial).rename(final)
-        atomic_write_bytes(ckpt_root / LATEST, tag.encode())
-        atomic_write_bytes(final / "pipetrain.json", json.dumps(client_state).encode())
+    with space_guard(ckpt_root, partial):   # a full disk leaves no partial folder behind
+        engine.save_checkpoint(str(ckpt_root), tag=partial.name, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=True)
+        torch.save({"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                   partial / f"rng_rank{rank:05d}.pt")
+        distributed.barrier()
+        if rank == 0:
+            atomic_write_bytes(partial / COMPLETE, json.dumps(client_state).encode())
+            fault_point("checkpoint-written")
+            if final.exists():   # the same step again after a resume from an older checkpoint
+                shutil.rmtree(aside, ignore_errors=True)
+                final.rename(aside)
+                fault_point("checkpoint-aside")
+            partial.rename(final)
+            fault_point("checkpoint-renamed")
+            atomic_write_bytes(ckpt_root / LATEST, tag.encode())
+            fault_point("checkpoint-latest")
+            shutil.rmtree(aside, ignore_errors=True)
     distributed.barrier()
     return final
 
 
 def latest_tag(ckpt_root: Path) -> str | None:
+    """The checkpoint ``latest`` names, or where that one is missing or incomplete (a run killed while
+    saving), the newest complete one."""
     try:
         tag = (ckpt_root / LATEST).read_text().strip()
-    except FileNotFoundError:
-        return None
-    return tag if (ckpt_root / tag).is_dir() else None
+    except (FileNotFoundError, NotADirectoryError):
+        tag = None
+    if tag and is_complete(ckpt_root / tag):
+        return tag
+    complete = sorted(p.name for p in ckpt_root.glob("step*") if is_complete(p))
+    if complete and tag:
+        log.warning("%s names checkpoint %s, which is missing or incomplete: using %s, the newest complete one",
+                    ckpt_root / LATEST, tag, complete[-1])
+    return complete[-1] if complete else None
+
+
+def sweep(ckpt_root: Path) -> None:
+    """What a killed save left: temporary folders go; a checkpoint moved aside for its replacement comes back
+    when the replacement never arrived."""
+    if not ckpt_root.is_dir():
+        return
+    for path in ckpt_root.glob(f"{PARTIAL}*"):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in ckpt_root.glob(f"{ASIDE}*"):
+        final = ckpt_root / path.name[len(ASIDE):]
+        if is_complete(final):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            path.rename(final)
 
 
 def load(engine, ckpt_root: Path, tag: str) -> dict:

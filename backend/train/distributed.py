@@ -1,13 +1,13 @@
 """Process-group set-up for the DeepSpeed launcher (N ranks) and for a plain single process."""
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
 import torch.distributed as dist
 
-from ..launch import free_port
+from ..commands import free_port
+from ..patches_deepspeed import skip_cpu_shm_build
 
 
 def init() -> tuple[int, int, int]:
@@ -28,9 +28,7 @@ def init() -> tuple[int, int, int]:
     if not dist.is_initialized():
         import deepspeed
         if not cuda:
-            # DeepSpeed JIT-compiles a C++ shared-memory all-reduce for CPU ranks at start-up (minutes on
-            # 2 cores, and again for every other interpreter path); gloo's all-reduce is all we need there.
-            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+            skip_cpu_shm_build()
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
     return dist.get_rank(), dist.get_world_size(), local_rank
 

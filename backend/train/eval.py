@@ -16,10 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import RunConfig
 from ..data import EpochPlan
 from ..errors import DatasetError
 from . import distributed
+from .events import RunReporter
 from .feed import MicroBatchFeed
+from .parts import CachedData, RunState, Topology
 
 log = logging.getLogger("pipetrain")
 
@@ -47,22 +50,23 @@ class EvalSet:
     feed: EvalFeed
 
 
-def build_eval_sets(trainer) -> list[EvalSet]:
-    cfg = trainer.cfg
+def build_eval_sets(cfg: RunConfig, adapter, data: CachedData, topology: Topology,
+                    reporter: RunReporter) -> list[EvalSet]:
     micro = cfg.eval_micro_batch_size_per_gpu or cfg.micro_batch_size_per_gpu
     sets = []
-    for name, entries in trainer.eval_entries.items():
+    for name, entries in data.eval_entries.items():
         try:
             plan = EpochPlan(entries, [e.num_repeats for e in entries], micro, cfg.eval_gradient_accumulation_steps,
-                             trainer.dp_rank, trainer.dp_world, cfg.seed)
+                             topology.dp_rank, topology.dp_world, cfg.seed,
+                             image_micro_batch_size=cfg.eval_image_micro_batch_size_per_gpu or micro)
         except DatasetError as e:
             raise DatasetError(f"eval dataset {name!r}: {e} (eval_micro_batch_size_per_gpu and "
                                "eval_gradient_accumulation_steps set the eval batch)") from None
-        if trainer.rank == 0:
+        if topology.is_main:
             for message in plan.warnings():
-                trainer.reporter.event("warning", message=f"eval dataset {name!r}: {message}")
+                reporter.event("warning", message=f"eval dataset {name!r}: {message}")
                 log.warning("eval dataset %r: %s", name, message)
-        feed = EvalFeed(trainer.adapter, trainer.store, cfg.seed, trainer.dp_rank, trainer.dp_world,
+        feed = EvalFeed(adapter, data.store, cfg.seed, topology.dp_rank, topology.dp_world,
                         device=distributed.device())
         sets.append(EvalSet(name, plan, feed))
     return sets
@@ -75,13 +79,11 @@ def every_n_steps(steps: int | None, examples: int | None, global_batch: int) ->
     return max(1, examples // global_batch) if examples else None
 
 
-def eval_due(trainer, finished_epoch: int | None) -> bool:
+def eval_due(every_steps: int | None, every_epochs: int | None, global_step: int, finished_epoch: int | None) -> bool:
     """diffusion-pipe's rule: every eval_every_n_steps steps, or at the end of every eval_every_n_epochs-th epoch."""
-    every = trainer.eval_every_steps
-    if every and trainer.global_step % every == 0:
+    if every_steps and global_step % every_steps == 0:
         return True
-    n = trainer.cfg.eval_every_n_epochs
-    return bool(finished_epoch and n and finished_epoch % n == 0)
+    return bool(finished_epoch and every_epochs and finished_epoch % every_epochs == 0)
 
 
 def _evaluate_set(engine, s: EvalSet, micro_batches: int) -> list[float]:
@@ -98,9 +100,10 @@ def _evaluate_set(engine, s: EvalSet, micro_batches: int) -> list[float]:
     return losses
 
 
-def evaluate(trainer) -> None:
-    """Evaluate every eval dataset now (all ranks); rank 0 reports."""
-    sets = getattr(trainer, "eval_sets", [])
+def evaluate(sets: list[EvalSet], engine, micro_batches: int, state: RunState, topology: Topology,
+             reporter: RunReporter) -> None:
+    """Evaluate every eval dataset now (all ranks; ``micro_batches``: eval_gradient_accumulation_steps); rank 0
+    reports."""
     if not sets:
         return
     started = time.monotonic()
@@ -108,20 +111,20 @@ def evaluate(trainer) -> None:
     results = {}
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         for s in sets:
-            results[s.name] = _evaluate_set(trainer.engine, s, trainer.cfg.eval_gradient_accumulation_steps)
-    if trainer.rank != 0:
+            results[s.name] = _evaluate_set(engine, s, micro_batches)
+    if not topology.is_main:
         return
     seconds = time.monotonic() - started
-    step = trainer.global_step
-    epoch = trainer.epoch - 1 if trainer.step_in_epoch == 0 and step > 0 else trainer.epoch   # the step's epoch
+    step = state.global_step
+    epoch = state.epoch - 1 if state.step_in_epoch == 0 and step > 0 else state.epoch   # the step's epoch
     for name, losses in results.items():
         mean = sum(losses) / len(losses)
         per_q = {f"{q:.2f}": loss for q, loss in zip(TIMESTEP_QUANTILES, losses)}
-        trainer.reporter.event("eval", name=name, step=step, epoch=epoch, loss=mean, quantiles=per_q)
-        trainer.reporter.scalars(step, **{f"eval/{name}/loss": mean},
+        reporter.event("eval", name=name, step=step, epoch=epoch, loss=mean, quantiles=per_q)
+        reporter.scalars(step, **{f"eval/{name}/loss": mean},
                                  **{f"eval/{name}/loss_quantile_{q}": v for q, v in per_q.items()})
         log.info("eval %s at step %d: loss %.5f", name, step, mean)
-    trainer.reporter.scalars(step, **{"eval/eval_time_sec": seconds})
-    evals = dict(trainer.reporter.status.get("eval", {}))
+    reporter.scalars(step, **{"eval/eval_time_sec": seconds})
+    evals = dict(reporter.status.get("eval", {}))
     evals.update({name: {"step": step, "loss": sum(v) / len(v)} for name, v in results.items()})
-    trainer.reporter.update(eval=evals)
+    reporter.update(eval=evals)

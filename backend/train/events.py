@@ -1,23 +1,23 @@
-"""What a run reports, through files only: ``events.jsonl`` (one JSON object a line), ``status.json``
-(the latest state, rewritten atomically) and TensorBoard scalars. Written by global rank 0."""
+"""What a run reports, through files only (``rundir.RunDir`` names them): its events (one JSON object a
+line), its status (the latest state, rewritten atomically) and TensorBoard scalars. Written by global rank 0."""
 from __future__ import annotations
 
 import json
 import os
 import time
-from pathlib import Path
 
 from ..fsutil import atomic_write_json
+from ..rundir import RunDir
 
 
 class RunReporter:
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: RunDir, enabled: bool):
+        self.run_dir = RunDir(run_dir)
         self.enabled = enabled
         self.status: dict = {"state": "starting", "pid": os.getpid(), "started": time.time()}
         if enabled:  # a resumed run keeps what it reported before (its epoch LoRAs above all)
             try:
-                previous = json.loads((run_dir / "status.json").read_text())
+                previous = json.loads(self.run_dir.status_file.read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 previous = {}
             self.status = {**previous, **self.status, "error": None}
@@ -27,14 +27,14 @@ class RunReporter:
         if not self.enabled:
             return
         record = {"type": type_, "time": time.time(), **fields}
-        with open(self.run_dir / "events.jsonl", "a") as f:
+        with open(self.run_dir.events_file, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def update(self, **fields) -> None:
         if not self.enabled:
             return
         self.status.update(fields, updated=time.time())
-        atomic_write_json(self.run_dir / "status.json", self.status, durable=False)   # rewritten every step
+        atomic_write_json(self.run_dir.status_file, self.status, durable=False)   # rewritten every step
 
     def _writer(self):
         if self._tb is None:
@@ -43,7 +43,7 @@ class RunReporter:
             except ImportError:  # tensorboard is optional at run time
                 self._tb = False
                 return False
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir.tensorboard))
         return self._tb
 
     def scalars(self, step: int, **values) -> None:

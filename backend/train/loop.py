@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,35 +11,40 @@ from ..optim import prodigy_d
 from . import distributed
 from .control import ControlFlags
 from .eval import eval_due, evaluate
+from .events import RunReporter
+from .parts import RunState
 from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 log = logging.getLogger("pipetrain")
 
 
-def _progress_bar(trainer):
-    if trainer.rank != 0 or not trainer.opts.progress:
+def _progress_bar(shown: bool, state: RunState):
+    if not shown:
         return None
     from tqdm import tqdm
-    return tqdm(total=trainer.total_steps, initial=trainer.global_step, unit="step", dynamic_ncols=True)
+    return tqdm(total=state.total_steps, initial=state.global_step, unit="step", dynamic_ncols=True)
 
 
-def _requests(trainer) -> tuple[bool, bool]:
+def _requests(t: Trainer) -> tuple[bool, bool]:
     """(checkpoint, stop) as rank 0 sees them now: a stop checkpoints too."""
-    if trainer.rank != 0:
+    if not t.topology.is_main:
         return False, False
-    stop = trainer.stop_requested or (trainer.run_dir / "stop").exists()
-    minutes = trainer.cfg.checkpoint_every_n_minutes
-    due = minutes is not None and time.monotonic() - trainer.last_checkpoint_time >= minutes * 60
+    stop = t.stopping()
+    minutes = t.cfg.checkpoint_every_n_minutes
+    due = minutes is not None and time.monotonic() - t.state.last_checkpoint_time >= minutes * 60
     return due or stop, stop
 
 
-def _report_step(trainer, s: FinishedStep, started: float, bar) -> None:
+def _report_step(reporter: RunReporter, epochs: int, global_batch: int, total_steps: int, s: FinishedStep,
+                 started: float, bar) -> None:
     """``s.lr``: the learning rate the step used (read before the step; the schedule has moved on since)."""
-    cfg = trainer.cfg
-    samples_per_s = cfg.micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * trainer.dp_world / s.step_time
+    samples_per_s = global_batch / s.step_time
     elapsed = time.monotonic() - started
-    eta = elapsed / s.steps_done * (trainer.total_steps - s.step)
+    eta = elapsed / s.steps_done * (total_steps - s.step)
     extra, scalars = {}, {"train/loss": s.loss, "train/lr": s.lr, "train/samples_per_s": samples_per_s}
     if torch.cuda.is_available():
         extra["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -46,105 +52,115 @@ def _report_step(trainer, s: FinishedStep, started: float, bar) -> None:
         extra["grad_norm"] = scalars["train/grad_norm"] = s.grad_norm
     if s.prodigy_d is not None:
         extra["prodigy_d"] = scalars["train/prodigy_d"] = s.prodigy_d
-    trainer.reporter.event("step", step=s.step, epoch=s.epoch, loss=s.loss, lr=s.lr, samples_per_s=samples_per_s,
-                           step_time_s=s.step_time, total_steps=trainer.total_steps, **extra)
-    trainer.reporter.update(state="training", step=s.step, total_steps=trainer.total_steps, epoch=s.epoch,
-                            epochs=cfg.epochs, loss=s.loss, lr=s.lr, samples_per_s=samples_per_s, eta_s=eta)
-    trainer.reporter.scalars(s.step, **scalars)
+    reporter.event("step", step=s.step, epoch=s.epoch, loss=s.loss, lr=s.lr, samples_per_s=samples_per_s,
+                   step_time_s=s.step_time, total_steps=total_steps, **extra)
+    reporter.update(state="training", step=s.step, total_steps=total_steps, epoch=s.epoch,
+                    epochs=epochs, loss=s.loss, lr=s.lr, samples_per_s=samples_per_s, eta_s=eta)
+    reporter.scalars(s.step, **scalars)
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{s.loss:.4f}", epoch=s.epoch)
 
 
-def _end_of_epoch(trainer, epoch: int) -> None:
-    cfg = trainer.cfg
-    trainer.reporter.event("epoch", epoch=epoch, step=trainer.global_step)
+def _evaluate(t: Trainer) -> None:
+    evaluate(t.parts.eval_sets, t.parts.engine, t.cfg.eval_gradient_accumulation_steps, t.state, t.topology,
+             t.reporter)
+
+
+def _end_of_epoch(t: Trainer, epoch: int) -> None:
+    cfg = t.cfg
+    t.reporter.event("epoch", epoch=epoch, step=t.state.global_step)
     if cfg.save_every_n_epochs and epoch % cfg.save_every_n_epochs == 0:
-        path = trainer.save_lora(epoch)
-        trainer.last_saved_epoch = epoch
-        trainer.render_samples(path, epoch)
+        path = t.save_lora(epoch)
+        t.state.last_saved_epoch = epoch
+        t.render_samples(path, epoch)
     if cfg.checkpoint_every_n_epochs and epoch % cfg.checkpoint_every_n_epochs == 0:
-        trainer.save_checkpoint()
+        t.save_checkpoint()
 
 
-def run_loop(trainer) -> None:
-    engine, plan = trainer.engine, trainer.plan
+def run_loop(t: Trainer) -> None:
+    """Train from ``t.state`` to its ``total_steps``, or until a stop (every rank)."""
+    parts, state = t.parts, t.state
+    engine, plan, feed = parts.engine, parts.plan, parts.feed
     steps_per_epoch = plan.steps_per_epoch()
-    trainer.last_checkpoint_time = time.monotonic()
-    trainer.last_saved_epoch = None
-    if trainer.global_step == 0 and trainer.cfg.eval_before_first_step:
-        evaluate(trainer)
-    bar = _progress_bar(trainer)
+    state.last_checkpoint_time = time.monotonic()
+    if state.global_step == 0 and t.cfg.eval_before_first_step:
+        _evaluate(t)
+    bar = _progress_bar(t.topology.is_main and t.opts.progress, state)
     started = time.monotonic()
-    reports = StepReports(lambda s: _report_step(trainer, s, started, bar), started, timing_event())   # rank 0 feeds it
+
+    def report(s: FinishedStep) -> None:   # total_steps is fixed once the loop runs
+        _report_step(t.reporter, t.cfg.epochs, parts.global_batch, state.total_steps, s, started, bar)
+    reports = StepReports(report, started, timing_event())   # rank 0 feeds it
     batches, batches_epoch = None, None
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
-    profiler = StepProfiler.from_env(trainer.rank)
-    control = ControlFlags(trainer.world, distributed.device())
-    while trainer.global_step < trainer.total_steps:
-        if batches_epoch != trainer.epoch:
-            batches, batches_epoch = plan.epoch(trainer.epoch), trainer.epoch
+    profiler = StepProfiler.from_env(t.topology.rank)
+    control = ControlFlags(t.topology.world, distributed.device())
+    while state.global_step < state.total_steps:
+        if batches_epoch != state.epoch:
+            batches, batches_epoch = plan.epoch(state.epoch), state.epoch
         lr = engine.get_lr()[0]
         engine.reset_activation_shape()
         torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
         if profiler:
-            profiler.before_step(trainer.global_step + 1)
-        loss = engine.train_batch(trainer.feed.step_iter(batches[trainer.step_in_epoch], trainer.epoch,
-                                                         trainer.step_in_epoch))
-        following = trainer.step_in_epoch + 1
-        if reads_data and following < steps_per_epoch and trainer.global_step + 1 < trainer.total_steps:
-            trainer.feed.prefetch(batches[following], trainer.epoch, following)
-        trainer.global_step += 1
-        trainer.step_in_epoch += 1
-        if profiler and (summary := profiler.after_step(trainer.global_step)):
-            trainer.reporter.event("profile", folder=str(profiler.folder), **summary)
-        if trainer.rank == 0:
+            profiler.before_step(state.global_step + 1)
+        loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
+        following = state.step_in_epoch + 1
+        if reads_data and following < steps_per_epoch and state.global_step + 1 < state.total_steps:
+            feed.prefetch(batches[following], state.epoch, following)
+        state.global_step += 1
+        state.step_in_epoch += 1
+        if profiler and (summary := profiler.after_step(state.global_step)):
+            t.reporter.event("profile", folder=str(profiler.folder), **summary)
+        if t.topology.is_main:
             # global_step counts this step now; issuing it reports the step before
-            reports.issued(pending_step(trainer.global_step, trainer.epoch, lr, loss, trainer.grad_norm,
+            reports.issued(pending_step(state.global_step, state.epoch, lr, loss, parts.grad_norm.value,
                                         prodigy_d(engine.optimizer)))
-        if trainer.save_every_steps and trainer.global_step % trainer.save_every_steps == 0:
+        if parts.save_every_steps and state.global_step % parts.save_every_steps == 0:
             reports.flush()
-            trainer.save_lora(trainer.epoch, at_step=True)
+            t.save_lora(state.epoch, at_step=True)
         finished_epoch = None
-        if trainer.step_in_epoch == steps_per_epoch:
-            trainer.step_in_epoch = 0
-            trainer.epoch += 1
-            finished_epoch = trainer.epoch - 1
+        if state.step_in_epoch == steps_per_epoch:
+            state.step_in_epoch = 0
+            state.epoch += 1
+            finished_epoch = state.epoch - 1
             reports.flush()
-            _end_of_epoch(trainer, finished_epoch)
-        if eval_due(trainer, finished_epoch):
+            _end_of_epoch(t, finished_epoch)
+        if eval_due(parts.eval_every_steps, t.cfg.eval_every_n_epochs, state.global_step, finished_epoch):
             reports.flush()
-            evaluate(trainer)
-        checkpoint_now, stop_now = control.exchange(*_requests(trainer))
+            _evaluate(t)
+        checkpoint_now, stop_now = control.exchange(*_requests(t))
         if checkpoint_now:
             reports.flush()
-            trainer.save_checkpoint()
+            t.save_checkpoint()
         if stop_now:
-            _stopped(trainer, bar)
+            _stopped(t, bar)
             return
     reports.flush()
-    _finished(trainer, bar)
+    _finished(t, bar)
 
 
-def _stopped(trainer, bar) -> None:
+def _stopped(t: Trainer, bar) -> None:
     if bar is not None:
         bar.close()
-    if trainer.rank == 0:
-        (trainer.run_dir / "stop").unlink(missing_ok=True)
-        trainer.reporter.event("stopped", step=trainer.global_step, epoch=trainer.epoch)
-        trainer.reporter.update(state="stopped")
-    log.info("stopped at step %d after a checkpoint; resume with --resume %s", trainer.global_step, trainer.run_dir.name)
+    if t.topology.is_main:
+        t.run_dir.clear_stop()
+        t.reporter.event("stopped", step=t.state.global_step, epoch=t.state.epoch)
+        t.reporter.update(state="stopped")
+    log.info("stopped at step %d after a checkpoint; resume with --resume %s", t.state.global_step, t.run_dir.name)
 
 
-def _finished(trainer, bar) -> None:
+def _finished(t: Trainer, bar) -> None:
+    state = t.state
     if bar is not None:
         bar.close()
-    last_epoch = trainer.epoch - 1 if trainer.step_in_epoch == 0 else trainer.epoch
-    if trainer.last_saved_epoch != last_epoch and trainer.global_step > 0:
-        path = trainer.save_lora(last_epoch)
-        trainer.render_samples(path, last_epoch)
-    trainer.save_checkpoint()
-    if trainer.rank == 0:
-        (trainer.run_dir / "stop").unlink(missing_ok=True)   # asked for too late: the run had finished
-        trainer.reporter.event("done", step=trainer.global_step, epoch=last_epoch)
-        trainer.reporter.update(state="finished")
+    last_epoch = state.epoch - 1 if state.step_in_epoch == 0 else state.epoch
+    if state.last_saved_epoch != last_epoch and state.global_step > 0:
+        path = t.save_lora(last_epoch)
+        state.last_saved_epoch = last_epoch
+        t.render_samples(path, last_epoch)
+    t.save_checkpoint()
+    if t.topology.is_main:
+        t.run_dir.clear_stop()   # asked for too late: the run had finished
+        t.reporter.event("done", step=state.global_step, epoch=last_epoch)
+        t.reporter.update(state="finished")

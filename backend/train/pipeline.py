@@ -10,13 +10,16 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import utils as ds_utils
 
+from ..patches_deepspeed import partition_stages_with
+
 
 class StagedModule(PipelineModule):
     def __init__(self, layers, costs: list[float], num_stages: int, method: str, split: list[int] | None,
                  loss_fn):
-        object.__setattr__(self, "_pt_method", method)
-        object.__setattr__(self, "_pt_costs", costs)
-        object.__setattr__(self, "_pt_split", split)
+        if method == "compute":
+            partition_stages_with(self, lambda n, stages: stage_bounds(costs, stages))
+        elif method == "manual":
+            partition_stages_with(self, lambda n, stages: [0, *split, n])
         super().__init__(layers=layers, num_stages=num_stages, loss_fn=loss_fn, dynamic_shape=True,
                          partition_method="uniform" if method in ("compute", "manual") else method,
                          activation_checkpoint_interval=0)
@@ -26,18 +29,6 @@ class StagedModule(PipelineModule):
         if self.stage_id == self.num_stages - 1:
             return out
         return tuple(map(sendable, out)) if isinstance(out, tuple) else sendable(out)
-
-    def _partition_layers(self, method="uniform"):
-        n = len(self._layer_specs)
-        if self._pt_method == "compute":
-            self.parts = ds_utils.partition_balanced(weights=[max(c, 1e-3) for c in self._pt_costs],
-                                                     num_parts=self.num_stages)
-        elif self._pt_method == "manual":
-            self.parts = [0, *self._pt_split, n]
-        else:
-            return super()._partition_layers(method)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
 def sendable(t):

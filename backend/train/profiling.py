@@ -4,7 +4,7 @@
 steps and write, into the folder, ``trace.json`` (Chrome/Perfetto), ``ops.txt`` (operators by GPU time, by CPU
 time without a GPU) and ``summary.json``: wall time per step, the time in which a GPU kernel ran, their ratio,
 and the longest stretches the GPU sat idle with the host operators open then (none: the host was in Python
-between operators). The same number of steps after those are sampled on the host (``host_sampling``), outside
+between operators). The same number of steps after those are sampled on the host (``stack_sampler``), outside
 the profiler, into ``host.txt``: which Python code a step's wall time went to (shares; sampling slows the host). A run that ends
 inside the range writes only what was complete. An environment variable, not a config key: a diagnostic must
 not change a run's config, its checkpoints or how it resumes.
@@ -112,7 +112,7 @@ class StepProfiler:
             self._prof.__enter__()
             self._started = time.perf_counter()
         elif step == self.first + self.steps and self._summary and self._sampler is None:
-            from .host_sampling import HostSampler
+            from .stack_sampler import HostSampler
 
             _synchronize()
             self._sampler = HostSampler().__enter__()

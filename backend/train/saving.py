@@ -2,14 +2,18 @@
 under a name that never repeats, with the adapter config and the run config beside it."""
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
 import torch
 
 from .. import lora
-from ..fsutil import atomic_write_bytes
+from ..fsutil import atomic_write_bytes, space_guard
+from ..rundir import RunDir
 from . import distributed
+from .events import RunReporter
+from .parts import Topology
 
 
 def gather_lora(module, dp_rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -30,21 +34,48 @@ def unique_path(folder: Path, stem: str) -> Path:
     return path
 
 
-def write_lora(sd, folder: Path, stem: str, adapter_config: dict, run_toml: str, info: dict) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = unique_path(folder, stem)
-    lora.save_file(sd, path, lora.metadata_for(adapter_config, info))
-    base = path.with_suffix("")
-    atomic_write_bytes(Path(f"{base}.adapter.json"), json.dumps(adapter_config, indent=1).encode())
-    atomic_write_bytes(Path(f"{base}.run.toml"), run_toml.encode())
+def write_lora(sd, folder: Path, stem: str, adapter_config: dict, run_toml: str, info: dict,
+               replace: bool = False) -> Path:
+    """``replace``: write ``<stem>.safetensors`` over a file of that name (atomically) rather than beside it."""
+    with space_guard(folder):   # the writes below remove their own temporary files
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{stem}.safetensors" if replace else unique_path(folder, stem)
+        lora.save_file(sd, path, lora.metadata_for(adapter_config, info))
+        base = path.with_suffix("")
+        atomic_write_bytes(Path(f"{base}.adapter.json"), json.dumps(adapter_config, indent=1).encode())
+        atomic_write_bytes(Path(f"{base}.run.toml"), run_toml.encode())
     return path
+
+
+def with_entry(entries: list[dict], entry: dict) -> list[dict]:
+    """A status list of saved files with ``entry`` last, in place of an earlier entry of the same path (a file
+    a resumed run wrote again)."""
+    return [e for e in entries if e.get("path") != entry["path"]] + [entry]
+
+
+def sweep_run_dir(run_dir: RunDir, lora_folder: Path) -> None:
+    """Temporary files a killed run left (``fsutil`` and ``lora.save_file`` write under ``.<name>.*.tmp``, a
+    checkpoint under ``checkpoints/.partial-*``, a full fine-tune's stages under ``.parts-*``). Called by the
+    run folder's one live writer; in a shared LoRA folder only this run's own names are touched."""
+    import shutil
+
+    from .checkpoint import sweep
+
+    sweep(run_dir.checkpoints)
+    for path in run_dir.path.glob(".parts-*"):
+        shutil.rmtree(path, ignore_errors=True)
+    own = [f".{run_dir.name}-epoch", f".{run_dir.name}-step"]
+    for folder, prefixes in ((run_dir.path, ["."]), (run_dir.models, own), (lora_folder, own)):
+        for prefix in prefixes if folder.is_dir() else ():
+            for path in folder.glob(f"{glob.escape(prefix)}*.tmp"):
+                path.unlink(missing_ok=True)
 
 
 # --- full fine-tune (no [adapter] table) ------------------------------------------------------------
 LOW_PRECISION = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def full_finetune(dm, cfg) -> None:
+def full_finetune(dm, file: Path | None) -> None:
     """Every weight of the diffusion model trains, as in diffusion-pipe's full fine-tune (embedders and the
     final layer included)."""
     from ..errors import ConfigError
@@ -53,7 +84,7 @@ def full_finetune(dm, cfg) -> None:
     if low:
         raise ConfigError(f"a full fine-tune (no [adapter] table) trains the weights themselves, and '{low[0][0]}' "
                           f"is stored in {str(low[0][1]).replace('torch.', '')}: load the model in bfloat16 (remove "
-                          "diffusion_model_dtype or use a non-fp8 file), or train an adapter", file=cfg._file,
+                          "diffusion_model_dtype or use a non-fp8 file), or train an adapter", file=file,
                           key="model.diffusion_model_dtype")
     dm.requires_grad_(True)
 
@@ -104,32 +135,33 @@ def _unprefixed(key: str) -> str:
     return key
 
 
-def save_full_model(trainer, epoch: int, at_step: bool) -> Path | None:
+def save_full_model(engine, adapter, cfg, run_dir: RunDir, reporter: RunReporter, topology: Topology, epoch: int,
+                    step: int, at_step: bool, replace: bool) -> Path | None:
     """The trained diffusion model as one ComfyUI single file (``<run>/models/<run>-epoch0001.safetensors``):
-    each stage's data-parallel rank 0 writes its weights, global rank 0 merges them (returns the path there)."""
-    name = trainer.run_dir.name
-    stem = f"{name}-step{trainer.global_step:08d}" if at_step else f"{name}-epoch{epoch:04d}"
-    parts = trainer.run_dir / f".parts-{stem}"
-    dtype = model_save_dtype(trainer.cfg)
-    dm = trainer.adapter.diffusion_model
-    if trainer.dp_rank == 0:
-        write_stage_part(trainer.engine.module, dm, parts, trainer.engine.stage_id, dtype)
+    each stage's data-parallel rank 0 writes its weights, global rank 0 merges them (returns the path there).
+    ``replace``: as write_lora's (a resumed run that trains an epoch again rewrites its file)."""
+    name = run_dir.name
+    stem = f"{name}-step{step:08d}" if at_step else f"{name}-epoch{epoch:04d}"
+    parts = run_dir.path / f".parts-{stem}"
+    dtype = model_save_dtype(cfg)
+    dm = adapter.diffusion_model
+    if topology.dp_rank == 0:
+        write_stage_part(engine.module, dm, parts, engine.stage_id, dtype)
     distributed.barrier()
     path = None
-    if trainer.rank == 0:
+    if topology.is_main:
         import shutil
 
-        folder = trainer.run_dir / "models"
+        folder = run_dir.models
         folder.mkdir(parents=True, exist_ok=True)
-        path = unique_path(folder, stem)
-        info = {"epoch": epoch, "step": trainer.global_step, "run": trainer.run_dir.name}
-        trained = merge_full_model(dm, trainer.adapter.model_files()["diffusion_model"][0], parts, path, dtype, info)
+        path = folder / f"{stem}.safetensors" if replace else unique_path(folder, stem)
+        info = {"epoch": epoch, "step": step, "run": name}
+        trained = merge_full_model(dm, adapter.model_files()["diffusion_model"][0], parts, path, dtype, info)
         shutil.rmtree(parts, ignore_errors=True)
-        atomic_write_bytes(Path(f"{path.with_suffix('')}.run.toml"), (trainer.run_dir / "run.toml").read_bytes())
-        models = trainer.reporter.status.get("models", []) + [{"epoch": epoch, "step": trainer.global_step,
-                                                               "path": str(path)}]
-        trainer.reporter.update(models=models)
-        trainer.reporter.event("model_saved", epoch=epoch, step=trainer.global_step, path=str(path),
-                               at_step=at_step, tensors_trained=trained)
+        atomic_write_bytes(Path(f"{path.with_suffix('')}.run.toml"), run_dir.run_toml.read_bytes())
+        models = with_entry(reporter.status.get("models", []), {"epoch": epoch, "step": step, "path": str(path)})
+        reporter.update(models=models)
+        reporter.event("model_saved", epoch=epoch, step=step, path=str(path), at_step=at_step,
+                       tensors_trained=trained)
     distributed.barrier()
     return path   # global rank 0: the epoch samples render with this model

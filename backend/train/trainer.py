@@ -2,19 +2,32 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import RunConfig, save_toml
+from ..errors import PipeTrainError
+from ..fallback import check_saved_lora
 from ..models.base import DTYPES
+from ..models.loading import check_architecture
 from ..models.registry import adapter_class
+from ..rundir import RunDir, cache_folder, choose_run_dir
+from ..runtime import comfy_training_paths
+from ..versions import comfyui_info, range_warning
 from . import checkpoint, distributed
 from .events import RunReporter
-from .saving import gather_lora, save_full_model, write_lora
+from .launcher_watch import LauncherWatch
+from .parts import CachedData, EngineParts, RunState, Topology
+from .saving import gather_lora, save_full_model, sweep_run_dir, with_entry, write_lora
+
+if TYPE_CHECKING:
+    from ..models.base import ModelAdapter
 
 log = logging.getLogger("pipetrain")
 
@@ -32,132 +45,219 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL com
               "Broken pipe", "ProcessGroupNCCL", "Timed out")
 
 
+def lost_peer(e: BaseException) -> bool:
+    return not isinstance(e, PipeTrainError) and any(marker in str(e) for marker in _PEER_LOST)
+
+
 def explain_failure(e: BaseException, run_name: str) -> str:
-    text = f"{type(e).__name__}: {e}"
-    if any(marker in text for marker in _PEER_LOST):
+    text = str(e) if isinstance(e, PipeTrainError) else f"{type(e).__name__}: {e}"   # ours read as sentences
+    if lost_peer(e):
         return (f"lost contact with another rank (a node or a training process stopped): {text.splitlines()[0]}. "
                 f"The run is resumable from its last checkpoint: launch it again with --resume {run_name}")
     return text
 
 
 class Trainer:
+    """One run on this rank. Each phase below returns a part that the trainer keeps (``parts.py``); a part is
+    None until its phase has run."""
+    topology: Topology | None          # setup_distributed
+    run_dir: RunDir | None             # prepare_run_dir
+    reporter: RunReporter | None       # prepare_run_dir
+    adapter: ModelAdapter | None       # load_adapter
+    data: CachedData | None            # prepare_cache
+    parts: EngineParts | None          # build_engine
+    state: RunState                    # restore (from a checkpoint), then advanced by the loop
+    stop_requested: bool               # SIGTERM: checkpoint and stop as the stop file does
+
     def __init__(self, cfg: RunConfig, options: TrainOptions):
         self.cfg = cfg
         self.opts = options
+        self.topology = self.run_dir = self.reporter = self.adapter = self.data = self.parts = None
+        self.state = RunState()
         self.stop_requested = False
-        self.global_step = 0
-        self.epoch = 1
-        self.step_in_epoch = 0
+        self.launcher_watch: LauncherWatch | None = None
+        self.run_dir_lock = None   # held until this process ends
 
     # --- phases -----------------------------------------------------------------------------
     def run(self) -> int:
-        self.setup_distributed()
-        self.prepare_run_dir()
+        with comfy_training_paths():   # ComfyUI's autograd-safe code paths where it has them (runtime.py)
+            return self._run()
+
+    def _run(self) -> int:
+        self.topology = self.setup_distributed()
+        self.watch_launcher()
+        self.run_dir, self.reporter = self.prepare_run_dir()
         try:
-            self.adapter = adapter_class(self.cfg.model.type)(self.cfg.model, self.cfg.resolve)
-            self.prepare_cache()
+            self.adapter = self.load_adapter()
+            self.check_model_code()
+            self.data = self.prepare_cache()
             if self.opts.cache_only:
                 self.reporter.update(state="cached")
                 self.reporter.event("done", reason="cache_only")
                 return 0
             if self.stop_before_training():
                 return 0
-            self.build_engine()
-            self.restore()
+            self.parts = self.build_engine()
+            self.state = self.restore()
             self.train_loop()
             return 0
         except BaseException as e:
-            if self.rank == 0 and not isinstance(e, SystemExit):
+            if lost_peer(e) and (pid := self.launcher_watch.gone()) is not None:
+                self._on_launcher_gone(pid)   # the peer went with the launcher: say so, not "lost contact"
+            if self.topology.is_main and not isinstance(e, SystemExit):
                 message = explain_failure(e, self.run_dir.name)
                 self.reporter.event("error", message=message)
                 self.reporter.update(state="failed", error=message)
                 log.error(message)
+            if not self.topology.is_main and lost_peer(e):
+                # another rank failed and says why; a traceback here buries it
+                log.error("rank %d stops: another rank has failed", self.topology.rank)
+                raise SystemExit(1) from None
             raise
         finally:
             self.reporter.close()
 
-    def setup_distributed(self) -> None:
-        self.rank, self.world, self.local_rank = distributed.init()
+    def setup_distributed(self) -> Topology:
+        rank, world, local_rank = distributed.init()
         if not self.opts.cache_only:  # caching spreads over any number of ranks
-            self.cfg.check_world_size(self.world)
+            self.cfg.check_world_size(world)
+        return Topology(rank, world, local_rank, self.cfg.pipeline_stages)
+
+    def watch_launcher(self) -> None:
+        """A SIGTERM asks for a stop; the end of the DeepSpeed launcher ends this rank (``launcher_watch.py``)."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.launcher_watch = LauncherWatch()
+        self.launcher_watch.start(self._on_launcher_gone)
 
-    def prepare_run_dir(self) -> None:
-        from .rundir import choose_run_dir
-
-        run_dir = None
-        if self.rank == 0:
-            if self.opts.cache_only:  # caching alone makes no run; its events go beside the cache
-                run_dir = self.cfg.resolve(self.cfg.output_dir) / "cache"
-                run_dir.mkdir(parents=True, exist_ok=True)
-            else:
-                run_dir = choose_run_dir(self.cfg, self.opts.resume)
-        self.run_dir = Path(distributed.broadcast_object(str(run_dir) if run_dir else None))
-        self.ckpt_root = self.run_dir / "checkpoints"
-        self.reporter = RunReporter(self.run_dir, enabled=self.rank == 0)
-        if self.rank == 0:
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            if not self.opts.cache_only and not (self.run_dir / "run.toml").exists():
-                save_toml(self.cfg.with_absolute_paths(), self.run_dir / "run.toml")
-                save_toml(self.cfg.dataset_config.with_absolute_paths(), self.run_dir / "dataset.toml")
-            self.reporter.update(state="starting", run_dir=str(self.run_dir), world_size=self.world,
-                                 pipeline_stages=self.cfg.pipeline_stages)
-            self.reporter.event("start", world_size=self.world, pipeline_stages=self.cfg.pipeline_stages,
-                                resume=self.opts.resume is not None)
+    def prepare_run_dir(self) -> tuple[RunDir, RunReporter]:
+        is_main = self.topology.is_main
+        run_dir, refused = None, None
+        if is_main:
+            try:
+                if self.opts.cache_only:  # caching alone makes no run; its events go beside the cache
+                    run_dir = RunDir(cache_folder(self.cfg.resolve(self.cfg.output_dir)))
+                    run_dir.path.mkdir(parents=True, exist_ok=True)
+                else:
+                    run_dir = choose_run_dir(self.cfg, self.opts.resume)
+                    self.run_dir_lock = run_dir.lock()
+            except PipeTrainError as e:
+                refused = e
+        run_dir, message = distributed.broadcast_object((str(run_dir) if run_dir else None,
+                                                         str(refused) if refused else None))
+        if refused is not None:
+            raise refused
+        if message is not None:   # rank 0 reports it; the other ranks just stop
+            raise SystemExit(2)
+        run_dir = RunDir(Path(run_dir))
+        reporter = RunReporter(run_dir, enabled=is_main)
+        if is_main:
+            if not self.opts.cache_only:
+                sweep_run_dir(run_dir, self.lora_folder(run_dir))
+            run_dir.checkpoints.mkdir(parents=True, exist_ok=True)
+            if not self.opts.cache_only and not run_dir.run_toml.exists():
+                save_toml(self.cfg.with_absolute_paths(), run_dir.run_toml)
+                save_toml(self.cfg.dataset_config.with_absolute_paths(), run_dir.dataset_toml)
+            comfyui = comfyui_info()
+            reporter.update(state="starting", run_dir=str(run_dir), world_size=self.topology.world,
+                            pipeline_stages=self.cfg.pipeline_stages, comfyui=comfyui)
+            reporter.event("start", world_size=self.topology.world, pipeline_stages=self.cfg.pipeline_stages,
+                           resume=self.opts.resume is not None, comfyui=comfyui)
+            warning = range_warning(comfyui["version"])
+            if warning:
+                reporter.event("warning", message=warning)
+                log.warning(warning)
         distributed.barrier()
+        return run_dir, reporter
 
-    def prepare_cache(self) -> None:
+    def load_adapter(self) -> ModelAdapter:
+        adapter = adapter_class(self.cfg.model.type)(self.cfg.model, self.cfg.resolve)
+        check_architecture(adapter.model_files()["diffusion_model"][0], self.cfg.model.type)
+        return adapter
+
+    def check_model_code(self) -> None:
+        """Refuse, before anything is cached, a ComfyUI whose model code computes something other than the
+        training layers (``parity.py``; memoised, so a repeated run pays nothing), or says why the pinned ComfyUI
+        trains instead (``fallback.py``)."""
+        from ..fallback import check_run
+
+        error = None
+        if self.topology.is_main:
+            try:
+                check_run(self.cfg.model.type, self.reporter)
+            except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
+                error = e
+        if distributed.broadcast_object(error is not None):
+            if self.topology.is_main:
+                raise error
+            raise SystemExit(1)
+
+    def prepare_cache(self) -> CachedData:
         from .caching import prepare_cache
 
+        if not self.opts.cache_only:   # fail before the (possibly long) cache phase on an optimizer not to be built
+            from ..optim import resolve_optimizer
+            resolve_optimizer(self.cfg)
         self.reporter.update(state="caching")
-        self.store, self.entries = prepare_cache(self)
+        return prepare_cache(self.cfg, self.adapter, self.topology, self.reporter,
+                             regenerate=self.opts.regenerate_cache, trust=self.opts.trust_cache)
 
-    def build_engine(self) -> None:
+    def build_engine(self) -> EngineParts:
         from .engine import build_engine
 
         self.reporter.update(state="loading")
-        build_engine(self)
+        return build_engine(self.cfg, self.adapter, self.topology, self.data, self.reporter)
+
+    def stopping(self) -> bool:
+        """Whether a stop has been asked for (SIGTERM or the stop file); rank 0 reads the file for every rank."""
+        return self.stop_requested or self.run_dir.stop_requested()
 
     def stop_before_training(self) -> bool:
         """A stop asked for while caching ends the run before the engine is built (nothing to checkpoint)."""
         stop = None
-        if self.rank == 0:
-            stop = self.stop_requested or (self.run_dir / "stop").exists()
+        if self.topology.is_main:
+            stop = self.stopping()
         if not distributed.broadcast_object(stop):
             return False
-        if self.rank == 0:
-            (self.run_dir / "stop").unlink(missing_ok=True)
-            self.reporter.event("stopped", step=self.global_step, epoch=self.epoch, before_training=True)
+        if self.topology.is_main:
+            self.run_dir.clear_stop()
+            self.reporter.event("stopped", step=self.state.global_step, epoch=self.state.epoch, before_training=True)
             self.reporter.update(state="stopped")
         return True
 
-    def restore(self) -> None:
+    def restore(self) -> RunState:
+        """The run's position: from the start, or from the newest checkpoint on a resume (which also loads the
+        engine's weights, optimizer and schedule from it)."""
+        parts, is_main = self.parts, self.topology.is_main
+        state = RunState(total_steps=parts.total_steps)
         if self.opts.resume is None:
-            return
-        tag = checkpoint.latest_tag(self.ckpt_root)
+            return state
+        tag = checkpoint.latest_tag(self.run_dir.checkpoints)
         if tag is None:
-            if self.rank == 0:
+            if is_main:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
-            return
-        state = checkpoint.load(self.engine, self.ckpt_root, tag)
-        self.global_step = state["global_step"]
-        self.epoch = state["epoch"]
-        self.step_in_epoch = state["step_in_epoch"]
-        saved_batch = state.get("global_batch", self.global_batch)
-        if saved_batch != self.global_batch:  # another number of data-parallel ranks (e.g. more nodes)
-            examples = self.step_in_epoch * saved_batch
-            self.step_in_epoch = min(examples // self.global_batch, self.plan.steps_per_epoch())
-            if self.rank == 0 and examples % self.global_batch:
+            return state
+        saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag)
+        state.global_step = state.last_checkpoint_step = saved["global_step"]
+        state.last_saved_epoch = saved.get("last_saved_epoch")
+        state.epoch = saved["epoch"]
+        state.step_in_epoch = saved["step_in_epoch"]
+        global_batch, steps_per_epoch = parts.global_batch, parts.plan.steps_per_epoch()
+        saved_batch = saved.get("global_batch", global_batch)
+        if saved_batch != global_batch:  # another number of data-parallel ranks (e.g. more nodes)
+            examples = state.step_in_epoch * saved_batch
+            state.step_in_epoch = min(examples // global_batch, steps_per_epoch)
+            if is_main and examples % global_batch:
                 log.warning("resuming with a global batch of %d instead of %d: the epoch continues after %d of "
-                            "its %d examples", self.global_batch, saved_batch, self.step_in_epoch * self.global_batch,
+                            "its %d examples", global_batch, saved_batch, state.step_in_epoch * global_batch,
                             examples)
-        remaining = (self.cfg.epochs - self.epoch + 1) * self.plan.steps_per_epoch() - self.step_in_epoch
-        self.total_steps = self.global_step + remaining
+        remaining = (self.cfg.epochs - state.epoch + 1) * steps_per_epoch - state.step_in_epoch
+        state.total_steps = state.global_step + remaining
         if self.cfg.max_steps:
-            self.total_steps = min(self.total_steps, self.cfg.max_steps)
-        if self.rank == 0:
-            self.reporter.event("resume", checkpoint=tag, step=self.global_step, epoch=self.epoch,
-                                global_batch=self.global_batch, saved_global_batch=saved_batch)
+            state.total_steps = min(state.total_steps, self.cfg.max_steps)
+        if is_main:
+            self.reporter.event("resume", checkpoint=tag, step=state.global_step, epoch=state.epoch,
+                                global_batch=global_batch, saved_global_batch=saved_batch)
+        return state
 
     def train_loop(self) -> None:
         from .loop import run_loop
@@ -165,55 +265,76 @@ class Trainer:
         run_loop(self)
 
     # --- helpers used by the phases ---------------------------------------------------------
-    @property
-    def global_batch(self) -> int:
-        c = self.cfg
-        return c.micro_batch_size_per_gpu * c.gradient_accumulation_steps * self.dp_world
-
-    def client_state(self) -> dict:
-        return {"global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                "global_batch": self.global_batch}
-
     def save_checkpoint(self) -> None:
-        path = checkpoint.save(self.engine, self.ckpt_root, self.global_step, self.client_state())
-        self.last_checkpoint_time = time.monotonic()
-        if self.rank == 0:
-            self.reporter.event("checkpoint", step=self.global_step, epoch=self.epoch, path=str(path))
+        state = self.state
+        if state.global_step == state.last_checkpoint_step:   # e.g. the last epoch's, again as the run ends
+            return
+        state.last_checkpoint_step = state.global_step
+        path = checkpoint.save(self.parts.engine, self.run_dir.checkpoints, state.global_step,
+                               state.client_state(self.parts.global_batch))
+        state.last_checkpoint_time = time.monotonic()
+        if self.topology.is_main:
+            self.reporter.event("checkpoint", step=state.global_step, epoch=state.epoch, path=str(path))
             self.reporter.update(last_checkpoint=str(path))
 
     def save_lora(self, epoch: int, *, at_step: bool = False) -> Path | None:
         """Write the epoch LoRA, or with ``at_step`` the step LoRA (save_every_n_steps) (global rank 0);
         returns its path there, None elsewhere. A full fine-tune writes the whole model instead (saving.py)."""
+        step, run_dir, replace = self.state.global_step, self.run_dir, self.opts.resume is not None
         if self.cfg.adapter is None:
-            return save_full_model(self, epoch, at_step)
+            return save_full_model(self.parts.engine, self.adapter, self.cfg, run_dir, self.reporter, self.topology,
+                                   epoch, step, at_step, replace)
         save_dtype = DTYPES[self.cfg.save_dtype] if self.cfg.save_dtype else torch.float32
-        sd = gather_lora(self.engine.module, self.dp_rank, save_dtype)
-        if self.rank != 0:
+        sd = gather_lora(self.parts.engine.module, self.topology.dp_rank, save_dtype)
+        if not self.topology.is_main:
             return None
-        folder = Path(self.cfg.lora_dir) if self.cfg.lora_dir else self.run_dir / "loras"
+        folder = self.lora_folder(run_dir)
         adapter_cfg = {"type": self.cfg.adapter.type, "rank": self.cfg.adapter.rank,
                        "alpha": self.cfg.adapter.alpha or self.cfg.adapter.rank,
                        "dropout": self.cfg.adapter.dropout, "target_blocks": list(self.adapter.lora_block_prefixes),
                        "target_modules": self.cfg.adapter.target_modules, "model_type": self.cfg.model.type,
                        "decompose_factor": self.cfg.adapter.decompose_factor}
-        run_toml = (self.run_dir / "run.toml").read_text()
-        stem = f"{self.run_dir.name}-step{self.global_step:08d}" if at_step else f"{self.run_dir.name}-epoch{epoch:04d}"
-        path = write_lora(sd, folder, stem, adapter_cfg, run_toml,
-                          {"epoch": epoch, "step": self.global_step, "run": self.run_dir.name})
+        run_toml = run_dir.run_toml.read_text()
+        stem = f"{run_dir.name}-step{step:08d}" if at_step else f"{run_dir.name}-epoch{epoch:04d}"
+        # a resumed run that trains an epoch again (killed after its LoRA, before the checkpoint) rewrites the
+        # same file, bit for bit, rather than adding a "-1" copy beside it
+        path = write_lora(sd, folder, stem, adapter_cfg, run_toml, {"epoch": epoch, "step": step, "run": run_dir.name},
+                          replace=replace)
+        # trained on the pinned ComfyUI: announced only once the host's LoRA loader applies every key
+        check_saved_lora(path, self.adapter.model_files()["diffusion_model"][0], self.reporter)
         if at_step:   # not an epoch LoRA: its own event, outside the epoch list
-            self.reporter.event("step_lora_saved", epoch=epoch, step=self.global_step, path=str(path))
+            self.reporter.event("step_lora_saved", epoch=epoch, step=step, path=str(path))
             return path
-        loras = self.reporter.status.get("loras", []) + [{"epoch": epoch, "step": self.global_step, "path": str(path)}]
+        loras = with_entry(self.reporter.status.get("loras", []), {"epoch": epoch, "step": step, "path": str(path)})
         self.reporter.update(loras=loras)
-        self.reporter.event("lora_saved", epoch=epoch, step=self.global_step, path=str(path))
+        self.reporter.event("lora_saved", epoch=epoch, step=step, path=str(path))
         log.info("saved epoch %d LoRA: %s", epoch, path)
         return path
+
+    def lora_folder(self, run_dir: RunDir) -> Path:
+        return Path(self.cfg.lora_dir) if self.cfg.lora_dir else run_dir.loras
 
     def render_samples(self, lora_path: Path | None, epoch: int) -> None:
         """Sample images with the fresh LoRA (see backend/sampling.py); every rank waits for rank 0."""
         from ..sampling import render_epoch_samples
 
-        render_epoch_samples(self, lora_path, epoch)
+        render_epoch_samples(self.cfg, self.run_dir, self.reporter, self.topology.is_main, lora_path, epoch,
+                             self.state.global_step, self.stopping)
+
+    def _on_launcher_gone(self, pid: int) -> None:
+        """From the watch thread: the launcher is gone, so nobody can stop this rank or gather the others; exit
+        at once (rank 0 first marks the run failed; its last checkpoint stays resumable)."""
+        name = self.run_dir.name if self.run_dir is not None else "<run>"
+        rank = self.topology.rank
+        message = (f"the DeepSpeed launcher (pid {pid}) has ended: rank {rank} exits without a checkpoint. "
+                   f"Resume from the last checkpoint with --resume {name}")
+        log.error(message)
+        try:
+            if rank == 0 and self.reporter is not None:
+                self.reporter.event("error", message=message)
+                self.reporter.update(state="failed", error=message)
+        finally:
+            os._exit(1)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True

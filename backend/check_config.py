@@ -1,0 +1,130 @@
+"""``python -m pipetrain check-config run.toml``: what a config pair (diffusion-pipe's or ours) means here.
+
+For each key of the main file and its dataset files: read as is, read under another name, accepted but
+changing nothing, refused (with what to do), or unknown (a typo); then the defaults that differ from
+diffusion-pipe's for the keys the files leave out; then whether the pair loads, and the model type it trains.
+Values are never printed (a config's values are the user's; the key names say enough).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+from typing import get_args, get_origin
+
+from . import compat
+from .config import DatasetConfig, RunConfig
+from .config.files import _read_toml
+from .config.patch import _section
+from .errors import PipeTrainError
+from .process_inputs import shown
+
+_RENAMES = {"RunConfig": compat.RUN_RENAMES, "ModelConfig": compat.MODEL_RENAMES}
+
+
+def _list_item_class(tp):
+    """``list[DirectoryConfig]`` -> ``DirectoryConfig``; None for other types."""
+    if get_origin(tp) is list:
+        (inner,) = get_args(tp)[:1] or (None,)
+        return inner if dataclasses.is_dataclass(inner) else None
+    return None
+
+
+def _key_lines(cls, data: dict, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    renames = _RENAMES.get(cls.__name__, {})
+    unsupported = getattr(cls, "UNSUPPORTED", {})
+    lines = []
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name in fields:
+            section, items = _section(hints[name]), _list_item_class(hints[name])
+            if section is not None and isinstance(value, dict):
+                lines += _key_lines(section, value, key)
+            elif items is not None and isinstance(value, list) and all(isinstance(v, dict) for v in value):
+                for i, v in enumerate(value):
+                    lines += _key_lines(items, v, f"{key}[{i}]")
+            elif name == "type" and cls.__name__ == "ModelConfig" and value in compat.TYPE_ALIASES:
+                lines.append(f"  {key}: diffusion-pipe's {shown(value)} is {compat.TYPE_ALIASES[value]!r} here")
+            elif cls is RunConfig and name in compat.MEANING_DIFFERENCES:
+                lines.append(f"  {key}: DIFFERENT: {compat.MEANING_DIFFERENCES[name]}")
+            else:
+                lines.append(f"  {key}: read as is (diffusion-pipe's meaning where it has the key)")
+        elif name in renames:
+            lines.append(f"  {key}: read as {renames[name]}")
+        elif cls.__name__ == "ModelConfig" and name in compat.TEXT_ENCODER_KEYS:
+            lines.append(f"  {key}: a text-encoder file, read into text_encoders (order: "
+                         f"{', '.join(compat.TEXT_ENCODER_KEYS)})")
+        elif name in unsupported:
+            rule = unsupported[name]
+            if rule.accepts(value) and rule.inert is compat.ANY:
+                lines.append(f"  {key}: accepted, changes nothing here ({rule.reason})")
+            elif rule.accepts(value):
+                lines.append(f"  {key}: accepted at this value, which changes nothing here")
+            else:
+                lines.append(f"  {key}: REFUSED: {rule.reason}")
+        elif getattr(cls, "EXTRA_KEYS", False):
+            lines.append(f"  {key}: passed to the optimizer's constructor")
+        else:
+            lines.append(f"  {key}: unknown key (a typo?); loading fails listing the accepted keys")
+    return lines
+
+
+def _set_keys(data: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        out.add(key)
+        if isinstance(value, dict):
+            out |= _set_keys(value, key)
+    return out
+
+
+def report(path: str | Path) -> tuple[str, bool]:
+    """The report's text, and whether the pair loads."""
+    from .preflight import load_run
+
+    path = Path(path).resolve()
+    main = _read_toml(path)
+    out = [f"{path}:"] + _key_lines(RunConfig, main)
+    raw_evals = main.get("eval_datasets")
+    evals = [e.get("config") if isinstance(e, dict) else e for e in raw_evals] if isinstance(raw_evals, list) else []
+    dataset_data = {}
+    for i, dataset in enumerate([main.get("dataset"), *evals]):
+        if not isinstance(dataset, str):
+            continue
+        dataset_path = (path.parent / Path(dataset).expanduser()).resolve()
+        try:
+            data = _read_toml(dataset_path)
+        except PipeTrainError as e:
+            out.append(str(e))
+            continue
+        out += [f"{dataset_path}:"] + _key_lines(DatasetConfig, data)
+        if i == 0:
+            dataset_data = data
+    given = {"main": _set_keys(main), "dataset": _set_keys(dataset_data)}
+    differing = [(file, key, dp, ours) for file, key, dp, ours in compat.DEFAULT_DIFFERENCES
+                 if not any(k.strip() in given[file] for k in key.split(","))
+                 and (key.split(".")[0] in given[file] or "." not in key)]
+    if differing:
+        out.append("Defaults that differ from diffusion-pipe's (keys these files leave out):")
+        out += [f"  {key} ({file} file): diffusion-pipe {dp}; here {ours}" for file, key, dp, ours in differing]
+    try:
+        cfg = load_run(path)
+    except PipeTrainError as e:
+        out.append(f"Does not load: {e}")
+        return "\n".join(out), False
+    declared = main.get("model", {}).get("type") if isinstance(main.get("model"), dict) else None
+    note = ""
+    if declared in compat.EDIT_TYPES and cfg.model.type != declared:
+        note = f" (diffusion-pipe's {declared!r} with control images: the dataset sets control_path)"
+    out.append(f"Loads: trains model type {cfg.model.type!r}{note}.")
+    return "\n".join(out), True
+
+
+def main(path: str) -> int:
+    text, ok = report(path)
+    print(text, file=sys.stdout)
+    return 0 if ok else 1

@@ -1,0 +1,117 @@
+"""The dataset file: ``[[directory]]`` tables and the settings shared by them (diffusion-pipe's keys)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from .. import compat
+from ..errors import ConfigError
+from .common import check_caption_extension, check_frame_buckets, check_resolutions, replace
+
+@dataclass
+class DirectoryConfig:
+    """One [[directory]]; unset keys take the dataset file's top-level value."""
+    path: str
+    num_repeats: Optional[int] = None
+    resolutions: Optional[list[int]] = None
+    caption_extension: Optional[str] = None
+    caption_prefix: Optional[str] = None
+    shuffle_tags: Optional[bool] = None
+    cache_shuffle_num: Optional[int] = None
+    cache_shuffle_delimiter: Optional[str] = None
+    skip_empty_caption: Optional[bool] = None
+    frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
+    control_path: Optional[str] = None          # edit models: control images paired by file stem
+
+    UNSUPPORTED = compat.DIRECTORY
+    preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_dataset(data, file, prefix))
+
+    def validate(self, file):
+        if self.num_repeats is not None and self.num_repeats < 1:
+            raise ConfigError(f"got {self.num_repeats}; must be 1 or more", file=file, key="directory.num_repeats")
+        if self.cache_shuffle_num is not None and self.cache_shuffle_num < 0:
+            raise ConfigError("must be 0 or more", file=file, key="directory.cache_shuffle_num")
+        if self.frame_buckets is not None:
+            check_frame_buckets(self.frame_buckets, file, "directory.frame_buckets")
+        check_caption_extension(self.caption_extension, file, "directory.caption_extension")
+        if self.resolutions is not None:
+            check_resolutions(self.resolutions, file, "directory.resolutions")
+
+
+@dataclass(frozen=True)
+class CaptionOptions:
+    """How one directory's captions become the texts that are encoded and trained on."""
+    prefix: str = ""
+    shuffle_num: int = 0          # shuffled variants per caption, each its own example (0: the caption as is)
+    delimiter: str = ", "
+    skip_empty: bool = False
+
+
+@dataclass
+class DatasetConfig:
+    directory: list[DirectoryConfig]
+    resolutions: list[int] = field(default_factory=lambda: [512])
+    enable_ar_bucket: bool = False
+    min_ar: float = 0.5
+    max_ar: float = 2.0
+    num_ar_buckets: int = 7
+    num_repeats: int = 1
+    caption_extension: str = ".txt"
+    on_unreadable: Literal["skip", "error"] = "skip"
+    caption_prefix: str = ""               # prepended to every caption (outside any shuffling)
+    shuffle_tags: bool = False             # true alone = cache_shuffle_num 1 (one shuffled variant)
+    cache_shuffle_num: int = 0             # N shuffled variants of each caption, each its own example
+    cache_shuffle_delimiter: str = ", "
+    skip_empty_caption: bool = False       # true: leave out images without a caption (else: empty caption)
+    # video models: each video trains as one clip of the largest of these frame counts it fills at the
+    # model's frame rate, taken from its start (1 = still images; a video never goes to 1)
+    frame_buckets: list[int] = field(default_factory=lambda: [1])
+    # where relative directory paths are resolved; set from the file's location, not written back
+    _base: Optional[Path] = None
+
+    UNSUPPORTED = compat.DATASET
+    preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_dataset(data, file, prefix))
+
+    def validate(self, file):
+        if not self.directory:
+            raise ConfigError("at least one [[directory]] is required", file=file, key="directory")
+        check_resolutions(self.resolutions, file, "resolutions")
+        if not 0 < self.min_ar <= 1 <= self.max_ar:
+            raise ConfigError(f"got min_ar={self.min_ar}, max_ar={self.max_ar}; need 0 < min_ar <= 1 <= max_ar",
+                              file=file, key="min_ar")
+        if self.num_ar_buckets < 1:
+            raise ConfigError("must be 1 or more", file=file, key="num_ar_buckets")
+        if self.num_repeats < 1:
+            raise ConfigError("must be 1 or more", file=file, key="num_repeats")
+        if self.cache_shuffle_num < 0:
+            raise ConfigError("must be 0 or more", file=file, key="cache_shuffle_num")
+        check_frame_buckets(self.frame_buckets, file, "frame_buckets")
+        check_caption_extension(self.caption_extension, file, "caption_extension")
+
+    def caption_options(self, d: DirectoryConfig) -> CaptionOptions:
+        def pick(name):
+            value = getattr(d, name)
+            return getattr(self, name) if value is None else value
+        shuffle_num = pick("cache_shuffle_num")
+        if shuffle_num == 0 and pick("shuffle_tags"):
+            shuffle_num = 1
+        return CaptionOptions(prefix=pick("caption_prefix"), shuffle_num=shuffle_num,
+                              delimiter=pick("cache_shuffle_delimiter"), skip_empty=pick("skip_empty_caption"))
+
+    def with_absolute_paths(self) -> "DatasetConfig":
+        dirs = [dataclasses.replace(d, path=str(self.directory_path(d).resolve())) for d in self.directory]
+        return replace(self, directory=dirs)
+
+    def directory_path(self, d: DirectoryConfig) -> Path:
+        return self._relative(d.path)
+
+    def control_path(self, d: DirectoryConfig) -> Path | None:
+        return None if d.control_path is None else self._relative(d.control_path)
+
+    def _relative(self, path: str) -> Path:
+        p = Path(path).expanduser()
+        return p if p.is_absolute() or self._base is None else (self._base / p)
+
+

@@ -1,0 +1,194 @@
+"""``RunConfig``: the run file's top-level keys and the tree of sections under them."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from .. import compat
+from ..errors import ConfigError
+from .common import check_folder, replace
+from .dataset import DatasetConfig
+from .model import AdapterConfig, Dtype, ModelConfig
+from .sections import ClusterConfig, EvalDatasetConfig, OptimizerConfig, SamplesConfig
+
+
+@dataclass
+class RunConfig:
+    output_dir: str
+    dataset: str
+    model: ModelConfig
+    epochs: int = 10
+    max_steps: Optional[int] = None
+    micro_batch_size_per_gpu: int = 1
+    image_micro_batch_size_per_gpu: Optional[int] = None   # one-frame buckets (images); default the one above
+    pipeline_stages: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 1.0
+    warmup_steps: int = 0
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    save_every_n_epochs: Optional[int] = 1      # diffusion-pipe has no default (one save_every_* is required)
+    save_every_n_steps: Optional[int] = None
+    save_every_n_examples: Optional[int] = None  # converted to steps: // global batch size
+    eval_datasets: list[EvalDatasetConfig] = field(default_factory=list)  # a bare path is named eval<i>
+    eval_every_n_epochs: Optional[int] = None
+    eval_every_n_steps: Optional[int] = None
+    eval_every_n_examples: Optional[int] = None
+    eval_before_first_step: bool = True
+    eval_micro_batch_size_per_gpu: Optional[int] = None   # default micro_batch_size_per_gpu
+    eval_image_micro_batch_size_per_gpu: Optional[int] = None   # default eval_micro_batch_size_per_gpu
+    eval_gradient_accumulation_steps: int = 1
+    uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
+    checkpoint_every_n_epochs: Optional[int] = None
+    checkpoint_every_n_minutes: Optional[float] = None
+    # 'unsloth': inputs parked in CPU memory; 'selective': attention and MLP down-projection outputs kept
+    activation_checkpointing: Union[bool, Literal["unsloth", "selective"]] = False
+    activation_checkpointing_fraction: float = 1.0   # the share of blocks checkpointed (evenly spread)
+    blocks_to_swap: int = 0                      # per stage: frozen block weights kept in CPU memory (swap.py)
+    compile: bool = False                        # torch.compile each transformer block (compiled once, reused)
+    activation_memory_budget: Optional[float] = None   # with compile: share of activations kept (compiling.py)
+    compile_cuda_graphs: bool = True             # with compile: replay regions as CUDA graphs where it pays (SDXL)
+    fp8_compute: bool = False                    # adapters: frozen base linears multiply in FP8 (models/fp8.py)
+    partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
+    partition_split: Optional[list[int]] = None
+    save_dtype: Optional[Dtype] = None
+    caching_batch_size: int = 1
+    steps_per_print: int = 1
+    seed: int = 42
+    lora_dir: Optional[str] = None
+    run_name: Optional[str] = None
+    adapter: Optional[AdapterConfig] = None      # no [adapter] table: full fine-tune (diffusion-pipe's meaning)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    cluster: Optional[ClusterConfig] = None
+    samples: Optional[SamplesConfig] = None
+    # what load_run_config attaches (not written back into run.toml): the dataset files, read once, and the
+    # file this config came from
+    _dataset: Optional[DatasetConfig] = None
+    _evals: Optional[dict[str, DatasetConfig]] = None
+    _file: Optional[Path] = None
+
+    UNSUPPORTED = compat.RUN
+    preprocess = classmethod(lambda cls, data, file, prefix: _named_evals(compat.preprocess_run(data, file, prefix)))
+
+    def validate(self, file):
+        check_folder(self.output_dir, file, "output_dir")
+        if self.lora_dir:
+            check_folder(self.lora_dir, file, "lora_dir")
+        for key in ("epochs", "micro_batch_size_per_gpu", "pipeline_stages", "gradient_accumulation_steps",
+                    "caching_batch_size", "steps_per_print", "eval_gradient_accumulation_steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"got {getattr(self, key)}; must be 1 or more", file=file, key=key)
+        for key in ("save_every_n_epochs", "save_every_n_steps", "save_every_n_examples", "checkpoint_every_n_epochs",
+                    "max_steps", "eval_every_n_epochs", "eval_every_n_steps", "eval_every_n_examples",
+                    "eval_micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu",
+                    "eval_image_micro_batch_size_per_gpu"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"got {value}; must be 1 or more (or leave it out)", file=file, key=key)
+        if not 0 <= self.uncond_fraction < 1:
+            raise ConfigError(f"got {self.uncond_fraction}; must be in [0, 1)", file=file, key="uncond_fraction")
+        names = [e.name for e in self.eval_datasets]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"got names {names}; each eval dataset needs its own name", file=file,
+                              key="eval_datasets")
+        if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
+            raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
+        if not 0 < self.activation_checkpointing_fraction <= 1:
+            raise ConfigError(f"got {self.activation_checkpointing_fraction}; must be in (0, 1] (1: every block)",
+                              file=file, key="activation_checkpointing_fraction")
+        if self.activation_checkpointing_fraction < 1 and not self.activation_checkpointing:
+            raise ConfigError("a share of the blocks to checkpoint needs activation_checkpointing = true (or "
+                              "'unsloth' or 'selective'); set both, or leave the fraction out", file=file,
+                              key="activation_checkpointing_fraction")
+        if self.activation_memory_budget is not None:
+            if not 0 <= self.activation_memory_budget <= 1:
+                raise ConfigError(f"got {self.activation_memory_budget}; must be in [0, 1] (1: keep every activation, "
+                                  "0: recompute all that can be)", file=file, key="activation_memory_budget")
+            if not self.compile:
+                raise ConfigError("the budget is applied by torch.compile's partitioner: set compile = true, or leave "
+                                  "activation_memory_budget out (activation_checkpointing saves memory without "
+                                  "compile)", file=file, key="activation_memory_budget")
+        if self.blocks_to_swap < 0:
+            raise ConfigError(f"got {self.blocks_to_swap}; must be 0 or more", file=file, key="blocks_to_swap")
+        if self.blocks_to_swap and self.adapter is None:
+            raise ConfigError("block swapping keeps frozen weights in CPU memory, and a full fine-tune (no [adapter] "
+                              "table) trains them all; set blocks_to_swap = 0, or train an adapter", file=file,
+                              key="blocks_to_swap")
+        if self.fp8_compute and (self.adapter is None or self.blocks_to_swap):
+            raise ConfigError("FP8 compute makes one FP8 copy of each frozen base weight on the GPU: it needs an "
+                              "[adapter] table (a full fine-tune trains the base weights) and blocks_to_swap = 0; "
+                              "set fp8_compute = false, or change those", file=file, key="fp8_compute")
+        if self.partition_method == "manual":
+            if not self.partition_split or len(self.partition_split) != self.pipeline_stages - 1:
+                raise ConfigError(
+                    f"partition_method = 'manual' needs partition_split with {self.pipeline_stages - 1} layer indices",
+                    file=file, key="partition_split")
+
+    # --- derived ---------------------------------------------------------------------------
+    @property
+    def file(self) -> Path | None:
+        """The TOML file this config was loaded from (None: built in memory); errors name it."""
+        return self._file
+
+    @property
+    def dataset_config(self) -> DatasetConfig:
+        """The dataset file's config, read by ``load_run_config``."""
+        if self._dataset is None:
+            raise ConfigError("the dataset file is read by load_run_config; this config was built without it",
+                              file=self._file, key="dataset")
+        return self._dataset
+
+    def eval_dataset_configs(self) -> dict[str, DatasetConfig]:
+        """Each eval dataset's config by name, read by ``load_run_config``."""
+        if self._evals is None and self.eval_datasets:
+            raise ConfigError("the eval dataset files are read by load_run_config; this config was built without "
+                              "them", file=self._file, key="eval_datasets")
+        return self._evals or {}
+
+    def check_model_paths(self) -> None:
+        """A model path that is a folder (a diffusers checkpoint?) fails here, naming the key."""
+        for key, path in self.model.file_paths():
+            if self.resolve(path).is_dir():
+                raise ConfigError(f"{self.resolve(path)} is a folder (a diffusers model?). {compat.SINGLE_FILES_HINT}",
+                                  file=self._file, key=key)
+
+    def resolve(self, path: str | Path) -> Path:
+        """Resolve a path from this config relative to the TOML file it came from."""
+        p = Path(path).expanduser()
+        if p.is_absolute() or self._file is None:
+            return p
+        return (self._file.parent / p).resolve()
+
+    def with_absolute_paths(self) -> "RunConfig":
+        """A copy whose file paths no longer depend on where the TOML lives (for copies in run folders)."""
+        r = self.resolve
+        model = dataclasses.replace(self.model, diffusion_model=str(r(self.model.diffusion_model)),
+                                    vae=str(r(self.model.vae)),
+                                    text_encoders=[str(r(p)) for p in self.model.text_encoder_files])
+        adapter = self.adapter
+        if adapter is not None and adapter.init_from_existing:
+            adapter = dataclasses.replace(adapter, init_from_existing=str(r(adapter.init_from_existing)))
+        evals = [dataclasses.replace(e, config=str(r(e.config))) for e in self.eval_datasets]
+        cluster = self.cluster
+        if cluster is not None and cluster.hostfile:
+            cluster = dataclasses.replace(cluster, hostfile=str(r(cluster.hostfile)))
+        return replace(self, output_dir=str(r(self.output_dir)), dataset=str(r(self.dataset)), model=model,
+                       adapter=adapter, cluster=cluster, eval_datasets=evals,
+                       lora_dir=str(r(self.lora_dir)) if self.lora_dir else None)
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size % self.pipeline_stages:
+            raise ConfigError(
+                f"pipeline_stages={self.pipeline_stages} does not divide the {world_size} ranks; "
+                f"use a number of GPUs that is a multiple of {self.pipeline_stages}",
+                file=self._file, key="pipeline_stages")
+
+
+
+def _named_evals(data: dict) -> dict:
+    """A bare path in ``eval_datasets`` is the table ``{name = "eval<i>", config = path}``."""
+    if isinstance(data.get("eval_datasets"), list):
+        data["eval_datasets"] = [{"name": f"eval{i}", "config": e} if isinstance(e, str) else e
+                                 for i, e in enumerate(data["eval_datasets"])]
+    return data

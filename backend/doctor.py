@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""``python -m pipetrain doctor [--comfyui PATH] [--json]``: what a run would find on this machine.
+
+The ComfyUI found and its version, torch / CUDA / DeepSpeed, the GPUs and their memory, and every model type's
+parity verdict on that ComfyUI (``parity.py``, memoised: a second call is instant).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import RuntimeSetupError
+
+
+def _use_comfyui(path: str | None) -> None:
+    """Point this process at ``path`` (before anything imports ComfyUI)."""
+    if path is None:
+        return
+    root = Path(path).expanduser()
+    if not (root / "comfy" / "model_management.py").is_file():
+        raise RuntimeSetupError(f"--comfyui {path}: not a ComfyUI folder (no comfy/model_management.py in it); "
+                                "give the folder that holds ComfyUI's main.py")
+    os.environ["COMFYUI_PATH"] = str(root.resolve())
+
+
+def environment() -> dict:
+    """torch, CUDA, DeepSpeed and the GPUs this process sees."""
+    import torch
+
+    try:
+        import deepspeed
+        ds = deepspeed.__version__
+    except Exception as e:  # noqa: BLE001  (reported, not raised: doctor describes a broken install too)
+        ds = f"not importable ({type(e).__name__})"
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
+    return {"torch": torch.__version__, "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+            "deepspeed": ds, "gpus": gpus}
+
+
+def report(comfyui: str | None = None, model_types: list[str] | None = None) -> dict:
+    from . import parity
+    from .models.registry import ADAPTERS
+    from .versions import comfyui_info, range_warning
+
+    _use_comfyui(comfyui)
+    env = environment()
+    info = comfyui_info()
+    results = [parity.check_model_type(t) for t in (model_types or list(ADAPTERS))]
+    return {"comfyui": {**info, "warning": range_warning(info["version"])}, **env,
+            "parity": [r.to_json() for r in results]}
+
+
+def format_report(data: dict) -> str:
+    c = data["comfyui"]
+    lines = [f"ComfyUI     {c['version']} at {c['path']} "
+             f"({'tested' if c['tested'] else 'not tested'}; PipeTrain is tested with {c['tested_range']})",
+             f"torch       {data['torch']}" + (f" (CUDA {data['cuda']})" if data["cuda"] else " (no CUDA)"),
+             f"DeepSpeed   {data['deepspeed']}"]
+    if data["gpus"]:
+        lines += [f"GPU {g['index']}       {g['name']}, {g['memory_gib']} GiB" for g in data["gpus"]]
+    else:
+        lines.append("GPUs        none visible (training runs on the CPU)")
+    if c["warning"]:
+        lines.append(f"warning: {c['warning']}")
+    width = max(len(r["model_type"]) for r in data["parity"])
+    lines += ["", f"{'model type':<{width}}  parity on ComfyUI {c['version']}"]
+    lines += [f"{r['model_type']:<{width}}  {r['summary']}" for r in data["parity"]]
+    failed = [r for r in data["parity"] if not r["ok"]]
+    lines.append("")
+    lines.append(f"{len(data['parity']) - len(failed)} of {len(data['parity'])} model types train on this ComfyUI"
+                 + (f"; a run of another type is refused before caching" if failed else ""))
+    return "\n".join(lines)
+
+
+def main(comfyui: str | None, as_json: bool, model_types: list[str] | None = None) -> int:
+    import logging
+
+    logging.getLogger().setLevel(logging.ERROR)   # ComfyUI's start-up chatter would bury the table
+    data = report(comfyui, model_types)
+    print(json.dumps(data) if as_json else format_report(data))   # JSON on one line: the last one
+    return 0

@@ -1,0 +1,40 @@
+"""The checks a run passes before anything starts, in one place for the nodes, the launcher and the CLI.
+
+Loading a config checks what holds for every model (``backend/config``); the model type's own rules (is it
+available on this ComfyUI, its timestep range, a CLIP-vision file, its text encoders' types) belong to its
+architecture class (``ModelAdapter.check_config``) and run here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ModelConfig, RunConfig, load_run_config
+from .errors import ConfigError
+
+
+def check_model(model: ModelConfig, file) -> None:
+    """``[model]`` against its architecture; raises ``ConfigError`` naming ``file`` and the key."""
+    from .models.registry import adapter_class, unavailable_reason
+
+    reason = unavailable_reason(model.type)   # unknown, or needs a newer ComfyUI (named in the message)
+    if reason:
+        raise ConfigError(reason, file=file, key="model.type")
+    adapter_class(model.type).check_config(model, file)
+
+
+def check_run(cfg: RunConfig) -> RunConfig:
+    check_model(cfg.model, cfg.file)
+    if cfg._dataset is not None:   # edit models need control images, other models take none: said before caching
+        from .data import check_control_paths
+        from .models.registry import adapter_class
+
+        adapter = adapter_class(cfg.model.type)
+        check_control_paths(cfg.dataset_config, adapter, str(cfg.resolve(cfg.dataset)))
+        for name, ds in cfg.eval_dataset_configs().items():
+            check_control_paths(ds, adapter, f"eval dataset {name!r}")
+    return cfg
+
+
+def load_run(path: str | Path) -> RunConfig:
+    """A run file loaded, its dataset files read, and checked against its architecture: what a run trains on."""
+    return check_run(load_run_config(path))

@@ -1,0 +1,282 @@
+"""The run folder: the one contract between the process that trains and the processes that watch it (the
+launcher, the ComfyUI panel, the CLI). A run is ``<runs root>/<run id>/``; this module names every file in
+it, holds the run-id rules and the folder's format version, chooses the folder a training run writes and
+locks it to one live writer. Nothing else spells a run folder's file names.
+
+The training side writes ``run.toml``/``dataset.toml`` (its config), ``status.json`` (the latest state,
+rewritten atomically), ``events.jsonl`` (one JSON object a line), ``checkpoints/``, ``loras/``, ``models/``,
+``tensorboard/``; the launcher writes ``launcher.json`` (its process record) and ``log.txt``, and asks a
+run to stop with the ``stop`` file. Reading a run never needs its process alive.
+
+Run ids are validated by a strict pattern and the resolved folder must lie directly inside the root, so
+nothing outside the run folders is read or written through an id.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from .errors import ConfigError, PipeTrainError
+from .fsutil import atomic_write_json
+
+# The layout version, written into each run folder (``FORMAT_FILE``). Raise it when a file changes meaning or
+# moves, so a PipeTrain meets a folder it cannot read with a clear message instead of a misreading.
+FORMAT = 1
+FORMAT_FILE = "format.json"
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,79}$")
+CACHE = "cache"            # the shared cache folder under the runs root (also where caching alone reports)
+RESERVED = {CACHE}
+
+
+class RunIdError(ValueError):
+    pass
+
+
+class RunFormatError(PipeTrainError):
+    pass
+
+
+class RunDirBusy(PipeTrainError):
+    pass
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id) or run_id in RESERVED:
+        raise RunIdError(f"invalid run id {run_id!r}: use letters, digits, '-' and '_' only (at most 80)")
+    return run_id
+
+
+def new_run_id(prefix: str = "") -> str:
+    """``[<prefix>-]<local date>-<time>-<4 hex digits>``: unique without looking at the root, sortable by time."""
+    prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", prefix).strip("-_")[:40]
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return check_run_id(f"{prefix + '-' if prefix else ''}{stamp}-{secrets.token_hex(2)}")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:
+    """Complete JSON lines from ``offset``; returns (events, offset after the last complete line)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    events = []
+    for line in data[:end].splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events, offset + end
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run's folder and the names of what it holds."""
+    path: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __fspath__(self) -> str:   # ``Path(run_dir)`` and ``RunDir(run_dir)`` accept either
+        return str(self.path)
+
+    # --- the files ------------------------------------------------------------------------------
+    run_toml = property(lambda self: self.path / "run.toml")
+    dataset_toml = property(lambda self: self.path / "dataset.toml")
+    status_file = property(lambda self: self.path / "status.json")
+    events_file = property(lambda self: self.path / "events.jsonl")
+    launcher_file = property(lambda self: self.path / "launcher.json")
+    log_file = property(lambda self: self.path / "log.txt")
+    samples_log = property(lambda self: self.path / "samples.log")
+    stop_file = property(lambda self: self.path / "stop")
+    lock_file = property(lambda self: self.path / ".lock")
+    format_file = property(lambda self: self.path / FORMAT_FILE)
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    loras = property(lambda self: self.path / "loras")
+    models = property(lambda self: self.path / "models")
+    tensorboard = property(lambda self: self.path / "tensorboard")
+    sample_requests = property(lambda self: self.path / "sample_requests")
+
+    def is_run(self) -> bool:
+        """A folder some PipeTrain process has made a run of (the launcher's record, a status or a config)."""
+        return self.path.is_dir() and any(p.exists() for p in (self.launcher_file, self.status_file, self.run_toml))
+
+    # --- reading and writing ----------------------------------------------------------------------
+    def read_status(self) -> dict:
+        return read_json(self.status_file)
+
+    def read_launcher(self) -> dict:
+        return read_json(self.launcher_file)
+
+    def write_launcher(self, info: dict) -> None:
+        atomic_write_json(self.launcher_file, info)
+
+    def read_events(self, offset: int = 0) -> tuple[list[dict], int]:
+        return read_events(self.events_file, offset)
+
+    def started(self) -> float:
+        info = self.read_launcher()
+        return float(info.get("created") or self.read_status().get("started") or self.path.stat().st_mtime)
+
+    def latest_checkpoint(self) -> str | None:
+        """The checkpoint a resume starts from (the backend's choice: past a dangling ``latest`` too)."""
+        from .train.checkpoint import latest_tag   # torch: only when asked
+        return latest_tag(self.checkpoints)
+
+    # --- stopping ---------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        self.stop_file.touch()
+
+    def stop_requested(self) -> bool:
+        return self.stop_file.exists()
+
+    def clear_stop(self) -> None:
+        self.stop_file.unlink(missing_ok=True)
+
+    # --- the format version -------------------------------------------------------------------------
+    def format(self) -> int:
+        """The folder's layout version; a folder from before versions were written has the first one."""
+        if not self.format_file.exists():
+            return 1
+        version = read_json(self.format_file).get("format")
+        if not isinstance(version, int) or isinstance(version, bool) or not 0 < version < 10 ** 6:
+            raise RunFormatError(f"run folder {self.path}: {FORMAT_FILE} is unreadable (no format version in it); "
+                                 "it was not written by PipeTrain: start a new run")
+        return version
+
+    def check_format(self) -> None:
+        version = self.format()
+        if version > FORMAT:
+            raise RunFormatError(f"run folder {self.path} has format {version}, newer than this PipeTrain reads "
+                                 f"(format {FORMAT}): update PipeTrain to resume or read it")
+        if version < FORMAT:
+            raise RunFormatError(f"run folder {self.path} has format {version}, older than this PipeTrain reads "
+                                 f"(format {FORMAT}): resume it with the PipeTrain that started it, or start a "
+                                 "new run")
+
+    def claim_format(self) -> None:
+        """Check the folder's format, and record this PipeTrain's where none is written yet."""
+        self.check_format()
+        if not self.format_file.exists():
+            self.path.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.format_file, {"format": FORMAT})
+
+    # --- one live writer ----------------------------------------------------------------------------
+    def lock(self):
+        """An exclusive lock on the folder's lock file holding this process's pid, kept while the returned file
+        stays open (the kernel drops it when the process ends, however it ends)."""
+        f = open(self.lock_file, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            text = f.read(32).strip()
+            f.close()
+            owner = f"pid {text}" if text.isdigit() else "another process"   # never echo the file's content
+            raise RunDirBusy(f"run folder {self.path} is in use by a run that is still going ({owner}): wait for it "
+                             "to finish or stop it, or give this run another run_name") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        return f
+
+
+class RunsRoot:
+    """The runs root and the rules for finding a run's folder in it."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+
+    def path(self, run_id: str) -> Path:
+        check_run_id(run_id)
+        p = (self.root / run_id).resolve()
+        if p.parent != self.root:
+            raise RunIdError(f"invalid run id {run_id!r}")
+        return p
+
+    def run(self, run_id: str) -> RunDir:
+        return RunDir(self.path(run_id))
+
+    def exists(self, run_id: str) -> bool:
+        try:
+            return self.run(run_id).is_run()
+        except RunIdError:
+            return False
+
+    def ids(self) -> list[str]:
+        """Run ids, newest first."""
+        if not self.root.is_dir():
+            return []
+        found = [RunDir(p) for p in self.root.iterdir() if p.is_dir() and RUN_ID.fullmatch(p.name)
+                 and p.name not in RESERVED and self.exists(p.name)]
+        return [r.name for r in sorted(found, key=RunDir.started, reverse=True)]
+
+    @property
+    def cache(self) -> RunDir:
+        """The shared cache folder; caching alone reports into it as a run would."""
+        return RunDir(cache_folder(self.root))
+
+
+def cache_folder(output_dir: Path) -> Path:
+    return Path(output_dir) / CACHE
+
+
+def choose_run_dir(cfg, resume: str | None) -> RunDir:
+    """The folder a training run writes: a new one (``run_name``, or a fresh id), or the one to resume (``""``:
+    the newest with a checkpoint; a name or path otherwise). Its format is checked and recorded."""
+    out = cfg.resolve(cfg.output_dir)
+    if cfg.run_name:
+        try:
+            check_run_id(cfg.run_name)
+        except RunIdError as e:
+            raise ConfigError(str(e), file=cfg.file, key="run_name") from None
+    if resume is None:
+        name = cfg.run_name or new_run_id()
+        path = out / name
+        n = 1
+        while path.exists() and any(path.iterdir()) and not cfg.run_name:
+            path = out / f"{name}-{n}"
+            n += 1
+        path.mkdir(parents=True, exist_ok=True)
+        run = RunDir(path)
+    elif resume:
+        path = Path(resume) if Path(resume).is_absolute() else out / resume
+        if not path.is_dir():
+            raise ConfigError(f"--resume {resume}: no such run directory under {out}")
+        run = RunDir(path)
+    elif cfg.run_name and (out / cfg.run_name).is_dir():
+        run = RunDir(out / cfg.run_name)
+    else:
+        runs = [RunDir(p) for p in sorted(out.iterdir()) if p.is_dir()] if out.is_dir() else []
+        runs = [r for r in runs if r.latest_checkpoint()]
+        if not runs:
+            raise ConfigError(f"--resume: no run with a checkpoint under {out}; start a new run without --resume")
+        run = max(runs, key=lambda r: r.path.stat().st_mtime)
+    run.claim_format()
+    return run

@@ -1,0 +1,90 @@
+"""The parts a run is made of, each returned by one phase of the trainer (``trainer.py``): where this rank
+sits (``Topology``, from ``setup_distributed``), the cached data (``CachedData``, from ``caching.prepare_cache``),
+the engine and what trains with it (``EngineParts``, from ``engine.build_engine``) and the run's position
+(``RunState``: the loop advances it, a checkpoint restores it). A phase takes the parts it needs and nothing
+else, so each one can be built and tested alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..cache import CacheStore
+    from ..cache.manifest import CacheEntry
+    from ..data import EpochPlan
+    from .eval import EvalSet
+    from .feed import MicroBatchFeed
+    from .swap import BlockSwapper
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process among the ranks: DeepSpeed's grid puts global rank ``stage * dp_world + dp_rank``."""
+    rank: int
+    world: int
+    local_rank: int
+    pipeline_stages: int = 1
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.pipeline_stages
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp_world
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one that reports and writes the run folder's shared files."""
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class CachedData:
+    """What the cache phase leaves for training: every entry's latents and texts are in ``store``."""
+    store: CacheStore
+    entries: list[CacheEntry]                    # the train dataset's
+    eval_entries: dict[str, list[CacheEntry]]    # each eval dataset's, by name
+    uncond_text: dict[str, str] | None = None    # caption dropout: a caption's text key -> the empty caption's
+
+
+@dataclass
+class GradNorm:
+    """The global gradient norm of the latest step (a device tensor, read when the step is reported), written by
+    the clipping DeepSpeed calls; None where nothing is clipped."""
+    value: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """The DeepSpeed engine and what trains with it; fixed once built."""
+    engine: object                    # deepspeed.runtime.pipe.engine.PipelineEngine
+    plan: EpochPlan
+    feed: MicroBatchFeed
+    swapper: BlockSwapper | None
+    grad_norm: GradNorm
+    global_batch: int
+    total_steps: int                  # of a run from its start (a resume recounts from its position)
+    save_every_steps: int | None
+    eval_every_steps: int | None
+    eval_sets: list[EvalSet] = field(default_factory=list)
+
+
+@dataclass
+class RunState:
+    """Where the run is: the loop advances it, a checkpoint saves and restores it."""
+    global_step: int = 0
+    epoch: int = 1
+    step_in_epoch: int = 0
+    total_steps: int = 0
+    last_checkpoint_step: int | None = None   # the step the newest checkpoint holds (restored or saved)
+    last_saved_epoch: int | None = None       # the newest epoch whose LoRA is written (kept in checkpoints)
+    last_checkpoint_time: float = 0.0         # time.monotonic() of the newest checkpoint (or the loop's start)
+
+    def client_state(self, global_batch: int) -> dict:
+        """What a checkpoint keeps of the position (``checkpoint.save``)."""
+        return {"global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "global_batch": global_batch, "last_saved_epoch": self.last_saved_epoch}
+

@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The setting nodes' widgets as run keys: what each form means where a widget is not simply its key.
+
+A widget showing 0 for a key whose default is "unset" leaves the key out; the Memory node's three checkpointing
+switches are one key; the Adapter node's ``full`` is no ``[adapter]`` table. Everything else is the key itself,
+under its section's prefix. Free of ComfyUI imports, so tests build exactly what the nodes build.
+"""
+from __future__ import annotations
+
+from ..backend.config.patch import RunPatch
+from ..backend.errors import ConfigError
+
+FULL_FINETUNE = "full"   # the Adapter node's type without an [adapter] table: every weight trains
+
+
+def unset_if_zero(value):
+    """A 0 widget on a key whose default is unset (an optional count, a duration): the key is left out."""
+    return value or None
+
+
+def checkpointing_mode(enabled: bool, offload_activations: bool = False, selective: bool = False):
+    """The Memory node's switches as ``activation_checkpointing``'s value."""
+    if not enabled:
+        return False
+    if offload_activations and selective:
+        raise ConfigError("offload_activations and selective are two ways of checkpointing; turn one of them off",
+                          file="Memory node", key="selective")
+    return "unsloth" if offload_activations else "selective" if selective else True
+
+
+def adapter_patch(keys: dict) -> RunPatch:
+    """``keys``: the Adapter node's [adapter] keys (alpha 0: alpha = rank)."""
+    if keys.get("type") == FULL_FINETUNE:
+        return RunPatch()   # diffusion-pipe: no [adapter] table means a full fine-tune
+    keys = {**keys, "alpha": unset_if_zero(keys.get("alpha")), "target_modules": keys.get("target_modules") or None}
+    return RunPatch.of(keys, "adapter")
+
+
+def memory_patch(activation_checkpointing: bool, offload_activations: bool = False, selective: bool = False,
+                 checkpoint_fraction: float = 1.0, compile: bool = False,  # noqa: A002
+                 memory_budget: float = 1.0, **keys) -> RunPatch:
+    """The Memory node: the checkpointing switches as one key; the fraction only with checkpointing, the memory
+    budget only with compile (1 means off); ``keys``: the other run keys as they are."""
+    mode = checkpointing_mode(activation_checkpointing, offload_activations, selective)
+    return RunPatch.of({**keys, "activation_checkpointing": mode, "compile": compile,
+                        "activation_checkpointing_fraction": checkpoint_fraction if mode and checkpoint_fraction < 1
+                        else None,
+                        "activation_memory_budget": memory_budget if compile and memory_budget < 1 else None})
+
+
+def model_patch(type: str, diffusion_model: str, vae: str, text_encoders=(), **keys) -> RunPatch:  # noqa: A002
+    """``[model]`` as run keys (the Model node's, or a test's)."""
+    return RunPatch.of({**keys, "type": type, "diffusion_model": diffusion_model, "vae": vae,
+                        "text_encoders": tuple(text_encoders)}, "model")
+
+
+def folder_patch(path: str, **keys) -> RunPatch:
+    """One ``[[directory]]`` as keys (a Dataset node's folder)."""
+    return RunPatch.of({**keys, "path": path})

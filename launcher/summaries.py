@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""What the UI shows of a run, read from its folder alone (``backend/rundir.py`` names the files): its one
+state, the saved LoRAs and their samples, the loss curve and the last events. Reading a run never needs its
+process alive.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ..backend.rundir import RunDir, RunsRoot, read_events
+
+ACTIVE = {"launched", "starting", "caching", "loading", "training"}
+LOSS_POINTS = 2000
+
+
+def run_state(status: dict, info: dict, alive: bool, stale: bool = False) -> str:
+    """The one state the UI shows, from the backend's status, the launcher's record and the process. ``stale``:
+    ``status.json`` is the one the previous launch left (the new process has not reported yet)."""
+    state = status.get("state") or ("launched" if info else "unknown")
+    if info.get("killed") and not alive:
+        return "killed"
+    if alive:  # "stopped" only once the processes are gone: the backend reports it just before exiting
+        if info.get("stop_requested"):         # launch() writes a record without it: asked during this launch
+            return "stopping" if state == "stopped" or state in ACTIVE or stale else state
+        if stale and state not in ACTIVE:       # the previous launch's last word ("stopped", "failed")
+            return "resuming" if info.get("launches", 1) > 1 else "launched"
+        return "stopping" if state == "stopped" else state
+    if stale and state not in ACTIVE and info.get("launches", 1) > 1:
+        return "failed"                         # the resumed process exited before it reported anything
+    if state in ACTIVE:
+        return "stopped" if info.get("stop_requested") else "failed"
+    return state
+
+
+def file_identity(path: Path) -> list[int] | None:
+    """Changes whenever the file is rewritten (atomic writes give it a new inode); no clocks involved, so it holds
+    when rank 0 runs on another machine."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_ino, st.st_mtime_ns]
+
+
+def summarize(runs: RunsRoot, run_id: str, alive: bool) -> dict:
+    d = runs.run(run_id)
+    status, info = d.read_status(), d.read_launcher()
+    stale = "status_before" in info and file_identity(d.status_file) == info["status_before"]
+    state = run_state(status, info, alive, stale)
+    error = None if stale else status.get("error")
+    if state == "failed" and not error:
+        error = f"the training process exited without reporting; see {d.log_file}"
+    keys = ("step", "total_steps", "epoch", "epochs", "loss", "lr", "samples_per_s", "eta_s", "last_checkpoint",
+            "updated", "cache", "comfyui")   # comfyui: the ComfyUI that trains and its parity verdict
+    return {"id": run_id, "state": state, "alive": alive, "error": error,
+            "loras": saved_loras(d, status), "gpus": info.get("gpus", []),
+            "created": info.get("created"), "name": info.get("name", run_id),
+            # a finished run has nothing left to train: resuming it would only write its last epoch again
+            # (by the backend's word: a Kill in its last moments must not make it resumable)
+            "resumable": bool(d.latest_checkpoint()) and not alive and status.get("state") != "finished",
+            # several machines: {launcher, hosts, ...}; for no_ssh the commands the other nodes run
+            "cluster": info.get("cluster"), "node_commands": info.get("node_commands", []),
+            **{k: status.get(k) for k in keys}}
+
+
+_lora_scans: dict[Path, tuple[int, dict[str, dict]]] = {}   # events.jsonl -> (offset, LoRAs by path)
+_lora_lock = threading.Lock()
+
+
+def saved_loras(run_dir: Path | RunDir, status: dict | None = None) -> list[dict]:
+    """Every epoch LoRA of the run (a full fine-tune: every epoch model) as {epoch, step, path, samples, kind},
+    oldest first: ``status.json``'s lists and the ``lora_saved`` / ``model_saved`` events, which also hold the
+    LoRAs saved before a resume (the backend starts a resumed run's status afresh). The events file is read
+    incrementally, so polling a long run stays cheap."""
+    run_dir = RunDir(run_dir)
+    status = run_dir.read_status() if status is None else status
+    path = run_dir.events_file
+    with _lora_lock:
+        offset, found = _lora_scans.get(path, (0, {}))
+        try:
+            if path.stat().st_size < offset:          # rewritten: read it again
+                offset, found = 0, {}
+        except OSError:
+            offset, found = 0, {}
+        events, offset = read_events(path, offset)
+        found = dict(found)
+        for e in events:
+            if e.get("type") in ("lora_saved", "model_saved") and e.get("path") and not e.get("at_step"):
+                found[e["path"]] = {"epoch": e.get("epoch"), "step": e.get("step"), "path": e["path"], "samples": [],
+                                    "kind": "model" if e["type"] == "model_saved" else "lora"}
+            elif e.get("type") == "sample_saved" and isinstance(e.get("path"), str):
+                lora = _lora_of_sample(e["path"])
+                if lora in found:
+                    sample = {"name": Path(e["path"]).name, "path": e["path"], "prompt": e.get("prompt")}
+                    found[lora] = {**found[lora], "samples": [
+                        *(x for x in found[lora]["samples"] if x["path"] != e["path"]), sample]}
+        _lora_scans[path] = (offset, found)
+    merged = dict(found)
+    for kind, key in (("lora", "loras"), ("model", "models")):
+        for x in status.get(key, []):
+            if isinstance(x, dict) and x.get("path"):
+                samples = merged.get(x["path"], {}).get("samples", [])
+                merged[x["path"]] = {"epoch": x.get("epoch"), "step": x.get("step"), "path": x["path"],
+                                     "samples": samples, "kind": kind}
+    return sorted(merged.values(), key=lambda x: (x.get("epoch") or 0, x.get("step") or 0))
+
+
+def _lora_of_sample(png: str) -> str:
+    """``<stem>-sample00.png`` (``backend.sampling.sample_paths``) -> ``<stem>.safetensors``."""
+    stem, _, _ = png.rpartition("-sample")
+    return f"{stem}.safetensors"
+
+
+def sample_file(runs: RunsRoot, run_id: str, name: str) -> Path:
+    """An announced sample image of the run, by file name (KeyError for anything else)."""
+    for lora in saved_loras(runs.run(run_id)):
+        for sample in lora.get("samples", []):
+            if sample["name"] == name and Path(sample["path"]).is_file():
+                return Path(sample["path"])
+    raise KeyError(name)
+
+
+def details(runs: RunsRoot, run_id: str, alive: bool) -> dict:
+    """The summary plus the loss curve and the last events (for the panel)."""
+    d = runs.run(run_id)
+    events, _ = d.read_events()
+    losses = [[e.get("step"), e.get("loss")] for e in events if e.get("type") == "step" and e.get("loss") is not None]
+    if len(losses) > LOSS_POINTS:
+        stride = -(-len(losses) // LOSS_POINTS)
+        losses = losses[::stride] + ([losses[-1]] if (len(losses) - 1) % stride else [])
+    out = summarize(runs, run_id, alive)
+    out.update(losses=losses, events=events[-50:], run_dir=str(d))
+    return out
+
+
+def lora_for_epoch(runs: RunsRoot, run_id: str, epoch: int = 0) -> dict | None:
+    """The saved LoRA of ``epoch`` (0: the newest) as {epoch, step, path}, or None."""
+    loras = [x for x in saved_loras(runs.run(run_id)) if Path(x["path"]).is_file() and x.get("kind") != "model"]
+    if epoch > 0:
+        loras = [x for x in loras if x.get("epoch") == epoch]
+    return max(loras, key=lambda x: (x.get("epoch", 0), x.get("step", 0)), default=None)
+
+
+__all__ = ["ACTIVE", "details", "file_identity", "lora_for_epoch", "run_state", "sample_file", "saved_loras",
+           "summarize"]

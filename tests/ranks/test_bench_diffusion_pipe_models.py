@@ -1,0 +1,352 @@
+"""The model files bench/diffusion_pipe.py writes for diffusion-pipe: tiny Flux and SDXL folders load as diffusers
+pipelines and run, the full SDXL configs are SDXL base's, Z-Image's configs name files that exist, Qwen-Image's and
+Wan's files hold every tensor diffusion-pipe's loaders set (tiny ones loaded, full ones checked on the meta
+device), Wan's clips and configs, and the two loading shims inside diffusion-pipe's process."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SDXL_BASE_UNET_PARAMETERS = 2_567_463_684
+# the diffusion-pipe checkout bench/diffusion_pipe.py runs (git-ignored: absent, its tests skip)
+DP_CHECKOUT = REPO / ".carry" / "diffusion-pipe"
+QWEN_IMAGE_CONFIGS = DP_CHECKOUT / "configs" / "qwen_image"
+WAN_1_3B = {"model_type": "t2v", "dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, "in_dim": 16,
+            "out_dim": 16}
+
+
+def _comfyui() -> Path:
+    from pipetrain.backend.runtime import locate_comfyui
+    return locate_comfyui()
+
+
+def _as_json(config: dict) -> dict:
+    """A loaded config as written (diffusers may hold its lists as tuples)."""
+    return json.loads(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """``tiny_folder(arch)``: the arch's tiny model folder, written once for this module."""
+    from pipetrain.bench.diffusion_pipe_models import model_folder, write_model_folder
+
+    root = tmp_path_factory.mktemp("dp-models")
+
+    def folder(arch: str) -> Path:
+        write_model_folder(arch, model_folder(arch, root, "tiny"), "tiny", _comfyui())
+        return model_folder(arch, root, "tiny")
+    return folder
+
+
+def test_tiny_flux_folder_loads_as_a_flux_pipeline_and_its_transformer_runs(tiny_folder):
+    diffusers = pytest.importorskip("diffusers")
+    import torch
+
+    from pipetrain.bench.diffusion_pipe_models import FLUX_TINY
+
+    pipe = diffusers.FluxPipeline.from_pretrained(tiny_folder("flux"), torch_dtype=torch.float32)
+    transformer = pipe.transformer
+    assert _as_json({k: transformer.config[k] for k in FLUX_TINY}) == FLUX_TINY
+    image_tokens, text_tokens = 16, 8
+    with torch.no_grad():
+        out = transformer(hidden_states=torch.randn(1, image_tokens, 64),
+                          encoder_hidden_states=torch.randn(1, text_tokens, 4096),
+                          pooled_projections=torch.randn(1, 768), timestep=torch.tensor([0.5]),
+                          img_ids=torch.zeros(image_tokens, 3), txt_ids=torch.zeros(text_tokens, 3),
+                          guidance=torch.tensor([3.5])).sample
+    assert out.shape == (1, image_tokens, 64) and torch.isfinite(out).all()
+
+
+def test_tiny_sdxl_folder_loads_as_an_sdxl_pipeline_and_its_unet_reads_the_encoders_output(tiny_folder):
+    """The UNet runs on what the written text encoders give (penultimate states side by side, bigG's pooled
+    projection and six time ids), as diffusion-pipe's SDXL feeds it."""
+    diffusers = pytest.importorskip("diffusers")
+    import torch
+
+    from pipetrain.bench.diffusion_pipe_models import sdxl_configs
+
+    pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny_folder("sdxl"), torch_dtype=torch.float32,
+                                                               add_watermarker=False)
+    expected = sdxl_configs("tiny")["unet"]
+    assert _as_json({k: pipe.unet.config[k] for k in expected}) == expected
+    assert pipe.tokenizer.model_max_length == pipe.tokenizer_2.model_max_length == 77
+    ids = pipe.tokenizer("a red circle", return_tensors="pt").input_ids
+    with torch.no_grad():
+        clip_l = pipe.text_encoder(ids, output_hidden_states=True)
+        big_g = pipe.text_encoder_2(ids, output_hidden_states=True)
+        states = torch.cat([clip_l.hidden_states[-2], big_g.hidden_states[-2]], dim=-1)
+        time_ids = torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]])
+        out = pipe.unet(torch.randn(1, 4, 8, 8), torch.tensor([500]), states,
+                        added_cond_kwargs={"text_embeds": big_g.text_embeds, "time_ids": time_ids}).sample
+    assert out.shape == (1, 4, 8, 8) and torch.isfinite(out).all()
+
+
+def test_sdxl_text_encoders_are_written_whole(tiny_folder):
+    pytest.importorskip("diffusers")
+    import transformers
+
+    folder = tiny_folder("sdxl")
+    for sub, cls in (("text_encoder", transformers.CLIPTextModel),
+                     ("text_encoder_2", transformers.CLIPTextModelWithProjection)):
+        _, info = cls.from_pretrained(folder / sub, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (sub, info)
+
+
+def test_full_sdxl_configs_build_sdxl_base_unet():
+    diffusers = pytest.importorskip("diffusers")
+    import torch
+    import transformers
+
+    from pipetrain.bench.diffusion_pipe_models import sdxl_configs
+
+    configs = sdxl_configs("full")
+    with torch.device("meta"):
+        unet = diffusers.UNet2DConditionModel(**configs["unet"])
+        big_g = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**configs["text_encoder_2"]))
+    assert sum(p.numel() for p in unet.parameters()) == SDXL_BASE_UNET_PARAMETERS
+    assert configs["unet"]["cross_attention_dim"] == (configs["text_encoder"]["hidden_size"]
+                                                      + configs["text_encoder_2"]["hidden_size"])
+    assert big_g.config.num_hidden_layers == 32 and big_g.text_projection.out_features == 1280
+
+
+def test_sdxl_caption_stays_in_one_clip_chunk_as_diffusion_pipe_tokenizes_it(tmp_path):
+    """diffusion-pipe tokenizes without special tokens or truncation and splits into chunks of
+    model_max_length - 2 (BOS and EOS added per chunk): the bench caption must fit 75 tokens."""
+    import transformers
+
+    from pipetrain.bench.diffusion_pipe_models import write_clip_tokenizer
+    from pipetrain.bench.run import bench_caption
+
+    write_clip_tokenizer(tmp_path, _comfyui())
+    tokenizer = transformers.CLIPTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer(bench_caption("sdxl"), truncation=False, add_special_tokens=False).input_ids
+    assert len(ids) <= tokenizer.model_max_length - 2
+
+
+def test_tiny_zimage_write_only_names_existing_files_without_diffusers(tmp_path):
+    """The Z-Image path writes ComfyUI files and configs with no diffusers at all (an import of it fails here)."""
+    blocker = tmp_path / "blocker" / "diffusers"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('the Z-Image path must not import diffusers')\n")
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()),
+           "PYTHONPATH": os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")])}
+    work, out = tmp_path / "work", tmp_path / "out"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion_pipe.py"), "--size", "tiny", "--write-only",
+                          "--cases", "zimage-1024-b4-ckpt", "--resolution", "64", "--work", str(work),
+                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    main = tomllib.loads((work / "zimage-1024-b4-ckpt" / "main.toml").read_text())
+    model = main["model"]
+    assert model["type"] == "z_image" and main["activation_checkpointing"] is True
+    (text_encoder,) = model["text_encoders"]
+    assert text_encoder["type"] == "lumina2"
+    for path in (model["diffusion_model"], model["vae"], text_encoder["path"]):
+        assert Path(path).is_file(), path
+
+
+def test_from_single_file_of_a_folder_loads_it_with_from_pretrained(tiny_folder, monkeypatch):
+    diffusers = pytest.importorskip("diffusers")
+    import torch
+
+    from pipetrain.bench.diffusion_pipe import load_sdxl_folders_with_from_pretrained
+
+    pipeline = diffusers.StableDiffusionXLPipeline
+    monkeypatch.setattr(pipeline, "from_single_file", pipeline.from_single_file)   # undone after the test
+    load_sdxl_folders_with_from_pretrained()
+    pipe = pipeline.from_single_file(str(tiny_folder("sdxl")), torch_dtype=torch.bfloat16, add_watermarker=False)
+    assert isinstance(pipe, pipeline) and pipe.unet.dtype == torch.bfloat16 and pipe.watermark is None
+
+
+def test_a_keyword_the_installed_function_lacks_is_dropped():
+    from pipetrain.bench.diffusion_pipe import drop_keyword_where_unknown
+
+    module = types.ModuleType("loaders")
+    module.old = lambda path, model_options=None: (path, model_options)
+    module.new = lambda path, disable_dynamic=False: (path, disable_dynamic)
+    for name in ("old", "new"):
+        drop_keyword_where_unknown(module, name, "disable_dynamic")
+    assert module.old("m.safetensors", model_options={}, disable_dynamic=True) == ("m.safetensors", {})
+    assert module.new("m.safetensors", disable_dynamic=True) == ("m.safetensors", True)
+
+
+# --- Qwen-Image ----------------------------------------------------------------------------------------
+def _diffusion_pipe_text_encoder_key(file_key: str) -> str:
+    """The name diffusion-pipe's qwen_image.py sets a text-encoder file tensor under: the checkpoint's language model
+    ``model.*`` goes under ``model.language_model``, ``visual.*`` under ``model``, and the head stays."""
+    return "lm_head.weight" if "lm_head" in file_key else "model." + file_key.replace("model.", "language_model.")
+
+
+def _set_every_tensor(module, file: Path, rename=lambda key: key) -> None:
+    """diffusion-pipe's route into a module built with empty weights: each file tensor set in place."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        for key in f.keys():
+            set_module_tensor_to_device(module, rename(key), device="cpu", value=f.get_tensor(key))
+
+
+def _meta_left(module) -> list[str]:
+    return [name for name, p in module.named_parameters() if p.is_meta]
+
+
+def test_tiny_qwen_image_folder_loads_the_way_diffusion_pipe_loads_it(tiny_folder):
+    """Each component built empty from its config, then every file tensor set: no parameter is left on meta."""
+    diffusers = pytest.importorskip("diffusers")
+    import transformers
+    from accelerate import init_empty_weights
+
+    folder = tiny_folder("qwen_image")
+    for sub, cls in (("transformer", diffusers.QwenImageTransformer2DModel),
+                     ("vae", diffusers.AutoencoderKLQwenImage)):
+        with init_empty_weights():
+            module = cls.from_config(json.loads((folder / sub / "config.json").read_text()))
+        _set_every_tensor(module, folder / sub / "diffusion_pytorch_model.safetensors")
+        assert not _meta_left(module), sub
+    with init_empty_weights():
+        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig.from_pretrained(folder / "text_encoder"))
+    _set_every_tensor(text_encoder, folder / "text_encoder" / "model.safetensors", _diffusion_pipe_text_encoder_key)
+    assert not _meta_left(text_encoder)
+
+
+@pytest.mark.skipif(not QWEN_IMAGE_CONFIGS.is_dir(), reason="no diffusion-pipe checkout with configs/qwen_image")
+def test_full_qwen_image_files_hold_every_tensor_diffusion_pipe_sets():
+    """The full-size files' tensors (meta: nothing written), under diffusion-pipe's names, are exactly the
+    parameters of the modules it builds from its own configs, shape for shape."""
+    diffusers = pytest.importorskip("diffusers")
+    import transformers
+    from accelerate import init_empty_weights
+
+    from pipetrain.bench.diffusion_pipe_models import qwen_image_modules
+
+    ours = qwen_image_modules("full")
+    with init_empty_weights():
+        theirs = {sub: cls.from_config(json.loads((QWEN_IMAGE_CONFIGS / sub / "config.json").read_text()))
+                  for sub, cls in (("transformer", diffusers.QwenImageTransformer2DModel),
+                                   ("vae", diffusers.AutoencoderKLQwenImage))}
+        theirs["text_encoder"] = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig.from_pretrained(QWEN_IMAGE_CONFIGS / "text_encoder", local_files_only=True))
+    for sub, module in theirs.items():
+        rename = _diffusion_pipe_text_encoder_key if sub == "text_encoder" else (lambda key: key)
+        written = {rename(key): tuple(t.shape) for key, t in ours[sub].state_dict().items()}
+        assert written == {name: tuple(p.shape) for name, p in module.named_parameters()}, sub
+
+
+# --- Wan ----------------------------------------------------------------------------------------------
+def _run_wan_check(request: dict) -> dict:
+    """tests/diffusion_pipe_wan_check.py in a subprocess with diffusion-pipe's checkout importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DP_CHECKOUT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "diffusion_pipe_wan_check.py")],
+                         input=json.dumps(request), env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_tiny_wan_folder_loads_with_diffusion_pipes_wan_code(tiny_folder):
+    """Its transformer, UMT5 encoder (ComfyUI keys, its own mapping, strict), VAE (.pth) and the stand-in tokenizer:
+    512 valid ids ending in T5's end token, which the encoder reads."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.models.vaes import WAN21_VAE_DIM
+    from pipetrain.bench.run import bench_caption
+
+    folder = tiny_folder("wan")
+    model = json.loads((folder / "written.json").read_text())["model"]
+    caption = bench_caption("wan")
+    result = _run_wan_check({"mode": "load", "ckpt": model["ckpt_path"], "transformer": model["transformer_path"],
+                             "llm": model["llm_path"], "vae_dim": WAN21_VAE_DIM["tiny"], "caption": caption})
+    assert result["meta_left"] == []
+    assert result["ids_shape"] == [1, 512] and result["ends"] == 1 and result["tokens"] == len(caption.split()) + 1
+    assert 2 < result["ids_max"] < 256384
+    assert result["context_shape"] == [1, 512, 4096] and result["context_finite"]
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_full_wan_1_3b_files_hold_what_diffusion_pipe_loads():
+    """The 1.3B config.json picks diffusion-pipe's t2v 1.3B config, and files with the full-size tensors (meta:
+    nothing written) load by its route: every transformer parameter, the strict full UMT5-XXL and VAE loads."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.models.registry import arch_spec
+    from pipetrain.backend.models.tiny import build_text_encoder, build_vae, text_encoder_config
+    from pipetrain.bench.diffusion_pipe_models import wan_checkpoint_config, wan_unet_config
+
+    unet_config = wan_unet_config("full", "wan-1.3b")
+    config = wan_checkpoint_config(unet_config)
+    assert {key: config[key] for key in WAN_1_3B} == WAN_1_3B and config["text_len"] == 512
+
+    def shapes(module) -> dict:
+        return {key: list(t.shape) for key, t in module.state_dict().items()}
+
+    _run_wan_check({"mode": "keys", "config": config, "transformer": shapes(arch_spec("wan").build(unet_config)),
+                    "text_encoder": shapes(build_text_encoder("umt5xxl", text_encoder_config("umt5xxl", "full"))),
+                    "vae": shapes(build_vae("wan", "full"))})
+
+
+def test_tiny_qwen_image_and_wan_write_only_configs_and_wan_clips(tmp_path):
+    """The CLI writes both cases; Wan's dataset is MP4 clips of the asked frames at Wan's 16 fps in one frame
+    bucket of that length."""
+    pytest.importorskip("diffusers")
+    av = pytest.importorskip("av")
+
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui())}
+    work, out, frames = tmp_path / "work", tmp_path / "out", 9
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion_pipe.py"), "--size", "tiny", "--write-only",
+                          "--cases", "qwen_image-1024-ckpt,wan1.3b-480x832x81-ckpt", "--resolution", "32",
+                          "--frames", str(frames), "--work", str(work), "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    qwen = tomllib.loads((work / "qwen_image-1024-ckpt" / "main.toml").read_text())["model"]
+    assert qwen["type"] == "qwen_image" and Path(qwen["diffusers_path"], "text_encoder", "model.safetensors").is_file()
+    wan_dir = work / "wan1.3b-480x832x81-ckpt"
+    wan = tomllib.loads((wan_dir / "main.toml").read_text())["model"]
+    assert wan["type"] == "wan" and Path(wan["ckpt_path"], "Wan2.1_VAE.pth").is_file()
+    dataset = tomllib.loads((wan_dir / "dataset.toml").read_text())
+    assert dataset["frame_buckets"] == [frames] and dataset["resolutions"] == [32]
+    clips = sorted(Path(dataset["directory"][0]["path"]).glob("*.mp4"))
+    assert len(clips) == 8
+    with av.open(str(clips[0])) as container:
+        stream = container.streams.video[0]
+        decoded = list(container.decode(stream))
+        assert stream.average_rate == 16 and len(decoded) == frames and decoded[0].width == 32
+
+
+WAN_ATTENTION_CHECK = """
+import json, math, torch
+import models  # diffusion-pipe's package, bound before ours is imported
+from pipetrain.bench.diffusion_pipe import wan_attention_through_sdpa_without_flash_attn
+wan_attention_through_sdpa_without_flash_attn()
+from models.wan import model
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 16, 4, 8) for _ in range(3))
+out = model.flash_attention(q=q, k=k, v=v, k_lens=torch.tensor([16]), window_size=(-1, -1))
+weights = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(8), dim=-1)
+ref = torch.einsum("bhqk,bkhd->bqhd", weights, v)
+print(json.dumps({"dtype": str(out.dtype), "shape": list(out.shape), "err": (out - ref).abs().max().item()}))
+"""
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_wan_attention_runs_through_sdpa_where_flash_attn_is_missing():
+    """diffusion-pipe's Wan asserts flash-attn is installed; the GPU machine has no wheel for it, so the bench routes
+    its calls to the SDPA branch of Wan's own attention: attention over [batch, tokens, heads, dim], the caller's
+    dtype back."""
+    pytest.importorskip("diffusers")
+    if importlib.util.find_spec("flash_attn"):
+        pytest.skip("flash-attn is installed: diffusion-pipe's Wan uses it")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DP_CHECKOUT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", WAN_ATTENTION_CHECK], env=env, cwd=DP_CHECKOUT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["dtype"] == "torch.float32" and result["shape"] == [1, 16, 4, 8]
+    assert result["err"] < 0.03      # bf16 inside, as flash-attn computes

@@ -1,0 +1,98 @@
+"""The cache can never hand back a stale tensor: every input that determines an entry is in its key.
+Real `python -m pipetrain cache` runs on a micro Flux; unit checks of the keys."""
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from pipetrain.backend.cache.keys import latent_key, text_key
+
+pytestmark = pytest.mark.slow
+
+
+def _cache(config):
+    proc = subprocess.run([sys.executable, "-m", "pipetrain", "cache", str(config)], cwd=config.parent,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = (config.parent / "output" / "cache" / "events.jsonl").read_text().splitlines()
+    return json.loads([e for e in events if '"cached"' in e][-1])
+
+
+def test_changed_inputs_are_recomputed_and_unchanged_reused(micro_flux_files, make_run):
+    config = make_run(micro_flux_files, images=4)
+    first = _cache(config)
+    assert (first["latents_encoded"], first["texts_encoded"], first["entries"]) == (4, 4, 4)
+    again = _cache(config)
+    assert (again["latents_encoded"], again["texts_encoded"]) == (0, 0)
+
+    dataset = config.parent / "dataset"
+    img = Image.open(dataset / "img01.png").convert("RGB")
+    img.putpixel((5, 5), (0, 0, 0))
+    img.save(dataset / "img01.png")
+    changed = _cache(config)
+    assert (changed["latents_encoded"], changed["texts_encoded"]) == (1, 0)
+
+    (dataset / "img02.txt").write_text("a brand new caption")
+    recaptioned = _cache(config)
+    assert (recaptioned["latents_encoded"], recaptioned["texts_encoded"]) == (0, 1)
+
+    toml = config.with_name("dataset.toml")
+    toml.write_text(toml.read_text().replace("resolutions = [\n    64,\n]", "resolutions = [\n    128,\n]"))
+    assert "128" in toml.read_text()
+    resized = _cache(config)
+    assert resized["latents_encoded"] == 4   # another resolution never reads the 64 px latents
+    manifest = json.loads(next((config.parent / "output" / "cache" / "manifests").glob("*.json")).read_text())
+    assert {tuple(e["bucket"]) for e in manifest["entries"]} >= {(128, 128)}
+
+
+def test_keys_cover_every_input():
+    base = dict(image_digest="a" * 64, bucket=(64, 64), preprocess_version="1", vae_fingerprint="v",
+                arch="flux", latent_format="Flux")
+    k = latent_key(**base)
+    for field, other in [("image_digest", "b" * 64), ("bucket", (64, 128)), ("preprocess_version", "2"),
+                         ("vae_fingerprint", "w"), ("arch", "sdxl"), ("latent_format", "SDXL")]:
+        assert latent_key(**{**base, field: other}) != k, field
+    t = text_key("caption", ["te1", "te2"], "flux")
+    assert text_key("caption.", ["te1", "te2"], "flux") != t
+    assert text_key("caption", ["te1", "te3"], "flux") != t
+    assert text_key("caption", ["te1", "te2"], "sdxl") != t
+
+
+def test_model_fingerprint_changes_with_file(tmp_path):
+    from pipetrain.backend.cache.keys import model_fingerprint
+    from safetensors.torch import save_file
+    import torch
+
+    p = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(4)}, str(p))
+    a = model_fingerprint(p)
+    save_file({"w": torch.ones(4)}, str(p))
+    assert model_fingerprint(p) != a
+
+
+def test_model_fingerprint_sees_a_changed_middle_under_the_same_size_ends_and_mtime(tmp_path):
+    """What ``cp -p``, ``rsync -a`` or tar leave: another file in place with the old size, header, first and
+    last MiB and mtime, other bytes in the middle. The digest is remembered under the file's stat."""
+    import os
+    import shutil
+
+    from pipetrain.backend.cache import CacheStore
+
+    store = CacheStore(tmp_path / "cache")
+    original = tmp_path / "vae.safetensors"
+    original.write_bytes(bytes(1 << 20) + b"old weights" + bytes(1 << 20))
+    first = store.fingerprint(original)
+    assert json.loads((store.root / "model-digests.json").read_text())[str(original)]["sha256"] == first
+    assert store.fingerprint(original) == first
+
+    edited = tmp_path / "edited.safetensors"
+    edited.write_bytes(bytes(1 << 20) + b"new weights" + bytes(1 << 20))
+    shutil.copystat(original, edited)                          # cp -p keeps the mtime
+    os.replace(edited, original)
+    assert store.fingerprint(original) != first
+
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy2(original, copy)                               # same content elsewhere: same identity
+    assert store.fingerprint(copy) == store.fingerprint(original)

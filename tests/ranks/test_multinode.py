@@ -1,0 +1,81 @@
+"""Two "nodes" on one machine: a hostfile naming two hosts with one slot each and two DeepSpeed launchers
+started with --no_ssh --node_rank 0|1 against 127.0.0.1; the 2-stage pipeline has one stage per node."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import Run
+
+from pipetrain.backend.config import load_run_config
+from pipetrain.backend.commands import free_port
+from pipetrain.backend.verify import check_lora
+
+pytestmark = pytest.mark.slow
+
+
+def _config(make_run, files, name, epochs):
+    cluster = {"launcher": "no_ssh", "hosts": ["node-a:1", "node-b:1"], "master_addr": "127.0.0.1",
+               "master_port": free_port(), "env": {"NCCL_PIPETRAIN_TEST_ENV": "forwarded"}}
+    return make_run(files, images=4, name=name, stages=2, epochs=epochs, checkpoint_every_n_epochs=1,
+                    run_name=name, cluster=cluster)
+
+
+def _node(config, rank, *extra):
+    cmd = [sys.executable, "-m", "pipetrain", "launch", str(config), "--node-rank", str(rank), *extra]
+    return subprocess.Popen(cmd, cwd=config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _both(config, *extra, timeout=900):
+    nodes = [_node(config, 0, *extra), _node(config, 1, *extra)]
+    outs = [p.communicate(timeout=timeout)[0] for p in nodes]
+    return [p.returncode for p in nodes], outs
+
+
+def test_print_gives_one_command_per_node(micro_flux_files, make_run):
+    config = _config(make_run, micro_flux_files, "printed", epochs=1)
+    out = subprocess.run([sys.executable, "-m", "pipetrain", "launch", str(config), "--print"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.count("--no_ssh") == 2 and "--node_rank 0" in out and "--node_rank 1" in out
+    run_dir = config.parent / "output" / "printed"
+    assert (run_dir / "hostfile").read_text() == "node-a slots=1\nnode-b slots=1\n"
+    assert "NCCL_PIPETRAIN_TEST_ENV=forwarded" in (run_dir / ".deepspeed_env").read_text()
+
+
+def test_two_nodes_train_and_lora_loads_in_comfyui(micro_flux_files, make_run):
+    config = _config(make_run, micro_flux_files, "twonodes", epochs=2)
+    codes, outs = _both(config)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    run = Run(0, outs[0], config.parent / "output")
+    assert run.run_dir.name == "twonodes" and run.status()["state"] == "finished"
+    assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2]
+    assert run.events("start")[0]["world_size"] == 2
+    check = check_lora(load_run_config(config), run.loras()[-1])
+    assert check.comfy_vs_training < 1e-4 * max(1.0, check.scale) and check.lora_effect > 1e-4
+
+
+def test_losing_a_node_fails_clearly_and_resumes(micro_flux_files, make_run):
+    config = _config(make_run, micro_flux_files, "lost", epochs=4)
+    nodes = [_node(config, 0), _node(config, 1)]
+    events = config.parent / "output" / "lost" / "events.jsonl"
+    end = time.monotonic() + 600
+    while time.monotonic() < end and not (events.exists() and '"checkpoint"' in events.read_text()):
+        time.sleep(0.2)
+    os.killpg(nodes[1].pid, signal.SIGKILL)
+    out0 = nodes[0].communicate(timeout=300)[0]
+    nodes[1].communicate()
+    assert nodes[0].returncode != 0
+    run = Run(1, out0, config.parent / "output")
+    assert run.status()["state"] == "failed"
+    assert "lost contact with another rank" in run.status()["error"] and "--resume lost" in run.status()["error"]
+    checkpoint_step = run.events("checkpoint")[-1]["step"]
+
+    codes, outs = _both(config.parent / "output" / "lost" / "run.toml", "--resume")
+    assert codes == [0, 0], outs[0][-3000:]
+    assert run.events("resume")[-1]["step"] >= checkpoint_step
+    assert run.status()["state"] == "finished" and run.status()["step"] == 16
+    json.loads((run.run_dir / "status.json").read_text())

@@ -1,0 +1,213 @@
+"""Faults with real DeepSpeed ranks. The kill schedule: a run killed (SIGKILL, the whole process group) at
+each point where it saves or renames a file, then resumed: every file under a final name loads, no temporary
+file or duplicate is left, and the epoch LoRAs equal an uninterrupted run's bit for bit. The kills come from
+``fsutil.fault_point`` (PIPETRAIN_KILL_AT), which stops the run exactly between two writes. Also: one live
+writer per run folder, ranks that end with their launcher, and a full disk (a small tmpfs; needs root)."""
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import launch, train
+from safetensors.torch import load_file
+
+from pipetrain.backend.fsutil import KILL_AT_ENV
+
+# 4 images, global batch 1: epoch 1 is steps 1-4, epoch 2 steps 5-8; a LoRA, then a checkpoint, after each epoch
+SETUP = dict(stages=2, epochs=2, checkpoint_every_n_epochs=1, lr_scheduler="cosine", warmup_steps=2,
+             optimizer={"type": "adamw", "lr": 5e-3})
+
+# One run folder, killed again at the next point by each resume. The comment says what the kill leaves.
+KILLS = [
+    ("", "lora-written:1"),               # epoch 1's LoRA as a .tmp file, no checkpoint: starts over
+    ("resume", "checkpoint-latest:1"),    # step 4 and `latest` in place, nothing else done
+    ("resume", "checkpoint-renamed:1"),   # step 8 in place, `latest` still names step 4: epoch 2 again
+    ("resume", "checkpoint-aside:1"),     # the first step 8 moved aside, its replacement complete but not in place
+    ("resume", "checkpoint-latest:1"),    # (step 8 back from aside) step 8 replaced and named by `latest`, the old
+                                          # one not yet removed; epoch 2's LoRA rewritten in place each time
+]
+
+
+def _run(config, kill_at="", resume=False):
+    env_before = os.environ.get(KILL_AT_ENV)
+    os.environ[KILL_AT_ENV] = kill_at
+    try:
+        return train(config, 2, *(["--resume", "chain"] if resume else []))
+    finally:
+        if env_before is None:
+            os.environ.pop(KILL_AT_ENV)
+        else:
+            os.environ[KILL_AT_ENV] = env_before
+
+
+def _check_final_names(run_dir):
+    """Everything under a final name is whole: LoRAs load, checkpoints are complete, ``latest`` (when there)
+    names one; no epoch LoRA has a copy."""
+    loras = sorted(p.name for p in (run_dir / "loras").glob("*.safetensors")) if (run_dir / "loras").is_dir() else []
+    for name in loras:
+        load_file(str(run_dir / "loras" / name))
+    assert all(name in ("chain-epoch0001.safetensors", "chain-epoch0002.safetensors") for name in loras), loras
+    ckpts = run_dir / "checkpoints"
+    for d in ckpts.glob("step*"):
+        assert (d / "pipetrain.json").is_file(), f"{d} is under a final name but incomplete"
+    if (ckpts / "latest").exists():
+        assert (ckpts / (ckpts / "latest").read_text().strip() / "pipetrain.json").is_file()
+
+
+@pytest.mark.slow
+def test_kill_at_every_save_point_then_resume(micro_flux_files, make_run):
+    reference = train(make_run(micro_flux_files, images=4, name="reference", **SETUP), ranks=2)
+    assert reference.returncode == 0, reference.output[-3000:]
+    assert [e["step"] for e in reference.events("checkpoint")] == [4, 8]    # the last step is saved once
+
+    config = make_run(micro_flux_files, images=4, name="killed", run_name="chain", **SETUP)
+    run_dir = config.parent / "output" / "chain"
+    for resume, kill_at in KILLS:
+        killed = _run(config, kill_at, resume=bool(resume))
+        assert killed.returncode != 0, f"{kill_at} was never reached:\n{killed.output[-3000:]}"
+        _check_final_names(run_dir)
+        assert json.loads((run_dir / "status.json").read_text())["state"] != "finished", kill_at
+
+    resumed = _run(config, resume=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.status()["state"] == "finished"
+    assert resumed.events("resume")[-1]["step"] == 8            # the last kill came after step 8's checkpoint
+    _check_final_names(run_dir)
+    leftovers = [p.name for p in run_dir.rglob(".*") if p.name != ".lock"]
+    assert leftovers == [], leftovers                          # temporary files and folders swept
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step00000004", "step00000008"]
+    assert [entry["epoch"] for entry in resumed.status()["loras"]] == [1, 2]
+
+    for epoch, expected in enumerate(reference.loras(), 1):
+        got = load_file(str(run_dir / "loras" / f"chain-epoch{epoch:04d}.safetensors"))
+        want = load_file(str(expected))
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), (epoch, key)
+
+
+def _checkpoint(root, step):
+    folder = root / f"step{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "pipetrain.json").write_text(json.dumps({"global_step": step}))
+    return folder
+
+
+def test_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path):
+    from pipetrain.backend.train.checkpoint import latest_tag
+
+    _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 3)
+    (tmp_path / "step00000005").mkdir()                       # renamed in before its completion mark: never
+    (tmp_path / "latest").write_text("step00000009")          # a folder a killed save deleted
+    assert latest_tag(tmp_path) == "step00000003"
+    (tmp_path / "latest").write_text("step00000002")          # a complete one named: it wins
+    assert latest_tag(tmp_path) == "step00000002"
+    (tmp_path / "latest").unlink()                            # killed before the first `latest` was written
+    assert latest_tag(tmp_path) == "step00000003"
+
+
+def test_sweep_restores_a_checkpoint_moved_aside(tmp_path):
+    from pipetrain.backend.train.checkpoint import sweep
+
+    _checkpoint(tmp_path, 4)
+    aside = _checkpoint(tmp_path, 8).rename(tmp_path / ".old-step00000008")
+    (tmp_path / ".partial-step00000008").mkdir()
+    sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000004", "step00000008"]
+    assert not aside.exists()
+
+
+def _rank_pids(config):
+    """Live training ranks of a run: DeepSpeed's launch.py starts each with ``--local_rank=N`` and the config."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(config).encode() in argv and any(a.startswith(b"--local_rank=") for a in argv) and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_one_writer_per_run_folder_and_ranks_end_with_their_launcher(micro_flux_files, make_run):
+    config = make_run(micro_flux_files, images=4, name="busy", run_name="busy", stages=2, epochs=10000,
+                      save_every_n_epochs=1000, checkpoint_every_n_epochs=1000)
+    run_dir = config.parent / "output" / "busy"
+    first = launch(config, 2)
+    try:
+        _wait_for(lambda: (run_dir / "events.jsonl").is_file() and '"step"' in (run_dir / "events.jsonl").read_text())
+        owner = json.loads((run_dir / "status.json").read_text())["pid"]
+        for extra in ([], ["--resume", "busy"]):              # the same run_name again, or a resume meanwhile
+            second = train(config, 2, *extra)
+            assert second.returncode != 0
+            assert f"run folder {run_dir} is in use by a run that is still going (pid {owner})" in second.output
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "training"   # untouched
+
+        ranks = _rank_pids(config)
+        assert len(ranks) == 2 and owner in ranks
+        os.kill(first.pid, signal.SIGKILL)                     # DeepSpeed's runner only: the ranks are orphaned
+        _wait_for(lambda: not _rank_pids(config), timeout=30)
+        status = json.loads((run_dir / "status.json").read_text())
+        assert status["state"] == "failed" and "DeepSpeed launcher" in status["error"]
+        _wait_for(lambda: _lock_is_free(run_dir), timeout=30)   # the dead run's lock went with it
+    finally:
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except ProcessLookupError:   # every process of the run has ended
+            pass
+        first.communicate()
+
+
+def _lock_is_free(run_dir):
+    from pipetrain.backend.rundir import RunDir, RunDirBusy
+    try:
+        RunDir(run_dir).lock().close()
+    except RunDirBusy:   # a process's files close a moment after its command line is gone
+        return False
+    return True
+
+
+def _wait_for(condition, timeout=300):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _small_disk(folder: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``folder`` (root only: skips elsewhere)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["cache", "loras", "checkpoints"])
+def test_out_of_space_names_the_folder_fails_the_run_and_leaves_no_partial_files(micro_flux_files, make_run, where):
+    config = make_run(micro_flux_files, images=4, name=f"full-{where}", run_name="full", **{**SETUP, "epochs": 1})
+    output = config.parent / "output"
+    folder = output / "cache" if where == "cache" else output / "full" / where
+    with _small_disk(folder, "256k"):
+        run = train(config, 2)
+        left = sorted(p.name for p in folder.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp")
+    assert run.returncode != 0
+    assert f"pipetrain: error: no space left in {folder}" in run.output
+    assert "Traceback" not in run.output, run.output[run.output.find("Traceback") - 2000:][:6000]
+    status = json.loads((output / "full" / "status.json").read_text())
+    assert status["state"] == "failed" and status["error"].startswith(f"no space left in {folder}")
+    assert left == []                                          # no .tmp, no .partial-step…

@@ -1,0 +1,251 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Hostile input against a real ComfyUI server (``--cpu``, one for the module), as anyone who can reach it
+could send it: prompts for the real nodes through ``/prompt`` (files uploaded through ComfyUI's own
+``/upload/image`` first), and the ``/pipetrain`` routes fuzzed. Each refusal names the field; no marker file
+appears, no run folder is written, no process starts, no file's content comes back, no request gets a 500.
+
+The payloads that would only run once DeepSpeed spawns ssh or pdsh are also checked a layer below, on the
+files and command we produce, in ``test_security_inputs.py``.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import uuid
+
+import psutil
+import pytest
+from server_fixtures import comfy_server, kill_runs  # noqa: F401  (fixture)
+from test_nodes_cluster_server import cluster_graph
+from test_server_pipetrain import fabricate_run, fake_sdxl_files, graph, node_error
+
+# in the server's environment (it starts after this module is imported): /proc/self/environ must not show it
+SECRET = f"never-shown-{uuid.uuid4().hex}"
+os.environ["PIPETRAIN_TEST_SECRET"] = SECRET
+
+
+@pytest.fixture(scope="module")
+def server(comfy_server):  # noqa: F811
+    fake_sdxl_files(comfy_server.base)
+    yield comfy_server
+    kill_runs(comfy_server.runs_root)     # nothing should be there; if a payload got through, end it
+
+
+@pytest.fixture(scope="module")
+def marker(server):
+    return server.base / f"MARKER-{uuid.uuid4().hex[:8]}"
+
+
+def upload(server, subfolder: str, name: str, content: bytes, kind: str = "input",
+           route: str = "/upload/image") -> tuple[int, str]:
+    """ComfyUI's own upload route (no login, any content, any name): where an attacker's files land."""
+    boundary = uuid.uuid4().hex
+    parts = [(f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{name}"\r\n'
+              "Content-Type: application/octet-stream\r\n\r\n").encode() + content + b"\r\n"]
+    for key, value in (("subfolder", subfolder), ("type", kind), ("overwrite", "true")):
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"\r\n\r\n{value}\r\n'.encode())
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return send(server, "POST", route, body, f"multipart/form-data; boundary={boundary}")
+
+
+def uploaded(server, subfolder: str, name: str, content: bytes) -> dict:
+    status, text = upload(server, subfolder, name, content)
+    assert status == 200, text
+    return json.loads(text)
+
+
+def send(server, method: str, path: str, body: bytes = b"", content_type: str = "application/json",
+         timeout: float = 30) -> tuple[int, str]:
+    """A request exactly as written: the path unnormalised, the body as bytes."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        conn.putheader("Content-Type", content_type)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders()
+        if body:
+            try:
+                conn.send(body)
+            except (BrokenPipeError, ConnectionResetError):   # the server answered before reading it all
+                pass
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def nothing_ran(server, marker) -> None:
+    assert not marker.exists(), "a payload ran"
+    root = server.runs_root
+    assert not root.exists() or not [p for p in root.iterdir() if (p / "launcher.json").exists()
+                                     and not p.name.startswith("fab-")]
+    for p in psutil.process_iter(["cmdline"]):
+        assert marker.name not in " ".join(p.info["cmdline"] or []), p
+
+
+def test_cluster_payloads_through_prompt_are_refused_by_field(server, marker):
+    info = server.get("/object_info")[1]
+    evil = uploaded(server, "evil", "hostfile", f"-oProxyCommand=touch${{IFS}}{marker} slots=1\n".encode())
+    hostfile = f"{evil['subfolder']}/{evil['name']}"
+    uploaded(server, "evil", "sitecustomize.py", f"open({str(marker)!r}, 'w').close()\n".encode())
+    evil_dir = server.base / "input" / "evil"
+    assert (evil_dir / "sitecustomize.py").is_file()
+    pdsh = {"cluster": "pdsh", "hosts": "node-a:1, node-b:1", "master_addr": "10.0.0.1"}
+    touch = f"touch {marker}"
+    cases = [
+        ({"hosts": f"-oProxyCommand=touch${{IFS}}{marker}:1"}, "cluster.hosts", "starts with '-'"),
+        ({"hosts": f"node-a:1, $(touch${{IFS}}{marker}):1"}, "cluster.hosts", "not a host name"),
+        ({"hosts": "", "hostfile": hostfile}, "cluster.hostfile", "the host on line 1 starts with '-'"),
+        ({"master_addr": f"10.0.0.1;{touch};#"}, "cluster.master_addr", "not a host name or IPv4"),
+        ({"master_addr": f"`{touch}`"}, "cluster.master_addr", "not a host name or IPv4"),
+        ({"env": f"PYTHONPATH={evil_dir}"}, "cluster.env", "'PYTHONPATH' would change the Python"),
+        ({"env": f"LD_PRELOAD={evil_dir}/x.so"}, "cluster.env", "'LD_PRELOAD' would change the dynamic linker"),
+        ({"env": f"BASH_ENV={evil_dir}/sitecustomize.py"}, "cluster.env", "'BASH_ENV'"),
+        ({"env": f"PDSH_SSH_ARGS_APPEND=-oProxyCommand={touch}"}, "cluster.env", "'PDSH_SSH_ARGS_APPEND'"),
+        ({"env": f"HOME={evil_dir}"}, "cluster.env", "'HOME'"),
+        ({"env": f"NCCL_NET_PLUGIN={evil_dir}/x.so"}, "cluster.env", "loads code or names a file"),
+        ({"env": f"NCCL_DEBUG=$({touch})"}, "cluster.env.NCCL_DEBUG", "holds '$'"),
+        ({"env": f"NCCL_DEBUG=`{touch}`"}, "cluster.env.NCCL_DEBUG", "holds '`'"),
+        ({"env": f'NCCL_DEBUG=x"; {touch}; "'}, "cluster.env.NCCL_DEBUG", "holds '\"'"),
+        ({"env": "NCCL_DEBUG=INFO,LD_PRELOAD=/x.so", "cluster": "slurm"}, "cluster.env.NCCL_DEBUG", "srun"),
+        ({"nccl_socket_ifname": f"eth0\nLD_PRELOAD={evil_dir}/x.so"}, "cluster.nccl_socket_ifname", "U+000A"),
+        ({"nccl_socket_ifname": f"eth0;{touch}"}, "cluster.nccl_socket_ifname", "not a list of network interface"),
+        ({"hosts": "", "hostfile": "/etc/passwd"}, "cluster.hostfile", "line 1 is not '<host> slots=<n>'"),
+        ({"hosts": "", "hostfile": "/proc/self/environ"}, "cluster.hostfile", "line 1 is not '<host> slots=<n>'"),
+        ({"hosts": "", "hostfile": "/dev/zero"}, "cluster.hostfile", "not a regular file"),
+    ]
+    passwd = open("/etc/passwd").readline().strip()
+    secrets = [passwd, passwd.split(":")[0] + ":x", SECRET]
+    for change, key, problem in cases:
+        code, body = server.queue(cluster_graph(info, run_name="evil", **{**pdsh, **change}))
+        text = json.dumps(body)
+        message = node_error(body, "3")
+        assert code == 400 and f"key '{key}" in message and problem in message, (change, body)
+        for secret in secrets:
+            assert secret not in text, (change, secret)
+    nothing_ran(server, marker)
+
+
+def test_a_caption_extension_cannot_reach_outside_the_dataset(server, marker):
+    g = graph(run_name="evil")
+    g["1"]["inputs"]["caption_extension"] = "/../../../../../../../../etc/passwd"
+    # Checked when the Dataset node runs, before any node that reads a caption (at queue time ComfyUI would repeat
+    # a failed check once per input the check names)
+    code, body = server.queue(g)
+    assert code == 200, body
+    history = server.wait_history(body["prompt_id"], timeout=60)
+    errors = [m[1] for m in history["status"]["messages"] if m[0] == "execution_error"]
+    assert errors and errors[0]["node_id"] == "1", history["status"]
+    message = errors[0]["exception_message"]
+    assert "key 'caption_extension'" in message and "a file extension such as .txt" in message, message
+    assert "root:" not in json.dumps(history)
+    nothing_ran(server, marker)
+
+
+def test_comfyuis_file_routes_neither_write_nor_serve_the_runs_folder(server, marker):
+    """ComfyUI's upload route writes anywhere under output/ and /view reads anything there; a run folder's config,
+    checkpoints and working folder are what a Resume runs, its cache decodes back into the dataset."""
+    checkpointed(server, "fab-target", "stopped")
+    run_toml = server.runs_root / "fab-target" / "run.toml"
+    payload = f"open({str(marker)!r}, 'w').close()\n".encode()
+    for route in ("/upload/image", "/api/upload/image", "/upload/mask", "/api/upload/mask"):
+        for subfolder, name in (("pipetrain/fab-target", "run.toml"), ("pipetrain/fab-target/deepspeed", "__init__.py"),
+                                ("pipetrain/fab-target/checkpoints/step5", "mp_rank_00_model_states.pt"),
+                                ("pipetrain", "sitecustomize.py"), ("x/../pipetrain/fab-target", "pipetrain.py"),
+                                ("./pipetrain//new-run", "run.toml")):
+            status, text = upload(server, subfolder, name, payload, kind="output", route=route)
+            assert status == 403 and "runs folder" in text, (route, subfolder, name, status, text)
+    assert run_toml.read_text() == "" and not (server.runs_root / "fab-target" / "deepspeed").exists()
+    assert not (server.runs_root / "sitecustomize.py").exists() and not (server.runs_root / "new-run").exists()
+    status, text = upload(server, "elsewhere", "note.png", b"fine", kind="output")    # the rest of output/: as before
+    assert status == 200 and (server.base / "output" / "elsewhere" / "note.png").read_bytes() == b"fine", text
+    status, text = upload(server, "pipetrain", "note.png", b"fine")                   # input/pipetrain is not ours
+    assert status == 200, text
+    for query in ("filename=run.toml&subfolder=pipetrain/fab-target&type=output",
+                  "filename=run.toml&subfolder=pipetrain/fab-target",                  # output is /view's default
+                  "filename=run.toml%20[output]&subfolder=pipetrain/fab-target&type=input",
+                  "filename=x/latest&subfolder=pipetrain/fab-target/checkpoints&type=output",
+                  "filename=run.toml&subfolder=elsewhere/../pipetrain/fab-target&type=output"):
+        for route in ("/view", "/api/view"):
+            status, text = send(server, "GET", f"{route}?{query}")
+            assert status == 403 and "runs folder" in text, (route, query, status, text)
+    assert send(server, "GET", "/view?filename=note.png&subfolder=elsewhere&type=output") == (200, "fine")
+    nothing_ran(server, marker)
+
+
+# --- the routes -----------------------------------------------------------------------------------------------
+
+def checkpointed(server, run_id: str, state: str) -> None:
+    fabricate_run(server, run_id, state)
+    ckpt = server.runs_root / run_id / "checkpoints"
+    (ckpt / "step5").mkdir(parents=True)
+    (ckpt / "step5" / "pipetrain.json").write_text("{}")   # what marks a checkpoint complete
+    (ckpt / "latest").write_text("step5")
+
+
+def test_a_finished_run_cannot_be_resumed(server, marker):
+    checkpointed(server, "fab-done", "finished")
+    code, run = server.get("/pipetrain/runs/fab-done")
+    assert code == 200 and run["state"] == "finished" and not run["resumable"], run
+    code, body = server.post("/pipetrain/runs/fab-done/resume")
+    assert code == 409 and "has finished" in body["error"], body
+    assert not (server.runs_root / "fab-done" / "launcher.json").exists()
+    checkpointed(server, "fab-paused", "stopped")       # a stopped run with a checkpoint stays resumable
+    assert server.get("/pipetrain/runs/fab-paused")[1]["resumable"]
+    nothing_ran(server, marker)
+
+
+BAD_IDS = ["..", "..%2F..%2Fetc", "%2E%2E", "..%2F", "a%00b", "a%0D%0ASet-Cookie:x", "%C3%A9t%C3%A9", "cache",
+           "a" * 81, "-lead", "a%20b", "a%2Fb", "%00", "fab-done%0A", "fab-done%00", "%D9%A1", "fab%E2%80%A8done"]
+BODIES = [b"[" * 100_000 + b"]" * 100_000, b'{"kill":' * 50_000, b"not json", b"[1, 2]", b'"kill"', b"null",
+          b"\x00\x01\x02", b"\xff\xfe{}", b'{"kill": true}' + b" " * 20_000, b"{" + b'"a":1,' * 200_000 + b"}"]
+
+
+def test_routes_fuzzed_answer_4xx_never_500(server, marker):
+    if not (server.runs_root / "fab-done").exists():    # run alone (-k): the finished run of the test above
+        checkpointed(server, "fab-done", "finished")
+    outside = server.base / "outside.txt"
+    outside.write_text("untouched")
+    before = sorted(p.name for p in server.runs_root.iterdir())
+    for run_id in BAD_IDS:
+        for method, path in (("GET", f"/pipetrain/runs/{run_id}"), ("POST", f"/pipetrain/runs/{run_id}/stop"),
+                             ("POST", f"/pipetrain/runs/{run_id}/resume"),
+                             ("GET", f"/pipetrain/runs/{run_id}/samples/..%2F..%2Foutside.txt")):
+            status, text = send(server, method, path, b"{}" if method == "POST" else b"")
+            assert status in (400, 404, 405), (method, path, status, text)
+            assert "Traceback" not in text and "untouched" not in text
+    for body in BODIES:
+        for action in ("stop", "resume"):
+            status, text = send(server, "POST", f"/pipetrain/runs/fab-done/{action}", body)
+            assert status in (400, 413), (action, body[:40], status, text)
+            assert "Traceback" not in text and "error" in json.loads(text)
+    status, text = send(server, "POST", "/pipetrain/runs/fab-done/stop", b'{"kill": true}')
+    assert status == 409 and "not running" in text       # a good body reaches the launcher's own answer
+    assert outside.read_text() == "untouched" and sorted(p.name for p in server.runs_root.iterdir()) == before
+    assert server.alive() and server.get("/system_stats")[0] == 200
+    nothing_ran(server, marker)
+
+
+def test_concurrent_stop_and_resume_on_runs_that_cannot_change(server, marker):
+    checkpointed(server, "fab-race-done", "finished")
+    fabricate_run(server, "fab-race-nockpt", "stopped")
+    answers, lock = [], threading.Lock()
+
+    def hit(run_id, action):
+        status, text = send(server, "POST", f"/pipetrain/runs/{run_id}/{action}", b"{}")
+        with lock:
+            answers.append((status, json.loads(text).get("error", "")))
+
+    threads = [threading.Thread(target=hit, args=(run_id, action))
+               for _ in range(6) for run_id in ("fab-race-done", "fab-race-nockpt") for action in ("stop", "resume")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(answers) == len(threads) and {s for s, _ in answers} == {409}, answers
+    assert all("not running" in e or "finished" in e or "no checkpoint" in e for _, e in answers), answers
+    for run_id in ("fab-race-done", "fab-race-nockpt"):
+        assert not (server.runs_root / run_id / "launcher.json").exists()
+    nothing_ran(server, marker)

@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The PipeTrain panel in a real browser: headless Chromium (Debian's ``chromium``) on a real ComfyUI.
+
+The run is fabricated (a live stand-in process, ``status.json`` and ``events.jsonl`` written by the test)
+but everything after the files is the real path: the launcher's relay tails ``events.jsonl`` and sends
+``pipetrain.event`` over ComfyUI's websocket; the panel draws progress and the loss chart; its buttons
+call the routes. A screenshot of the panel is kept in ``test-artifacts/``. The e2e module watches the
+same panel follow a real DeepSpeed run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from server_fixtures import (CHART_POINTS_JS, REPO, card, needs_chromium, panel_page, progress_js,
+                             start_server)
+
+ARTIFACTS = REPO / "test-artifacts"
+RUN_ID = "ui-run"
+TOTAL = 20
+
+pytestmark = needs_chromium
+
+
+class FakeRun:
+    """A live stand-in process recorded as the run's process, and the backend's two report files."""
+
+    def __init__(self, runs_root: Path):
+        from pipetrain.launcher.procs import spawn
+        from pipetrain.backend.rundir import RunDir
+
+        self.dir = runs_root / RUN_ID
+        self.dir.mkdir(parents=True)
+        (self.dir / "run.toml").write_text("")
+        self.status = {"state": "training", "step": 0, "total_steps": TOTAL, "epoch": 1, "epochs": 2,
+                       "started": time.time()}
+        self.write_status()
+        self.event({"type": "start", "world_size": 2, "pipeline_stages": 2})
+        self.ref = spawn([sys.executable, "-c", "import time; time.sleep(600)"], cwd=self.dir,
+                         log_path=self.dir / "log.txt", env=None)
+        RunDir(self.dir).write_launcher({"id": RUN_ID, "name": "ui run", "gpus": [0, 1],
+                                         "process": self.ref.as_dict(), "created": time.time()})
+
+    def write_status(self) -> None:
+        tmp = self.dir / "status.json.tmp"
+        tmp.write_text(json.dumps(self.status))
+        os.replace(tmp, self.dir / "status.json")
+
+    def event(self, event: dict) -> None:
+        with open(self.dir / "events.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), **event}) + "\n")
+
+    def steps(self, first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            loss = 1.0 / step + 0.05 * (step % 3)
+            self.event({"type": "step", "step": step, "epoch": 1 + (step - 1) // 10, "loss": loss, "lr": 1e-4,
+                        "samples_per_s": 2.0, "total_steps": TOTAL})
+            self.status.update(step=step, loss=loss, epoch=1 + (step - 1) // 10, eta_s=(TOTAL - step) * 3.0)
+        self.write_status()
+
+    def lora(self, epoch: int, step: int) -> None:
+        path = str(self.dir / f"{RUN_ID}-epoch{epoch:04d}.safetensors")
+        self.event({"type": "lora_saved", "epoch": epoch, "step": step, "path": path})
+        self.status["loras"] = self.status.get("loras", []) + [{"epoch": epoch, "step": step, "path": path}]
+        self.write_status()
+
+    def close(self) -> None:
+        self.ref.signal_group(signal.SIGKILL)
+        self.ref.popen.wait(5)
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy-ui")
+    server = start_server(base)
+    run = None
+    try:
+        run = FakeRun(server.runs_root)
+        yield server, run, base
+    finally:
+        if run is not None:
+            run.close()
+        server.stop()
+
+
+PROGRESS = progress_js(RUN_ID)
+BAR = f"{card(RUN_ID, '.pipetrain-bar > div')}?.style.width"
+STATE = f"{card(RUN_ID, '.pipetrain-state')}?.textContent"
+EPOCHS = "(document.querySelector('#pipetrain-panel .pipetrain-epochs')?.innerText ?? '')"
+BUTTON = ("((scope, label) => [...document.querySelectorAll(`#pipetrain-panel ${scope} button`)]"
+          ".find((b) => b.textContent === label))")
+CLICK = "((b) => (b ? (b.click(), true) : false))"   # clicks once the button is there
+LOADER = ("(() => { const n = window.app?.graph?.findNodesByType('PipeTrainLoadEpochLoRA')?.[0];"
+          " return n ? Object.fromEntries(n.widgets.map((w) => [w.name, w.value])) : null; })()")
+
+
+# ComfyUI's api reconnects 300 ms after its socket closes; holding WebSocket back keeps it away for as long as a
+# restart would, then letting it through makes the real reconnect (and its "reconnected" event) happen
+HOLD_SOCKET = """(() => {
+  const api = window.comfyAPI.api.api, Real = window.WebSocket;
+  window.__ptRealWebSocket = Real;
+  window.WebSocket = function (url) {
+    const stub = new EventTarget();
+    stub.send = () => {}; stub.close = () => {};
+    window.__ptStub = stub; window.__ptHeld = true;
+    return stub;
+  };
+  api.socket.close();
+})()"""
+RELEASE_SOCKET = ("(() => { window.WebSocket = window.__ptRealWebSocket; "
+                  "window.__ptStub.dispatchEvent(new Event('close')); })()")
+
+
+def fabricate_checkpointed(runs_root: Path, run_id: str, state: str) -> None:
+    d = runs_root / run_id
+    (d / "checkpoints" / "step5").mkdir(parents=True)
+    (d / "checkpoints" / "step5" / "pipetrain.json").write_text("{}")   # what marks a checkpoint complete
+    (d / "checkpoints" / "latest").write_text("step5")
+    (d / "run.toml").write_text("")
+    (d / "status.json").write_text(json.dumps({"state": state, "step": 5, "total_steps": 10}))
+
+
+async def drive(server, run: FakeRun, profile: Path) -> dict:
+    async with panel_page(server, profile) as page:
+        await page.wait_for(PROGRESS, 30, f"listing run {RUN_ID}")
+        first = {"progress": await page.js(PROGRESS), "points": await page.js(CHART_POINTS_JS)}
+
+        run.steps(1, 6)                      # the relay picks these up from events.jsonl
+        await page.wait_for(f"{PROGRESS} === 'step 6/{TOTAL}' && {CHART_POINTS_JS} === 6", 20,
+                            "at step 6 with 6 loss points")
+        run.steps(7, 12)
+        await page.wait_for(f"{PROGRESS} === 'step 12/{TOTAL}' && {CHART_POINTS_JS} === 12", 20,
+                            "at step 12 with 12 loss points")
+        await page.js(HOLD_SOCKET)           # the websocket drops and cannot come back (ComfyUI restarting)
+        await page.wait_for("window.__ptHeld === true", 10, "a held websocket")
+        run.steps(13, 15)                    # relayed to nobody
+        await asyncio.sleep(2)               # several relay ticks: the relay has moved past them
+        missed = await page.js(CHART_POINTS_JS)
+        await page.js(RELEASE_SOCKET)
+        await page.wait_for(f"{CHART_POINTS_JS} === 15", 30, "the chart back-filled after the reconnect")
+        run.lora(1, 10)
+        await page.wait_for(f"{EPOCHS}.includes('epoch 1 (step 10)')", 20, "listing the epoch 1 LoRA")
+        later = {"bar": await page.js(BAR),
+                 "text": await page.js("document.querySelector('#pipetrain-panel').innerText")}
+        await page.screenshot(ARTIFACTS / "pipetrain-panel.png")
+
+        # the epoch's button puts a Load Epoch LoRA node for it into the graph
+        await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-epochs', 'Add loader node'))", 10, "an Add loader button")
+        loader = await page.wait_for(LOADER, 10, "showing a Load Epoch LoRA node")
+        # Stop goes through the route; the run shows "stopping" until its process is gone
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop'))", 10, "a Stop button")
+        await page.wait_for(f"{STATE} === 'stopping'", 20, "stopping")
+        # Kill asks first; answered "no", nothing is sent
+        await page.js("window.__ptAsked = []; window.confirm = (m) => (window.__ptAsked.push(m), false)")
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Kill'))", 10, "a Kill button")
+        asked = await page.wait_for("window.__ptAsked[0]", 10, "a confirmation")
+        # a finished run offers no Resume; a stopped one with a checkpoint does
+        for run_id, state in (("ui-finished", "finished"), ("ui-paused", "stopped")):
+            fabricate_checkpointed(run.dir.parent, run_id, state)
+        await page.js("window.comfyAPI.api.api.dispatchCustomEvent('reconnected')")   # the list reloads
+        await page.wait_for(f"!!{BUTTON}('[data-run=\"ui-paused\"]', 'Resume')", 20, "Resume on the stopped run")
+        resume_on_finished = await page.js(f"!!{BUTTON}('[data-run=\"ui-finished\"]', 'Resume')")
+        return {"first": first, "later": later, "loader": loader, "exceptions": page.exceptions, "missed": missed,
+                "asked": asked, "resume_on_finished": resume_on_finished}
+
+
+def test_panel_shows_live_progress_and_loss_chart(ui):
+    server, run, base = ui
+    result = asyncio.run(asyncio.wait_for(drive(server, run, base / "chromium-profile"), 240))
+    assert result["first"] == {"progress": f"step 0/{TOTAL}", "points": 0}, result
+    assert result["missed"] == 12, result         # the held socket delivered nothing; the reconnect back-filled
+    assert result["later"]["bar"] == "75%", result
+    text = result["later"]["text"]
+    assert "ui run" in text and "training" in text and "ETA 15 s" in text and "Stop" in text, text
+    assert result["loader"] == {"run": RUN_ID, "epoch": 1, "strength": 1.0}, result["loader"]
+    info = json.loads((run.dir / "launcher.json").read_text())
+    assert info.get("stop_requested") and (run.dir / "stop").exists()   # the Stop button reached the route
+    assert "Kill run ui run now?" in result["asked"] and not info.get("killed") and run.ref.alive(), result
+    assert result["resume_on_finished"] is False, result
+    assert not [e for e in result["exceptions"] if "pipetrain" in e], result["exceptions"]
+    shot = ARTIFACTS / "pipetrain-panel.png"
+    assert shot.stat().st_size > 10_000
+    print(f"\nscreenshot: {shot}")

@@ -1,0 +1,328 @@
+"""diffusion-pipe's own example files and supported-model tables, as a user would bring them.
+
+The TOML below is ours: it copies only the *key structure* of diffusion-pipe's ``examples/*.toml`` and of the
+``[model]`` tables in its ``docs/supported_models.md`` (which keys, which tables, the value kinds), with model
+paths pointed at the shared tiny model files. Nothing is fetched. Each either loads (through the same checks as
+a run: ``preflight.load_run``) with the meaning it has in diffusion-pipe, or is refused naming the key and what
+to do (model folders: ``diffusers_path``, ``ckpt_path``, ... are not read yet, issue 20 item 1; ``size_buckets``
+and masks, item 3; models the pinned ComfyUI lacks).
+"""
+from pathlib import Path
+
+import pytest
+from dp_files import DP_AR_BUCKETS, DP_MONITORING, DP_OPTIMIZER
+
+from pipetrain.backend.check_config import report
+from pipetrain.backend.cli import main as cli_main
+from pipetrain.backend.errors import ConfigError
+from pipetrain.backend.preflight import load_run
+
+# examples/main_example.toml's top-level keys (its commented-out keys left out as it leaves them out)
+MAIN = """
+output_dir = 'out'
+dataset = 'dataset.toml'
+epochs = 1000
+micro_batch_size_per_gpu = 1
+pipeline_stages = 1
+gradient_accumulation_steps = 1
+gradient_clipping = 1.0
+warmup_steps = 100
+eval_every_n_epochs = 1
+eval_before_first_step = true
+eval_micro_batch_size_per_gpu = 1
+eval_gradient_accumulation_steps = 1
+save_every_n_epochs = 2
+checkpoint_every_n_minutes = 120
+activation_checkpointing = true
+partition_method = 'parameters'
+save_dtype = 'bfloat16'
+caching_batch_size = 1
+steps_per_print = 1
+video_clip_mode = 'single_beginning'
+"""
+ADAPTER = """
+[adapter]
+type = 'lora'
+rank = 32
+dtype = 'bfloat16'
+"""
+OPTIMIZER, MONITORING = DP_OPTIMIZER, DP_MONITORING
+
+# examples/wan_14b_min_vram.toml and examples/qwen_image_24gb_vram.toml: the keys they add or change
+WAN_MIN_VRAM_RUN = MAIN.replace("activation_checkpointing = true", "activation_checkpointing = 'unsloth'") + \
+    "blocks_to_swap = 32\n"
+KAHAN = DP_OPTIMIZER.replace("'adamw_optimi'", "'AdamW8bitKahan'").replace("eps = 1e-8", "stabilize = false")
+
+DATASETS = {
+    # examples/dataset.toml
+    "dataset": DP_AR_BUCKETS + """
+num_ar_buckets = 7
+frame_buckets = [1, 33]
+[[directory]]
+path = 'images'
+num_repeats = 1
+""",
+    # examples/recommended_lumina_dataset_config.toml
+    "lumina": DP_AR_BUCKETS + """
+num_ar_buckets = 7
+caption_prefix = 'A system prompt for Lumina. <Prompt Start> '
+[[directory]]
+path = 'images'
+""",
+    # examples/flux_kontext_dataset.toml
+    "kontext": DP_AR_BUCKETS + """
+num_ar_buckets = 9
+num_repeats = 1
+[[directory]]
+path = 'target'
+control_path = 'control'
+""",
+    # examples/minimax_h3_dataset.toml: a second directory with its own resolutions
+    "two_dirs": DP_AR_BUCKETS + """
+num_ar_buckets = 7
+frame_buckets = [1, 33]
+num_repeats = 1
+[[directory]]
+path = 'videos'
+[[directory]]
+path = 'images'
+resolutions = [1024]
+""",
+}
+
+
+def _model(arch: str | None, lines: str) -> str:
+    """A [model] table; {dm}, {vae}, {te0}, {te1} are the tiny files of ``arch`` (None: no files used)."""
+    if arch is None:
+        return "[model]\n" + lines
+    from pipetrain.backend.models.tiny import cached_model_files
+
+    files = cached_model_files(arch)
+    tes = [str(p) for p in files.text_encoders] + [None, None]
+    return "[model]\n" + lines.format(dm=files.diffusion_model, vae=files.vae, te0=tes[0], te1=tes[1])
+
+
+def _table(dp_type: str, *keys: str, extra: str = "") -> str:
+    """A supported-model table's lines: its type, its keys (``key=value``; a bare key is a ComfyUI-file key whose
+    value is the tiny file named by TINY), ``dtype = 'bfloat16'`` as every table sets it, then ``extra``."""
+    lines = [f"type = '{dp_type}'"]
+    for key in keys:
+        name, _, value = key.partition("=")
+        lines.append(f"{name} = '{value or TINY[name]}'")
+    return "\n".join(lines + ["dtype = 'bfloat16'", extra]) + "\n"
+
+
+TINY = {"transformer_path": "{dm}", "diffusion_model": "{dm}", "vae_path": "{vae}", "vae": "{vae}",
+        "llm_path": "{te0}", "text_encoder_path": "{te0}", "t5_path": "{te0}", "clip_path": "{te1}",
+        "byt5_path": "{te1}"}
+FP8, LOGIT_NORMAL = "transformer_dtype = 'float8'", "timestep_sample_method = 'logit_normal'"
+FILES = ("transformer_path", "vae_path")
+
+# (case, tiny files, the type here, [model] lines): the tables of docs/supported_models.md in ComfyUI files
+LOADS = [
+    ("hunyuan-video (main_example.toml)", "hunyuan_video", "hunyuan_video",
+     _table("hunyuan-video", *FILES, "llm_path", "clip_path", extra=FP8 + "\n" + LOGIT_NORMAL)),
+    ("cosmos", "cosmos", "cosmos", _table("cosmos", *FILES, "text_encoder_path")),
+    ("lumina_2", "lumina2", "lumina2", _table("lumina_2", "transformer_path", "llm_path", "vae_path")),
+    ("cosmos_predict2", "cosmos_predict2", "cosmos_predict2",
+     _table("cosmos_predict2", *FILES, "t5_path", extra="transformer_dtype = 'float8_e5m2'")),
+    ("qwen_image (ComfyUI files)", "qwen_image", "qwen_image",
+     _table("qwen_image", "transformer_path", "text_encoder_path", "vae_path", extra=FP8)),
+    ("hunyuan_image", "hunyuan_image_21", "hunyuan_image_21",
+     _table("hunyuan_image", *FILES, "text_encoder_path", "byt5_path", extra=FP8)),
+    ("auraflow", "auraflow", "auraflow",
+     _table("auraflow", "transformer_path", "text_encoder_path", "vae_path", extra=FP8)),
+    ("z_image", "z_image", "z_image",
+     _table("z_image", "diffusion_model", "vae", extra="text_encoders = [{{path = '{te0}', type = 'lumina2'}}]")),
+    ("hunyuan_video_15", "hunyuan_video_15", "hunyuan_video_15",
+     _table("hunyuan_video_15", "diffusion_model", "vae", extra="text_encoders = [{{paths = ['{te0}', '{te1}'], "
+            "type = 'hunyuan_video_15'}}]\ndiffusion_model_dtype = 'float8'\n" + LOGIT_NORMAL)),
+    ("flux2", "flux2", "flux2",
+     _table("flux2", "diffusion_model", "vae", extra="text_encoders = [{{path = '{te0}', type = 'flux2'}}]\n"
+            "diffusion_model_dtype = 'float8'\nshift = 3")),
+]
+
+# (case, [model] lines, the key refused, a fragment of the fix)
+_FOLDER_FIX = "transformer_path"
+REFUSED = [
+    ("sdxl", _table("sdxl", "checkpoint_path=/models/sd_xl_base_1.0.safetensors"), "model.checkpoint_path",
+     "diffusion_model ="),
+    ("flux", _table("flux", "diffusers_path=/models/FLUX.1-dev", extra=FP8), "model.diffusers_path", _FOLDER_FIX),
+    ("ltx-video", _table("ltx-video", "diffusers_path=/models/LTX-Video",
+                         "single_file_path=/models/ltx-video-2b-v0.9.1.safetensors"), "model.diffusers_path",
+     _FOLDER_FIX),
+    ("wan (checkpoint folder)", _table("wan", "ckpt_path=/models/Wan2.1-T2V-1.3B"), "model.ckpt_path", _FOLDER_FIX),
+    ("wan (folder + ComfyUI files)", _table("wan", "ckpt_path=/models/Wan2.1-T2V-1.3B",
+                                            "transformer_path=/models/wan2.1_t2v_1.3B_bf16.safetensors",
+                                            "llm_path=/models/umt5-xxl-enc-bf16.safetensors"),
+     "model.ckpt_path", _FOLDER_FIX),
+    ("chroma", _table("chroma", "diffusers_path=/models/FLUX.1-dev",
+                      "transformer_path=/models/chroma-unlocked-v10.safetensors", extra=FP8),
+     "model.diffusers_path", _FOLDER_FIX),
+    ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
+                       "llama3_path=/models/Meta-Llama-3.1-8B-Instruct"), "model.diffusers_path", _FOLDER_FIX),
+    ("sd3", _table("sd3", "diffusers_path=/models/stable-diffusion-3.5-medium"), "model.diffusers_path", _FOLDER_FIX),
+    ("omnigen2", _table("omnigen2", "diffusers_path=/models/OmniGen2"), "model.diffusers_path", _FOLDER_FIX),
+    ("flux kontext", _table("flux", "diffusers_path=/models/FLUX.1-dev",
+                            "transformer_path=/models/flux1-kontext-dev.safetensors"), "model.diffusers_path",
+     _FOLDER_FIX),
+    ("qwen_image (diffusers)", _table("qwen_image", "diffusers_path=/models/Qwen-Image"), "model.diffusers_path",
+     _FOLDER_FIX),
+    ("qwen_image_edit", _table("qwen_image", "diffusers_path=/models/Qwen-Image",
+                               "transformer_path=/models/qwen_image_edit_bf16.safetensors"), "model.diffusers_path",
+     _FOLDER_FIX),
+    ("anima", _table("anima", "transformer_path=/models/anima-preview.safetensors",
+                     "vae_path=/models/qwen_image_vae.safetensors", "llm_path=/models/qwen_3_06b_base.safetensors",
+                     extra="llm_adapter_lr = 0"), "model.type", "newer"),
+    ("ernie_image", _table("ernie_image", "diffusion_model=/models/ernie-image.safetensors",
+                           "vae=/models/flux2-vae.safetensors",
+                           extra="text_encoders = [{path = '/models/ministral-3-3b.safetensors', type = 'flux2'}]"),
+     "model.type", "0.19.0"),
+]
+
+
+def _write(tmp_path: Path, main: str, dataset: str = DATASETS["dataset"]) -> Path:
+    (tmp_path / "run.toml").write_text(main)
+    (tmp_path / "dataset.toml").write_text(dataset)
+    return tmp_path / "run.toml"
+
+
+def _refusal(path: Path) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_run(path)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("case, arch, ours, model", LOADS, ids=[c[0] for c in LOADS])
+def test_supported_model_tables_in_comfyui_files_load(tmp_path, case, arch, ours, model):
+    cfg = load_run(_write(tmp_path, MAIN + _model(arch, model) + ADAPTER + OPTIMIZER + MONITORING))
+    assert cfg.model.type == ours
+    from pipetrain.backend.models.tiny import cached_model_files
+    files = cached_model_files(arch)
+    assert Path(cfg.model.diffusion_model) == files.diffusion_model and Path(cfg.model.vae) == files.vae
+    assert [Path(p) for p in cfg.model.text_encoder_files] == files.text_encoders
+
+
+@pytest.mark.parametrize("case, model, key, fix", REFUSED, ids=[c[0] for c in REFUSED])
+def test_supported_model_tables_we_cannot_load_yet_are_refused_with_the_fix(tmp_path, case, model, key, fix):
+    message = _refusal(_write(tmp_path, MAIN + _model(None, model) + ADAPTER + OPTIMIZER))
+    assert f"key '{key}'" in message and fix in message, message
+    assert "unknown key" not in message
+
+
+def test_main_example_with_its_dataset_example_trains_with_diffusion_pipes_meaning(tmp_path):
+    cfg = load_run(_write(tmp_path, MAIN + _model("hunyuan_video", LOADS[0][3]) + ADAPTER + OPTIMIZER + MONITORING))
+    assert (cfg.epochs, cfg.save_every_n_epochs, cfg.partition_method) == (1000, 2, "parameters")
+    assert cfg.model.diffusion_model_dtype == "float8" and cfg.adapter.dtype == "bfloat16"
+    assert cfg.dataset_config.frame_buckets == [1, 33] and cfg.dataset_config.num_ar_buckets == 7
+
+
+@pytest.mark.parametrize("dataset", ["dataset", "lumina", "two_dirs"])
+def test_dataset_examples_load(tmp_path, dataset):
+    cfg = load_run(_write(tmp_path, MAIN + _model("hunyuan_video", LOADS[0][3]) + ADAPTER + OPTIMIZER,
+                          DATASETS[dataset]))
+    assert cfg.dataset_config.directory[-1].path == "images"
+    if dataset == "two_dirs":
+        assert cfg.dataset_config.directory[1].resolutions == [1024]
+
+
+def test_the_kontext_dataset_example_makes_flux_train_flux_kontext(tmp_path):
+    """diffusion-pipe's Kontext: ``type = 'flux'`` (its Kontext file) with examples/flux_kontext_dataset.toml."""
+    model = """type = 'flux'
+transformer_path = '{dm}'
+vae_path = '{vae}'
+text_encoders = ['{te0}', '{te1}']
+dtype = 'bfloat16'
+"""
+    path = _write(tmp_path, MAIN + _model("flux_kontext", model) + ADAPTER + OPTIMIZER, DATASETS["kontext"])
+    cfg = load_run(path)
+    assert cfg.model.type == "flux_kontext" and cfg.dataset_config.directory[0].control_path == "control"
+    text, ok = report(path)
+    assert ok and "trains model type 'flux_kontext' (diffusion-pipe's 'flux' with control images" in text
+
+
+def test_wan_min_vram_example_loads_once_its_folder_is_given_as_files(tmp_path):
+    """examples/wan_14b_min_vram.toml: only its ckpt_path (item 1) is refused; its 'unsloth' checkpointing,
+    block swapping and AdamW8bitKahan with stabilize = false load."""
+    model = """type = 'wan'
+ckpt_path = '/models/Wan2.1-T2V-14B'
+dtype = 'bfloat16'
+transformer_dtype = 'float8'
+timestep_sample_method = 'logit_normal'
+"""
+    adapter = ADAPTER.replace("rank = 32\n", "")
+    path = _write(tmp_path, WAN_MIN_VRAM_RUN + _model(None, model) + adapter + KAHAN)
+    assert "key 'model.ckpt_path'" in _refusal(path)
+    files = model.replace("ckpt_path = '/models/Wan2.1-T2V-14B'", "transformer_path = '{dm}'\nvae_path = '{vae}'\n"
+                                                                   "llm_path = '{te0}'")
+    cfg = load_run(_write(tmp_path, WAN_MIN_VRAM_RUN + _model("wan", files) + adapter + KAHAN))
+    assert (cfg.activation_checkpointing, cfg.blocks_to_swap) == ("unsloth", 32)
+    assert cfg.optimizer.type == "AdamW8bitKahan" and "stabilize" not in cfg.optimizer.kwargs()
+
+
+def test_qwen_image_24gb_example_is_refused_for_its_folder_and_its_optimizer(tmp_path):
+    run = MAIN.replace("video_clip_mode = 'single_beginning'\n", "") + "blocks_to_swap = 8\n"
+    model = _table("qwen_image", "diffusers_path=/models/Qwen-Image", extra=FP8)
+    optimizer = "[optimizer]\ntype = 'automagic'\nweight_decay = 0.01\n"
+    path = _write(tmp_path, run + _model(None, model) + ADAPTER + optimizer)
+    assert "key 'model.diffusers_path'" in _refusal(path)
+    text, ok = report(path)
+    assert not ok
+    assert "model.diffusers_path: REFUSED" in text and "optimizer.type: read as is" in text
+
+
+@pytest.mark.parametrize("dataset_lines, key", [
+    ("size_buckets = [[960, 960, 1], [960, 704, 1]]\n[[directory]]\npath = 'images'\nnum_repeats = 10\n",
+     "size_buckets"),     # examples/cosmos_dataset.toml
+    (DATASETS["dataset"] + "mask_path = 'masks'\n", "directory[0].mask_path"),
+])
+def test_dataset_examples_with_options_not_built_yet_are_refused(tmp_path, dataset_lines, key):
+    path = _write(tmp_path, MAIN + _model("hunyuan_video", LOADS[0][3]) + ADAPTER + OPTIMIZER, dataset_lines)
+    message = _refusal(path)
+    assert "dataset.toml" in message and f"key '{key}'" in message and "unknown key" not in message, message
+
+
+def test_check_config_reports_each_key_the_defaults_that_differ_and_the_refusals(tmp_path, capsys):
+    run = MAIN.replace("partition_method = 'parameters'\n", "") + "image_micro_batch_size_per_gpu = 4\n"
+    model = LOADS[0][3]
+    path = _write(tmp_path, run + _model("hunyuan_video", model) + ADAPTER.replace("dtype = 'bfloat16'\n", "") +
+                  KAHAN, DATASETS["dataset"] + "shuffle_metadata = true\n")
+    assert cli_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for line in ("  model.type: diffusion-pipe's 'hunyuan-video' is 'hunyuan_video' here",
+                 "  model.transformer_path: read as diffusion_model",
+                 "  model.llm_path: a text-encoder file, read into text_encoders",
+                 "  model.transformer_dtype: read as diffusion_model_dtype",
+                 "  image_micro_batch_size_per_gpu: read as is",
+                 "  video_clip_mode: accepted at this value, which changes nothing here",
+                 "  optimizer.stabilize: accepted at this value, which changes nothing here",
+                 "  optimizer.lr: read as is",
+                 "  directory[0].shuffle_metadata: accepted, changes nothing here",
+                 "  partition_method (main file): diffusion-pipe 'parameters'; here 'compute'",
+                 "  adapter.dtype (main file): diffusion-pipe the model's dtype; here 'float32'",
+                 "Loads: trains model type 'hunyuan_video'."):
+        assert line in out, (line, out)
+    assert "epochs (main file)" not in out          # set in the file: its value applies
+    assert out.count("dataset.toml:\n") == 1
+    # a refused key and a typo, with the fix; the command fails
+    path.write_text("huber_delta = 0.5\nepoch = 3\n" + path.read_text())
+    assert cli_main(["check-config", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "  huber_delta: REFUSED: PipeTrain trains with the mean squared error; remove the key" in out, out
+    assert "  epoch: unknown key (a typo?)" in out
+    assert "Does not load:" in out and "key 'huber_delta'" in out
+
+
+def test_the_readme_lists_every_default_difference():
+    from pipetrain.backend import compat
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for _, key, _, _ in compat.DEFAULT_DIFFERENCES:
+        assert f"| `{key}` |" in readme, key
+
+
+def test_check_config_on_our_own_example_covers_its_eval_dataset():
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    text, ok = report(examples / "sdxl_lora.toml")
+    assert ok and f"{examples / 'eval_dataset.toml'}:" in text and "Loads: trains model type 'sdxl'." in text
+    assert "REFUSED" not in text and "unknown key" not in text

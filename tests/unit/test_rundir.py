@@ -1,0 +1,119 @@
+"""The run folder as one contract (``backend/rundir.py``): the run-id rules both processes apply, the format
+version each run folder records, and no other module spelling the folder's file names."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from pipetrain.backend import rundir
+from pipetrain.backend.config import RunConfig
+from pipetrain.backend.errors import ConfigError
+from pipetrain.backend.rundir import (FORMAT, RUN_ID, RunDir, RunFormatError, RunsRoot, check_run_id,
+                                      choose_run_dir, new_run_id)
+from pipetrain.backend.schema import from_dict
+
+REPO = Path(__file__).resolve().parents[2]
+# names that belong to the run folder alone: only rundir.py may spell them
+CONTRACT = {"status.json", "events.jsonl", "stop", "launcher.json", "format.json", ".lock"}
+OTHER_FOLDERS = {REPO / "backend" / "rundir.py",
+                 REPO / "bench" / "diffusion_pipe.py"}   # diffusion-pipe's own run folder, not a PipeTrain one
+NOT_FILE_NAMES = {("backend/patches_deepspeed.py", "stop")}     # a parameter name in DeepSpeed's signature guard
+
+
+def _cfg(tmp_path: Path, **run) -> RunConfig:
+    return from_dict(RunConfig, {"output_dir": str(tmp_path / "out"), "dataset": "d.toml",
+                                 "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}, **run})
+
+
+def test_only_the_rundir_module_spells_the_run_folder_file_names():
+    spelled = []
+    for folder in ("backend", "launcher", "nodes", "bench"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path in OTHER_FOLDERS:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Constant) and node.value in CONTRACT
+                        and (str(path.relative_to(REPO)), node.value) not in NOT_FILE_NAMES):
+                    spelled.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not spelled, spelled
+
+
+def test_one_run_id_scheme_for_the_launcher_and_the_backend(tmp_path):
+    run_id = new_run_id("my lora/../v2")
+    assert check_run_id(run_id) == run_id and run_id.startswith("my-lora-v2-")
+    assert RUN_ID.fullmatch(new_run_id()) and new_run_id() != new_run_id()
+    # a run the CLI starts without a run_name gets an id the launcher's panel accepts
+    run = choose_run_dir(_cfg(tmp_path), None)
+    assert run.path.parent == tmp_path / "out" and check_run_id(run.name) == run.name
+    assert RunsRoot(tmp_path / "out").path(run.name) == run.path
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "cache", "with space"])
+def test_a_run_name_outside_the_id_rules_is_refused_naming_the_key(tmp_path, name):
+    with pytest.raises(ConfigError, match="run_name.*invalid run id"):
+        choose_run_dir(_cfg(tmp_path, run_name=name), None)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_new_run_folder_records_the_format_and_a_resume_checks_it(tmp_path, monkeypatch):
+    run = choose_run_dir(_cfg(tmp_path, run_name="r1"), None)
+    assert json.loads(run.format_file.read_text()) == {"format": FORMAT}
+    assert choose_run_dir(_cfg(tmp_path), "r1") == run                          # same format: resumes
+    run.format_file.write_text(json.dumps({"format": FORMAT + 1}))
+    with pytest.raises(RunFormatError, match=rf"r1 has format {FORMAT + 1}, newer than this PipeTrain reads "
+                                             rf"\(format {FORMAT}\): update PipeTrain"):
+        choose_run_dir(_cfg(tmp_path), "r1")
+    run.format_file.write_text(json.dumps({"format": FORMAT}))
+    monkeypatch.setattr(rundir, "FORMAT", FORMAT + 1)                         # a later PipeTrain meets this run
+    with pytest.raises(RunFormatError, match=rf"format {FORMAT}, older than this PipeTrain reads.*start a new run"):
+        choose_run_dir(_cfg(tmp_path), "r1")
+    monkeypatch.undo()
+    run.format_file.write_text('{"format": "$(rm -rf ~)"}')
+    with pytest.raises(RunFormatError, match="unreadable") as e:
+        run.check_format()
+    assert "rm -rf" not in str(e.value)                                       # never quotes the file
+
+
+def test_a_folder_from_before_format_versions_counts_as_the_first_format(tmp_path):
+    run = RunDir(tmp_path / "old")
+    run.path.mkdir()
+    run.run_toml.write_text("")
+    assert run.format() == 1
+    run.claim_format()
+    assert json.loads(run.format_file.read_text())["format"] == FORMAT
+
+
+def test_the_launcher_refuses_to_resume_a_newer_format(tmp_path):
+    from pipetrain.launcher.core import Launcher
+
+    la = Launcher(tmp_path / "runs")
+    run = la.dirs.run("newer")
+    run.path.mkdir(parents=True)
+    run.run_toml.write_text("")
+    run.format_file.write_text(json.dumps({"format": FORMAT + 1}))
+    with pytest.raises(RunFormatError, match="newer than this PipeTrain reads"):
+        la.resume("newer")
+    assert not run.launcher_file.exists()                                      # nothing was started
+
+
+def test_stop_requests_and_the_runs_root_listing(tmp_path):
+    root = RunsRoot(tmp_path)
+    older, newer = root.run("a-older"), root.run("b-newer")
+    for run, created in ((older, 100.0), (newer, 200.0)):
+        run.path.mkdir()
+        run.write_launcher({"created": created})
+    (tmp_path / "not-a-run").mkdir()
+    root.cache.path.mkdir()
+    root.cache.status_file.write_text("{}")                                   # the cache folder is never a run
+    assert root.ids() == ["b-newer", "a-older"]
+    assert not older.stop_requested()
+    older.request_stop()
+    assert older.stop_requested() and older.stop_file.parent == older.path
+    older.clear_stop()
+    older.clear_stop()                                                          # twice: no error
+    assert not older.stop_requested()
+    assert RunDir(older) == older and Path(older) == older.path                # a RunDir passes where a path does
+    assert older.started() == 100.0
