@@ -427,6 +427,13 @@ class MemoryNode(io.ComfyNode):
                 io.Boolean.Input("compile_cuda_graphs", default=start("compile_cuda_graphs"), optional=True,
                                  tooltip="With compile: replay compiled regions as CUDA graphs where that pays "
                                  "(SDXL); off: plain compiled kernels"),
+                io.Combo.Input("memory", options=["manual", "auto"], default=start("memory"), optional=True,
+                               tooltip="auto: before training, the run estimates each pipeline stage's GPU memory "
+                               "from the model itself and picks the fastest checkpointing and block swapping that "
+                               "fit (the choices above are then ignored); the run's events say what it chose"),
+                io.Float.Input("memory_limit_gib", default=0.0, min=0.0, max=4096.0, step=1.0, optional=True,
+                               tooltip="With memory = auto: plan for this many GiB of each GPU (a GPU shared with "
+                               "ComfyUI or another job); 0: the whole GPU"),
             ],
             outputs=[t.Memory.Output(display_name="memory")],
         )
@@ -440,6 +447,7 @@ class MemoryNode(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False, **keys) -> io.NodeOutput:
+    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False, memory_limit_gib=0.0,
+                **keys) -> io.NodeOutput:
         return io.NodeOutput(memory_patch(activation_checkpointing, offload_activations, blocks_to_swap=blocks_to_swap,
-                                          **keys))
+                                          memory_limit_gib=unset_if_zero(memory_limit_gib), **keys))

@@ -50,6 +50,10 @@ class RunConfig:
     activation_memory_budget: Optional[float] = None   # with compile: share of activations kept (compiling.py)
     compile_cuda_graphs: bool = True             # with compile: replay regions as CUDA graphs where it pays (SDXL)
     fp8_compute: bool = False                    # adapters: frozen base linears multiply in FP8 (models/fp8.py)
+    # "auto": the trainer picks activation_checkpointing(_fraction) and blocks_to_swap that fit the GPU
+    # (memory_plan.py); memory_limit_gib: plan for this much of each GPU instead of all of it
+    memory: Literal["manual", "auto"] = "manual"
+    memory_limit_gib: Optional[float] = None
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None
@@ -109,6 +113,9 @@ class RunConfig:
                 raise ConfigError("the budget is applied by torch.compile's partitioner: set compile = true, or leave "
                                   "activation_memory_budget out (activation_checkpointing saves memory without "
                                   "compile)", file=file, key="activation_memory_budget")
+        if self.memory_limit_gib is not None and not 0 < self.memory_limit_gib <= 4096:
+            raise ConfigError(f"got {self.memory_limit_gib}; the GiB of each GPU a run may plan for, up to 4096 "
+                              "(or leave it out: the whole GPU)", file=file, key="memory_limit_gib")
         if self.blocks_to_swap < 0:
             raise ConfigError(f"got {self.blocks_to_swap}; must be 0 or more", file=file, key="blocks_to_swap")
         if self.blocks_to_swap and self.adapter is None:

@@ -97,6 +97,9 @@ class Trainer:
                 return 0
             if self.stop_before_training():
                 return 0
+            if self.cfg.memory == "auto":
+                from .memory_auto import plan_memory
+                self.cfg = plan_memory(self.cfg, self.data, self.topology, self.reporter)
             self.parts = self.build_engine()
             self.state = self.restore()
             self.train_loop()
