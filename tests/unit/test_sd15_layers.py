@@ -158,3 +158,20 @@ def test_caption_encoding_keeps_only_the_cross_attention_context(small_sd):
 
     encoded = small_sd.encode_caption(Clip(), "a cube")
     assert list(encoded) == ["cond"] and encoded["cond"].shape == (77, CONTEXT_DIM)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parity_check_every_run_makes_passes_with_every_lora_getting_a_gradient(arch):
+    """The start-of-run parity check (``parity.py``, float64 on ComfyUI's own model): its probe latent is large
+    enough that the middle block's self-attention sees more than one position (at 8x8 its q and k got no gradient),
+    and SD 2.x's float32 attention precision is no difference of ours."""
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models.registry import adapter_class
+    from pipetrain.backend.parity import check_model_type
+
+    adapter = adapter_class(arch)(ModelConfig(type=arch, diffusion_model="unused", vae="unused"))
+    assert min(adapter.probe_latent(torch.Generator().manual_seed(0)).shape[-2:]) // 8 >= 2   # after 3 downsamplings
+    result = check_model_type(arch, use_memo=False)
+    assert result.ok, result.message()
+    assert result.lora_keys == 16 * (12 if arch == "sd2" else 10)
+    assert result.max_difference <= 1e-12 * result.scale and result.lora_difference <= 1e-12 * result.scale
