@@ -287,8 +287,8 @@ class ModelNode(io.ComfyNode):
                                  "resolution-dependent timestep shift"),
                 io.Float.Input("guidance", default=start("model.guidance"), min=0.0, max=100.0, step=0.1,
                                optional=True, tooltip="The distilled guidance input trained with (Flux-dev)"),
-                io.Boolean.Input("v_pred", default=start("model.v_pred"), optional=True, tooltip="SDXL: a "
-                                 "v-prediction model (else epsilon)"),
+                io.Boolean.Input("v_pred", default=start("model.v_pred"), optional=True, tooltip="SDXL, SD 1.x, "
+                                 "SD 2.x: train v-prediction (else as ComfyUI samples the model)"),
             ],
             outputs=[t.Model.Output(display_name="model")],
         )
