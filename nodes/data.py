@@ -162,6 +162,42 @@ class DatasetNode(io.ComfyNode):
         return io.NodeOutput(previous.plus(spec) if previous is not None else spec)
 
 
+GRAPH_DATASETS = "pipetrain_datasets"   # under ComfyUI's input directory
+
+
+class ImagesToDatasetNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainImagesToDataset", display_name="PipeTrain Images To Dataset", category=t.CATEGORY,
+            is_output_node=True,   # queued alone it writes the folder and shows its name
+            description="Images from the graph (generated, edited, loaded) with their captions, written as a "
+                        "dataset folder for a PipeTrain Dataset node's folder input.",
+            inputs=[
+                io.Image.Input("images", tooltip="The training images, a batch (join several with Batch Images)"),
+                io.String.Input("captions", multiline=True, default="", tooltip="One caption per line, in the "
+                                "batch's order, or a single line for every image (empty: no captions)"),
+                io.String.Input("name", default="graph", tooltip="The start of the folder's name (letters, digits, "
+                                "- and _); the rest is a digest of the images and captions, so the same ones "
+                                "always give the same folder"),
+            ],
+            outputs=[io.String.Output(display_name="folder")],
+        )
+
+    @classmethod
+    def execute(cls, images, captions, name) -> io.NodeOutput:
+        import folder_paths
+        import numpy as np
+
+        from ..backend.data.graph_dataset import split_captions, write_dataset
+        import torch
+        pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+        root = Path(folder_paths.get_input_directory()) / GRAPH_DATASETS
+        folder = write_dataset(np.asarray(pixels), split_captions(captions), root, name.strip() or "graph")
+        text = f"{GRAPH_DATASETS}/{folder.name}"
+        return io.NodeOutput(text, ui=ui.PreviewText(f"{text} ({len(pixels)} images)"))
+
+
 def diffusion_model_options() -> list[str]:
     import folder_paths
     return (folder_paths.get_filename_list("diffusion_models")
