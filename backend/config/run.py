@@ -116,6 +116,9 @@ class RunConfig:
         if self.memory_limit_gib is not None and not 0 < self.memory_limit_gib <= 4096:
             raise ConfigError(f"got {self.memory_limit_gib}; the GiB of each GPU a run may plan for, up to 4096 "
                               "(or leave it out: the whole GPU)", file=file, key="memory_limit_gib")
+        if self.samples is not None and self.adapter is None and self.samples.strengths != [1.0]:
+            raise ConfigError(f"got {self.samples.strengths}; a full fine-tune saves whole models, which have no "
+                              "strength: leave samples.strengths out", file=file, key="samples.strengths")
         if self.blocks_to_swap < 0:
             raise ConfigError(f"got {self.blocks_to_swap}; must be 0 or more", file=file, key="blocks_to_swap")
         if self.blocks_to_swap and self.adapter is None:
