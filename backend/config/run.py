@@ -53,6 +53,9 @@ class RunConfig:
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None
+    # an exponential moving average of the trained weights, saved beside each LoRA as <name>-ema (train/ema.py)
+    ema: bool = False
+    ema_decay: float = 0.999                     # the share of the average each optimizer step keeps
     caching_batch_size: int = 1
     steps_per_print: int = 1
     seed: int = 42
@@ -92,6 +95,9 @@ class RunConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"got names {names}; each eval dataset needs its own name", file=file,
                               key="eval_datasets")
+        if not 0 < self.ema_decay < 1:
+            raise ConfigError(f"got {self.ema_decay}; must be between 0 and 1, e.g. 0.999 (the share of the average "
+                              "each step keeps; 1 - decay goes to the new weights)", file=file, key="ema_decay")
         if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
             raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
         if not 0 < self.activation_checkpointing_fraction <= 1:

@@ -18,6 +18,7 @@ from ..optim import make_optimizer
 from ..patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
 from . import distributed
 from .clipping import clip_grad_norm_
+from .ema import WeightAverage
 from .eval import build_eval_sets, every_n_steps
 from .events import RunReporter
 from .feed import MicroBatchFeed
@@ -127,7 +128,8 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
         total_steps=total_steps,
         save_every_steps=every_n_steps(cfg.save_every_n_steps, cfg.save_every_n_examples, global_batch),
         eval_every_steps=every_n_steps(cfg.eval_every_n_steps, cfg.eval_every_n_examples, global_batch),
-        eval_sets=build_eval_sets(cfg, adapter, data, topology, reporter))
+        eval_sets=build_eval_sets(cfg, adapter, data, topology, reporter),
+        ema=WeightAverage(engine.module, cfg.ema_decay) if cfg.ema else None)   # the weights as they start
     if topology.is_main:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
         reporter.event(

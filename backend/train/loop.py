@@ -105,6 +105,8 @@ def run_loop(t: Trainer) -> None:
         if profiler:
             profiler.before_step(state.global_step + 1)
         loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
+        if parts.ema is not None:   # train_batch ended with the optimizer step
+            parts.ema.update()
         following = state.step_in_epoch + 1
         if reads_data and following < steps_per_epoch and state.global_step + 1 < state.total_steps:
             feed.prefetch(batches[following], state.epoch, following)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..cache import CacheStore
     from ..cache.manifest import CacheEntry
     from ..data import EpochPlan
+    from .ema import WeightAverage
     from .eval import EvalSet
     from .feed import MicroBatchFeed
     from .swap import BlockSwapper
@@ -70,6 +71,7 @@ class EngineParts:
     save_every_steps: int | None
     eval_every_steps: int | None
     eval_sets: list[EvalSet] = field(default_factory=list)
+    ema: WeightAverage | None = None  # ``ema = true``: this stage's moving average of the trained weights
 
 
 @dataclass
