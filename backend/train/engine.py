@@ -131,7 +131,7 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
         save_every_steps=every_n_steps(cfg.save_every_n_steps, cfg.save_every_n_examples, global_batch),
         eval_every_steps=every_n_steps(cfg.eval_every_n_steps, cfg.eval_every_n_examples, global_batch),
         eval_sets=build_eval_sets(cfg, adapter, data, topology, reporter),
-        ema=WeightAverage(engine.module, cfg.ema_decay) if cfg.ema else None,   # the weights as they start
+        ema=WeightAverage(engine.module, cfg.average_decay) if cfg.ema else None,   # the weights as they start
         split_loss=split_loss)
     if topology.is_main:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None

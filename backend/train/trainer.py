@@ -312,7 +312,7 @@ class Trainer:
                        "decompose_factor": self.cfg.adapter.decompose_factor}
         run_toml = run_dir.run_toml.read_text()
         stem = weights_stem(run_dir.name, epoch, step, at_step, ema)
-        info = {"epoch": epoch, "step": step, "run": run_dir.name, **({"ema_decay": self.cfg.ema_decay} if ema else {})}
+        info = {"epoch": epoch, "step": step, "run": run_dir.name, **({"ema_decay": self.cfg.average_decay} if ema else {})}
         # a resumed run that trains an epoch again (killed after its LoRA, before the checkpoint) rewrites the
         # same file, bit for bit, rather than adding a "-1" copy beside it
         path = write_lora(sd, folder, stem, adapter_cfg, run_toml, info, replace=replace)

@@ -110,8 +110,13 @@ def test_ema_decay_outside_zero_to_one_names_the_key(decay):
     with pytest.raises(ConfigError, match="key 'ema_decay': got"):
         from_dict(RunConfig, {**BASE, "ema": True, "ema_decay": decay})
     cfg = from_dict(RunConfig, {**BASE, "ema": True, "ema_decay": 0.99})
-    assert (cfg.ema, cfg.ema_decay) == (True, 0.99)
-    assert (from_dict(RunConfig, BASE).ema, from_dict(RunConfig, BASE).ema_decay) == (False, 0.999)
+    assert (cfg.ema, cfg.average_decay) == (True, 0.99)
+    assert (from_dict(RunConfig, {**BASE, "ema": True}).average_decay, from_dict(RunConfig, BASE).ema) == (0.999, False)
+
+
+def test_a_decay_without_ema_names_the_key():
+    with pytest.raises(ConfigError, match="key 'ema_decay': a decay without the average: set ema = true"):
+        from_dict(RunConfig, {**BASE, "ema_decay": 0.99})
 
 
 def test_the_adapter_node_sets_ema_and_its_decay():
