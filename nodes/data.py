@@ -11,7 +11,7 @@ from ..backend.errors import PipeTrainError
 from ..launcher.build import check_caption_extension, check_dataset_folder
 from ..launcher.specs import DatasetSpec
 from . import types as t
-from .widgets import DATASET, choices, start
+from .widgets import DATASET, DIRECTORY, choices, start
 
 WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 COMPUTE_DTYPES = choices("model.dtype")
@@ -129,6 +129,15 @@ class DatasetNode(io.ComfyNode):
                 io.Int.Input("caching_batch_size", optional=True, default=start("caching_batch_size"), min=1, max=256,
                              tooltip="Images encoded at once when the latents are cached (the training dataset's "
                              "value counts)"),
+                io.Boolean.Input("is_reg", optional=True, default=start("is_reg", DIRECTORY),
+                                 tooltip="This folder holds regularisation (prior-preservation) images, e.g. generic "
+                                 "images of the class captioned without the trigger word: drawn into each epoch at "
+                                 "reg_ratio, their loss logged apart (train/loss_reg). Chain it with the folder of "
+                                 "the images to learn"),
+                io.Float.Input("reg_ratio", optional=True, default=start("reg_ratio", DATASET), min=0.01, max=0.99,
+                               step=0.01, tooltip="With is_reg folders: the share of each epoch's samples drawn "
+                               "from them (0.5: as many as the training samples). The dataset's value: the one on "
+                               "the Dataset node wired to Cache or Train"),
             ],
             outputs=[t.Dataset.Output(display_name="dataset")],
         )
@@ -143,7 +152,8 @@ class DatasetNode(io.ComfyNode):
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
                 caption_extension, frame_buckets=None, uncond_fraction=None, control_folder="", previous=None,
-                on_unreadable=None, caching_batch_size=None, **directory_keys) -> io.NodeOutput:
+                on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None,
+                **directory_keys) -> io.NodeOutput:
         frame_buckets = frame_buckets or ", ".join(map(str, start("frame_buckets", DATASET)))
         error = dataset_input_error(folder, resolutions, caption_extension, frame_buckets, control_folder)
         if error:
@@ -154,9 +164,10 @@ class DatasetNode(io.ComfyNode):
         # caption_prefix, shuffle_tags, cache_shuffle_num, skip_empty_caption, cache_shuffle_delimiter: as named
         directory = RunPatch.of({**directory_keys, "path": str(dataset_folder(folder)), "num_repeats": num_repeats,
                                  "resolutions": res, "caption_extension": ext,
-                                 "frame_buckets": parse_frame_buckets(frame_buckets), "control_path": control})
+                                 "frame_buckets": parse_frame_buckets(frame_buckets), "control_path": control,
+                                 "is_reg": is_reg or None})   # off: the key left out
         shared = RunPatch.of(dict(resolutions=res, enable_ar_bucket=enable_ar_bucket, min_ar=min_ar, max_ar=max_ar,
-                                  num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable))
+                                  num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable, reg_ratio=reg_ratio))
         run = RunPatch.of(dict(uncond_fraction=uncond_fraction, caching_batch_size=caching_batch_size))
         spec = DatasetSpec((directory,), shared, run)
         return io.NodeOutput(previous.plus(spec) if previous is not None else spec)

@@ -75,6 +75,12 @@ class AdapterNode(io.ComfyNode):
                 io.Combo.Input("save_dtype", options=[DEFAULT, *choices("save_dtype")], default=DEFAULT,
                                optional=True, tooltip="The dtype the saved LoRAs (or models) are written in "
                                "(default: as trained)"),
+                io.Boolean.Input("ema", default=start("ema"), optional=True, tooltip="Also keep an exponential "
+                                 "moving average of the trained weights and save it beside each LoRA (or model) as "
+                                 "<name>-ema, loaded like the plain one: often smoother results"),
+                io.Float.Input("ema_decay", default=start("ema_decay"), min=0.5, max=0.99999, step=0.0001,
+                               round=1e-5, optional=True, tooltip="With ema: the share of the average each step "
+                               "keeps; it follows about the last 1 / (1 - decay) steps (0.999: 1000)"),
             ],
             outputs=[t.Adapter.Output(display_name="adapter")],
         )
@@ -94,13 +100,16 @@ class AdapterNode(io.ComfyNode):
     @classmethod
     def execute(cls, rank, alpha, dropout, target_modules, type=start("adapter.type"),  # noqa: A002
                 decompose_factor=start("adapter.decompose_factor"), dora=start("adapter.dora"), dtype=DEFAULT,
-                init_from_existing="none", save_dtype=DEFAULT) -> io.NodeOutput:
+                init_from_existing="none", save_dtype=DEFAULT, ema=start("ema"),
+                ema_decay=start("ema_decay")) -> io.NodeOutput:
         # dora off leaves the key out (its default), so other types' tables carry no LoRA-only key
         patch = adapter_patch(dict(type=type, rank=rank, alpha=alpha, dropout=dropout, dora=dora or None,
                                    target_modules=_words(target_modules), decompose_factor=decompose_factor,
                                    dtype=None if dtype == DEFAULT else dtype,
                                    init_from_existing=lora_path(init_from_existing)))
-        return io.NodeOutput(patch | RunPatch.of({"save_dtype": None if save_dtype == DEFAULT else save_dtype}))
+        run = {"save_dtype": None if save_dtype == DEFAULT else save_dtype, "ema": ema or None,
+               "ema_decay": ema_decay if ema else None}   # off: both keys left out
+        return io.NodeOutput(patch | RunPatch.of(run))
 
 
 OPTIMIZERS = [start("optimizer.type"), "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy",

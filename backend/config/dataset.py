@@ -24,6 +24,9 @@ class DirectoryConfig:
     skip_empty_caption: Optional[bool] = None
     frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
     control_path: Optional[str] = None          # edit models: control images paired by file stem
+    # regularisation (prior-preservation) images: drawn into each epoch at the dataset's reg_ratio, their loss
+    # logged apart (train/loss_reg); ai-toolkit's key
+    is_reg: bool = False
 
     UNSUPPORTED = compat.DIRECTORY
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_dataset(data, file, prefix))
@@ -68,6 +71,8 @@ class DatasetConfig:
     # video models: each video trains as one clip of the largest of these frame counts it fills at the
     # model's frame rate, taken from its start (1 = still images; a video never goes to 1)
     frame_buckets: list[int] = field(default_factory=lambda: [1])
+    # with is_reg directories: the share of each epoch's samples drawn from them (the rest: every training sample)
+    reg_ratio: float = 0.5
     # where relative directory paths are resolved; set from the file's location, not written back
     _base: Optional[Path] = None
 
@@ -89,6 +94,13 @@ class DatasetConfig:
             raise ConfigError("must be 0 or more", file=file, key="cache_shuffle_num")
         check_frame_buckets(self.frame_buckets, file, "frame_buckets")
         check_caption_extension(self.caption_extension, file, "caption_extension")
+        if not 0 < self.reg_ratio < 1:
+            raise ConfigError(f"got {self.reg_ratio}; must be between 0 and 1, e.g. 0.5: half of each epoch's "
+                              "samples from the is_reg directories", file=file, key="reg_ratio")
+        if all(d.is_reg for d in self.directory):
+            raise ConfigError("every [[directory]] is marked is_reg: regularisation images go beside the training "
+                              "images; set is_reg = false on the directory of the images to learn", file=file,
+                              key="directory.is_reg")
 
     def caption_options(self, d: DirectoryConfig) -> CaptionOptions:
         def pick(name):

@@ -11,7 +11,10 @@ from ..errors import ConfigError
 from .common import check_folder, replace
 from .dataset import DatasetConfig
 from .model import AdapterConfig, Dtype, ModelConfig
+from .patch import widget
 from .sections import ClusterConfig, EvalDatasetConfig, OptimizerConfig, SamplesConfig
+
+EMA_DECAY = 0.999   # the average follows about the last 1 / (1 - decay) = 1000 steps
 
 
 @dataclass
@@ -57,6 +60,10 @@ class RunConfig:
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None
+    # an exponential moving average of the trained weights, saved beside each LoRA as <name>-ema (train/ema.py)
+    ema: bool = False
+    # the share of the average each optimizer step keeps; left out: EMA_DECAY
+    ema_decay: Optional[float] = field(default=None, metadata=widget(EMA_DECAY))
     caching_batch_size: int = 1
     steps_per_print: int = 1
     seed: int = 42
@@ -96,6 +103,14 @@ class RunConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"got names {names}; each eval dataset needs its own name", file=file,
                               key="eval_datasets")
+        if self.ema_decay is not None:
+            if not 0 < self.ema_decay < 1:
+                raise ConfigError(f"got {self.ema_decay}; must be between 0 and 1, e.g. 0.999 (the share of the "
+                                  "average each step keeps; 1 - decay goes to the new weights)", file=file,
+                                  key="ema_decay")
+            if not self.ema:
+                raise ConfigError("a decay without the average: set ema = true too, or leave ema_decay out",
+                                  file=file, key="ema_decay")
         if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
             raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
         if not 0 < self.activation_checkpointing_fraction <= 1:
@@ -136,6 +151,11 @@ class RunConfig:
                     file=file, key="partition_split")
 
     # --- derived ---------------------------------------------------------------------------
+    @property
+    def average_decay(self) -> float:
+        """``ema_decay``, or its default where the file leaves it out."""
+        return EMA_DECAY if self.ema_decay is None else self.ema_decay
+
     @property
     def file(self) -> Path | None:
         """The TOML file this config was loaded from (None: built in memory); errors name it."""

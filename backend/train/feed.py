@@ -29,7 +29,7 @@ def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
 class MicroBatchFeed:
     def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int,
                  uncond_text: dict[str, str] | None = None, uncond_fraction: float = 0.0,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, reg_labels: bool = False):
         self.adapter = adapter
         self.device = device if device is not None and device.type == "cuda" else None   # None: host tensors
         self.store = store
@@ -39,6 +39,7 @@ class MicroBatchFeed:
         self.objective = adapter.objective()
         self.uncond_text = uncond_text          # caption dropout: text key -> the empty caption's key
         self.uncond_fraction = uncond_fraction if uncond_text else 0.0
+        self.reg_labels = reg_labels            # the labels end with which samples are regularisation ones
         self._pool: ThreadPoolExecutor | None = None
         self._prefetched = None                 # ((epoch, step, micro_batches), Future) of the next step
 
@@ -69,7 +70,10 @@ class MicroBatchFeed:
         drawn = [self._noise_and_t(lat, epoch, step, first + i, e) for i, (lat, e) in enumerate(zip(latents, entries))]
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
-        batch = (latents, noise, t, *text, *conditioning), (latents, noise, t)
+        labels = (latents, noise, t)
+        if self.reg_labels:   # for the loss logged per kind (reg_loss.py)
+            labels += (torch.tensor([e.is_reg for e in entries], dtype=torch.bool),)
+        batch = (latents, noise, t, *text, *conditioning), labels
         return _map_tensors(batch, torch.Tensor.pin_memory) if self.device is not None else batch
 
     def step_iter(self, micro_batches, epoch: int, step: int):
