@@ -87,4 +87,6 @@ def plan_memory(cfg: RunConfig, data: CachedData, topology: Topology, reporter) 
         log.info(text)
         reporter.event("memory_plan", chosen=dataclasses.asdict(settings), gpu_gib=round(total / mp.GIB, 2),
                        stages_gib=[round(st.gpu / mp.GIB, 3) for st in stages], message=text)
+        reporter.update(memory={"chosen": settings.describe(), "gpu_gib": round(total / mp.GIB, 2),
+                                "stages_gib": [round(st.gpu / mp.GIB, 2) for st in stages]})
     return mp.apply(cfg, settings)

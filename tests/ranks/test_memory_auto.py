@@ -67,6 +67,12 @@ def test_auto_checkpoints_where_the_limit_needs_it_and_trains(micro_flux_files, 
     [engine] = run.events("engine")
     assert engine["checkpointed_layers"] > 0
     assert run.losses() and len(run.loras()) == 1
+    # what the Train and Run Status nodes show
+    from pipetrain.launcher.summaries import summarize
+    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.nodes.runs import status_text
+    text = status_text(summarize(RunsRoot(run.output_dir), run.run_dir.name, False))
+    assert "memory auto: activation_checkpointing = " in text and "planned" in text, text
     # a limit nothing fits: refused before the model loads, naming the key and what to change
     refused = train(_with_keys(config, memory_limit_gib=limit / 100), 2)
     assert refused.returncode != 0 and "key 'memory'" in refused.output and "pipeline_stages" in refused.output
