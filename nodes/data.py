@@ -40,9 +40,41 @@ def parse_resolutions(text: str) -> tuple[int, ...]:
         values = tuple(int(v) for v in str(text).replace(";", ",").split(",") if v.strip())
     except ValueError:
         raise ValueError(f"resolutions {text!r}: write whole numbers separated by commas, e.g. 512, 768") from None
-    if not values or any(v < 64 or v % 64 for v in values):
-        raise ValueError(f"resolutions {text!r}: each must be a multiple of 64, at least 64")
+    if not values or any(v < 64 or v % 16 or v > 8192 for v in values):
+        raise ValueError(f"resolutions {text!r}: each must be a multiple of 16 from 64 to 8192")
     return values
+
+
+def parse_ar_buckets(text: str) -> tuple[float, ...] | None:
+    """"0.75, 1.0, 1216x832" -> ratios (a WxH entry is W / H); empty: None (min_ar..max_ar instead)."""
+    out = []
+    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
+        if not part:
+            continue
+        try:
+            w, _, h = part.lower().partition("x")
+            out.append(int(w) / int(h) if h else float(part))
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"ar_buckets {text!r}: write ratios or WxH sizes separated by commas, e.g. "
+                             "0.75, 1.0, 1216x832") from None
+    return tuple(out) or None
+
+
+def parse_size_buckets(text: str) -> tuple[tuple[int, ...], ...] | None:
+    """"832x480, 832x480x33" -> [width, height(, frames)] entries; empty: None."""
+    out = []
+    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
+        if not part:
+            continue
+        try:
+            values = tuple(int(v) for v in part.lower().split("x"))
+        except ValueError:
+            values = ()
+        if len(values) not in (2, 3):
+            raise ValueError(f"size_buckets {text!r}: write WxH or WxHxFRAMES entries separated by commas, e.g. "
+                             "832x480, 832x480x33")
+        out.append(values)
+    return tuple(out) or None
 
 
 def dataset_input_error(folder=None, resolutions=None, caption_extension=None, frame_buckets=None,
@@ -78,7 +110,7 @@ class DatasetNode(io.ComfyNode):
                                 "input directory, or an absolute path"),
                 io.String.Input("resolutions", default=", ".join(map(str, start("resolutions", DATASET))),
                                 tooltip="Training side length(s) in pixels, comma "
-                                "separated multiples of 64; each image trains at every resolution"),
+                                "separated multiples of 16 (e.g. 512, 1024); each image trains at every resolution"),
                 io.Boolean.Input("enable_ar_bucket", default=start("enable_ar_bucket", DATASET),
                                  tooltip="Group images by aspect ratio instead of "
                                  "cropping them square"),
@@ -138,6 +170,12 @@ class DatasetNode(io.ComfyNode):
                                step=0.01, tooltip="With is_reg folders: the share of each epoch's samples drawn "
                                "from them (0.5: as many as the training samples). The dataset's value: the one on "
                                "the Dataset node wired to Cache or Train"),
+                io.String.Input("ar_buckets", optional=True, default="", tooltip="With enable_ar_bucket: exactly these "
+                                "aspect ratios instead of min_ar..max_ar, comma separated ratios or WxH sizes (e.g. "
+                                "0.75, 1.0, 1216x832); empty: num_ar_buckets spaced ones"),
+                io.String.Input("size_buckets", optional=True, default="", tooltip="Exact training sizes instead of "
+                                "resolutions and ratios: WxH for stills, WxHxFRAMES for clips (e.g. 832x480, "
+                                "832x480x33); each image takes the nearest ratio. Empty: off"),
             ],
             outputs=[t.Dataset.Output(display_name="dataset")],
         )
@@ -152,8 +190,8 @@ class DatasetNode(io.ComfyNode):
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
                 caption_extension, frame_buckets=None, uncond_fraction=None, control_folder="", previous=None,
-                on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None,
-                **directory_keys) -> io.NodeOutput:
+                on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None, ar_buckets="",
+                size_buckets="", **directory_keys) -> io.NodeOutput:
         frame_buckets = frame_buckets or ", ".join(map(str, start("frame_buckets", DATASET)))
         error = dataset_input_error(folder, resolutions, caption_extension, frame_buckets, control_folder)
         if error:
@@ -167,7 +205,8 @@ class DatasetNode(io.ComfyNode):
                                  "frame_buckets": parse_frame_buckets(frame_buckets), "control_path": control,
                                  "is_reg": is_reg or None})   # off: the key left out
         shared = RunPatch.of(dict(resolutions=res, enable_ar_bucket=enable_ar_bucket, min_ar=min_ar, max_ar=max_ar,
-                                  num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable, reg_ratio=reg_ratio))
+                                  num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable, reg_ratio=reg_ratio,
+                                  ar_buckets=parse_ar_buckets(ar_buckets), size_buckets=parse_size_buckets(size_buckets)))
         run = RunPatch.of(dict(uncond_fraction=uncond_fraction, caching_batch_size=caching_batch_size))
         spec = DatasetSpec((directory,), shared, run)
         return io.NodeOutput(previous.plus(spec) if previous is not None else spec)

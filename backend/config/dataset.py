@@ -8,7 +8,7 @@ from typing import Literal, Optional
 
 from .. import compat
 from ..errors import ConfigError
-from .common import check_caption_extension, check_frame_buckets, check_resolutions, replace
+from .common import MAX_RESOLUTION, check_caption_extension, check_frame_buckets, check_resolutions, replace
 
 @dataclass
 class DirectoryConfig:
@@ -43,6 +43,17 @@ class DirectoryConfig:
             check_resolutions(self.resolutions, file, "directory.resolutions")
 
 
+def check_size_buckets(buckets: list, file) -> None:
+    for i, b in enumerate(buckets):
+        if not isinstance(b, list) or len(b) not in (2, 3) or not all(isinstance(v, int) for v in b) \
+                or not all(64 <= v <= MAX_RESOLUTION and v % 16 == 0 for v in b[:2]) or (len(b) == 3 and b[2] < 1):
+            raise ConfigError(f"entry {b!r}: give [width, height] or [width, height, frames], sides multiples of 16 "
+                              f"from 64 to {MAX_RESOLUTION}, frames 1 or more", file=file, key=f"size_buckets[{i}]")
+    if not buckets:
+        raise ConfigError("give at least one [width, height] (or leave size_buckets out)", file=file,
+                          key="size_buckets")
+
+
 @dataclass(frozen=True)
 class CaptionOptions:
     """How one directory's captions become the texts that are encoded and trained on."""
@@ -60,6 +71,10 @@ class DatasetConfig:
     min_ar: float = 0.5
     max_ar: float = 2.0
     num_ar_buckets: int = 7
+    # diffusion-pipe's explicit buckets: aspect ratios (width / height; [w, h] pairs become w / h) instead of
+    # min_ar..max_ar, or exact sizes [w, h] / [w, h, frames] instead of resolutions and ratios altogether
+    ar_buckets: Optional[list[float]] = None
+    size_buckets: Optional[list[list[int]]] = None
     num_repeats: int = 1
     caption_extension: str = ".txt"
     on_unreadable: Literal["skip", "error"] = "skip"
@@ -88,6 +103,11 @@ class DatasetConfig:
                               file=file, key="min_ar")
         if self.num_ar_buckets < 1:
             raise ConfigError("must be 1 or more", file=file, key="num_ar_buckets")
+        if self.ar_buckets is not None and (not self.ar_buckets or any(not 0.05 <= a <= 20 for a in self.ar_buckets)):
+            raise ConfigError(f"got {self.ar_buckets}; give aspect ratios (width / height) from 0.05 to 20, or "
+                              "[width, height] pairs, e.g. [0.75, 1.0, [1216, 832]]", file=file, key="ar_buckets")
+        if self.size_buckets is not None:
+            check_size_buckets(self.size_buckets, file)
         if self.num_repeats < 1:
             raise ConfigError("must be 1 or more", file=file, key="num_repeats")
         if self.cache_shuffle_num < 0:

@@ -272,8 +272,6 @@ def test_qwen_image_24gb_example_is_refused_for_its_folder_and_its_optimizer(tmp
 
 
 @pytest.mark.parametrize("dataset_lines, key", [
-    ("size_buckets = [[960, 960, 1], [960, 704, 1]]\n[[directory]]\npath = 'images'\nnum_repeats = 10\n",
-     "size_buckets"),     # examples/cosmos_dataset.toml
     (DATASETS["dataset"] + "mask_path = 'masks'\n", "directory[0].mask_path"),
 ])
 def test_dataset_examples_with_options_not_built_yet_are_refused(tmp_path, dataset_lines, key):
@@ -326,3 +324,17 @@ def test_check_config_on_our_own_example_covers_its_eval_dataset():
     text, ok = report(examples / "sdxl_lora.toml")
     assert ok and f"{examples / 'eval_dataset.toml'}:" in text and "Loads: trains model type 'sdxl'." in text
     assert "REFUSED" not in text and "unknown key" not in text
+
+
+def test_cosmos_size_buckets_example_loads(tmp_path):
+    """examples/cosmos_dataset.toml's explicit sizes: read as they are (tests/unit/test_data_buckets.py: which
+    size each image takes)."""
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.config.files import _read_toml
+    from pipetrain.backend.schema import from_dict
+
+    lines = "size_buckets = [[960, 960, 1], [960, 704, 1]]\n[[directory]]\npath = 'images'\nnum_repeats = 10\n"
+    path = _write(tmp_path, MAIN + _model("hunyuan_video", LOADS[0][3]) + ADAPTER + OPTIMIZER, lines)
+    dataset = path.parent / "dataset.toml"
+    cfg = from_dict(DatasetConfig, _read_toml(dataset), file=dataset)
+    assert cfg.size_buckets == [[960, 960, 1], [960, 704, 1]]

@@ -173,10 +173,8 @@ def test_typos_list_the_accepted_keys_instead(dp):
 
 
 @pytest.mark.parametrize("dataset_edit, key, reason", [
-    (("frame_buckets = [1, 33]", "ar_buckets = [1.0, 1.5]"), "ar_buckets", "num_ar_buckets"),
     (("num_repeats = 1", "num_repeats = 1\nmask_path = 'masks'"), "directory[0].mask_path", "masked"),
     (("num_repeats = 1", "num_repeats = 1\nmin_ar = 0.3"), "directory[0].min_ar", "top of the dataset file"),
-    (("resolutions = [512]", "resolutions = [[1280, 720]]"), "resolutions[0]", "960^2"),
 ])
 def test_dataset_keys_we_do_not_support(dp, dataset_edit, key, reason):
     (dp / "dataset.toml").write_text(DP_DATASET.replace(*dataset_edit, 1))
