@@ -37,8 +37,6 @@ RUN = {
     "resume_from_checkpoint": Unsupported("pass --resume [RUN] on the command line", inert=(False,)),
     "force_constant_lr": Unsupported("set [optimizer] lr and lr_scheduler = 'constant' (a resumed run keeps "
                                      "the checkpoint's schedule)"),
-    "huber_delta": Unsupported("PipeTrain trains with the mean squared error; remove the key"),
-    "smooth_l1_beta": Unsupported("PipeTrain trains with the mean squared error; remove the key"),
     "monitoring": Unsupported("Weights & Biases is not supported; the run logs to TensorBoard "
                               "(<run>/tensorboard) and events.jsonl; set enable_wandb = false or remove [monitoring]",
                               inert=lambda v: isinstance(v, dict) and not v.get("enable_wandb", False)),
@@ -92,8 +90,6 @@ MODEL = {
                                    f"{SINGLE_FILES_HINT}"),
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
-    "min_snr_gamma": Unsupported("not implemented; remove the key"),
-    "debiased_estimation_loss": Unsupported("not implemented; remove the key", inert=(False,)),
     "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
                                   "remove the key", inert=(0, 0.0)),
     "unet_lr": Unsupported("one learning rate for everything that trains: set [optimizer] lr"),

@@ -305,12 +305,12 @@ def test_check_config_reports_each_key_the_defaults_that_differ_and_the_refusals
     assert "epochs (main file)" not in out          # set in the file: its value applies
     assert out.count("dataset.toml:\n") == 1
     # a refused key and a typo, with the fix; the command fails
-    path.write_text("huber_delta = 0.5\nepoch = 3\n" + path.read_text())
+    path.write_text("force_constant_lr = 1e-5\nepoch = 3\n" + path.read_text())
     assert cli_main(["check-config", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "  huber_delta: REFUSED: PipeTrain trains with the mean squared error; remove the key" in out, out
+    assert "  force_constant_lr: REFUSED: set [optimizer] lr and lr_scheduler = 'constant'" in out, out
     assert "  epoch: unknown key (a typo?)" in out
-    assert "Does not load:" in out and "key 'huber_delta'" in out
+    assert "Does not load:" in out and "key 'force_constant_lr'" in out
 
 
 def test_the_readme_lists_every_default_difference():
