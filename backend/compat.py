@@ -72,11 +72,16 @@ DEFAULT_DIFFERENCES = [
     ("dataset", "shuffle_metadata", "true", "the order is reshuffled every epoch (the key changes nothing)"),
 ]
 
-# Keys whose values mean something else here (shown by check-config where a file sets them)
+# Keys (dotted under their table) whose values mean something else here (check-config shows them where a file
+# sets them)
 MEANING_DIFFERENCES = {
     "lr_scheduler": "'linear' and 'cosine' decay to 0 at the run's last step (diffusion-pipe: over the epochs, "
                     "cosine to 1e-6)",
     "partition_split": "layer indices of PipeTrain's layer list (a different list from diffusion-pipe's)",
+    "model.min_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "model.max_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "model.debiased_estimation_loss": "false is off (diffusion-pipe weighs the loss whenever the key is present, "
+                                      "false included)",
 }
 
 _FOLDERS = ("a model folder in Diffusers or the official layout is not read yet (issue 20, item 1); "

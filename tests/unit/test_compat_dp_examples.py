@@ -326,3 +326,25 @@ def test_check_config_on_our_own_example_covers_its_eval_dataset():
     text, ok = report(examples / "sdxl_lora.toml")
     assert ok and f"{examples / 'eval_dataset.toml'}:" in text and "Loads: trains model type 'sdxl'." in text
     assert "REFUSED" not in text and "unknown key" not in text
+
+
+def test_loss_and_timestep_keys_load_with_diffusion_pipes_meaning(tmp_path):
+    """huber_delta / smooth_l1_beta choose their loss (diffusion-pipe's rule), SDXL's min_snr_gamma and
+    debiased_estimation_loss weigh it, and min_t / max_t restrict any flow model; check-config says so."""
+    sdxl = _table("sdxl", "diffusion_model", "vae", extra="text_encoders = ['{te0}', '{te1}']\nv_pred = false\n"
+                  "min_snr_gamma = 5\ndebiased_estimation_loss = true")
+    path = _write(tmp_path, "huber_delta = 0.5\n" + MAIN + _model("sdxl", sdxl) + ADAPTER + OPTIMIZER)
+    cfg = load_run(path)
+    assert (cfg.loss_kind, cfg.huber_delta, cfg.model.min_snr_gamma, cfg.model.debiased_estimation_loss) == (
+        "huber", 0.5, 5, True)
+    text, ok = report(path)
+    assert ok and "REFUSED" not in text, text
+    for line in ("  huber_delta: read as is", "  model.min_snr_gamma: read as is",
+                 "  model.debiased_estimation_loss: DIFFERENT: false is off"):
+        assert line in text, (line, text)
+    flux = _table("flux", "transformer_path", "vae_path", extra="text_encoders = ['{te0}', '{te1}']\nmin_t = 0.2\n"
+                  "max_t = 0.8")
+    path = _write(tmp_path, "smooth_l1_beta = 0.1\n" + MAIN + _model("flux", flux) + ADAPTER + OPTIMIZER)
+    cfg = load_run(path)
+    assert (cfg.loss_kind, cfg.smooth_l1_beta, cfg.model.min_t, cfg.model.max_t) == ("smooth_l1", 0.1, 0.2, 0.8)
+    assert "  model.min_t: DIFFERENT: every flow model" in report(path)[0]
