@@ -37,8 +37,6 @@ RUN = {
     "resume_from_checkpoint": Unsupported("pass --resume [RUN] on the command line", inert=(False,)),
     "force_constant_lr": Unsupported("set [optimizer] lr and lr_scheduler = 'constant' (a resumed run keeps "
                                      "the checkpoint's schedule)"),
-    "huber_delta": Unsupported("PipeTrain trains with the mean squared error; remove the key"),
-    "smooth_l1_beta": Unsupported("PipeTrain trains with the mean squared error; remove the key"),
     "monitoring": Unsupported("Weights & Biases is not supported; the run logs to TensorBoard "
                               "(<run>/tensorboard) and events.jsonl; set enable_wandb = false or remove [monitoring]",
                               inert=lambda v: isinstance(v, dict) and not v.get("enable_wandb", False)),
@@ -74,11 +72,16 @@ DEFAULT_DIFFERENCES = [
     ("dataset", "shuffle_metadata", "true", "the order is reshuffled every epoch (the key changes nothing)"),
 ]
 
-# Keys whose values mean something else here (shown by check-config where a file sets them)
+# Keys (dotted under their table) whose values mean something else here (check-config shows them where a file
+# sets them)
 MEANING_DIFFERENCES = {
     "lr_scheduler": "'linear' and 'cosine' decay to 0 at the run's last step (diffusion-pipe: over the epochs, "
                     "cosine to 1e-6)",
     "partition_split": "layer indices of PipeTrain's layer list (a different list from diffusion-pipe's)",
+    "model.min_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "model.max_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "model.debiased_estimation_loss": "false is off (diffusion-pipe weighs the loss whenever the key is present, "
+                                      "false included)",
 }
 
 _FOLDERS = ("a model folder in Diffusers or the official layout is not read yet (issue 20, item 1); "
@@ -92,8 +95,6 @@ MODEL = {
                                    f"{SINGLE_FILES_HINT}"),
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
-    "min_snr_gamma": Unsupported("not implemented; remove the key"),
-    "debiased_estimation_loss": Unsupported("not implemented; remove the key", inert=(False,)),
     "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
                                   "remove the key", inert=(0, 0.0)),
     "unet_lr": Unsupported("one learning rate for everything that trains: set [optimizer] lr"),

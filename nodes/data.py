@@ -349,9 +349,11 @@ class ModelNode(io.ComfyNode):
                 io.Combo.Input("clip_vision", options=[NONE] + clip_vision_options(), default=NONE, optional=True,
                                tooltip="Wan 2.1 image-to-video: clip_vision_h from models/clip_vision"),
                 io.Float.Input("min_t", default=start("model.min_t"), min=0.0, max=1.0, step=0.005, optional=True,
-                               tooltip="Train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 t2v, 0.9 i2v)"),
+                               tooltip="Flow models: train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 "
+                               "t2v, 0.9 i2v)"),
                 io.Float.Input("max_t", default=start("model.max_t"), min=0.0, max=1.0, step=0.005, optional=True,
-                               tooltip="Train only timesteps <= max_t (Wan 2.2 low-noise expert: 0.875 t2v, 0.9 i2v)"),
+                               tooltip="Flow models: train only timesteps <= max_t (Wan 2.2 low-noise expert: 0.875 "
+                               "t2v, 0.9 i2v)"),
                 io.Combo.Input("merge_lora", options=[NONE] + folder_paths.get_filename_list("loras"), default=NONE,
                                optional=True, tooltip="A LoRA from models/loras baked into the base weights before "
                                "training (e.g. Z-Image Turbo's training adapter)"),
@@ -375,6 +377,11 @@ class ModelNode(io.ComfyNode):
                                optional=True, tooltip="The distilled guidance input trained with (Flux-dev)"),
                 io.Boolean.Input("v_pred", default=start("model.v_pred"), optional=True, tooltip="SDXL, SD 1.x, "
                                  "SD 2.x: train v-prediction (else as ComfyUI samples the model)"),
+                io.Float.Input("min_snr_gamma", default=start("model.min_snr_gamma", off=0.0), min=0.0, max=100.0,
+                               step=0.5, optional=True, tooltip="SDXL: weigh each sample's loss by min(SNR, gamma) / "
+                               "SNR (min-SNR weighting; 5 is usual; 0: off)"),
+                io.Boolean.Input("debiased_estimation_loss", default=start("model.debiased_estimation_loss"),
+                                 optional=True, tooltip="SDXL: weigh each sample's loss by 1 / sqrt(SNR)"),
             ],
             outputs=[t.Model.Output(display_name="model")],
         )
@@ -389,7 +396,7 @@ class ModelNode(io.ComfyNode):
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
                 compute_dtype, text_encoder_3=NONE, text_encoder_4=NONE, model_type=AUTO, clip_vision=NONE,
-                min_t=None, max_t=None, merge_lora=NONE, shift=None, **keys) -> io.NodeOutput:
+                min_t=None, max_t=None, merge_lora=NONE, shift=None, min_snr_gamma=None, **keys) -> io.NodeOutput:
         import folder_paths
         min_t = start("model.min_t") if min_t is None else min_t
         max_t = start("model.max_t") if max_t is None else max_t
@@ -401,12 +408,13 @@ class ModelNode(io.ComfyNode):
         tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in names if n not in (NONE, None)]
         vision = (None if clip_vision in (NONE, None)
                   else folder_paths.get_full_path_or_raise("clip_vision", clip_vision))
-        # timestep_sample_method, sigmoid_scale, flux_shift, guidance, v_pred: the keys as named
+        # timestep_sample_method, sigmoid_scale, flux_shift, guidance, v_pred, debiased_estimation_loss: the keys
         patch = RunPatch.of({**keys, "type": detect(path, model_type), "diffusion_model": path,
                              "vae": folder_paths.get_full_path_or_raise("vae", vae), "text_encoders": tes,
                              "dtype": compute_dtype, "diffusion_model_dtype": None if weight_dtype == "default"
                              else weight_dtype, "clip_vision": vision, "min_t": min_t, "max_t": max_t,
                              "shift": shift or None,   # 0: the model's own shift
+                             "min_snr_gamma": min_snr_gamma or None,   # 0: off
                              "merge_adapters": [] if merge_lora in (NONE, None)
                              else [folder_paths.get_full_path_or_raise("loras", merge_lora)]}, "model")
         model_type = patch.get("model.type")

@@ -9,7 +9,8 @@ from comfy_api.latest import io
 from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
 from ..launcher.cluster_form import FLAGS, LAUNCHERS, OFF, check_cluster, cluster_form
-from ..launcher.forms import FULL_FINETUNE, adapter_patch, checkpointing_mode, memory_patch, unset_if_zero
+from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, loss_patch, memory_patch,
+                              unset_if_zero)
 from ..launcher.specs import ParallelismSpec
 from . import types as t
 from .widgets import choices, start
@@ -169,6 +170,16 @@ class OptimizerNode(io.ComfyNode):
                                "examples (0: off, beta2 as given)"),
                 io.Float.Input("gradient_clipping", default=start("gradient_clipping"), min=0.0, max=1e6, step=0.1,
                                optional=True, tooltip="Clip the gradients' global norm to this (0: no clipping)"),
+                io.Combo.Input("loss_type", options=choices("loss_type"), default=start("loss_type"), optional=True,
+                               tooltip="Loss between the prediction and the model's own target: mse (the usual), "
+                               "l1, huber or smooth_l1 (less pull from outliers)"),
+                io.Float.Input("huber_delta", default=start("huber_delta"), min=1e-4, max=100.0, step=0.01,
+                               optional=True, tooltip="loss_type huber: quadratic below this error, linear above"),
+                io.Float.Input("smooth_l1_beta", default=start("smooth_l1_beta"), min=1e-4, max=100.0, step=0.01,
+                               optional=True, tooltip="loss_type smooth_l1: quadratic below this error, linear above"),
+                io.Float.Input("noise_offset", default=start("noise_offset"), min=0.0, max=1.0, step=0.01,
+                               optional=True, tooltip="Add this times a random per-channel shift to the noise "
+                               "(ai-toolkit's noise offset: darker darks, brighter brights; 0: off, 0.05-0.1 usual)"),
             ],
             outputs=[t.Optimizer.Output(display_name="optimizer")],
         )
@@ -190,11 +201,13 @@ class OptimizerNode(io.ComfyNode):
     @classmethod
     def execute(cls, type, lr, beta1, beta2, weight_decay, eps, extra_args="",  # noqa: A002
                 beta2_half_life=0.0,
-                gradient_clipping=start("gradient_clipping")) -> io.NodeOutput:
+                gradient_clipping=start("gradient_clipping"), **loss) -> io.NodeOutput:
         betas = {"betas": (beta1, beta2), "eps": eps} if type not in NO_BETAS else {}
         keys = {"type": type, "lr": lr, "weight_decay": weight_decay, **betas, **dict(parse_kwargs(extra_args)),
                 "beta2_half_life": unset_if_zero(beta2_half_life)}
-        return io.NodeOutput(RunPatch.of(keys, "optimizer") | RunPatch.of({"gradient_clipping": gradient_clipping}))
+        # loss_type, huber_delta, smooth_l1_beta, noise_offset: run keys (launcher/forms.loss_patch)
+        return io.NodeOutput(RunPatch.of(keys, "optimizer") | RunPatch.of({"gradient_clipping": gradient_clipping})
+                             | loss_patch(**loss))
 
 
 class ScheduleNode(io.ComfyNode):

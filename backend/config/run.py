@@ -43,6 +43,12 @@ class RunConfig:
     eval_image_micro_batch_size_per_gpu: Optional[int] = None   # default eval_micro_batch_size_per_gpu
     eval_gradient_accumulation_steps: int = 1
     uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
+    # the loss on the model's own target (models/losses.py); left out: mse, or diffusion-pipe's choice by key
+    # (huber_delta set: huber; smooth_l1_beta set: smooth_l1)
+    loss_type: Optional[Literal["mse", "l1", "huber", "smooth_l1"]] = field(default=None, metadata=widget("mse"))
+    huber_delta: Optional[float] = field(default=None, metadata=widget(1.0))       # huber (default 1.0)
+    smooth_l1_beta: Optional[float] = field(default=None, metadata=widget(1.0))    # smooth_l1 (default 1.0)
+    noise_offset: float = 0.0                    # ai-toolkit's: noise + noise_offset * N(0, 1) per sample and channel
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = None
     # 'unsloth': inputs parked in CPU memory; 'selective': attention and MLP down-projection outputs kept
@@ -99,6 +105,7 @@ class RunConfig:
                 raise ConfigError(f"got {value}; must be 1 or more (or leave it out)", file=file, key=key)
         if not 0 <= self.uncond_fraction < 1:
             raise ConfigError(f"got {self.uncond_fraction}; must be in [0, 1)", file=file, key="uncond_fraction")
+        check_loss(self, file)
         names = [e.name for e in self.eval_datasets]
         if len(set(names)) != len(names):
             raise ConfigError(f"got names {names}; each eval dataset needs its own name", file=file,
@@ -155,6 +162,14 @@ class RunConfig:
     def average_decay(self) -> float:
         """``ema_decay``, or its default where the file leaves it out."""
         return EMA_DECAY if self.ema_decay is None else self.ema_decay
+
+    @property
+    def loss_kind(self) -> str:
+        """The loss that trains: loss_type, else diffusion-pipe's choice by which parameter its file sets."""
+        if self.loss_type is not None:
+            return self.loss_type
+        given = [kind for key, kind in LOSS_PARAMETERS.items() if getattr(self, key) is not None]
+        return given[0] if given else "mse"
 
     @property
     def file(self) -> Path | None:
@@ -214,6 +229,27 @@ class RunConfig:
                 f"use a number of GPUs that is a multiple of {self.pipeline_stages}",
                 file=self._file, key="pipeline_stages")
 
+
+
+LOSS_PARAMETERS = {"huber_delta": "huber", "smooth_l1_beta": "smooth_l1"}   # key -> the loss it belongs to
+
+
+def check_loss(cfg: RunConfig, file) -> None:
+    """loss_type and its parameter, and noise_offset."""
+    given = [k for k in LOSS_PARAMETERS if getattr(cfg, k) is not None]
+    if len(given) == 2:
+        raise ConfigError("give huber_delta (huber loss) or smooth_l1_beta (smooth L1 loss), not both", file=file,
+                          key="smooth_l1_beta")
+    for key in given:
+        value, kind = getattr(cfg, key), LOSS_PARAMETERS[key]
+        if not value > 0:
+            raise ConfigError(f"got {value}; must be > 0 (1.0 is the usual value)", file=file, key=key)
+        if cfg.loss_kind != kind:
+            raise ConfigError(f"a parameter of the {kind} loss, and loss_type is {cfg.loss_type!r}: set "
+                              f"loss_type = '{kind}' (or leave it out), or remove {key}", file=file, key=key)
+    if not 0 <= cfg.noise_offset <= 1:
+        raise ConfigError(f"got {cfg.noise_offset}; must be in [0, 1] (0: off; 0.05 to 0.1 are usual)", file=file,
+                          key="noise_offset")
 
 
 def _named_evals(data: dict) -> dict:

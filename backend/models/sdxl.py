@@ -386,6 +386,8 @@ class SDXLAdapter(ModelAdapter):
     # plain contiguous tensors (train.pipeline.sendable).
     memory_format = torch.channels_last
     compiles_checkpoints = False   # compile() compiles the transformer blocks inside the checkpointed UNet blocks
+    timestep_range = False         # DDPM's integer timesteps: min_t / max_t are the flow models'
+    snr_weighting = True           # min_snr_gamma, debiased_estimation_loss
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -428,15 +430,16 @@ class SDXLAdapter(ModelAdapter):
         import comfy.model_sampling as cms
 
         v_pred = self.cfg.v_pred
+        weighting = dict(min_snr_gamma=self.cfg.min_snr_gamma, debiased=self.cfg.debiased_estimation_loss)
         if self.patcher is None:  # not loaded (yet): ComfyUI's default SDXL schedule
-            return DiscreteDiffusion(cms.ModelSamplingDiscrete(), "v" if v_pred else "eps")
+            return DiscreteDiffusion(cms.ModelSamplingDiscrete(), "v" if v_pred else "eps", **weighting)
         ms = self.model_sampling
         if not isinstance(ms, cms.ModelSamplingDiscrete) or not isinstance(ms, cms.EPS) or isinstance(ms, cms.EDM):
             kind = " + ".join(b.__name__ for b in type(ms).__bases__)
             raise ModelError(f"{self.cfg.diffusion_model}: ComfyUI samples this model with {kind}; "
                              f"{self.spec.title} training supports ModelSamplingDiscrete with EPS or V_PREDICTION only")
         v_pred = v_pred or isinstance(ms, cms.V_PREDICTION)  # a v-pred checkpoint samples as v in ComfyUI
-        return DiscreteDiffusion(ms, "v" if v_pred else "eps")
+        return DiscreteDiffusion(ms, "v" if v_pred else "eps", **weighting)
 
     def to_layers(self):
         dm = self.diffusion_model

@@ -12,6 +12,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..models.base import DTYPES
 from ..models.checkpointing import apply_checkpointing, selective_advice
+from ..models.losses import Loss
 from ..models import fp8
 from ..models.compiling import cuda_graphs_allowed
 from ..optim import make_optimizer
@@ -98,6 +99,7 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     if cfg.compile:
         adapter.compile(layers, memory_budget=cfg.activation_memory_budget, cuda_graphs=cuda_graphs_allowed(cfg))
     costs = [adapter.layer_cost(layer) for layer in layers]
+    adapter.use_loss(Loss.from_config(cfg))
     split_loss = SplitLoss(adapter.loss) if any(e.is_reg for e in data.entries) else None   # is_reg directories
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
                           loss_fn=split_loss or adapter.loss)
@@ -124,7 +126,8 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     clear_trained_grads_only(engine, params)
     grad_norm = record_grad_norm(engine, params, cfg.gradient_clipping)
     feed = MicroBatchFeed(adapter, data.store, cfg.seed, topology.dp_rank, topology.dp_world, data.uncond_text,
-                          cfg.uncond_fraction, distributed.device(), reg_labels=split_loss is not None)
+                          cfg.uncond_fraction, distributed.device(), reg_labels=split_loss is not None,
+                          noise_offset=cfg.noise_offset)
     parts = EngineParts(
         engine=engine, plan=plan, feed=feed, swapper=swapper, grad_norm=grad_norm, global_batch=global_batch,
         total_steps=total_steps,
