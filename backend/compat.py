@@ -117,16 +117,15 @@ OPTIMIZER = {
                              "summation for bf16 weights)", inert=(False,)),
 }
 
-_MASKS = "masked training is not supported yet (issue 20, item 3); remove the key: the whole image trains"
 _DATASET_COMMON = {
     "shuffle_metadata": Unsupported("the order is reshuffled every epoch anyway", inert=ANY),
     "online_captions": Unsupported("captions are always cached as embeddings", inert=(False,)),
-    "mask_path": Unsupported(_MASKS),
-    "default_mask_file": Unsupported(_MASKS),
 }
 DATASET = {
     **_DATASET_COMMON,
     "control_path": Unsupported("set control_path in each [[directory]] of an edit model's dataset"),
+    "mask_path": Unsupported("set mask_path in each [[directory]] whose images have masks"),
+    "default_mask_file": Unsupported("set default_mask_file in each [[directory]] it applies to"),
     "subsample_ratio": Unsupported("not implemented; use a smaller directory or num_repeats"),
 }
 DIRECTORY = {

@@ -170,6 +170,12 @@ class DatasetNode(io.ComfyNode):
                                step=0.01, tooltip="With is_reg folders: the share of each epoch's samples drawn "
                                "from them (0.5: as many as the training samples). The dataset's value: the one on "
                                "the Dataset node wired to Cache or Train"),
+                io.String.Input("mask_folder", optional=True, default="", tooltip="Masked training: a folder of "
+                                "mask images named like the training images (a.png <-> a.png); each pixel's red "
+                                "value is its loss weight (white trains, black does not, grey partly); under "
+                                "ComfyUI's input directory or an absolute path. Empty: the whole image trains"),
+                io.String.Input("default_mask_file", optional=True, default="", tooltip="Masked training: the mask "
+                                "for images without one in mask_folder (empty: those train whole)"),
                 io.String.Input("ar_buckets", optional=True, default="", tooltip="With enable_ar_bucket: exactly these "
                                 "aspect ratios instead of min_ar..max_ar, comma separated ratios or WxH sizes (e.g. "
                                 "0.75, 1.0, 1216x832); empty: num_ar_buckets spaced ones"),
@@ -191,7 +197,7 @@ class DatasetNode(io.ComfyNode):
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
                 caption_extension, frame_buckets=None, uncond_fraction=None, control_folder="", previous=None,
                 on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None, ar_buckets="",
-                size_buckets="", **directory_keys) -> io.NodeOutput:
+                size_buckets="", mask_folder="", default_mask_file="", **directory_keys) -> io.NodeOutput:
         frame_buckets = frame_buckets or ", ".join(map(str, start("frame_buckets", DATASET)))
         error = dataset_input_error(folder, resolutions, caption_extension, frame_buckets, control_folder)
         if error:
@@ -203,7 +209,10 @@ class DatasetNode(io.ComfyNode):
         directory = RunPatch.of({**directory_keys, "path": str(dataset_folder(folder)), "num_repeats": num_repeats,
                                  "resolutions": res, "caption_extension": ext,
                                  "frame_buckets": parse_frame_buckets(frame_buckets), "control_path": control,
-                                 "is_reg": is_reg or None})   # off: the key left out
+                                 "is_reg": is_reg or None,   # off: the key left out
+                                 "mask_path": str(dataset_folder(mask_folder)) if mask_folder.strip() else None,
+                                 "default_mask_file": str(dataset_folder(default_mask_file))
+                                 if default_mask_file.strip() else None})
         shared = RunPatch.of(dict(resolutions=res, enable_ar_bucket=enable_ar_bucket, min_ar=min_ar, max_ar=max_ar,
                                   num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable, reg_ratio=reg_ratio,
                                   ar_buckets=parse_ar_buckets(ar_buckets), size_buckets=parse_size_buckets(size_buckets)))

@@ -79,6 +79,9 @@ def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batc
                     latents = adapter.encode_images(vae, pixels)
                     media = [pixels[j:j + 1] for j in range(len(chunk))]
                 payloads = [{"latent": lat} for lat in latents]
+                for k, payload in zip(chunk, payloads):
+                    if work[k].mask:
+                        payload["mask"] = latent_mask(Path(work[k].mask), bucket, payload["latent"])
                 if adapter.conditioning_fields:
                     for k, m, payload in zip(chunk, media, payloads):
                         payload.update(_conditioning(adapter, vae, work[k], m, bucket))
@@ -88,6 +91,19 @@ def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batc
             progress("latents", done, total)
     del vae
     _free()
+
+
+def latent_mask(path: Path, bucket, latent: torch.Tensor) -> torch.Tensor:
+    """The mask image's red channel (white 1: trains fully, black 0: not at all), cropped and resized as the image
+    was, then averaged down to the latent's grid: [1, H, W] for an image latent [C, H, W], [1, 1, H, W] for a clip
+    (the same weights on every frame)."""
+    from torch.nn import functional as F
+
+    from ..data import load_pixels
+
+    red = load_pixels(path, bucket[:2])[..., 0][None, None]
+    weights = F.interpolate(red, size=tuple(latent.shape[-2:]), mode="area")[0]
+    return weights.reshape((1,) * (latent.ndim - 2) + tuple(latent.shape[-2:])).to(torch.float32)
 
 
 def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:

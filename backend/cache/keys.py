@@ -52,11 +52,16 @@ def _read_memo(memo: Path | None) -> dict:
     return known if isinstance(known, dict) else {}
 
 
+MASK_VERSION = "1"   # bump when the way a mask image becomes latent-sized weights changes (builder.latent_mask)
+
+
 def latent_key(image_digest: str, bucket: tuple[int, int], preprocess_version: str, vae_fingerprint: str,
-               arch: str, latent_format: str, conditioning: dict | None = None) -> str:
+               arch: str, latent_format: str, conditioning: dict | None = None, mask: str | None = None) -> str:
     """``conditioning`` (edit and i2v models): the cached conditioning fields and the control image's digest,
-    which are stored with the latent."""
+    which are stored with the latent; ``mask``: the mask image's digest (its weights are stored with it too)."""
     extra = {} if conditioning is None else {"conditioning": conditioning}
+    if mask is not None:
+        extra["mask"] = {"image": mask, "version": MASK_VERSION}
     return _sha({"kind": "latent", "format": CACHE_FORMAT, "image": image_digest, "bucket": list(bucket),
                  "preprocess": preprocess_version, "vae": vae_fingerprint, "arch": arch,
                  "latent_format": latent_format, **extra})

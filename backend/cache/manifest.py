@@ -25,6 +25,7 @@ class CacheEntry:
     text: str
     control: str = ""     # edit models: the paired control image
     is_reg: bool = False  # a regularisation image (an is_reg directory's)
+    mask: str = ""        # masked training: the mask image, stored with the latent (its digest in the latent key)
 
 
 @dataclass
@@ -68,8 +69,8 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
     entries = []
     for s in samples:
         path = s.item.path
-        control = s.item.control
-        for p in (path, control):
+        control, mask = s.item.control, s.item.mask
+        for p in (path, control, mask):
             if p is not None and p not in digests:
                 digests[p] = file_digest(p)
         text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
@@ -78,9 +79,10 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
         entries.append(CacheEntry(
             path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
             latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS,
-                              vae_fp, adapter.arch, adapter.latent_format, conditioning),
+                              vae_fp, adapter.arch, adapter.latent_format, conditioning,
+                              mask=digests[mask] if mask else None),
             text=text_key(text, te_fps, adapter.arch, caption_image(adapter, digests.get(control), s.bucket)),
-            control=str(control) if control else "", is_reg=s.item.is_reg))
+            control=str(control) if control else "", is_reg=s.item.is_reg, mask=str(mask) if mask else ""))
     return entries
 
 

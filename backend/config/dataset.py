@@ -24,6 +24,10 @@ class DirectoryConfig:
     skip_empty_caption: Optional[bool] = None
     frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
     control_path: Optional[str] = None          # edit models: control images paired by file stem
+    # masked training (diffusion-pipe's keys): a mask image per training image (same file stem), its red channel
+    # the loss weight of each pixel (white 1, black 0); default_mask_file for images without one
+    mask_path: Optional[str] = None
+    default_mask_file: Optional[str] = None
     # regularisation (prior-preservation) images: drawn into each epoch at the dataset's reg_ratio, their loss
     # logged apart (train/loss_reg); ai-toolkit's key
     is_reg: bool = False
@@ -133,7 +137,10 @@ class DatasetConfig:
                               delimiter=pick("cache_shuffle_delimiter"), skip_empty=pick("skip_empty_caption"))
 
     def with_absolute_paths(self) -> "DatasetConfig":
-        dirs = [dataclasses.replace(d, path=str(self.directory_path(d).resolve())) for d in self.directory]
+        dirs = [dataclasses.replace(d, path=str(self.directory_path(d).resolve()),
+                                    **{k: str(getattr(self, k)(d).resolve()) for k in ("mask_path", "default_mask_file")
+                                       if getattr(d, k) is not None})
+                for d in self.directory]
         return replace(self, directory=dirs)
 
     def directory_path(self, d: DirectoryConfig) -> Path:
@@ -141,6 +148,12 @@ class DatasetConfig:
 
     def control_path(self, d: DirectoryConfig) -> Path | None:
         return None if d.control_path is None else self._relative(d.control_path)
+
+    def mask_path(self, d: DirectoryConfig) -> Path | None:
+        return None if d.mask_path is None else self._relative(d.mask_path)
+
+    def default_mask_file(self, d: DirectoryConfig) -> Path | None:
+        return None if d.default_mask_file is None else self._relative(d.default_mask_file)
 
     def _relative(self, path: str) -> Path:
         p = Path(path).expanduser()

@@ -169,7 +169,31 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
                                     frame_buckets=frame_buckets, is_reg=directory.is_reg, **video))
     if scan.control is not None:
         _pair_controls(scan, caption_extension)
+    _pair_masks(scan, cfg, directory, caption_extension)
     return scan
+
+
+def _pair_masks(scan: _DirectoryScan, cfg: DatasetConfig, directory: DirectoryConfig, caption_extension: str) -> None:
+    """Give every item its mask: the file of the same stem in ``mask_path``, else ``default_mask_file``, else none
+    (the whole image trains)."""
+    folder, default = cfg.mask_path(directory), cfg.default_mask_file(directory)
+    if folder is not None and not folder.is_dir():
+        raise DatasetError(f"mask directory not found: {folder} (key 'directory.mask_path' = {directory.mask_path!r} "
+                           f"for directory {directory.path!r}); fix the path or create it")
+    if default is not None and not default.is_file():
+        raise DatasetError(f"default mask file not found: {default} (key 'directory.default_mask_file' = "
+                           f"{directory.default_mask_file!r}); fix the path")
+    if folder is None and default is None:
+        return
+    masks: dict[str, list[Path]] = {}
+    for p in _candidate_files(Path(os.path.abspath(folder)), caption_extension) if folder is not None else []:
+        masks.setdefault(p.stem, []).append(p)
+    doubles = [f"{stem}: {', '.join(p.name for p in files)}" for stem, files in sorted(masks.items()) if len(files) > 1]
+    if doubles:
+        raise DatasetError(f"{folder}: several masks for one image ({'; '.join(doubles[:5])}); keep one per stem")
+    fallback = Path(os.path.abspath(default)) if default is not None else None
+    scan.items = [dataclasses.replace(item, mask=masks[item.path.stem][0] if item.path.stem in masks else fallback)
+                  for item in scan.items]
 
 
 def _control_dir(cfg: DatasetConfig, directory: DirectoryConfig) -> Path | None:

@@ -21,6 +21,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
+def loss_mask(labels: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """Masked training's per-element weights, the label after (latents, noise, t) when the feed adds one (a
+    float tensor; a bool one last is the regularisation flags ``train/reg_loss.py`` takes off)."""
+    return labels[3] if len(labels) > 3 and labels[3].is_floating_point() else None
+
+
 class ModelAdapter(ABC):
     arch: str
     spec: "ArchSpec"                         # its files and how ComfyUI recognises them (spec.py)
@@ -200,7 +206,7 @@ class ModelAdapter(ABC):
     def loss(self, pred: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         latents, noise, t = labels[:3]
         objective = self.objective()
-        return self.criterion(pred, objective.target(latents, noise, t), objective.loss_weights(t))
+        return self.criterion(pred, objective.target(latents, noise, t), objective.loss_weights(t), loss_mask(labels))
 
     def probe_latent(self, generator: torch.Generator, size: tuple[int, int] = (8, 8)) -> torch.Tensor:
         """A random clean latent [1, C, H, W] (video models: [1, C, T, H, W]) for checks."""

@@ -43,10 +43,17 @@ class Loss:
         return F.smooth_l1_loss(pred, target, reduction=reduction, beta=self.smooth_l1_beta)
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+                 weights: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``weights``: one per sample; ``mask``: per element (broadcast), diffusion-pipe's masked training: each
+        element's loss times its mask weight, the mean still over every element."""
         dtype = torch.promote_types(pred.dtype, torch.float32)
         pred, target = pred.to(dtype), target.to(dtype)
-        if weights is None:   # one reduction over everything: the mean of equal-sized samples' means
+        if weights is None and mask is None:   # one reduction over everything: the mean of the samples' means
             return self.elementwise(pred, target, "mean")
-        per_sample = self.elementwise(pred, target, "none").flatten(1).mean(1)
+        elements = self.elementwise(pred, target, "none")
+        if mask is not None:
+            elements = elements * mask.to(elements.device, dtype)
+        if weights is None:
+            return elements.mean()
+        per_sample = elements.flatten(1).mean(1)
         return (per_sample * weights.to(per_sample.device, dtype)).mean()

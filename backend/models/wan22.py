@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelError
+from .base import loss_mask
 from .spec import ArchSpec
 from .wan import WanAdapter, build_wan, first_frame_mask, wan_config
 
@@ -61,7 +62,9 @@ class Wan22I2VAdapter(Wan22Adapter):
         latents, noise, t = labels[:3]
         objective = self.objective()
         target = objective.target(latents, noise, t)
-        return self.criterion(pred[:, :, 1:], target[:, :, 1:], objective.loss_weights(t))
+        mask = loss_mask(labels)
+        return self.criterion(pred[:, :, 1:], target[:, :, 1:], objective.loss_weights(t),
+                              None if mask is None else mask.expand(-1, -1, pred.shape[2], -1, -1)[:, :, 1:])
 
     def probe_text(self, generator):
         return [*super().probe_text(generator), torch.randn(1, 48, 1, 8, 8, generator=generator)]

@@ -127,7 +127,7 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     grad_norm = record_grad_norm(engine, params, cfg.gradient_clipping)
     feed = MicroBatchFeed(adapter, data.store, cfg.seed, topology.dp_rank, topology.dp_world, data.uncond_text,
                           cfg.uncond_fraction, distributed.device(), reg_labels=split_loss is not None,
-                          noise_offset=cfg.noise_offset)
+                          noise_offset=cfg.noise_offset, masks=any(e.mask for e in data.entries))
     parts = EngineParts(
         engine=engine, plan=plan, feed=feed, swapper=swapper, grad_norm=grad_norm, global_batch=global_batch,
         total_steps=total_steps,

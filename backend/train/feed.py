@@ -29,7 +29,8 @@ def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
 class MicroBatchFeed:
     def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int,
                  uncond_text: dict[str, str] | None = None, uncond_fraction: float = 0.0,
-                 device: torch.device | None = None, reg_labels: bool = False, noise_offset: float = 0.0):
+                 device: torch.device | None = None, reg_labels: bool = False, noise_offset: float = 0.0,
+                 masks: bool = False):
         self.adapter = adapter
         self.device = device if device is not None and device.type == "cuda" else None   # None: host tensors
         self.store = store
@@ -41,6 +42,7 @@ class MicroBatchFeed:
         self.uncond_fraction = uncond_fraction if uncond_text else 0.0
         self.reg_labels = reg_labels            # the labels end with which samples are regularisation ones
         self.noise_offset = noise_offset
+        self.masks = masks                      # the labels carry each sample's loss mask (all ones without one)
         self._pool: ThreadPoolExecutor | None = None
         self._prefetched = None                 # ((epoch, step, micro_batches), Future) of the next step
 
@@ -78,6 +80,8 @@ class MicroBatchFeed:
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
         labels = (latents, noise, t)
+        if self.masks:   # masked training: weights on the latent grid, broadcast over channels (and frames)
+            labels += (torch.stack([p["mask"] if "mask" in p else _no_mask(p["latent"]) for p in payloads]),)
         if self.reg_labels:   # for the loss logged per kind (reg_loss.py)
             labels += (torch.tensor([e.is_reg for e in entries], dtype=torch.bool),)
         batch = (latents, noise, t, *text, *conditioning), labels
@@ -106,6 +110,10 @@ class MicroBatchFeed:
         (key, future), self._prefetched = self._prefetched, None
         result = future.result()            # a failed build raises here, in the loop
         return result if key[:2] == (epoch, step) and key[2] is micro_batches else None
+
+
+def _no_mask(latent: torch.Tensor) -> torch.Tensor:
+    return torch.ones((1,) * (latent.ndim - 2) + tuple(latent.shape[-2:]))
 
 
 def _map_tensors(batch, fn):

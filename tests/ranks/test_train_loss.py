@@ -36,3 +36,34 @@ def test_the_configured_loss_type_is_the_loss_a_run_trains_with(micro_flux_files
         losses[name] = run.losses()
     assert len(losses["mse"]) == len(losses["huber"]) == 1
     assert losses["huber"][0] == pytest.approx(0.5 * losses["mse"][0], rel=1e-5), losses
+
+
+def test_masked_training_weighs_the_loss_by_the_mask(micro_flux_files, make_run, tmp_path):
+    """diffusion-pipe's masks in a 2-stage run: a white default mask trains exactly as no mask does (same first
+    losses, bit for bit), a black one gives every step a zero loss and leaves the LoRA's up-projection at its zero
+    start, so the epoch LoRA changes nothing."""
+    import tomli_w
+    import tomllib
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    def with_mask(config, colour):
+        if colour is not None:
+            mask = tmp_path / f"mask-{colour}.png"
+            Image.new("RGB", (64, 64), (colour, colour, colour)).save(mask)
+            dataset = config.with_name("dataset.toml")
+            data = tomllib.loads(dataset.read_text())
+            data["directory"][0]["default_mask_file"] = str(mask)
+            dataset.write_text(tomli_w.dumps(data))
+        return config
+
+    runs = {}
+    for name, colour in (("plain", None), ("white", 255), ("black", 0)):
+        config = with_mask(make_run(micro_flux_files, images=2, stages=2, epochs=1, name=name, seed=5), colour)
+        runs[name] = train(config, ranks=2)
+        assert runs[name].returncode == 0, runs[name].output[-3000:]
+    assert runs["white"].losses()[:2] == runs["plain"].losses()[:2]
+    assert runs["black"].losses() and all(loss == 0 for loss in runs["black"].losses())
+    [lora] = runs["black"].loras()
+    ups = [v for k, v in load_file(str(lora)).items() if k.endswith("lora_B.weight")]
+    assert ups and all(bool((v == 0).all()) for v in ups)

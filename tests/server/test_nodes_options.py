@@ -22,7 +22,7 @@ WIDGET_NAMES = {
     "optimizer.betas": "beta1", "cluster.launcher": "cluster", "samples.render": "render_on",
     "activation_checkpointing_fraction": "checkpoint_fraction", "activation_memory_budget": "memory_budget",
     "eval_datasets": "eval_dataset", "dataset.directory": "folder", "dataset.path": "folder",
-    "dataset.control_path": "control_folder",
+    "dataset.control_path": "control_folder", "dataset.mask_path": "mask_folder",
 }
 
 

@@ -272,7 +272,7 @@ def test_qwen_image_24gb_example_is_refused_for_its_folder_and_its_optimizer(tmp
 
 
 @pytest.mark.parametrize("dataset_lines, key", [
-    (DATASETS["dataset"] + "mask_path = 'masks'\n", "directory[0].mask_path"),
+    ("mask_path = 'masks'\n" + DATASETS["dataset"], "mask_path"),   # top level: dp reads it per [[directory]]
 ])
 def test_dataset_examples_with_options_not_built_yet_are_refused(tmp_path, dataset_lines, key):
     path = _write(tmp_path, MAIN + _model("hunyuan_video", LOADS[0][3]) + ADAPTER + OPTIMIZER, dataset_lines)

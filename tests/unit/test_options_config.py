@@ -174,7 +174,6 @@ def test_typos_list_the_accepted_keys_instead(dp):
 
 
 @pytest.mark.parametrize("dataset_edit, key, reason", [
-    (("num_repeats = 1", "num_repeats = 1\nmask_path = 'masks'"), "directory[0].mask_path", "masked"),
     (("num_repeats = 1", "num_repeats = 1\nmin_ar = 0.3"), "directory[0].min_ar", "top of the dataset file"),
 ])
 def test_dataset_keys_we_do_not_support(dp, dataset_edit, key, reason):
