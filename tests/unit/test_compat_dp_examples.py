@@ -4,8 +4,9 @@ The TOML below is ours: it copies only the *key structure* of diffusion-pipe's `
 ``[model]`` tables in its ``docs/supported_models.md`` (which keys, which tables, the value kinds), with model
 paths pointed at the shared tiny model files. Nothing is fetched. Each either loads (through the same checks as
 a run: ``preflight.load_run``) with the meaning it has in diffusion-pipe, or is refused naming the key and what
-to do (model folders: ``diffusers_path``, ``ckpt_path``, ... are not read yet, issue 20 item 1; ``size_buckets``
-and masks, item 3; models the pinned ComfyUI lacks).
+to do (model folders ComfyUI has no converter for: their single files; ``size_buckets`` and masks, item 3; models
+the pinned ComfyUI lacks). The folders that load (Flux / SD3 / SDXL Diffusers folders, Wan's checkpoint folder) are
+read from real tiny folders in ``test_dp_model_folders.py``.
 """
 from pathlib import Path
 
@@ -147,25 +148,17 @@ _FOLDER_FIX = "transformer_path"
 REFUSED = [
     ("sdxl", _table("sdxl", "checkpoint_path=/models/sd_xl_base_1.0.safetensors"), "model.checkpoint_path",
      "diffusion_model ="),
-    ("flux", _table("flux", "diffusers_path=/models/FLUX.1-dev", extra=FP8), "model.diffusers_path", _FOLDER_FIX),
+    ("hunyuan-video (checkpoint folder)", _table("hunyuan-video", "ckpt_path=/models/HunyuanVideo"),
+     "model.ckpt_path", _FOLDER_FIX),
     ("ltx-video", _table("ltx-video", "diffusers_path=/models/LTX-Video",
                          "single_file_path=/models/ltx-video-2b-v0.9.1.safetensors"), "model.diffusers_path",
      _FOLDER_FIX),
-    ("wan (checkpoint folder)", _table("wan", "ckpt_path=/models/Wan2.1-T2V-1.3B"), "model.ckpt_path", _FOLDER_FIX),
-    ("wan (folder + ComfyUI files)", _table("wan", "ckpt_path=/models/Wan2.1-T2V-1.3B",
-                                            "transformer_path=/models/wan2.1_t2v_1.3B_bf16.safetensors",
-                                            "llm_path=/models/umt5-xxl-enc-bf16.safetensors"),
-     "model.ckpt_path", _FOLDER_FIX),
     ("chroma", _table("chroma", "diffusers_path=/models/FLUX.1-dev",
                       "transformer_path=/models/chroma-unlocked-v10.safetensors", extra=FP8),
      "model.diffusers_path", _FOLDER_FIX),
     ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
                        "llama3_path=/models/Meta-Llama-3.1-8B-Instruct"), "model.diffusers_path", _FOLDER_FIX),
-    ("sd3", _table("sd3", "diffusers_path=/models/stable-diffusion-3.5-medium"), "model.diffusers_path", _FOLDER_FIX),
     ("omnigen2", _table("omnigen2", "diffusers_path=/models/OmniGen2"), "model.diffusers_path", _FOLDER_FIX),
-    ("flux kontext", _table("flux", "diffusers_path=/models/FLUX.1-dev",
-                            "transformer_path=/models/flux1-kontext-dev.safetensors"), "model.diffusers_path",
-     _FOLDER_FIX),
     ("qwen_image (diffusers)", _table("qwen_image", "diffusers_path=/models/Qwen-Image"), "model.diffusers_path",
      _FOLDER_FIX),
     ("qwen_image_edit", _table("qwen_image", "diffusers_path=/models/Qwen-Image",
