@@ -4,10 +4,10 @@ A diffusion-pipe main + dataset TOML pair loads as is when it trains a model Pip
 single files or from a model folder ComfyUI converts (``compat_folders``: ``diffusers_path`` / ``checkpoint_path``
 for Flux, SD3, SDXL, ``ckpt_path`` for Wan): keys with the same meaning are config fields (``backend/config``);
 diffusion-pipe's other names for them (its type strings, ``transformer_path`` & co., ``transformer_dtype``, its
-folder keys) are rewritten by the ``preprocess_*`` hooks; its edit models (``flux`` / ``qwen_image`` with control images) are mapped by
-``edit_type`` once the dataset is read; keys whose value changes nothing here (``inert`` values, e.g.
-``compile = false``) are accepted and dropped; any other value of a key listed here fails naming the key and
-the fix. A key in neither place is a typo and fails listing the accepted keys. ``check_config.py`` reports
+folder keys) are rewritten by the ``preprocess_*`` hooks; its edit models (``flux`` / ``qwen_image`` with control
+images) are mapped by ``edit_type`` once the dataset is read; keys whose value changes nothing here (``inert``
+values, e.g. ``compile = false``) are accepted and dropped; any other value of a key listed here fails naming the
+key and the fix. A key in neither place is a typo and fails listing the accepted keys. ``check_config.py`` reports
 all of this for one config pair.
 """
 from __future__ import annotations

@@ -235,8 +235,9 @@ dtype = 'bfloat16'
 
 
 def test_wan_min_vram_example_loads_once_its_folder_is_given_as_files(tmp_path):
-    """examples/wan_14b_min_vram.toml: only its ckpt_path (item 1) is refused; its 'unsloth' checkpointing,
-    block swapping and AdamW8bitKahan with stabilize = false load."""
+    """examples/wan_14b_min_vram.toml: only its ckpt_path is refused (the folder is read, but its T5 .pth is not:
+    it needs llm_path); its 'unsloth' checkpointing, block swapping and AdamW8bitKahan with stabilize = false
+    load."""
     model = """type = 'wan'
 ckpt_path = '/models/Wan2.1-T2V-14B'
 dtype = 'bfloat16'

@@ -232,7 +232,8 @@ def test_a_sharded_diffusers_transformer_loads_as_its_single_file(model_files, t
                                              "hidden_size": comfy_sd["img_in.weight"].shape[0]}, output_prefix="")
     diffusers_sd = {}
     for key, target in key_map.items():
-        name, offset, fun = (target, None, None) if isinstance(target, str) else (*target[:2], (target[2:] or [None])[0])
+        name, offset, fun = ((target, None, None) if isinstance(target, str)
+                             else (*target[:2], (target[2:] or [None])[0]))
         if name in comfy_sd:
             value = comfy_sd[name] if offset is None else comfy_sd[name].narrow(*offset)
             diffusers_sd[key] = fun(value) if fun else value   # Flux's one function swaps halves: its own inverse
@@ -241,3 +242,38 @@ def test_a_sharded_diffusers_transformer_loads_as_its_single_file(model_files, t
     loaded = load_diffusion_model(tmp_path / "transformer", torch.float32).model.diffusion_model.state_dict()
     assert loaded.keys() == comfy_sd.keys()     # what ComfyUI loads from the single file, weight for weight
     assert all(torch.equal(loaded[k], comfy_sd[k].float()) for k in loaded)
+
+
+def test_a_wan_checkpoint_folder_trains_the_single_files_weights(model_files, tmp_path):
+    """diffusion-pipe's Wan table (ckpt_path + llm_path): the folder's transformer shard (the official keys are
+    ComfyUI's) and its Wan2.1_VAE.pth load as ComfyUI loads PipeTrain's tiny Wan files."""
+    import shutil
+
+    import torch
+
+    from pipetrain.backend.models.loading import _load_state_dict, load_diffusion_model
+    from pipetrain.backend.models.registry import adapter_class
+    files = model_files("wan")
+    folder = tmp_path / "Wan2.1-T2V-1.3B"
+    folder.mkdir()
+    shutil.copy(files.diffusion_model, folder / "diffusion_pytorch_model.safetensors")
+    torch.save(_load_state_dict(files.vae)[0], folder / "Wan2.1_VAE.pth")   # the official VAE is a .pth
+    cfg = load_run_config(_write(tmp_path, f"type = 'wan'\nckpt_path = 'Wan2.1-T2V-1.3B'\n"
+                                           f"llm_path = '{files.text_encoders[0]}'\ndtype = 'float32'\n"))
+    adapter = adapter_class("wan")(cfg.model, cfg.resolve)
+    ours = adapter.load_diffusion_model().model.diffusion_model.state_dict()
+    single = load_diffusion_model(files.diffusion_model, torch.float32).model.diffusion_model.state_dict()
+    assert ours.keys() == single.keys() and all(torch.equal(ours[k], single[k]) for k in ours)
+    assert adapter.load_vae().latent_channels == 16
+
+
+def test_a_text_encoder_folder_comfyui_reads_no_folder_of_is_refused_naming_the_single_files(tmp_path):
+    import torch
+
+    from pipetrain.backend.models.loading import load_text_encoders
+    folder = tmp_path / "text_encoder"
+    _save(folder / "model.safetensors", {"model.embed_tokens.weight": torch.zeros(4, 2)})
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    with pytest.raises(ModelError) as err:
+        load_text_encoders([folder], "qwen_image", None)
+    assert "qwen2_5_vl" in str(err.value) and "single files" in str(err.value) and "Qwen2.5-VL-7B" in str(err.value)
