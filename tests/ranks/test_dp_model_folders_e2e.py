@@ -35,12 +35,9 @@ lr = 2e-3
 """
 
 
-def test_a_dp_flux_config_with_diffusers_path_trains_and_its_lora_loads_in_comfyui(tmp_path):
-    pytest.importorskip("diffusers")
-    from pipetrain.backend.runtime import locate_comfyui
-    from pipetrain.bench.diffusion_pipe_models import write_flux_folder
-
-    write_flux_folder(tmp_path / "FLUX-tiny", "tiny", locate_comfyui(), comfy_widths=True)
+def test_a_dp_flux_config_with_diffusers_path_trains_and_its_lora_loads_in_comfyui(flux_diffusers_folder,
+                                                                                     tmp_path):
+    (tmp_path / "FLUX-tiny").symlink_to(flux_diffusers_folder)   # dp's relative path, resolved from the TOML
     make_dataset(tmp_path / "images", 4)
     (tmp_path / "dataset.toml").write_text(DP_AR_BUCKETS.replace("[512]", "[64]") + "num_ar_buckets = 3\n"
                                            "[[directory]]\npath = 'images'\nnum_repeats = 1\n")

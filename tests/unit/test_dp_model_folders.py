@@ -160,18 +160,6 @@ def test_the_cache_fingerprint_of_a_folder_covers_every_shard(tmp_path):
 
 
 # --- loading through ComfyUI ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def flux_folder(tmp_path_factory):
-    """bench/diffusion_pipe_models.py's tiny Flux pipeline folder, at the widths ComfyUI loads."""
-    pytest.importorskip("diffusers")
-    from pipetrain.backend.runtime import locate_comfyui
-    from pipetrain.bench.diffusion_pipe_models import write_flux_folder
-
-    folder = tmp_path_factory.mktemp("dp") / "FLUX-tiny"
-    write_flux_folder(folder, "tiny", locate_comfyui(), comfy_widths=True)
-    return folder
-
-
 def _probe(generator):
     import torch
     return (torch.randn(1, 16, 8, 8, generator=generator), torch.tensor([0.6]),
@@ -179,20 +167,21 @@ def _probe(generator):
             torch.tensor([3.5]))
 
 
-def test_a_diffusers_flux_folder_is_the_network_diffusers_runs(flux_folder):
+def test_a_diffusers_flux_folder_is_the_network_diffusers_runs(flux_diffusers_folder):
     """ComfyUI's Flux from the folder (its Diffusers conversion) against diffusers' own model of the same folder on
     one probe: the packing into 2x2 patches and the position ids are the Flux pipeline's."""
     import diffusers
     import torch
 
     from pipetrain.backend.models.loading import detect_architecture, load_diffusion_model
-    assert detect_architecture(flux_folder / "transformer") == "flux"
-    comfy_dm = load_diffusion_model(flux_folder / "transformer", torch.float32).model.diffusion_model.eval()
+    transformer = flux_diffusers_folder / "transformer"
+    assert detect_architecture(transformer) == "flux"
+    comfy_dm = load_diffusion_model(transformer, torch.float32).model.diffusion_model.eval()
     x, t, context, y, guidance = _probe(torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = comfy_dm(x, t, context, y, guidance=guidance)
     del comfy_dm
-    reference = diffusers.FluxTransformer2DModel.from_pretrained(flux_folder / "transformer",
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(transformer,
                                                                   torch_dtype=torch.float32).eval()
     packed = x.view(1, 16, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, 16, 64)
     ids = torch.zeros(4, 4, 3)
@@ -206,13 +195,14 @@ def test_a_diffusers_flux_folder_is_the_network_diffusers_runs(flux_folder):
     assert (ours - theirs).abs().max() < 1e-4
 
 
-def test_the_folders_vae_and_text_encoders_load_in_comfyui(flux_folder):
+def test_the_folders_vae_and_text_encoders_load_in_comfyui(flux_diffusers_folder):
     import torch
 
     from pipetrain.backend.models.loading import load_text_encoders, load_vae
-    vae = load_vae(flux_folder / "vae", arch="flux")
+    vae = load_vae(flux_diffusers_folder / "vae", arch="flux")
     assert vae.latent_channels == 16
-    clip = load_text_encoders([flux_folder / "text_encoder", flux_folder / "text_encoder_2"], "flux", torch.float32)
+    folder = flux_diffusers_folder
+    clip = load_text_encoders([folder / "text_encoder", folder / "text_encoder_2"], "flux", torch.float32)
     cond, pooled = clip.encode_from_tokens(clip.tokenize("a red circle"), return_pooled=True)
     assert cond.shape[-1] == 4096 and pooled.shape[-1] == 768 and torch.isfinite(cond).all()
 
