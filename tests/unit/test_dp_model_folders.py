@@ -207,31 +207,44 @@ def test_the_folders_vae_and_text_encoders_load_in_comfyui(flux_diffusers_folder
     assert cond.shape[-1] == 4096 and pooled.shape[-1] == 768 and torch.isfinite(cond).all()
 
 
-def test_a_sharded_diffusers_transformer_loads_as_its_single_file(model_files, tmp_path):
-    """PipeTrain's tiny Flux file written as a two-shard Diffusers transformer (ComfyUI's own key map, inverted)
-    loads through the folder path as ComfyUI's model with the single file's weights, every one."""
+def _diffusers_key_map(arch: str, comfy_sd: dict) -> dict:
+    """ComfyUI's own map from a Diffusers transformer's keys to its model's (``comfy.utils``), for ``comfy_sd``'s
+    sizes."""
+    import comfy.utils
+
+    def blocks(prefix: str) -> int:
+        return len({k.split(".")[1] for k in comfy_sd if k.startswith(prefix)})
+    if arch == "flux":
+        return comfy.utils.flux_to_diffusers({"depth": blocks("double_blocks."),
+                                              "depth_single_blocks": blocks("single_blocks."),
+                                              "hidden_size": comfy_sd["img_in.weight"].shape[0]}, output_prefix="")
+    return comfy.utils.mmdit_to_diffusers({"depth": comfy_sd["x_embedder.proj.weight"].shape[0] // 64,
+                                           "num_blocks": blocks("joint_blocks.")}, output_prefix="")
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_a_sharded_diffusers_transformer_loads_as_its_single_file(model_files, tmp_path, arch):
+    """PipeTrain's tiny Flux / SD3 file written as a two-shard Diffusers transformer (ComfyUI's own key map,
+    inverted) loads through the folder path as ComfyUI's model with the single file's weights, every one; the
+    memory plan builds the same model from the folder's header."""
     import torch
 
-    from pipetrain.backend.models.loading import _load_state_dict, load_diffusion_model
-    single = model_files("flux").diffusion_model
-    comfy_sd, _ = _load_state_dict(single)   # imports ComfyUI
-    import comfy.utils
-    depth = len({k.split(".")[1] for k in comfy_sd if k.startswith("double_blocks.")})
-    single_depth = len({k.split(".")[1] for k in comfy_sd if k.startswith("single_blocks.")})
-    key_map = comfy.utils.flux_to_diffusers({"depth": depth, "depth_single_blocks": single_depth,
-                                             "hidden_size": comfy_sd["img_in.weight"].shape[0]}, output_prefix="")
+    from pipetrain.backend.models.loading import _load_state_dict, build_meta_model, load_diffusion_model
+    comfy_sd, _ = _load_state_dict(model_files(arch).diffusion_model)   # imports ComfyUI
     diffusers_sd = {}
-    for key, target in key_map.items():
+    for key, target in _diffusers_key_map(arch, comfy_sd).items():
         name, offset, fun = ((target, None, None) if isinstance(target, str)
                              else (*target[:2], (target[2:] or [None])[0]))
         if name in comfy_sd:
             value = comfy_sd[name] if offset is None else comfy_sd[name].narrow(*offset)
-            diffusers_sd[key] = fun(value) if fun else value   # Flux's one function swaps halves: its own inverse
+            diffusers_sd[key] = fun(value) if fun else value   # the one function (Flux's) swaps halves: self-inverse
     assert len(diffusers_sd) > len(comfy_sd)   # the fused qkv weights are split
     _sharded(tmp_path / "transformer", diffusers_sd)
     loaded = load_diffusion_model(tmp_path / "transformer", torch.float32).model.diffusion_model.state_dict()
     assert loaded.keys() == comfy_sd.keys()     # what ComfyUI loads from the single file, weight for weight
     assert all(torch.equal(loaded[k], comfy_sd[k].float()) for k in loaded)
+    meta = build_meta_model(tmp_path / "transformer", torch.bfloat16, arch).model.diffusion_model.state_dict()
+    assert {k: v.shape for k, v in meta.items()} == {k: v.shape for k, v in loaded.items()}
 
 
 def test_a_wan_checkpoint_folder_trains_the_single_files_weights(model_files, tmp_path):
