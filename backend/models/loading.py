@@ -89,6 +89,11 @@ def _meta_state_dict(shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
 
 
+def folder_meta_state_dict(path) -> dict[str, torch.Tensor]:
+    """A model file's or folder's tensors on the meta device (from the headers: no weights read)."""
+    return _meta_state_dict(read_header(path)[0])
+
+
 # --- diffusion models ----------------------------------------------------------------------------
 def _arch_of_config(config_cls: type, unet_config: dict) -> str | None:
     """The model type of a ComfyUI config class; where several share it, their specs' ``accepts`` decide."""

@@ -222,15 +222,11 @@ def _diffusers_key_map(arch: str, comfy_sd: dict) -> dict:
                                            "num_blocks": blocks("joint_blocks.")}, output_prefix="")
 
 
-@pytest.mark.parametrize("arch", ["flux", "sd3"])
-def test_a_sharded_diffusers_transformer_loads_as_its_single_file(model_files, tmp_path, arch):
-    """PipeTrain's tiny Flux / SD3 file written as a two-shard Diffusers transformer (ComfyUI's own key map,
-    inverted) loads through the folder path as ComfyUI's model with the single file's weights, every one; the
-    memory plan builds the same model from the folder's header."""
-    import torch
-
-    from pipetrain.backend.models.loading import _load_state_dict, build_meta_model, load_diffusion_model
-    comfy_sd, _ = _load_state_dict(model_files(arch).diffusion_model)   # imports ComfyUI
+def _as_diffusers_transformer(single: Path, arch: str, folder: Path) -> dict:
+    """``single`` (a ComfyUI file) written as a two-shard Diffusers transformer in ``folder``; returns the file's
+    state dict."""
+    from pipetrain.backend.models.loading import _load_state_dict
+    comfy_sd, _ = _load_state_dict(single)   # imports ComfyUI
     diffusers_sd = {}
     for key, target in _diffusers_key_map(arch, comfy_sd).items():
         name, offset, fun = ((target, None, None) if isinstance(target, str)
@@ -239,7 +235,19 @@ def test_a_sharded_diffusers_transformer_loads_as_its_single_file(model_files, t
             value = comfy_sd[name] if offset is None else comfy_sd[name].narrow(*offset)
             diffusers_sd[key] = fun(value) if fun else value   # the one function (Flux's) swaps halves: self-inverse
     assert len(diffusers_sd) > len(comfy_sd)   # the fused qkv weights are split
-    _sharded(tmp_path / "transformer", diffusers_sd)
+    _sharded(folder, diffusers_sd)
+    return comfy_sd
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_a_sharded_diffusers_transformer_loads_as_its_single_file(model_files, tmp_path, arch):
+    """PipeTrain's tiny Flux / SD3 file written as a two-shard Diffusers transformer (ComfyUI's own key map,
+    inverted) loads through the folder path as ComfyUI's model with the single file's weights, every one; the
+    memory plan builds the same model from the folder's header."""
+    import torch
+
+    from pipetrain.backend.models.loading import build_meta_model, load_diffusion_model
+    comfy_sd = _as_diffusers_transformer(model_files(arch).diffusion_model, arch, tmp_path / "transformer")
     loaded = load_diffusion_model(tmp_path / "transformer", torch.float32).model.diffusion_model.state_dict()
     assert loaded.keys() == comfy_sd.keys()     # what ComfyUI loads from the single file, weight for weight
     assert all(torch.equal(loaded[k], comfy_sd[k].float()) for k in loaded)
@@ -280,3 +288,35 @@ def test_a_text_encoder_folder_comfyui_reads_no_folder_of_is_refused_naming_the_
     with pytest.raises(ModelError) as err:
         load_text_encoders([folder], "qwen_image", None)
     assert "qwen2_5_vl" in str(err.value) and "single files" in str(err.value) and "Qwen2.5-VL-7B" in str(err.value)
+
+
+def test_a_full_fine_tune_of_a_folder_saves_a_comfyui_single_file(model_files, tmp_path):
+    """A full fine-tune's save (``merge_full_model``) from a Diffusers transformer: one file with ComfyUI's keys,
+    which ComfyUI loads as the model trained."""
+    import torch
+
+    from pipetrain.backend.models.loading import load_diffusion_model
+    from pipetrain.backend.train.saving import merge_full_model
+    comfy_sd = _as_diffusers_transformer(model_files("sd3").diffusion_model, "sd3", tmp_path / "transformer")
+    dm = load_diffusion_model(tmp_path / "transformer", torch.float32).model.diffusion_model
+    (tmp_path / "parts").mkdir()
+    merge_full_model(dm, tmp_path / "transformer", tmp_path / "parts", tmp_path / "full.safetensors", torch.float32,
+                     {"epoch": 1})
+    saved = load_diffusion_model(tmp_path / "full.safetensors", torch.float32).model.diffusion_model.state_dict()
+    assert saved.keys() == comfy_sd.keys() and all(torch.equal(saved[k], comfy_sd[k].float()) for k in saved)
+
+
+def test_the_comfyui_version_probe_reads_a_folders_model(model_files, tmp_path):
+    """The pinned-fallback probe (another ComfyUI's LoRA loader on the run's model, built from its header) takes
+    a Diffusers folder: a LoRA on one SD3 linear is applied there."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipetrain.backend.comfyui_probe import probe_lora
+    comfy_sd = _as_diffusers_transformer(model_files("sd3").diffusion_model, "sd3", tmp_path / "transformer")
+    module = "joint_blocks.0.x_block.attn.qkv"
+    width = comfy_sd[f"{module}.weight"].shape
+    save_file({f"diffusion_model.{module}.lora_A.weight": torch.zeros(2, width[1]),
+               f"diffusion_model.{module}.lora_B.weight": torch.zeros(width[0], 2)}, str(tmp_path / "lora.safetensors"))
+    result = probe_lora(tmp_path / "transformer", tmp_path / "lora.safetensors")
+    assert (result["modules"], result["applied"], result["unmatched"]) == (1, 1, [])
