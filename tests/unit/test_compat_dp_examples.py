@@ -320,3 +320,24 @@ def test_check_config_on_our_own_example_covers_its_eval_dataset():
     text, ok = report(examples / "sdxl_lora.toml")
     assert ok and f"{examples / 'eval_dataset.toml'}:" in text and "Loads: trains model type 'sdxl'." in text
     assert "REFUSED" not in text and "unknown key" not in text
+
+
+@pytest.mark.parametrize("case, extra", [
+    ("flux", "transformer_dtype = 'float8'\nflux_shift = true"),
+    ("flux kontext", "transformer_path = '{dm}'"),   # Kontext's transformer file over the folder's
+])
+def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diffusers_folder, case, extra):
+    """docs/supported_models.md's Flux tables: diffusers_path (a Diffusers folder, here the tiny one) is read
+    through ComfyUI's converters; a transformer_path overrides its transformer."""
+    model = _table("flux", f"diffusers_path={flux_diffusers_folder}", extra=extra)
+    path = _write(tmp_path, MAIN + _model("flux_kontext", model) + ADAPTER + OPTIMIZER + MONITORING,
+                  DATASETS["kontext" if case == "flux kontext" else "dataset"])
+    cfg = load_run(path)
+    from pipetrain.backend.models.tiny import cached_model_files
+    kontext = case == "flux kontext"
+    dm = cached_model_files("flux_kontext").diffusion_model if kontext else flux_diffusers_folder / "transformer"
+    assert cfg.model.type == ("flux_kontext" if kontext else "flux")
+    assert (Path(cfg.model.diffusion_model), Path(cfg.model.vae)) == (dm, flux_diffusers_folder / "vae")
+    assert [Path(p).name for p in cfg.model.text_encoder_files] == ["text_encoder", "text_encoder_2"]
+    text, ok = report(path)
+    assert ok and "model.diffusers_path: a Diffusers pipeline folder" in text
