@@ -25,7 +25,7 @@ HINT = (f"{SINGLE_FILES_HINT} (diffusion-pipe's transformer_path, vae_path and l
 # comfy.sd.VAE's Diffusers VAE conversion, and their CLIP / T5 text encoders, whose Hugging Face keys are ComfyUI's.
 # Others, e.g. Qwen-Image (its VAE and Qwen2.5-VL keys), HiDream, Chroma (its text encoder is T5 alone),
 # OmniGen2, LTX-Video, AuraFlow (Pile-T5), are read from single files only.
-DIFFUSERS_TYPES = ("flux", "sd3", "sdxl", "sd15")
+DIFFUSERS_TYPES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15")
 # Official checkpoint folders (ckpt_path) whose parts ComfyUI reads: Wan's transformer shards carry the keys of
 # ComfyUI's WanModel and its VAE .pth those of ComfyUI's Wan VAE; its T5 .pth is the original code's layout,
 # which ComfyUI does not read, so the text encoder comes from llm_path (ComfyUI's umt5_xxl file).

@@ -80,6 +80,12 @@ def test_single_file_keys_override_the_folders_parts_as_in_diffusion_pipe(tmp_pa
     assert cfg.model.text_encoder_files == ["/m/clip_l.safetensors"]
 
 
+def test_flux_kontext_by_its_own_type_string_reads_a_folder_too(tmp_path):
+    _pipeline(tmp_path)
+    cfg = load_run_config(_write(tmp_path, "type = 'flux_kontext'\ndiffusers_path = 'FLUX.1-dev'\n"))
+    assert cfg.model.diffusion_model == "FLUX.1-dev/transformer"
+
+
 def test_sdxl_checkpoint_folder_reads_its_unet(tmp_path):
     _pipeline(tmp_path, unet="unet")
     cfg = load_run_config(_write(tmp_path, "type = 'sdxl'\ncheckpoint_path = 'FLUX.1-dev'\n"))
