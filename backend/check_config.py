@@ -57,6 +57,9 @@ def _key_lines(cls, data: dict, prefix: str = "") -> list[str]:
         elif cls.__name__ == "ModelConfig" and name in compat.TEXT_ENCODER_KEYS:
             lines.append(f"  {key}: a text-encoder file, read into text_encoders (order: "
                          f"{', '.join(compat.TEXT_ENCODER_KEYS)})")
+        elif cls.__name__ == "ModelConfig" and name in compat.FOLDER_KEYS:   # read or refused by model type
+            model_type = compat.TYPE_ALIASES.get(data.get("type"), data.get("type"))
+            lines.append(f"  {key}: {compat.model_folders.describe(name, model_type)}")
         elif name in unsupported:
             rule = unsupported[name]
             if rule.accepts(value) and rule.inert is compat.ANY:

@@ -93,7 +93,7 @@ def probe_lora(model_file: Path, lora_file: Path) -> dict:
     import torch
 
     from . import lora
-    from .models.loading import META_ARCH, META_UNET, _meta_state_dict, model_config, read_header
+    from .models.loading import META_ARCH, META_UNET, _meta_state_dict, comfy_layout, model_config, read_header
     from .runtime import ensure_comfyui
     from .verify import comfy_lora_model
     from .versions import read_version
@@ -110,6 +110,9 @@ def probe_lora(model_file: Path, lora_file: Path) -> dict:
         prefix = md.unet_prefix_from_state_dict(sd)   # a checkpoint's diffusion model, as comfy.sd reads it
         sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
         config = md.model_config_from_unet(sd, "")
+        if config is None:   # a Diffusers folder (diffusers_path): ComfyUI's own conversions first
+            unet_config, converted = comfy_layout(sd)
+            config = md.model_config_from_unet_config(unet_config, converted) if unet_config else None
         if config is None:
             raise RuntimeSetupError(f"{model_file}: ComfyUI {read_version(root)} ({root}) does not recognise this "
                                     f"diffusion model, so its LoRA loader cannot load the run's LoRA")

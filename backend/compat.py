@@ -1,25 +1,24 @@
 """diffusion-pipe's spellings and the keys PipeTrain knows but does not act on (reason and fix for each).
 
 A diffusion-pipe main + dataset TOML pair loads as is when it trains a model PipeTrain supports from ComfyUI
-single files: keys with the same meaning are config fields (``backend/config``); diffusion-pipe's other names
-for them (its type strings, ``transformer_path`` & co., ``transformer_dtype``) are rewritten by the
-``preprocess_*`` hooks; its edit models (``flux`` / ``qwen_image`` with control images) are mapped by
-``edit_type`` once the dataset is read; keys whose value changes nothing here (``inert`` values, e.g.
-``compile = false``) are accepted and dropped; any other value of a key listed here fails naming the key and
-the fix. A key in neither place is a typo and fails listing the accepted keys. ``check_config.py`` reports
+single files or from a model folder ComfyUI converts (``compat_folders``: ``diffusers_path`` / ``checkpoint_path``
+for Flux, SD3, SDXL, ``ckpt_path`` for Wan): keys with the same meaning are config fields (``backend/config``);
+diffusion-pipe's other names for them (its type strings, ``transformer_path`` & co., ``transformer_dtype``, its
+folder keys) are rewritten by the ``preprocess_*`` hooks; its edit models (``flux`` / ``qwen_image`` with control
+images) are mapped by ``edit_type`` once the dataset is read; keys whose value changes nothing here (``inert``
+values, e.g. ``compile = false``) are accepted and dropped; any other value of a key listed here fails naming the
+key and the fix. A key in neither place is a typo and fails listing the accepted keys. ``check_config.py`` reports
 all of this for one config pair.
 """
 from __future__ import annotations
 
 import math
 
+from . import compat_folders as model_folders
 from .errors import ConfigError
 from .schema import ANY, Unsupported  # noqa: F401  (ANY: check_config tells inert keys apart)
 
-SINGLE_FILES_HINT = ("PipeTrain loads single-file ComfyUI weights: set diffusion_model = "
-                     "'<diffusion model>.safetensors' (ComfyUI's models/diffusion_models), vae = '<vae>.safetensors' "
-                     "(models/vae) and text_encoders = ['<text encoder>.safetensors', ...] (models/text_encoders) "
-                     "instead")
+SINGLE_FILES_HINT = model_folders.SINGLE_FILES_HINT
 
 RUN = {
     "disable_block_swap_for_eval": Unsupported("eval swaps blocks as training does", inert=ANY),
@@ -50,6 +49,8 @@ EDIT_TYPES = {"flux": "flux_kontext", "qwen_image": "qwen_image_edit"}
 # diffusion-pipe's other names for our keys: its single-file keys (ComfyUI files), and transformer_dtype (its
 # name for diffusion_model_dtype on its older models)
 MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "transformer_dtype": "diffusion_model_dtype"}
+# diffusion-pipe's model-folder keys (``compat_folders``), as check-config describes them
+FOLDER_KEYS = model_folders.FOLDER_KEYS   # key -> the model types it is read for
 # both spellings diffusion-pipe's code and its example read
 RUN_RENAMES = {"image_eval_micro_batch_size_per_gpu": "eval_image_micro_batch_size_per_gpu"}
 # its text-encoder file keys, in the order the model types here list their text encoders (the LLM / T5 first,
@@ -84,15 +85,15 @@ MEANING_DIFFERENCES = {
                                       "false included)",
 }
 
-_FOLDERS = ("a model folder in Diffusers or the official layout is not read yet (issue 20, item 1); "
-            f"{SINGLE_FILES_HINT}. diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and "
-            "text_encoder_path are read as these single files")
+_SINGLE = ("diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and text_encoder_path are read as "
+           "these single files")
 MODEL = {
-    **{key: Unsupported(_FOLDERS) for key in ("diffusers_path", "ckpt_path", "single_file_path", "llama3_path")},
+    "single_file_path": Unsupported(f"a model's single-file release (LTX-Video's transformer + VAE in one file) is "
+                                    f"not read; {SINGLE_FILES_HINT}. {_SINGLE}"),
+    "llama3_path": Unsupported(f"a Hugging Face Llama folder is not read (ComfyUI reads no Llama keys from a "
+                               f"folder); {SINGLE_FILES_HINT}. {_SINGLE}"),
     **{key: Unsupported(f"not read by PipeTrain. {SINGLE_FILES_HINT}")
        for key in ("text_encoder", "audio_vae", "llm_adapter_path")},
-    "checkpoint_path": Unsupported(f"a combined checkpoint (UNet + VAE + text encoders in one file) is not read. "
-                                   f"{SINGLE_FILES_HINT}"),
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
     "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
@@ -181,6 +182,7 @@ def preprocess_model(data: dict, file, prefix: str) -> dict:
             raise ConfigError(f"give text_encoders or {' and '.join(given)}, not both (the same files)", file=file,
                               key=_key(prefix, given[0]))
         data["text_encoders"] = [data.pop(k) for k in given]
+    model_folders.expand(data, file, prefix)
     return data
 
 

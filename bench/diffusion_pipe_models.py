@@ -40,6 +40,8 @@ FLUX_DEV = {"attention_head_dim": 128, "guidance_embeds": True, "in_channels": 6
             "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
             "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}
 FLUX_TINY = {**FLUX_DEV, "num_attention_heads": 2, "num_layers": 1, "num_single_layers": 1}
+# what ComfyUI loads from a folder: it fixes Flux's 24 heads of 128 (Flux-dev's width, one block of each kind)
+FLUX_COMFY_TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 1}
 FLUX_VAE = {"act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
             "down_block_types": ["DownEncoderBlock2D"] * 4,
             "force_upcast": True, "in_channels": 3, "latent_channels": 16, "latents_mean": None, "latents_std": None,
@@ -159,12 +161,16 @@ def write_model_folder(arch: str, folder: Path, size: str, comfyui: Path, device
     return json.loads(marker.read_text())["model"]
 
 
-def write_flux_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu") -> dict:
+def write_flux_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu", comfy_widths: bool = False) -> dict:
+    """``comfy_widths``: a tiny folder ComfyUI loads too (PipeTrain's ``diffusers_path`` tests): the transformer at
+    Flux-dev's width and the VAE at full width, which ComfyUI's Flux detection and VAE loader take as fixed."""
     import diffusers
     import torch
     import transformers
 
     full = size == "full"
+    transformer = FLUX_DEV if full else FLUX_COMFY_TINY if comfy_widths else FLUX_TINY
+    vae = FLUX_VAE if full or comfy_widths else FLUX_VAE_TINY
     _write_model_index(folder, "FluxPipeline", {
         "feature_extractor": [None, None], "image_encoder": [None, None],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
@@ -172,9 +178,8 @@ def write_flux_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu
         "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]})
     _write_json(folder / "scheduler" / "scheduler_config.json", {**FLUX_SCHEDULER, **_diffusers_version()})
-    _write_diffusers_component(folder / "transformer", diffusers.FluxTransformer2DModel,
-                               FLUX_DEV if full else FLUX_TINY, device)
-    _write_diffusers_component(folder / "vae", diffusers.AutoencoderKL, FLUX_VAE if full else FLUX_VAE_TINY, device)
+    _write_diffusers_component(folder / "transformer", diffusers.FluxTransformer2DModel, transformer, device)
+    _write_diffusers_component(folder / "vae", diffusers.AutoencoderKL, vae, device)
     # one layer each: small enough to build in memory (T5's tied embeddings are no case for the streaming writer)
     for sub, model in (("text_encoder", transformers.CLIPTextModel(transformers.CLIPTextConfig(**FLUX_CLIP_L))),
                        ("text_encoder_2", transformers.T5EncoderModel(transformers.T5Config(**T5_XXL)))):

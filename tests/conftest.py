@@ -56,6 +56,22 @@ def tiny_sdxl_files():
 
 
 @pytest.fixture(scope="session")
+def flux_diffusers_folder():
+    """bench/diffusion_pipe_models.py's tiny Flux pipeline folder (diffusion-pipe's ``diffusers_path``) at the widths
+    ComfyUI loads, written once per machine beside the tiny model files (a marker last: a broken write is redone)."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.runtime import REPO_ROOT, locate_comfyui
+    from pipetrain.bench.diffusion_pipe_models import write_flux_folder
+
+    folder = REPO_ROOT / ".work" / "tiny-models" / "flux-diffusers-comfy-v1"
+    if not (folder / "complete").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        write_flux_folder(folder, "tiny", locate_comfyui(), comfy_widths=True)
+        (folder / "complete").write_text("")
+    return folder
+
+
+@pytest.fixture(scope="session")
 def model_files():
     """``model_files(arch, size="tiny")``: random-initialised files of any registered architecture, written
     once per machine (``.work/tiny-models``)."""

@@ -27,7 +27,15 @@ def model_fingerprint(path: Path, memo: Path | None = None) -> str:
     """SHA-256 of a model file's whole content: any changed byte changes every key built on it (a copy that
     keeps size, header, ends and mtime, as ``cp -p``, ``rsync -a`` or tar make, included). Multi-GB files are
     read once: ``memo`` (a JSON file in the cache folder) keeps each digest under the file's device, inode,
-    size, mtime and ctime, and any write to the file or a file put in its place changes the ctime."""
+    size, mtime and ctime, and any write to the file or a file put in its place changes the ctime.
+
+    A model folder (a Diffusers component, an official checkpoint folder) is the digest over each file that
+    decides what loads from it (every weight shard and JSON config, ``model_folders.fingerprint_files``) with its
+    name: editing, adding or renaming a shard changes it."""
+    if path.is_dir():
+        from ..model_folders import fingerprint_files
+        return _sha([[p.relative_to(path).as_posix(), model_fingerprint(p, memo)]
+                     for p in fingerprint_files(path)])
     st = path.stat()
     identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     name = str(path.resolve())

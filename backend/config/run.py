@@ -192,11 +192,16 @@ class RunConfig:
         return self._evals or {}
 
     def check_model_paths(self) -> None:
-        """A model path that is a folder (a diffusers checkpoint?) fails here, naming the key."""
+        """A model path that is a folder must hold safetensors weights (a Diffusers component folder, e.g. what
+        diffusion-pipe's diffusers_path names); otherwise it fails here, naming the key."""
+        from ..errors import ModelError
+        from ..model_folders import weight_files
         for key, path in self.model.file_paths():
             if self.resolve(path).is_dir():
-                raise ConfigError(f"{self.resolve(path)} is a folder (a diffusers model?). {compat.SINGLE_FILES_HINT}",
-                                  file=self._file, key=key)
+                try:
+                    weight_files(self.resolve(path))
+                except ModelError as exc:
+                    raise ConfigError(f"{exc}. {compat.SINGLE_FILES_HINT}", file=self._file, key=key) from None
 
     def resolve(self, path: str | Path) -> Path:
         """Resolve a path from this config relative to the TOML file it came from."""

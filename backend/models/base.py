@@ -89,7 +89,7 @@ class ModelAdapter(ABC):
                  "text_encoders": [self.resolve(p) for p in self.cfg.text_encoder_files]}
         for role, paths in files.items():
             for p in paths:
-                if not p.is_file():
+                if not (p.is_file() or p.is_dir()):   # a folder: a Diffusers component (``model_folders``)
                     raise ModelError(f"[model] {role}: file not found: {p}")
         return files
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
+from ..model_folders import read_config, text_encoder_kind, weight_files
 from ..patches_comfyui import detection_from_config, narrowed_class, text_encoder_kinds
 from ..runtime import ensure_comfyui
 from .registry import ADAPTERS, arch_spec, arch_specs
@@ -35,15 +36,29 @@ META_VAE_KIND, META_VAE = "pipetrain.vae_kind", "pipetrain.vae_config"   # tiny 
 
 # --- reading files -------------------------------------------------------------------------------
 def _require_file(path) -> Path:
+    """A model file, or a model folder (``model_folders``: its safetensors shards are the file)."""
     path = Path(path)
-    if not path.is_file():
+    if not (path.is_file() or path.is_dir()):
         raise ModelError(f"{path}: model file not found")
     return path
 
 
+def _merged_shards(folder: Path, read) -> tuple[dict, dict]:
+    """``read`` (a file -> (key -> value, metadata)) over a model folder's shards, merged; the first's metadata."""
+    merged, metadata = {}, None
+    for shard in weight_files(folder):
+        more, meta = read(shard)
+        merged.update(more)
+        metadata = meta if metadata is None else metadata
+    return merged, metadata or {}
+
+
 def read_header(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """The file's tensor shapes (key -> shape) and metadata, reading no tensor data for safetensors."""
+    """The file's tensor shapes (key -> shape) and metadata, reading no tensor data for safetensors; a folder's
+    are its shards' together (the metadata of the first)."""
     path = _require_file(path)
+    if path.is_dir():
+        return _merged_shards(path, read_header)
     try:
         if path.suffix.lower() in (".safetensors", ".sft"):
             from safetensors import safe_open
@@ -61,6 +76,8 @@ def read_header(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
 def _load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     ensure_comfyui()
     import comfy.utils
+    if path.is_dir():   # a model folder: its shards' tensors in one state dict
+        return _merged_shards(path, _load_state_dict)
     try:
         sd, metadata = comfy.utils.load_torch_file(str(path), safe_load=True, return_metadata=True)
     except Exception as exc:
@@ -70,6 +87,11 @@ def _load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 def _meta_state_dict(shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+
+
+def folder_meta_state_dict(path) -> dict[str, torch.Tensor]:
+    """A model file's or folder's tensors on the meta device (from the headers: no weights read)."""
+    return _meta_state_dict(read_header(path)[0])
 
 
 # --- diffusion models ----------------------------------------------------------------------------
@@ -83,18 +105,39 @@ def _arch_of_config(config_cls: type, unet_config: dict) -> str | None:
     return None
 
 
+def comfy_layout(sd: dict, metadata: dict | None = None) -> tuple[dict | None, dict]:
+    """ComfyUI's unet_config for a diffusion model's state dict and the state dict in ComfyUI's layout, told and
+    converted the way ``comfy.sd.load_diffusion_model_state_dict`` does it: ComfyUI's own keys as they are, else its
+    Diffusers MMDiT conversions (Flux, SD3, AuraFlow, PixArt), else its Diffusers UNet one (SD1.x/SDXL). Works on
+    meta tensors (shapes only). (None, sd) when ComfyUI tells no model from it."""
+    import comfy.model_detection as md
+    import comfy.utils
+    prefix = md.unet_prefix_from_state_dict(sd)   # a whole checkpoint's diffusion model, or a bare one
+    sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
+    try:
+        unet_config = md.detect_unet_config(sd, "", metadata=metadata)
+    except Exception:  # other architectures' branches may need real values, or keys a Diffusers file lacks
+        unet_config = None
+    if unet_config is not None:
+        return unet_config, sd
+    converted = md.convert_diffusers_mmdit(dict(sd), "")
+    if converted:
+        try:
+            return md.detect_unet_config(converted, ""), converted
+        except Exception:
+            return None, sd
+    config = md.model_config_from_diffusers_unet(sd)
+    if config is None:
+        return None, sd
+    keys = comfy.utils.unet_to_diffusers(config.unet_config)
+    return config.unet_config, {keys[k]: v for k, v in sd.items() if k in keys}
+
+
 def arch_from_state_dict_shapes(shapes: dict[str, tuple]) -> str | None:
     """ComfyUI's own detection run on key shapes only (no weights): a model type PipeTrain trains, or None."""
     ensure_comfyui()
-    import comfy.model_detection as md
     import comfy.supported_models as sm
-    sd = _meta_state_dict(shapes)
-    prefix = md.unet_prefix_from_state_dict(sd)
-    sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
-    try:
-        unet_config = md.detect_unet_config(sd, "")
-    except Exception:  # other architectures' branches may need real values; they are not ours
-        return None
+    unet_config, sd = comfy_layout(_meta_state_dict(shapes))
     if unet_config is None:
         return None
     for config_cls in sm.models:  # first match wins, as in comfy.model_detection
@@ -156,6 +199,11 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
     ensure_comfyui()
     import comfy.sd
     options = {} if dtype is None else {"dtype": dtype}
+    if path.is_dir():   # ComfyUI's loader for a state dict converts Diffusers keys (``comfy_layout``)
+        patcher = comfy.sd.load_diffusion_model_state_dict(_load_state_dict(path)[0], model_options=options)
+        if patcher is None:
+            raise _undetected(path, shapes)
+        return patcher
     if META_UNET not in metadata:
         return comfy.sd.load_diffusion_model(str(path), model_options=options)
     unet_config = json.loads(metadata[META_UNET])
@@ -211,11 +259,7 @@ def build_meta_model(path, dtype: torch.dtype, arch: str):
     if META_UNET in metadata:
         return build_model(arch, json.loads(metadata[META_UNET]), dtype, "meta")
     ensure_comfyui()
-    import comfy.model_detection as md
-    sd = _meta_state_dict(shapes)
-    prefix = md.unet_prefix_from_state_dict(sd)   # a whole checkpoint's diffusion model, or a bare one
-    sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
-    unet_config = md.detect_unet_config(sd, "", metadata=metadata)
+    unet_config, _ = comfy_layout(_meta_state_dict(shapes), metadata)
     if unet_config is None:
         raise ModelError(f"{path}: ComfyUI cannot tell this file's model configuration from its weights; the "
                          "memory plan needs a file in ComfyUI's own layout")
@@ -295,18 +339,20 @@ def _patch_for(kinds: list[str]) -> None:
 
 
 def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
-    """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny)."""
+    """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny) or Hugging Face folders."""
     if arch not in ADAPTERS:
         raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     paths = [_require_file(p) for p in paths]
     headers = [read_header(p) for p in paths]
-    tiny = [META_TE in meta for _, meta in headers]
+    tiny = [META_TE in meta for p, (_, meta) in zip(paths, headers) if not p.is_dir()]
     if any(tiny) and not all(tiny):
-        names = ", ".join(p.name for p, t in zip(paths, tiny) if t)
+        names = ", ".join(p.name for p, (_, meta) in zip(paths, headers) if META_TE in meta)
         raise ModelError(f"{names}: PipeTrain's tiny text encoders cannot be mixed with real ones")
     ensure_comfyui()
-    if all(tiny) and paths:
-        return _load_tiny_text_encoders(paths, headers, arch, dtype)
+    folders = any(p.is_dir() for p in paths)
+    if folders or (all(tiny) and paths):
+        given = [_given_kind(p, shapes, meta, arch) for p, (shapes, meta) in zip(paths, headers)]
+        return _load_given_text_encoders(paths, given, arch, dtype, whole=folders)
     kinds = [_real_te_kind(shapes) for shapes, _ in headers]
     _check_kinds(paths, kinds, arch)
     _check_vision_towers(paths, headers, kinds, arch)
@@ -320,34 +366,81 @@ def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
         raise ModelError(f"{', '.join(map(str, paths))}: ComfyUI could not load these text encoders ({exc})") from exc
 
 
-def _load_tiny_text_encoders(paths: list[Path], headers, arch: str, dtype):
+def _given_kind(path: Path, shapes: dict, metadata: dict, arch: str) -> tuple[str, dict | None]:
+    """(kind, config) of one text encoder: a Hugging Face folder's from its config.json (CLIP and T5 only, whose
+    keys ComfyUI reads), a tiny file's from its metadata, a real file's kind from ComfyUI's detection (and its
+    config ComfyUI's own)."""
+    if path.is_dir():
+        config = read_config(path)
+        kind = text_encoder_kind(config)
+        if kind is None:
+            need = " + ".join(_te_title(k) for k in arch_spec(arch).text_encoders)
+            raise ModelError(
+                f"{path}: ComfyUI reads no {config.get('model_type') or 'unknown'} text encoder from a Hugging Face "
+                f"folder (only CLIP and T5); give {arch}'s text encoders ({need}) as ComfyUI's single files "
+                "(models/text_encoders) in text_encoders, or diffusion-pipe's llm_path / text_encoder_path")
+        return kind, _sized_config(kind, config)
+    if META_TE in metadata:
+        return metadata.get(META_TE_KIND, "unknown"), json.loads(metadata[META_TE])
+    return _real_te_kind(shapes), None
+
+
+# Hugging Face's CLIPTextModel (CLIP-L in Flux, SD3 and SDXL folders) has no text projection; ComfyUI's CLIP-L
+# module has one, which these models never read (they take CLIP-L's pooled output unprojected)
+FOLDER_OPTIONAL = {"clip_l": ("text_projection.weight",)}
+CLIP_KINDS = ("clip_l", "clip_g", "clip_h")
+
+
+def _folder_keys(kind: str, sd: dict) -> dict:
+    """A Hugging Face folder's keys as ComfyUI's CLIP reads them: transformers 5 saves a CLIPTextModel without
+    its ``text_model.`` prefix (earlier versions, and the published folders, keep it)."""
+    if kind in CLIP_KINDS and not any(k.startswith("text_model.") for k in sd):
+        return {k if k.startswith("text_projection") else f"text_model.{k}": v for k, v in sd.items()}
+    return sd
+
+
+def _sized_config(kind: str, hf_config: dict) -> dict:
+    """ComfyUI's config for ``kind`` with a folder's sizes (its numbers: widths, depths, vocabulary); the names
+    stay ComfyUI's (Hugging Face names T5's tanh GELU ``gelu_new``, ComfyUI ``gelu_pytorch_tanh``)."""
+    from .tiny import text_encoder_config
+    config = text_encoder_config(kind, "full")
+    return {**config, **{k: v for k, v in hf_config.items()
+                         if k in config and isinstance(v, (int, float)) and not isinstance(v, bool)}}
+
+
+def _load_given_text_encoders(paths: list[Path], given: list[tuple[str, dict | None]], arch: str, dtype, *,
+                              whole: bool = False):
     """ComfyUI's own text-encoder loading (``load_text_encoder_state_dicts``, what ``load_clip`` runs on a real
-    file's tensors) with each file's config as its ``<kind>_model_config`` option and its kind given
-    (``patches_comfyui.text_encoder_kinds``): ComfyUI tells kinds apart by layers only full-depth files have."""
+    file's tensors) with each kind given (``patches_comfyui.text_encoder_kinds``: ComfyUI tells kinds apart by
+    layers only full-depth files have) and each config that came with a file (a tiny file's metadata, a folder's
+    config.json) as its ``<kind>_model_config`` option. ``whole``: no part of any encoder may be left out (a
+    folder's encoder is the whole model)."""
     import comfy.sd
-    kinds = [meta.get(META_TE_KIND, "unknown") for _, meta in headers]
+    kinds = [kind for kind, _ in given]
     _check_kinds(paths, kinds, arch)
     _patch_for(kinds)
-    options = {TEXT_ENCODERS[kind].model_option or f"{TEXT_ENCODERS[kind].comfy_name or kind}_model_config":
-               json.loads(meta[META_TE])
-               for kind, (_, meta) in zip(kinds, headers)}
+    options = {TEXT_ENCODERS[kind].model_option or f"{TEXT_ENCODERS[kind].comfy_name or kind}_model_config": config
+               for kind, config in given if config is not None}
     if dtype is not None:
         options["dtype"] = dtype
-    state_dicts = [_load_state_dict(path)[0] for path in paths]
-    given = {id(sd): (TEXT_ENCODERS[kind].te_model, TEXT_ENCODERS[kind].comfy_name or kind)
-             for kind, sd in zip(kinds, state_dicts)}
+    state_dicts = [_folder_keys(kind, _load_state_dict(path)[0]) if path.is_dir() else _load_state_dict(path)[0]
+                   for path, kind in zip(paths, kinds)]
+    kind_of = {id(sd): (TEXT_ENCODERS[kind].te_model, TEXT_ENCODERS[kind].comfy_name or kind)
+               for kind, sd in zip(kinds, state_dicts)}
     loaded: dict[int, object] = {}
     clip_type = getattr(comfy.sd.CLIPType, arch_spec(arch).clip_type)
     try:
-        with text_encoder_kinds(given, loaded):
+        with text_encoder_kinds(kind_of, loaded):
             clip = comfy.sd.load_text_encoder_state_dicts(state_dicts, clip_type=clip_type, model_options=options)
     except Exception as exc:
         raise ModelError(f"{', '.join(map(str, paths))}: ComfyUI could not load these text encoders ({exc})") from exc
     for path, kind, sd in zip(paths, kinds, state_dicts):
         missing = loaded[id(sd)][0]
-        reads_images = arch_spec(arch).text_encoders_read_images    # then no part of the file may be left out
+        reads_images = arch_spec(arch).text_encoders_read_images or whole  # then no part may be left out
         omitted = () if reads_images else tuple(name + "." for name in TEXT_ENCODERS[kind].tiny_omits)
         missing = [k for k in missing if not k.startswith(omitted)] if omitted else missing
+        if path.is_dir():
+            missing = [k for k in missing if k not in FOLDER_OPTIONAL.get(kind, ())]
         if missing:
             raise ModelError(f"{path}: {len(missing)} {_te_title(kind)} weights are missing, "
                              f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")

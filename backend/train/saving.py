@@ -118,8 +118,12 @@ def merge_full_model(dm, source: Path, parts: Path, path: Path, dtype: torch.dty
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(source), framework="pt") as f:
-        keys, metadata = {_unprefixed(k) for k in f.keys()}, dict(f.metadata() or {})
+    if source.is_dir():   # a Diffusers folder: ComfyUI's keys for it (a file ComfyUI loads as the folder)
+        from ..models.loading import comfy_layout, folder_meta_state_dict
+        keys, metadata = set(comfy_layout(folder_meta_state_dict(source))[1]), {}
+    else:
+        with safe_open(str(source), framework="pt") as f:
+            keys, metadata = {_unprefixed(k) for k in f.keys()}, dict(f.metadata() or {})
     own = dm.state_dict()
     sd = {k: own[k].detach().to("cpu", dtype if own[k].is_floating_point() else None) for k in keys if k in own}
     trained = 0

@@ -4,8 +4,9 @@ The TOML below is ours: it copies only the *key structure* of diffusion-pipe's `
 ``[model]`` tables in its ``docs/supported_models.md`` (which keys, which tables, the value kinds), with model
 paths pointed at the shared tiny model files. Nothing is fetched. Each either loads (through the same checks as
 a run: ``preflight.load_run``) with the meaning it has in diffusion-pipe, or is refused naming the key and what
-to do (model folders: ``diffusers_path``, ``ckpt_path``, ... are not read yet, issue 20 item 1; ``size_buckets``
-and masks, item 3; models the pinned ComfyUI lacks).
+to do (model folders ComfyUI has no converter for: their single files; ``size_buckets`` and masks, item 3; models
+the pinned ComfyUI lacks). The folders that load (Flux / SD3 / SDXL Diffusers folders, Wan's checkpoint folder) are
+read from real tiny folders in ``test_dp_model_folders.py``.
 """
 from pathlib import Path
 
@@ -147,25 +148,17 @@ _FOLDER_FIX = "transformer_path"
 REFUSED = [
     ("sdxl", _table("sdxl", "checkpoint_path=/models/sd_xl_base_1.0.safetensors"), "model.checkpoint_path",
      "diffusion_model ="),
-    ("flux", _table("flux", "diffusers_path=/models/FLUX.1-dev", extra=FP8), "model.diffusers_path", _FOLDER_FIX),
+    ("hunyuan-video (checkpoint folder)", _table("hunyuan-video", "ckpt_path=/models/HunyuanVideo"),
+     "model.ckpt_path", _FOLDER_FIX),
     ("ltx-video", _table("ltx-video", "diffusers_path=/models/LTX-Video",
                          "single_file_path=/models/ltx-video-2b-v0.9.1.safetensors"), "model.diffusers_path",
      _FOLDER_FIX),
-    ("wan (checkpoint folder)", _table("wan", "ckpt_path=/models/Wan2.1-T2V-1.3B"), "model.ckpt_path", _FOLDER_FIX),
-    ("wan (folder + ComfyUI files)", _table("wan", "ckpt_path=/models/Wan2.1-T2V-1.3B",
-                                            "transformer_path=/models/wan2.1_t2v_1.3B_bf16.safetensors",
-                                            "llm_path=/models/umt5-xxl-enc-bf16.safetensors"),
-     "model.ckpt_path", _FOLDER_FIX),
     ("chroma", _table("chroma", "diffusers_path=/models/FLUX.1-dev",
                       "transformer_path=/models/chroma-unlocked-v10.safetensors", extra=FP8),
      "model.diffusers_path", _FOLDER_FIX),
     ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
                        "llama3_path=/models/Meta-Llama-3.1-8B-Instruct"), "model.diffusers_path", _FOLDER_FIX),
-    ("sd3", _table("sd3", "diffusers_path=/models/stable-diffusion-3.5-medium"), "model.diffusers_path", _FOLDER_FIX),
     ("omnigen2", _table("omnigen2", "diffusers_path=/models/OmniGen2"), "model.diffusers_path", _FOLDER_FIX),
-    ("flux kontext", _table("flux", "diffusers_path=/models/FLUX.1-dev",
-                            "transformer_path=/models/flux1-kontext-dev.safetensors"), "model.diffusers_path",
-     _FOLDER_FIX),
     ("qwen_image (diffusers)", _table("qwen_image", "diffusers_path=/models/Qwen-Image"), "model.diffusers_path",
      _FOLDER_FIX),
     ("qwen_image_edit", _table("qwen_image", "diffusers_path=/models/Qwen-Image",
@@ -242,8 +235,9 @@ dtype = 'bfloat16'
 
 
 def test_wan_min_vram_example_loads_once_its_folder_is_given_as_files(tmp_path):
-    """examples/wan_14b_min_vram.toml: only its ckpt_path (item 1) is refused; its 'unsloth' checkpointing,
-    block swapping and AdamW8bitKahan with stabilize = false load."""
+    """examples/wan_14b_min_vram.toml: only its ckpt_path is refused (the folder is read, but its T5 .pth is not:
+    it needs llm_path); its 'unsloth' checkpointing, block swapping and AdamW8bitKahan with stabilize = false
+    load."""
     model = """type = 'wan'
 ckpt_path = '/models/Wan2.1-T2V-14B'
 dtype = 'bfloat16'
@@ -360,3 +354,24 @@ def test_loss_and_timestep_keys_load_with_diffusion_pipes_meaning(tmp_path):
     cfg = load_run(path)
     assert (cfg.loss_kind, cfg.smooth_l1_beta, cfg.model.min_t, cfg.model.max_t) == ("smooth_l1", 0.1, 0.2, 0.8)
     assert "  model.min_t: DIFFERENT: every flow model" in report(path)[0]
+
+
+@pytest.mark.parametrize("case, extra", [
+    ("flux", "transformer_dtype = 'float8'\nflux_shift = true"),
+    ("flux kontext", "transformer_path = '{dm}'"),   # Kontext's transformer file over the folder's
+])
+def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diffusers_folder, case, extra):
+    """docs/supported_models.md's Flux tables: diffusers_path (a Diffusers folder, here the tiny one) is read
+    through ComfyUI's converters; a transformer_path overrides its transformer."""
+    model = _table("flux", f"diffusers_path={flux_diffusers_folder}", extra=extra)
+    path = _write(tmp_path, MAIN + _model("flux_kontext", model) + ADAPTER + OPTIMIZER + MONITORING,
+                  DATASETS["kontext" if case == "flux kontext" else "dataset"])
+    cfg = load_run(path)
+    from pipetrain.backend.models.tiny import cached_model_files
+    kontext = case == "flux kontext"
+    dm = cached_model_files("flux_kontext").diffusion_model if kontext else flux_diffusers_folder / "transformer"
+    assert cfg.model.type == ("flux_kontext" if kontext else "flux")
+    assert (Path(cfg.model.diffusion_model), Path(cfg.model.vae)) == (dm, flux_diffusers_folder / "vae")
+    assert [Path(p).name for p in cfg.model.text_encoder_files] == ["text_encoder", "text_encoder_2"]
+    text, ok = report(path)
+    assert ok and "model.diffusers_path: a Diffusers pipeline folder" in text

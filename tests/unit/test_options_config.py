@@ -190,11 +190,13 @@ def test_model_paths_in_formats_we_cannot_load(dp, key):
     assert all(k in message for k in ("diffusion_model =", "vae =", "text_encoders ="))
 
 
-def test_a_model_folder_is_refused_naming_the_key(dp):
+def test_a_model_folder_without_weights_is_refused_naming_the_key(dp):
     (dp / "FLUX.1-dev").mkdir()
+    (dp / "FLUX.1-dev" / "diffusion_pytorch_model.bin").write_bytes(b"")
     (dp / "run.toml").write_text(DP_MAIN.replace("'/models/flux1-dev.safetensors'", "'FLUX.1-dev'"))
     message = _error(dp / "run.toml")
-    assert "key 'model.diffusion_model'" in message and "is a folder" in message and "single-file" in message
+    assert "key 'model.diffusion_model'" in message and "no .safetensors weights" in message
+    assert "diffusion_pytorch_model.bin" in message and "single-file" in message
 
 
 def test_text_encoder_tables_are_checked_against_the_model(dp):
