@@ -357,6 +357,12 @@ class ParallelismNode(io.ComfyNode):
                 io.Int.Input("image_micro_batch_size_per_gpu", default=start("image_micro_batch_size_per_gpu"), min=0,
                              max=256, optional=True, tooltip="Video models: images per micro batch, e.g. 4 where one "
                              "clip fills the GPU (0: micro_batch_size_per_gpu)"),
+                io.String.Input("micro_batch_size_by_resolution", default="", optional=True, tooltip="A micro batch "
+                                "per resolution, e.g. 512:4, 1024:1: each bucket takes the entry nearest its size "
+                                "(empty: micro_batch_size_per_gpu everywhere)"),
+                io.String.Input("image_micro_batch_size_by_resolution", default="", optional=True,
+                                tooltip="Video models: the same for images (empty: the list above, or "
+                                "image_micro_batch_size_per_gpu)"),
             ],
             outputs=[t.Parallelism.Output(display_name="parallelism")],
         )
@@ -394,15 +400,35 @@ class ParallelismNode(io.ComfyNode):
     def execute(cls, gpus, pipeline_stages, micro_batch_size_per_gpu, gradient_accumulation_steps, gpu_ids,
                 cluster=OFF, hostfile="", hosts="", master_addr="", master_port=29500, env="", nccl_socket_ifname="",
                 nccl_ib_disable="default", nccl_p2p_disable="default", partition_method=start("partition_method"),
-                partition_split="", image_micro_batch_size_per_gpu=0) -> io.NodeOutput:
+                partition_split="", image_micro_batch_size_per_gpu=0, micro_batch_size_by_resolution="",
+                image_micro_batch_size_by_resolution="") -> io.NodeOutput:
         spec = cluster_form(cluster, hostfile=hostfile_path(hostfile), hosts=hosts, master_addr=master_addr,
                             master_port=master_port, env=env, nccl_socket_ifname=nccl_socket_ifname,
                             nccl_ib_disable=nccl_ib_disable, nccl_p2p_disable=nccl_p2p_disable)
         run = RunPatch.of(dict(pipeline_stages=pipeline_stages, micro_batch_size_per_gpu=micro_batch_size_per_gpu,
                                gradient_accumulation_steps=gradient_accumulation_steps,
                                partition_method=partition_method, partition_split=parse_split(partition_split),
-                               image_micro_batch_size_per_gpu=unset_if_zero(image_micro_batch_size_per_gpu)))
+                               image_micro_batch_size_per_gpu=unset_if_zero(image_micro_batch_size_per_gpu),
+                               micro_batch_size_by_resolution=parse_batches(micro_batch_size_by_resolution,
+                                                                            "micro_batch_size_by_resolution"),
+                               image_micro_batch_size_by_resolution=parse_batches(
+                                   image_micro_batch_size_by_resolution, "image_micro_batch_size_by_resolution")))
         return io.NodeOutput(ParallelismSpec(gpus, parse_gpu_ids(gpu_ids), spec, run))
+
+
+def parse_batches(text: str, name: str) -> tuple[tuple[int, int], ...] | None:
+    """"512:4, 1024:1" -> ((512, 4), (1024, 1)); empty: None."""
+    pairs = []
+    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
+        if not part:
+            continue
+        resolution, _, batch = part.partition(":")
+        try:
+            pairs.append((int(resolution), int(batch)))
+        except ValueError:
+            raise ValueError(f"{name} {text!r}: write resolution:batch pairs separated by commas, e.g. "
+                             "512:4, 1024:1") from None
+    return tuple(pairs) or None
 
 
 class MemoryNode(io.ComfyNode):

@@ -26,6 +26,10 @@ class RunConfig:
     max_steps: Optional[int] = None
     micro_batch_size_per_gpu: int = 1
     image_micro_batch_size_per_gpu: Optional[int] = None   # one-frame buckets (images); default the one above
+    # per bucket size: [[resolution, batch], ...], the entry nearest the bucket's sqrt(width x height) (diffusion-pipe
+    # writes these lists as micro_batch_size_per_gpu / image_micro_batch_size_per_gpu themselves)
+    micro_batch_size_by_resolution: Optional[list[list[int]]] = None
+    image_micro_batch_size_by_resolution: Optional[list[list[int]]] = None
     pipeline_stages: int = 1
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 1.0
@@ -135,6 +139,11 @@ class RunConfig:
                 raise ConfigError("the budget is applied by torch.compile's partitioner: set compile = true, or leave "
                                   "activation_memory_budget out (activation_checkpointing saves memory without "
                                   "compile)", file=file, key="activation_memory_budget")
+        for key in ("micro_batch_size_by_resolution", "image_micro_batch_size_by_resolution"):
+            pairs = getattr(self, key)
+            if pairs is not None and (not pairs or any(len(p) != 2 or p[0] < 64 or p[1] < 1 for p in pairs)):
+                raise ConfigError(f"got {pairs}; give [[resolution, batch], ...] with resolutions from 64 and "
+                                  "batches of 1 or more, e.g. [[512, 4], [1024, 1]]", file=file, key=key)
         if self.memory_limit_gib is not None and not 0 < self.memory_limit_gib <= 4096:
             raise ConfigError(f"got {self.memory_limit_gib}; the GiB of each GPU a run may plan for, up to 4096 "
                               "(or leave it out: the whole GPU)", file=file, key="memory_limit_gib")

@@ -1,6 +1,7 @@
 """Deterministic, single-bucket batches for each epoch and data-parallel rank."""
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 
@@ -22,6 +23,19 @@ def _bucket_name(bucket: Bucket) -> str:
     return "x".join(str(v) for v in bucket[:2]) + (f", {bucket[2]} frames" if len(bucket) > 2 else "")
 
 
+def batch_for_bucket(pairs: list, bucket: Bucket) -> int:
+    """diffusion-pipe's per-resolution batch: the entry whose resolution is nearest sqrt(width x height)."""
+    side = math.sqrt(bucket[0] * bucket[1])
+    return min(pairs, key=lambda p: (abs(p[0] - side), p[0]))[1]
+
+
+def batches_by_resolution(cfg) -> dict[str, list]:
+    """A RunConfig's lists: images take image_micro_batch_size_by_resolution, else the general one."""
+    general = cfg.micro_batch_size_by_resolution
+    image = cfg.image_micro_batch_size_by_resolution or (None if cfg.image_micro_batch_size_per_gpu else general)
+    return {k: v for k, v in (("clip", general), ("image", image)) if v}
+
+
 class EpochPlan:
     """Deterministic batches for one epoch for one data-parallel rank.
 
@@ -39,7 +53,7 @@ class EpochPlan:
     def __init__(self, samples: list[Sample], repeats: list[int] | None, micro_batch_size: int,
                  grad_accum_steps: int, dp_rank: int, dp_world: int, seed: int,
                  image_micro_batch_size: int | None = None, reg: list[bool] | None = None,
-                 reg_ratio: float = 0.5):
+                 reg_ratio: float = 0.5, by_resolution: dict[str, list] | None = None):
         if repeats is None:
             repeats = [sample.item.num_repeats for sample in samples]
         if len(repeats) != len(samples):
@@ -52,6 +66,7 @@ class EpochPlan:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_world - 1}")
         self.micro_batch_size = micro_batch_size
         self.image_micro_batch_size = image_micro_batch_size
+        self.by_resolution = by_resolution or {}   # {"image": [[res, batch], ...], "clip": [...]}
         self.grad_accum_steps = grad_accum_steps
         self.dp_rank = dp_rank
         self.dp_world = dp_world
@@ -79,8 +94,13 @@ class EpochPlan:
         return {bucket: grouped[bucket] for bucket in sorted(grouped)}
 
     def micro_batch_size_of(self, bucket: Bucket) -> int:
-        """A one-frame bucket (an image) batches ``image_micro_batch_size`` samples, a clip ``micro_batch_size``."""
-        return self.image_micro_batch_size if _is_image(bucket) else self.micro_batch_size
+        """A one-frame bucket (an image) batches ``image_micro_batch_size`` samples, a clip ``micro_batch_size``;
+        a per-resolution list for its kind (``by_resolution``) decides first."""
+        image = _is_image(bucket)
+        pairs = self.by_resolution.get("image" if image else "clip")
+        if pairs:
+            return batch_for_bucket(pairs, bucket)
+        return self.image_micro_batch_size if image else self.micro_batch_size
 
     def global_batch_of(self, bucket: Bucket) -> int:
         return self.micro_batch_size_of(bucket) * self.grad_accum_steps * self.dp_world

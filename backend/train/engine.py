@@ -162,11 +162,12 @@ def record_grad_norm(engine, params: list[torch.Tensor], gradient_clipping: floa
 def plan_epochs(cfg: RunConfig, entries, topology: Topology, reporter: RunReporter):
     """This rank's share of every epoch's batches (needs the data-parallel degree, known from the topology)."""
     from ..data import EpochPlan
+    from ..data.epoch_plan import batches_by_resolution
 
     plan = EpochPlan(entries, [e.num_repeats for e in entries], cfg.micro_batch_size_per_gpu,
                      cfg.gradient_accumulation_steps, topology.dp_rank, topology.dp_world, cfg.seed,
                      image_micro_batch_size=cfg.image_micro_batch_size_per_gpu, reg=[e.is_reg for e in entries],
-                     reg_ratio=cfg.dataset_config.reg_ratio)
+                     reg_ratio=cfg.dataset_config.reg_ratio, by_resolution=batches_by_resolution(cfg))
     if topology.is_main:
         for message in plan.warnings():
             reporter.event("warning", message=message)

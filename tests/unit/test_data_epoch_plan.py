@@ -146,3 +146,25 @@ def test_programming_errors_are_value_errors(kwargs):
                      dp_world=1, seed=0) | kwargs
     with pytest.raises(ValueError):
         EpochPlan(**arguments)
+
+
+def test_per_resolution_batches_follow_the_nearest_resolution_of_each_bucket(tmp_path):
+    """diffusion-pipe's micro_batch_size_per_gpu = [[512, 4], [1024, 1]]: read into our *_by_resolution key (the
+    first batch kept as the integer), and each bucket batches the entry nearest sqrt(width x height)."""
+    from pipetrain.backend.config import RunConfig
+    from pipetrain.backend.data.epoch_plan import EpochPlan, batches_by_resolution
+    from pipetrain.backend.schema import from_dict
+
+    cfg = from_dict(RunConfig, {"output_dir": str(tmp_path), "dataset": "d.toml",
+                                "micro_batch_size_per_gpu": [[512, 4], [1024, 1]],
+                                "model": {"type": "flux", "diffusion_model": "a", "vae": "b"}}, file=None)
+    assert cfg.micro_batch_size_per_gpu == 4 and cfg.micro_batch_size_by_resolution == [[512, 4], [1024, 1]]
+    by_res = batches_by_resolution(cfg)
+    assert by_res == {"clip": [[512, 4], [1024, 1]], "image": [[512, 4], [1024, 1]]}
+    small, large = samples(8, (512, 512), prefix="s"), samples(3, (1024, 1024), prefix="l")
+    odd = samples(2, (832, 640), prefix="o")   # sqrt(832 x 640) = 730: nearer 512
+    plan = EpochPlan(small + large + odd, None, cfg.micro_batch_size_per_gpu, 1, 0, 1, 0, by_resolution=by_res)
+    assert [plan.micro_batch_size_of(b) for b in ((512, 512), (1024, 1024), (832, 640))] == [4, 1, 4]
+    assert plan.steps_per_epoch() == 8 // 4 + 3 // 1 + 0        # the two 832x640 fill no batch of 4
+    sizes = sorted(len(step[0]) for step in plan.epoch(1))
+    assert sizes == [1, 1, 1, 4, 4]
