@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: GPL-3.0-or-later
 // PipeTrain panel: runs with progress and ETA, a live loss chart, epoch LoRAs (one click adds a
-// "PipeTrain Load Epoch LoRA" node), stop/resume. Fed by GET /pipetrain/runs[/{id}] and the
+// "PipeTrain Load Epoch LoRA" node), stop/resume, and while a run trains: save now, sample now, stop after this
+// epoch, a new learning rate from the next step (POST /pipetrain/runs/{id}/{save,sample,stop_after_epoch,lr}). Fed by GET /pipetrain/runs[/{id}] and the
 // "pipetrain.event" websocket messages that the launcher's relay sends. A run on several machines shows its
 // nodes and, while a no_ssh run is alive, the command each other node must run (events come from global rank 0).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const state = { runs: new Map(), selected: null, losses: new Map(), root: null };
+const state = { runs: new Map(), selected: null, losses: new Map(), root: null, lrInputs: new Map() };
 const ACTIVE = new Set(["launched", "resuming", "starting", "caching", "loading", "training", "stopping"]);
 
 const css = `
@@ -23,6 +24,8 @@ const css = `
 .pipetrain-cmd{white-space:pre-wrap;word-break:break-all;background:#1b1b1b;padding:4px;border-radius:4px;font:11px monospace;margin:2px 0 4px;user-select:text}
 .pipetrain-samples{display:flex;flex-wrap:wrap;gap:4px;margin:2px 0 6px}
 .pipetrain-samples img{width:72px;height:72px;object-fit:cover;border-radius:3px;cursor:zoom-in}
+.pipetrain-control{flex-wrap:wrap;justify-content:flex-start;margin-top:4px}
+.pipetrain-control input{width:72px;font-size:11px}
 .pipetrain-float{position:fixed;right:12px;top:60px;width:340px;max-height:80vh;z-index:1000;background:#222;border:1px solid #555;border-radius:8px}
 `;
 
@@ -150,7 +153,35 @@ function runCard(run) {
   if (run.alive && (run.node_commands || []).length) card.append(nodeCommands(run));
   if (run.error) card.append(el("div", { style: "color:#f77" }, run.error));
   card.append(buttons);
+  if (run.alive && ACTIVE.has(run.state) && run.state !== "stopping") card.append(controls(run));
   return card;
+}
+
+// requests the run takes at its next step (backend/run_control.py); its events say when it acted
+function controls(run) {
+  const act = (action, body) => (e) => { e.stopPropagation(); post(run.id, action, body); };
+  // one input per run, kept across renders (every step event re-renders): what is typed stays
+  let lr = state.lrInputs.get(run.id);
+  if (!lr) {
+    lr = el("input", { type: "number", step: "any", min: "0", placeholder: "new LR", title: "learning rate from the next step",
+      class: "pipetrain-lr", value: run.base_lr ?? run.lr ?? "" });
+    lr.onclick = (e) => e.stopPropagation();
+    state.lrInputs.set(run.id, lr);
+  }
+  const setLr = (e) => {
+    e.stopPropagation();
+    const value = Number(lr.value);
+    if (!(value > 0) || !Number.isFinite(value)) {
+      app.extensionManager?.toast?.add?.({ severity: "error", summary: "PipeTrain", detail: "the learning rate must be a number above 0", life: 5000 });
+      return;
+    }
+    post(run.id, "lr", { lr: value });
+  };
+  return el("div", { class: "pipetrain-row pipetrain-control" },
+    el("button", { onclick: act("save"), title: "write a LoRA and a checkpoint at the next step" }, "Save now"),
+    el("button", { onclick: act("sample"), title: "save a LoRA and render the sample prompts with it" }, "Sample now"),
+    el("button", { onclick: act("stop_after_epoch"), title: "finish this epoch (its LoRA and samples), then stop with a checkpoint" }, "Stop after epoch"),
+    lr, el("button", { onclick: setLr }, "Set LR"));
 }
 
 // the epoch's sample images (sample_saved events), served by GET /pipetrain/runs/{id}/samples/{name}
@@ -168,9 +199,11 @@ function sampleStrip(runId, samples) {
 function render() {
   const root = state.root;
   if (!root) return;
+  const focused = document.activeElement;   // an LR being typed keeps its focus through the re-render
   root.replaceChildren(el("h3", {}, "PipeTrain runs"));
   if (!state.runs.size) root.append(el("div", {}, "No runs yet: queue a workflow with a PipeTrain Train node."));
   for (const run of state.runs.values()) root.append(runCard(run));
+  if (focused?.classList?.contains("pipetrain-lr") && focused.isConnected) focused.focus();
   const run = state.runs.get(state.selected);
   if (!run) return;
   const canvas = el("canvas", { class: "pipetrain-chart" });

@@ -121,6 +121,39 @@ def test_stop_escalates_to_sigterm(launcher):
     assert s["state"] == "stopped" and not s["resumable"]  # stopped before any checkpoint
 
 
+def test_control_requests_reach_a_live_run_only(launcher):
+    from pipetrain.backend import run_control
+    from pipetrain.backend.run_control import ControlValueError, Requests
+
+    la = launcher()
+    la.launch("run-c", SLEEPER, (0,))
+    run = la.dirs.run("run-c")
+    run.run_toml.write_text('[samples]\nprompts = ["a cat"]\n')
+    for action in ("save", "sample", "stop_after_epoch"):
+        assert la.control("run-c", action)["requested"]["action"] == action
+    assert la.control("run-c", "lr", "2e-5")["requested"]["lr"] == 2e-5
+    assert run_control.take(run)[0] == Requests(True, True, True, 2e-5)   # what the run's rank 0 reads
+    with pytest.raises(ControlValueError, match="at most"):
+        la.control("run-c", "lr", 1e4)
+    with pytest.raises(ControlValueError, match="unknown run control"):
+        la.control("run-c", "resume")
+    run.run_toml.write_text("")
+    with pytest.raises(LauncherError, match="no sample prompts"):
+        la.control("run-c", "sample")
+    la.control("run-c", "stop_after_epoch")
+    la.kill("run-c")
+    with pytest.raises(LauncherError, match="not running"):
+        la.control("run-c", "save")
+    with pytest.raises(KeyError):
+        la.control("nope", "save")
+    assert run_control.take(run)[0] == Requests(stop_after_epoch=True)   # left by the killed run ...
+    run_control.request(run, "stop_after_epoch")
+    (run.checkpoints / "step00000001").mkdir(parents=True)
+    (run.checkpoints / "step00000001" / "pipetrain.json").write_text("{}")
+    la.resume("run-c")                                                   # ... is forgotten by its resume
+    assert run_control.take(run)[0] == Requests()
+
+
 def test_unknown_runs(launcher):
     la = launcher()
     with pytest.raises(KeyError):
