@@ -52,7 +52,8 @@ def summarize(runs: RunsRoot, run_id: str, alive: bool) -> dict:
     if state == "failed" and not error:
         error = f"the training process exited without reporting; see {d.log_file}"
     keys = ("step", "total_steps", "epoch", "epochs", "loss", "lr", "samples_per_s", "eta_s", "last_checkpoint",
-            "updated", "cache", "comfyui")   # comfyui: the ComfyUI that trains and its parity verdict
+            "updated", "cache", "comfyui",   # comfyui: the ComfyUI that trains and its parity verdict
+            "base_lr", "stop_after_epoch")   # set by run control (backend/run_control.py)
     return {"id": run_id, "state": state, "alive": alive, "error": error,
             "loras": saved_loras(d, status), "gpus": info.get("gpus", []),
             "created": info.get("created"), "name": info.get("name", run_id),

@@ -152,6 +152,7 @@ function runCard(run) {
   }
   if (run.alive && (run.node_commands || []).length) card.append(nodeCommands(run));
   if (run.error) card.append(el("div", { style: "color:#f77" }, run.error));
+  if (run.alive && run.stop_after_epoch != null) card.append(el("div", { class: "pipetrain-pending" }, `stops after epoch ${run.stop_after_epoch}`));
   card.append(buttons);
   if (run.alive && ACTIVE.has(run.state) && run.state !== "stopping") card.append(controls(run));
   return card;

@@ -61,6 +61,8 @@ def change_lr(t: Trainer, lr: float) -> None:
 def _control_event(t: Trainer, action: str) -> None:
     if t.topology.is_main:
         t.reporter.event("control", action=action, step=t.state.global_step, epoch=t.state.epoch)
+        if action == run_control.STOP_AFTER_EPOCH:   # the panel says so until the run stops
+            t.reporter.update(stop_after_epoch=t.state.epoch)
 
 
 def _report_step(reporter: RunReporter, epochs: int, global_batch: int, total_steps: int, s: FinishedStep,
@@ -199,7 +201,7 @@ def _stopped(t: Trainer, bar, after_epoch: int | None = None) -> None:
         t.run_dir.clear_stop()
         extra = {} if after_epoch is None else {"after_epoch": after_epoch}
         t.reporter.event("stopped", step=t.state.global_step, epoch=t.state.epoch, **extra)
-        t.reporter.update(state="stopped")
+        t.reporter.update(state="stopped", stop_after_epoch=None)
     log.info("stopped at step %d after a checkpoint; resume with --resume %s", t.state.global_step, t.run_dir.name)
 
 
@@ -216,4 +218,4 @@ def _finished(t: Trainer, bar) -> None:
     if t.topology.is_main:
         t.run_dir.clear_stop()   # asked for too late: the run had finished
         t.reporter.event("done", step=state.global_step, epoch=last_epoch)
-        t.reporter.update(state="finished")
+        t.reporter.update(state="finished", stop_after_epoch=None)

@@ -89,7 +89,7 @@ def test_save_sample_lr_and_stop_after_epoch_while_training_then_resume(micro_fl
     epoch = acted["stop_after_epoch"]["epoch"]
     assert stopped["after_epoch"] == epoch and stopped["step"] == epoch * STEPS_PER_EPOCH < 6 * STEPS_PER_EPOCH
     assert run.events("step")[-1]["step"] == stopped["step"] and stopped["step"] in checkpoints
-    assert run.status()["state"] == "stopped"
+    assert run.status()["state"] == "stopped" and run.status()["stop_after_epoch"] is None   # no longer pending
     kept = json.loads((run.run_dir / "checkpoints" / f"step{stopped['step']:08d}" / "pipetrain.json").read_text())
     assert kept["base_lr"] == NEW_LR
 

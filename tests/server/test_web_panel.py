@@ -153,6 +153,20 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         # the epoch's button puts a Load Epoch LoRA node for it into the graph
         await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-epochs', 'Add loader node'))", 10, "an Add loader button")
         loader = await page.wait_for(LOADER, 10, "showing a Load Epoch LoRA node")
+        # the run-control buttons reach their routes; the LR typed survives the re-renders of step events
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Save now'))", 10, "a Save now button")
+        await page.wait_for(f"!!{BUTTON}('[data-run=\"{RUN_ID}\"]', 'Sample now')", 10, "a Sample now button")
+        await page.js(f"{card(RUN_ID, '.pipetrain-lr')}.value = '3e-5'")
+        run.steps(16, 16)
+        await page.wait_for(f"{PROGRESS} === 'step 16/{TOTAL}'", 20, "at step 16")
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Set LR'))", 10, "a Set LR button")
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop after epoch'))", 10,
+                            "a Stop after epoch button")
+        run.status["stop_after_epoch"] = 2      # what the backend reports once a rank has taken the request
+        run.steps(17, 17)
+        await page.wait_for(f"{card(RUN_ID, '.pipetrain-pending')}?.textContent === 'stops after epoch 2'", 20,
+                            "the pending stop after epoch 2")
+        await page.screenshot(ARTIFACTS / "pipetrain-panel-controls.png")
         # Stop goes through the route; the run shows "stopping" until its process is gone
         await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop'))", 10, "a Stop button")
         await page.wait_for(f"{STATE} === 'stopping'", 20, "stopping")
@@ -181,9 +195,12 @@ def test_panel_shows_live_progress_and_loss_chart(ui):
     assert result["loader"] == {"run": RUN_ID, "epoch": 1, "strength": 1.0}, result["loader"]
     info = json.loads((run.dir / "launcher.json").read_text())
     assert info.get("stop_requested") and (run.dir / "stop").exists()   # the Stop button reached the route
+    control = run.dir / "control"   # so did the run-control buttons, with the LR typed before a step re-rendered
+    assert json.loads((control / "lr.json").read_text())["lr"] == 3e-5
+    assert (control / "save.json").is_file() and (control / "stop_after_epoch.json").is_file()
     assert "Kill run ui run now?" in result["asked"] and not info.get("killed") and run.ref.alive(), result
     assert result["resume_on_finished"] is False, result
     assert not [e for e in result["exceptions"] if "pipetrain" in e], result["exceptions"]
     shot = ARTIFACTS / "pipetrain-panel.png"
-    assert shot.stat().st_size > 10_000
+    assert shot.stat().st_size > 10_000 and (ARTIFACTS / "pipetrain-panel-controls.png").stat().st_size > 10_000
     print(f"\nscreenshot: {shot}")
