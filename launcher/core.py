@@ -42,6 +42,10 @@ class LauncherError(PipeTrainError):
     pass
 
 
+# what the Run Control node offers (nodes reach the backend through the launcher here)
+CONTROL_ACTIONS, CONTROL_LR, CONTROL_MAX_LR = run_control.ACTIONS, run_control.LR, run_control.MAX_LR
+
+
 class Launcher:
     def __init__(self, runs_root: Path, *, lora_root: Path | None = None, comfyui_root: Path | None = None,
                  before_launch: Callable[[tuple[int, ...]], None] | None = None,

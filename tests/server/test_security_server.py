@@ -295,6 +295,15 @@ def test_run_control_refuses_bad_learning_rates_and_runs_not_training(server, ma
         status, text = send(server, "POST", "/pipetrain/runs/fab-live/sample", b"{}")   # its run.toml has no [samples]
         assert status == 409 and "no sample prompts" in text and not (control / "sample.json").exists(), text
         assert send(server, "POST", "/pipetrain/runs/fab-live/delete", b"{}")[0] in (404, 405)
+        # the Run Control node asks the same way; its widget bounds refuse a learning rate out of range at queue time
+        node = {"1": {"class_type": "PipeTrainRunControl", "inputs": {"run": "fab-live", "action": "lr", "lr": 4e-5}}}
+        code, body = server.queue(node)
+        assert code == 200, body
+        server.wait_history(body["prompt_id"], timeout=60)
+        assert json.loads((control / "lr.json").read_text())["lr"] == 4e-5
+        node["1"]["inputs"]["lr"] = 1e6
+        code, body = server.queue(node)
+        assert code == 400 and node_error(body, "1"), body
     finally:
         ref.signal_group(9)
     if not (server.runs_root / "fab-done").exists():
