@@ -24,8 +24,8 @@ def set_base_lr(scheduler, lr: float) -> None:
     """Train with base learning rate ``lr`` from the next optimizer step on: the schedule's multiplier (warm-up,
     decay) goes on applying, now to ``lr``. ``scheduler`` is the run's ``LambdaLR``; its ``base_lrs`` are in its
     state dict, so a checkpoint keeps the change. Further parameter groups keep their ratio to the first."""
-    ratio = lr / scheduler.base_lrs[0]
-    scheduler.base_lrs = [lr] + [base * ratio for base in scheduler.base_lrs[1:]]
+    first = scheduler.base_lrs[0]
+    scheduler.base_lrs = [lr] + [base * lr / first if first else lr for base in scheduler.base_lrs[1:]]
     # the step just taken has already set each group's rate for the next one: set it again, from the new base
     for group, base, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["initial_lr"] = base
