@@ -220,6 +220,13 @@ function render() {
   }
   if (!(run.loras || []).length) epochs.append(el("div", {}, "none saved yet"));
   root.append(epochs);
+  if ((run.step_samples || []).length) {   // "Sample now": samples of the step LoRA saved for them
+    const now = el("div", { class: "pipetrain-step-samples" }, el("h3", {}, "Sampled now"));
+    for (const l of [...run.step_samples].sort((a, b) => b.step - a.step)) {
+      now.append(el("div", { class: "pipetrain-row", title: l.path }, `step ${l.step} (epoch ${l.epoch})`), sampleStrip(run.id, l.samples));
+    }
+    root.append(now);
+  }
 }
 
 function onEvent({ detail }) {

@@ -12,7 +12,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from pipetrain.backend import run_control
-from pipetrain.backend.rundir import RunDir
+from pipetrain.backend.rundir import RunDir, RunsRoot
+from pipetrain.launcher.summaries import summarize
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +84,8 @@ def test_save_sample_lr_and_stop_after_epoch_while_training_then_resume(micro_fl
     assert [(e["step"], e["prompt"]) for e in samples] == [(acted["sample"]["step"], "a red circle")]
     assert samples[0]["path"].startswith(saved[0]["path"].removesuffix(".safetensors"))
     assert Image.open(samples[0]["path"]).size == (64, 64)
+    listed = summarize(RunsRoot(output), run.run_dir.name, False)      # what the panel shows of them
+    assert [s["path"] for x in listed["step_samples"] for s in x["samples"]] == [samples[0]["path"]]
 
     # stop after this epoch: at the boundary of the epoch that took it, with a checkpoint; resumable
     stopped = run.events("stopped")[-1]
