@@ -9,8 +9,8 @@ Stopping follows the backend's contract: the ``<run_dir>/stop`` file, checked af
 ranks checkpoint and exit; after ``stop_timeout`` the ranks get SIGTERM (their handler sets the same flag);
 after ``kill_timeout`` more the whole process group gets SIGKILL. The other requests to a live run (save or
 sample now, stop after this epoch, a new learning rate) are files in its ``control/`` folder
-(``backend/run_control.py``), taken by the run at its next step; they never escalate. A stopped run with a checkpoint resumes
-as ``deepspeed ... --module pipetrain train <run_dir>/run.toml --resume <run id>``.
+(``backend/run_control.py``), taken by the run at its next step; they never escalate. A stopped run with a
+checkpoint resumes as ``deepspeed ... --module pipetrain train <run_dir>/run.toml --resume <run id>``.
 
 A run on several machines (``[cluster]``) starts as ``python -m pipetrain launch`` would, through
 ``backend/cluster.py``: one detached launcher command for pdsh/slurm/openmpi; for ``no_ssh`` node 0 starts here
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..backend import run_control
 from ..backend.cluster import launch_environment, node_commands, prepare_run_folder, read_hosts
 from ..backend.config import load_run_config
-from ..backend import run_control
 from ..backend.errors import PipeTrainError
 from ..backend.rundir import RunDir, RunsRoot, new_run_id
 from .build import write_config

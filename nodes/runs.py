@@ -129,7 +129,8 @@ class RunControlNode(_LiveRunNode):
         return io.Schema(
             node_id="PipeTrainRunControl", display_name="PipeTrain Run Control", category=t.CATEGORY,
             is_output_node=True, description="Act on a run while it trains, at its next step: save a LoRA and a "
-            "checkpoint now, render the sample prompts now, stop after this epoch, or train on with a new learning rate.",
+            "checkpoint now, render the sample prompts now, stop after this epoch, or train on with a new learning "
+            "rate.",
             inputs=run_inputs() + [
                 io.Combo.Input("action", options=list(CONTROL_ACTIONS), default=CONTROL_ACTIONS[0],
                                tooltip="save: step LoRA + checkpoint; sample: step LoRA + samples; stop_after_epoch: "
