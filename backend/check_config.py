@@ -48,8 +48,8 @@ def _key_lines(cls, data: dict, prefix: str = "") -> list[str]:
                     lines += _key_lines(items, v, f"{key}[{i}]")
             elif name == "type" and cls.__name__ == "ModelConfig" and value in compat.TYPE_ALIASES:
                 lines.append(f"  {key}: diffusion-pipe's {shown(value)} is {compat.TYPE_ALIASES[value]!r} here")
-            elif cls is RunConfig and name in compat.MEANING_DIFFERENCES:
-                lines.append(f"  {key}: DIFFERENT: {compat.MEANING_DIFFERENCES[name]}")
+            elif key in compat.MEANING_DIFFERENCES:
+                lines.append(f"  {key}: DIFFERENT: {compat.MEANING_DIFFERENCES[key]}")
             else:
                 lines.append(f"  {key}: read as is (diffusion-pipe's meaning where it has the key)")
         elif name in renames:

@@ -1,6 +1,6 @@
 """``python -m pipetrain COMMAND``: parse, build the RunConfig, run the named phase.
 
-Commands: cache, train, launch, sample, check-config, doctor, demo.
+Commands: cache, train, launch, sample, check-config, memory-plan, doctor, demo.
 
 Run ``cache`` and ``train`` under DeepSpeed's launcher for several ranks, e.g.
 ``deepspeed --num_gpus 2 --module pipetrain train run.toml``; a plain ``python -m pipetrain train``
@@ -42,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="what each key of a config pair (diffusion-pipe's or ours) means "
                                                 "here, the defaults that differ and what is refused, with its fix")
     check.add_argument("config")
+    plan = sub.add_parser("memory-plan", help="each pipeline stage's GPU memory under the config's settings, and "
+                                              "what memory = 'auto' would choose")
+    plan.add_argument("config")
+    plan.add_argument("--resolution", type=int, default=None, help="default: the dataset's largest")
+    plan.add_argument("--frames", type=int, default=None, help="default: the dataset's largest frame bucket")
+    plan.add_argument("--gpu-gib", type=float, default=None, help="plan for a GPU of this size (default: "
+                      "memory_limit_gib, else this machine's GPU)")
     doctor = sub.add_parser("doctor", help="ComfyUI, torch/CUDA/DeepSpeed, GPUs and each model type's parity "
                                            "with that ComfyUI's model code")
     doctor.add_argument("--comfyui", default=None, metavar="PATH", help="check this ComfyUI folder (default: the "
@@ -69,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check-config":
             from .check_config import main as check_main
             return check_main(args.config)
+        if args.command == "memory-plan":
+            from .memory_plan_cli import main as plan_main
+            return plan_main(args.config, args.resolution, args.frames, args.gpu_gib)
         if args.command == "demo":
             from .demo import run_demo
             return run_demo(args.workdir, args.ranks)

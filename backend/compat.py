@@ -37,8 +37,6 @@ RUN = {
     "resume_from_checkpoint": Unsupported("pass --resume [RUN] on the command line", inert=(False,)),
     "force_constant_lr": Unsupported("set [optimizer] lr and lr_scheduler = 'constant' (a resumed run keeps "
                                      "the checkpoint's schedule)"),
-    "huber_delta": Unsupported("PipeTrain trains with the mean squared error; remove the key"),
-    "smooth_l1_beta": Unsupported("PipeTrain trains with the mean squared error; remove the key"),
     "monitoring": Unsupported("Weights & Biases is not supported; the run logs to TensorBoard "
                               "(<run>/tensorboard) and events.jsonl; set enable_wandb = false or remove [monitoring]",
                               inert=lambda v: isinstance(v, dict) and not v.get("enable_wandb", False)),
@@ -74,11 +72,16 @@ DEFAULT_DIFFERENCES = [
     ("dataset", "shuffle_metadata", "true", "the order is reshuffled every epoch (the key changes nothing)"),
 ]
 
-# Keys whose values mean something else here (shown by check-config where a file sets them)
+# Keys (dotted under their table) whose values mean something else here (check-config shows them where a file
+# sets them)
 MEANING_DIFFERENCES = {
     "lr_scheduler": "'linear' and 'cosine' decay to 0 at the run's last step (diffusion-pipe: over the epochs, "
                     "cosine to 1e-6)",
     "partition_split": "layer indices of PipeTrain's layer list (a different list from diffusion-pipe's)",
+    "model.min_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "model.max_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "model.debiased_estimation_loss": "false is off (diffusion-pipe weighs the loss whenever the key is present, "
+                                      "false included)",
 }
 
 _FOLDERS = ("a model folder in Diffusers or the official layout is not read yet (issue 20, item 1); "
@@ -92,8 +95,6 @@ MODEL = {
                                    f"{SINGLE_FILES_HINT}"),
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
-    "min_snr_gamma": Unsupported("not implemented; remove the key"),
-    "debiased_estimation_loss": Unsupported("not implemented; remove the key", inert=(False,)),
     "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
                                   "remove the key", inert=(0, 0.0)),
     "unet_lr": Unsupported("one learning rate for everything that trains: set [optimizer] lr"),
@@ -120,10 +121,6 @@ _MASKS = "masked training is not supported yet (issue 20, item 3); remove the ke
 _DATASET_COMMON = {
     "shuffle_metadata": Unsupported("the order is reshuffled every epoch anyway", inert=ANY),
     "online_captions": Unsupported("captions are always cached as embeddings", inert=(False,)),
-    "ar_buckets": Unsupported("list-style aspect-ratio buckets are not supported; use min_ar, max_ar and "
-                              "num_ar_buckets (evenly spaced in log space)"),
-    "size_buckets": Unsupported("explicit size buckets are not supported; use resolutions with "
-                                "enable_ar_bucket, min_ar, max_ar and num_ar_buckets"),
     "mask_path": Unsupported(_MASKS),
     "default_mask_file": Unsupported(_MASKS),
 }
@@ -136,7 +133,7 @@ DIRECTORY = {
     **_DATASET_COMMON,
     **{key: Unsupported("per-directory bucket settings are not supported; set it at the top of the dataset "
                         "file (or use one dataset file per setting)")
-       for key in ("enable_ar_bucket", "min_ar", "max_ar", "num_ar_buckets")},
+       for key in ("enable_ar_bucket", "min_ar", "max_ar", "num_ar_buckets", "ar_buckets", "size_buckets")},
 }
 
 OPTIMIZER_NOT_SUPPORTED = {
@@ -199,10 +196,21 @@ def preprocess_adapter(data: dict, file, prefix: str) -> dict:
 
 
 def preprocess_dataset(data: dict, file, prefix: str) -> dict:
-    for i, r in enumerate(data.get("resolutions") or []):
-        if isinstance(r, list):
-            side = math.sqrt(r[0] * r[1]) if len(r) == 2 and all(isinstance(v, int) for v in r) else None
-            hint = f" (the same area as {r[0]}x{r[1]} is about {side:.0f}^2)" if side else ""
-            raise ConfigError(f"got {r!r}; give resolutions as square sides (multiples of 64), not [width, height] "
-                              f"pairs{hint}", file=file, key=_key(prefix, f"resolutions[{i}]"))
-    return data
+    """diffusion-pipe's [width, height] forms: a resolution pair is the square side of the same area (rounded to
+    a multiple of 16), an ar_buckets pair the ratio width / height."""
+    out = dict(data)
+    if isinstance(data.get("resolutions"), list):
+        out["resolutions"] = [_pair(r, file, _key(prefix, f"resolutions[{i}]"), lambda w, h: 16 * round(
+            math.sqrt(w * h) / 16)) for i, r in enumerate(data["resolutions"])]
+    if isinstance(data.get("ar_buckets"), list):
+        out["ar_buckets"] = [_pair(a, file, _key(prefix, f"ar_buckets[{i}]"), lambda w, h: w / h, number=float)
+                             for i, a in enumerate(data["ar_buckets"])]
+    return out
+
+
+def _pair(value, file, key: str, convert, number=int):
+    if not isinstance(value, list):
+        return number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        return convert(*value)
+    raise ConfigError(f"got {value!r}; a pair is [width, height] in whole pixels", file=file, key=key)

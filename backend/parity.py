@@ -194,6 +194,13 @@ def _small_adapter(model_type: str):
         for t in [*model.diffusion_model.parameters(), *model.diffusion_model.buffers()]:
             if t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.05)
+    if adapter.dtype == torch.float64:
+        # a float32 attn_precision (SD 2.x's, against fp16 overflow) makes ComfyUI's CPU attention cast float64 q and
+        # k down to float32, a 1e-9 difference that is no error of ours; SDPA, which training and ComfyUI on a GPU
+        # run, ignores it
+        for m in model.diffusion_model.modules():
+            if getattr(m, "attn_precision", None) == torch.float32:
+                m.attn_precision = None
     adapter.use_model(comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"),
                                                        offload_device=mm.unet_offload_device()))
     return adapter

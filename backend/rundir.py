@@ -249,6 +249,19 @@ def cache_folder(output_dir: Path) -> Path:
     return Path(output_dir) / CACHE
 
 
+def _finished(run: RunDir) -> bool:
+    return (run.read_status() or {}).get("state") == "finished"
+
+
+def _unfinished(run: RunDir) -> RunDir:
+    """A run to resume, refused when it has finished: resuming would train nothing and save its last epoch
+    again (the panel's Resume route answers 409 for the same reason)."""
+    if _finished(run):
+        raise ConfigError(f"--resume {run.name}: that run has finished, nothing is left to train; start a new run "
+                          "(without --resume), or train on from its LoRA with [adapter] init_from_existing")
+    return run
+
+
 def choose_run_dir(cfg, resume: str | None) -> RunDir:
     """The folder a training run writes: a new one (``run_name``, or a fresh id), or the one to resume (``""``:
     the newest with a checkpoint; a name or path otherwise). Its format is checked and recorded."""
@@ -271,14 +284,15 @@ def choose_run_dir(cfg, resume: str | None) -> RunDir:
         path = Path(resume) if Path(resume).is_absolute() else out / resume
         if not path.is_dir():
             raise ConfigError(f"--resume {resume}: no such run directory under {out}")
-        run = RunDir(path)
+        run = _unfinished(RunDir(path))
     elif cfg.run_name and (out / cfg.run_name).is_dir():
-        run = RunDir(out / cfg.run_name)
+        run = _unfinished(RunDir(out / cfg.run_name))
     else:
         runs = [RunDir(p) for p in sorted(out.iterdir()) if p.is_dir()] if out.is_dir() else []
-        runs = [r for r in runs if r.latest_checkpoint()]
+        runs = [r for r in runs if r.latest_checkpoint() and not _finished(r)]
         if not runs:
-            raise ConfigError(f"--resume: no run with a checkpoint under {out}; start a new run without --resume")
+            raise ConfigError(f"--resume: no unfinished run with a checkpoint under {out}; start a new run without "
+                              "--resume")
         run = max(runs, key=lambda r: r.path.stat().st_mtime)
     run.claim_format()
     return run

@@ -37,9 +37,22 @@ log = logging.getLogger("pipetrain")
 SYNC_S = 5.0     # the ranks meet this often while rank 0 waits (DeepSpeed's process-group timeout: 10 min)
 
 
-def sample_paths(lora_path: Path, count: int) -> list[Path]:
+def sample_paths(lora_path: Path, count: int, strengths=(1.0,)) -> list[Path]:
+    """The PNGs of ``count`` prompts at each LoRA strength, strength after strength: ``<lora>-sampleNN.png`` at
+    strength 1 alone, else ``<lora>-sampleNN-x<strength>.png``."""
     stem = lora_path.with_suffix("")
-    return [Path(f"{stem}-sample{i:02d}.png") for i in range(count)]
+    if list(strengths) == [1.0]:
+        return [Path(f"{stem}-sample{i:02d}.png") for i in range(count)]
+    return [Path(f"{stem}-sample{i:02d}-x{w:.2f}.png") for w in strengths for i in range(count)]
+
+
+def sample_strength(png: str) -> float:
+    """The LoRA strength a sample was rendered at (``sample_paths``' names)."""
+    tail = Path(png).stem.rpartition("-x")[2]
+    try:
+        return float(tail) if "-x" in Path(png).stem else 1.0
+    except ValueError:
+        return 1.0
 
 
 def render_epoch_samples(cfg: RunConfig, run_dir: RunDir, reporter, is_main: bool, lora_path: Path | None, epoch: int,
@@ -135,10 +148,12 @@ class EpochSamples:
 
     def announce(self, marker: dict, epoch: int | None = None, step: int | None = None) -> None:
         epoch, step = epoch or self.epoch, step or self.step
-        for i, (prompt, png) in enumerate(zip(self.cfg.samples.prompts, marker["pngs"])):
-            self.reporter.event("sample_saved", epoch=epoch, step=step, path=png, prompt=prompt,
-                                renderer=marker.get("renderer"))
-            self.reporter.image(f"samples/{i:02d}", png, step)
+        prompts = self.cfg.samples.prompts
+        for k, png in enumerate(marker["pngs"]):
+            i, strength = k % len(prompts), sample_strength(png)
+            self.reporter.event("sample_saved", epoch=epoch, step=step, path=png, prompt=prompts[i], prompt_index=i,
+                                strength=strength, renderer=marker.get("renderer"))
+            self.reporter.image(f"samples/{i:02d}" + (f"-x{strength:.2f}" if strength != 1.0 else ""), png, step)
 
     def announce_left_over(self) -> None:
         """Samples ComfyUI rendered for an earlier epoch after the run stopped waiting (a stop, then resume)."""
@@ -219,14 +234,16 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model
         adapter = adapter_class(cfg.model.type)(dataclasses.replace(cfg.model, diffusion_model=str(lora_path)),
                                                 cfg.resolve)
-        model = adapter.load_diffusion_model()
+        models = [adapter.load_diffusion_model()]
     else:
-        model = _with_lora(adapter.load_diffusion_model(), lora_path)
+        base = adapter.load_diffusion_model()
+        models = [_with_lora(base, lora_path, strength) for strength in s.strengths]
     vae = adapter.load_vae()
     reference = sample_reference(cfg, vae, control) if control else None
     negative = _conditioning(adapter, texts[-1], s.guidance, reference)
-    paths = sample_paths(lora_path, len(s.prompts))
-    for text, png in zip(texts[:-1], paths):
+    paths = sample_paths(lora_path, len(s.prompts), s.strengths if cfg.adapter is not None else (1.0,))
+    jobs = [(model, text) for model in models for text in texts[:-1]]
+    for (model, text), png in zip(jobs, paths):
         latent = adapter.empty_latent(s.width, s.height)
         noise = comfy.sample.prepare_noise(latent, s.seed)
         with torch.no_grad():
@@ -241,14 +258,14 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     return paths
 
 
-def _with_lora(patcher, lora_path: Path):
+def _with_lora(patcher, lora_path: Path, strength: float = 1.0):
     """What ComfyUI's ``LoraLoaderModelOnly`` does with the file, without adding its folder to ComfyUI's
     ``loras`` paths (this may run inside a long-lived ComfyUI)."""
     import comfy.sd
     import comfy.utils
 
     lora = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
-    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
+    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, strength, 0)
     return patched
 
 

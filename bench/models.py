@@ -52,19 +52,8 @@ def build(arch: str, device: str, dtype: torch.dtype, size: str):
 
 
 def probe_inputs(adapter, resolution: int, frames: int, device: str):
-    g = torch.Generator().manual_seed(1)
-    shape = list(adapter.empty_latent(resolution, resolution).shape)   # a still at this resolution
-    if len(shape) == 5 and adapter.framerate is not None:
-        shape[2] = 1 + (frames - 1) // adapter.frame_multiple
-    x0 = torch.randn(shape, generator=g)
-    noise = torch.randn(x0.shape, generator=g)
-    t = torch.tensor([0.6])
-    # edit references and i2v conditioning are latent-shaped: give them the training latent's size
-    probe = adapter.probe_latent(g, (8, 8)).shape
-    text = [torch.randn(*x.shape[:2], *(b if a == p else a for a, p, b in zip(x.shape[2:], probe[2:], x0.shape[2:])),
-                        generator=g) if x.ndim == x0.ndim >= 4 else x for x in adapter.probe_text(g)]
-    text = [x.to(device) for x in text]
-    return tuple(v.to(device) for v in (x0, noise, t)) + tuple(text)
+    from pipetrain.backend.models.meta_trace import probe_inputs as probe
+    return probe(adapter, resolution, resolution, frames, device=device)
 
 
 def batched(inputs: tuple, batch: int, channels_last: bool) -> tuple:

@@ -48,6 +48,15 @@ def memory_patch(activation_checkpointing: bool, offload_activations: bool = Fal
                         "activation_memory_budget": memory_budget if compile and memory_budget < 1 else None})
 
 
+def loss_patch(loss_type: str = "mse", huber_delta: float = 1.0, smooth_l1_beta: float = 1.0,
+               noise_offset: float = 0.0) -> RunPatch:
+    """The Optimizer node's loss widgets: each loss parameter only with its loss (the other's widget shows a
+    value nobody asked for), noise_offset 0 left out (off)."""
+    return RunPatch.of({"loss_type": loss_type, "huber_delta": huber_delta if loss_type == "huber" else None,
+                        "smooth_l1_beta": smooth_l1_beta if loss_type == "smooth_l1" else None,
+                        "noise_offset": unset_if_zero(noise_offset)})
+
+
 def model_patch(type: str, diffusion_model: str, vae: str, text_encoders=(), **keys) -> RunPatch:  # noqa: A002
     """``[model]`` as run keys (the Model node's, or a test's)."""
     return RunPatch.of({**keys, "type": type, "diffusion_model": diffusion_model, "vae": vae,

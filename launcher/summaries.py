@@ -52,8 +52,8 @@ def summarize(runs: RunsRoot, run_id: str, alive: bool) -> dict:
     if state == "failed" and not error:
         error = f"the training process exited without reporting; see {d.log_file}"
     keys = ("step", "total_steps", "epoch", "epochs", "loss", "lr", "samples_per_s", "eta_s", "last_checkpoint",
-            "updated", "cache", "comfyui",   # comfyui: the ComfyUI that trains and its parity verdict
-            "base_lr", "stop_after_epoch")   # set by run control (backend/run_control.py)
+            "updated", "cache", "comfyui", "memory",   # comfyui: the ComfyUI that trains and its parity verdict;
+            "base_lr", "stop_after_epoch")   # memory: what memory = "auto" chose; the last two: run control
     return {"id": run_id, "state": state, "alive": alive, "error": error,
             "loras": saved_loras(d, status), "step_samples": sampled_step_loras(d), "gpus": info.get("gpus", []),
             "created": info.get("created"), "name": info.get("name", run_id),
@@ -92,7 +92,8 @@ def _scan(run_dir: RunDir) -> dict[str, dict]:
             elif e.get("type") == "sample_saved" and isinstance(e.get("path"), str):
                 lora = _lora_of_sample(e["path"])
                 if lora in found:
-                    sample = {"name": Path(e["path"]).name, "path": e["path"], "prompt": e.get("prompt")}
+                    sample = {"name": Path(e["path"]).name, "path": e["path"], "prompt": e.get("prompt"),
+                              "prompt_index": e.get("prompt_index"), "strength": e.get("strength", 1.0)}
                     found[lora] = {**found[lora], "samples": [
                         *(x for x in found[lora]["samples"] if x["path"] != e["path"]), sample]}
         _lora_scans[path] = (offset, found)
@@ -146,8 +147,23 @@ def details(runs: RunsRoot, run_id: str, alive: bool) -> dict:
         stride = -(-len(losses) // LOSS_POINTS)
         losses = losses[::stride] + ([losses[-1]] if (len(losses) - 1) % stride else [])
     out = summarize(runs, run_id, alive)
-    out.update(losses=losses, events=events[-50:], run_dir=str(d))
+    out.update(losses=losses, events=events[-50:], run_dir=str(d), best_epoch=best_epoch(events))
     return out
+
+
+def best_epoch(events: list[dict]) -> dict | None:
+    """The epoch whose held-out loss is lowest ({epoch, loss}), from the ``eval`` events that follow epoch
+    LoRAs (several eval datasets: their mean); None without any."""
+    saved = {e.get("epoch") for e in events if e.get("type") in ("lora_saved", "model_saved") and not e.get("at_step")}
+    by_epoch: dict[int, dict[str, float]] = {}
+    for e in events:
+        if e.get("type") == "eval" and e.get("epoch") in saved and isinstance(e.get("loss"), (int, float)):
+            by_epoch.setdefault(e["epoch"], {})[e.get("name", "eval")] = float(e["loss"])
+    if not by_epoch:
+        return None
+    means = {epoch: sum(v.values()) / len(v) for epoch, v in by_epoch.items()}
+    epoch = min(means, key=lambda k: (means[k], k))
+    return {"epoch": epoch, "loss": means[epoch]}
 
 
 def lora_for_epoch(runs: RunsRoot, run_id: str, epoch: int = 0) -> dict | None:
@@ -158,5 +174,5 @@ def lora_for_epoch(runs: RunsRoot, run_id: str, epoch: int = 0) -> dict | None:
     return max(loras, key=lambda x: (x.get("epoch", 0), x.get("step", 0)), default=None)
 
 
-__all__ = ["ACTIVE", "details", "file_identity", "lora_for_epoch", "run_state", "sample_file", "sampled_step_loras",
-           "saved_loras", "summarize"]
+__all__ = ["ACTIVE", "best_epoch", "details", "file_identity", "lora_for_epoch", "run_state", "sample_file",
+           "sampled_step_loras", "saved_loras", "summarize"]

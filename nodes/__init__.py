@@ -3,15 +3,16 @@
 widget starting at its key's config default) or, for what exists in the UI alone, specs (``launcher.specs``)."""
 from comfy_api.latest import ComfyExtension, io
 
-from .data import DatasetNode, ModelNode
+from .data import DatasetNode, ImagesToDatasetNode, ModelNode
 from .runs import LoadEpochLoRANode, RunControlNode, RunStatusNode, StopNode
 from .samples import EpochSamplesNode, SamplesNode
 from .settings import AdapterNode, MemoryNode, OptimizerNode, ParallelismNode, ScheduleNode
 from .train import CacheNode, TrainNode
 
 NODES: list[type[io.ComfyNode]] = [
-    DatasetNode, ModelNode, AdapterNode, OptimizerNode, ScheduleNode, ParallelismNode, MemoryNode,
-    SamplesNode, CacheNode, TrainNode, RunStatusNode, StopNode, RunControlNode, LoadEpochLoRANode, EpochSamplesNode,
+    DatasetNode, ImagesToDatasetNode, ModelNode, AdapterNode, OptimizerNode, ScheduleNode, ParallelismNode, MemoryNode,
+    SamplesNode, CacheNode, TrainNode, RunStatusNode, StopNode, RunControlNode, LoadEpochLoRANode,
+    EpochSamplesNode,
 ]
 
 

@@ -11,7 +11,7 @@ from ..backend.errors import PipeTrainError
 from ..launcher.build import check_caption_extension, check_dataset_folder
 from ..launcher.specs import DatasetSpec
 from . import types as t
-from .widgets import DATASET, choices, start
+from .widgets import DATASET, DIRECTORY, choices, start
 
 WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 COMPUTE_DTYPES = choices("model.dtype")
@@ -40,9 +40,41 @@ def parse_resolutions(text: str) -> tuple[int, ...]:
         values = tuple(int(v) for v in str(text).replace(";", ",").split(",") if v.strip())
     except ValueError:
         raise ValueError(f"resolutions {text!r}: write whole numbers separated by commas, e.g. 512, 768") from None
-    if not values or any(v < 64 or v % 64 for v in values):
-        raise ValueError(f"resolutions {text!r}: each must be a multiple of 64, at least 64")
+    if not values or any(v < 64 or v % 16 or v > 8192 for v in values):
+        raise ValueError(f"resolutions {text!r}: each must be a multiple of 16 from 64 to 8192")
     return values
+
+
+def parse_ar_buckets(text: str) -> tuple[float, ...] | None:
+    """"0.75, 1.0, 1216x832" -> ratios (a WxH entry is W / H); empty: None (min_ar..max_ar instead)."""
+    out = []
+    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
+        if not part:
+            continue
+        try:
+            w, _, h = part.lower().partition("x")
+            out.append(int(w) / int(h) if h else float(part))
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"ar_buckets {text!r}: write ratios or WxH sizes separated by commas, e.g. "
+                             "0.75, 1.0, 1216x832") from None
+    return tuple(out) or None
+
+
+def parse_size_buckets(text: str) -> tuple[tuple[int, ...], ...] | None:
+    """"832x480, 832x480x33" -> [width, height(, frames)] entries; empty: None."""
+    out = []
+    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
+        if not part:
+            continue
+        try:
+            values = tuple(int(v) for v in part.lower().split("x"))
+        except ValueError:
+            values = ()
+        if len(values) not in (2, 3):
+            raise ValueError(f"size_buckets {text!r}: write WxH or WxHxFRAMES entries separated by commas, e.g. "
+                             "832x480, 832x480x33")
+        out.append(values)
+    return tuple(out) or None
 
 
 def dataset_input_error(folder=None, resolutions=None, caption_extension=None, frame_buckets=None,
@@ -78,7 +110,7 @@ class DatasetNode(io.ComfyNode):
                                 "input directory, or an absolute path"),
                 io.String.Input("resolutions", default=", ".join(map(str, start("resolutions", DATASET))),
                                 tooltip="Training side length(s) in pixels, comma "
-                                "separated multiples of 64; each image trains at every resolution"),
+                                "separated multiples of 16 (e.g. 512, 1024); each image trains at every resolution"),
                 io.Boolean.Input("enable_ar_bucket", default=start("enable_ar_bucket", DATASET),
                                  tooltip="Group images by aspect ratio instead of "
                                  "cropping them square"),
@@ -129,6 +161,21 @@ class DatasetNode(io.ComfyNode):
                 io.Int.Input("caching_batch_size", optional=True, default=start("caching_batch_size"), min=1, max=256,
                              tooltip="Images encoded at once when the latents are cached (the training dataset's "
                              "value counts)"),
+                io.Boolean.Input("is_reg", optional=True, default=start("is_reg", DIRECTORY),
+                                 tooltip="This folder holds regularisation (prior-preservation) images, e.g. generic "
+                                 "images of the class captioned without the trigger word: drawn into each epoch at "
+                                 "reg_ratio, their loss logged apart (train/loss_reg). Chain it with the folder of "
+                                 "the images to learn"),
+                io.Float.Input("reg_ratio", optional=True, default=start("reg_ratio", DATASET), min=0.01, max=0.99,
+                               step=0.01, tooltip="With is_reg folders: the share of each epoch's samples drawn "
+                               "from them (0.5: as many as the training samples). The dataset's value: the one on "
+                               "the Dataset node wired to Cache or Train"),
+                io.String.Input("ar_buckets", optional=True, default="", tooltip="With enable_ar_bucket: exactly these "
+                                "aspect ratios instead of min_ar..max_ar, comma separated ratios or WxH sizes (e.g. "
+                                "0.75, 1.0, 1216x832); empty: num_ar_buckets spaced ones"),
+                io.String.Input("size_buckets", optional=True, default="", tooltip="Exact training sizes instead of "
+                                "resolutions and ratios: WxH for stills, WxHxFRAMES for clips (e.g. 832x480, "
+                                "832x480x33); each image takes the nearest ratio. Empty: off"),
             ],
             outputs=[t.Dataset.Output(display_name="dataset")],
         )
@@ -143,7 +190,8 @@ class DatasetNode(io.ComfyNode):
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
                 caption_extension, frame_buckets=None, uncond_fraction=None, control_folder="", previous=None,
-                on_unreadable=None, caching_batch_size=None, **directory_keys) -> io.NodeOutput:
+                on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None, ar_buckets="",
+                size_buckets="", **directory_keys) -> io.NodeOutput:
         frame_buckets = frame_buckets or ", ".join(map(str, start("frame_buckets", DATASET)))
         error = dataset_input_error(folder, resolutions, caption_extension, frame_buckets, control_folder)
         if error:
@@ -154,12 +202,50 @@ class DatasetNode(io.ComfyNode):
         # caption_prefix, shuffle_tags, cache_shuffle_num, skip_empty_caption, cache_shuffle_delimiter: as named
         directory = RunPatch.of({**directory_keys, "path": str(dataset_folder(folder)), "num_repeats": num_repeats,
                                  "resolutions": res, "caption_extension": ext,
-                                 "frame_buckets": parse_frame_buckets(frame_buckets), "control_path": control})
+                                 "frame_buckets": parse_frame_buckets(frame_buckets), "control_path": control,
+                                 "is_reg": is_reg or None})   # off: the key left out
         shared = RunPatch.of(dict(resolutions=res, enable_ar_bucket=enable_ar_bucket, min_ar=min_ar, max_ar=max_ar,
-                                  num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable))
+                                  num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable, reg_ratio=reg_ratio,
+                                  ar_buckets=parse_ar_buckets(ar_buckets), size_buckets=parse_size_buckets(size_buckets)))
         run = RunPatch.of(dict(uncond_fraction=uncond_fraction, caching_batch_size=caching_batch_size))
         spec = DatasetSpec((directory,), shared, run)
         return io.NodeOutput(previous.plus(spec) if previous is not None else spec)
+
+
+GRAPH_DATASETS = "pipetrain_datasets"   # under ComfyUI's input directory
+
+
+class ImagesToDatasetNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainImagesToDataset", display_name="PipeTrain Images To Dataset", category=t.CATEGORY,
+            is_output_node=True,   # queued alone it writes the folder and shows its name
+            description="Images from the graph (generated, edited, loaded) with their captions, written as a "
+                        "dataset folder for a PipeTrain Dataset node's folder input.",
+            inputs=[
+                io.Image.Input("images", tooltip="The training images, a batch (join several with Batch Images)"),
+                io.String.Input("captions", multiline=True, default="", tooltip="One caption per line, in the "
+                                "batch's order, or a single line for every image (empty: no captions)"),
+                io.String.Input("name", default="graph", tooltip="The start of the folder's name (letters, digits, "
+                                "- and _); the rest is a digest of the images and captions, so the same ones "
+                                "always give the same folder"),
+            ],
+            outputs=[io.String.Output(display_name="folder")],
+        )
+
+    @classmethod
+    def execute(cls, images, captions, name) -> io.NodeOutput:
+        import folder_paths
+        import numpy as np
+
+        from ..backend.data.graph_dataset import split_captions, write_dataset
+        import torch
+        pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+        root = Path(folder_paths.get_input_directory()) / GRAPH_DATASETS
+        folder = write_dataset(np.asarray(pixels), split_captions(captions), root, name.strip() or "graph")
+        text = f"{GRAPH_DATASETS}/{folder.name}"
+        return io.NodeOutput(text, ui=ui.PreviewText(f"{text} ({len(pixels)} images)"))
 
 
 def diffusion_model_options() -> list[str]:
@@ -263,9 +349,11 @@ class ModelNode(io.ComfyNode):
                 io.Combo.Input("clip_vision", options=[NONE] + clip_vision_options(), default=NONE, optional=True,
                                tooltip="Wan 2.1 image-to-video: clip_vision_h from models/clip_vision"),
                 io.Float.Input("min_t", default=start("model.min_t"), min=0.0, max=1.0, step=0.005, optional=True,
-                               tooltip="Train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 t2v, 0.9 i2v)"),
+                               tooltip="Flow models: train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 "
+                               "t2v, 0.9 i2v)"),
                 io.Float.Input("max_t", default=start("model.max_t"), min=0.0, max=1.0, step=0.005, optional=True,
-                               tooltip="Train only timesteps <= max_t (Wan 2.2 low-noise expert: 0.875 t2v, 0.9 i2v)"),
+                               tooltip="Flow models: train only timesteps <= max_t (Wan 2.2 low-noise expert: 0.875 "
+                               "t2v, 0.9 i2v)"),
                 io.Combo.Input("merge_lora", options=[NONE] + folder_paths.get_filename_list("loras"), default=NONE,
                                optional=True, tooltip="A LoRA from models/loras baked into the base weights before "
                                "training (e.g. Z-Image Turbo's training adapter)"),
@@ -287,8 +375,13 @@ class ModelNode(io.ComfyNode):
                                  "resolution-dependent timestep shift"),
                 io.Float.Input("guidance", default=start("model.guidance"), min=0.0, max=100.0, step=0.1,
                                optional=True, tooltip="The distilled guidance input trained with (Flux-dev)"),
-                io.Boolean.Input("v_pred", default=start("model.v_pred"), optional=True, tooltip="SDXL: a "
-                                 "v-prediction model (else epsilon)"),
+                io.Boolean.Input("v_pred", default=start("model.v_pred"), optional=True, tooltip="SDXL, SD 1.x, "
+                                 "SD 2.x: train v-prediction (else as ComfyUI samples the model)"),
+                io.Float.Input("min_snr_gamma", default=start("model.min_snr_gamma", off=0.0), min=0.0, max=100.0,
+                               step=0.5, optional=True, tooltip="SDXL: weigh each sample's loss by min(SNR, gamma) / "
+                               "SNR (min-SNR weighting; 5 is usual; 0: off)"),
+                io.Boolean.Input("debiased_estimation_loss", default=start("model.debiased_estimation_loss"),
+                                 optional=True, tooltip="SDXL: weigh each sample's loss by 1 / sqrt(SNR)"),
             ],
             outputs=[t.Model.Output(display_name="model")],
         )
@@ -303,7 +396,7 @@ class ModelNode(io.ComfyNode):
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
                 compute_dtype, text_encoder_3=NONE, text_encoder_4=NONE, model_type=AUTO, clip_vision=NONE,
-                min_t=None, max_t=None, merge_lora=NONE, shift=None, **keys) -> io.NodeOutput:
+                min_t=None, max_t=None, merge_lora=NONE, shift=None, min_snr_gamma=None, **keys) -> io.NodeOutput:
         import folder_paths
         min_t = start("model.min_t") if min_t is None else min_t
         max_t = start("model.max_t") if max_t is None else max_t
@@ -315,12 +408,13 @@ class ModelNode(io.ComfyNode):
         tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in names if n not in (NONE, None)]
         vision = (None if clip_vision in (NONE, None)
                   else folder_paths.get_full_path_or_raise("clip_vision", clip_vision))
-        # timestep_sample_method, sigmoid_scale, flux_shift, guidance, v_pred: the keys as named
+        # timestep_sample_method, sigmoid_scale, flux_shift, guidance, v_pred, debiased_estimation_loss: the keys
         patch = RunPatch.of({**keys, "type": detect(path, model_type), "diffusion_model": path,
                              "vae": folder_paths.get_full_path_or_raise("vae", vae), "text_encoders": tes,
                              "dtype": compute_dtype, "diffusion_model_dtype": None if weight_dtype == "default"
                              else weight_dtype, "clip_vision": vision, "min_t": min_t, "max_t": max_t,
                              "shift": shift or None,   # 0: the model's own shift
+                             "min_snr_gamma": min_snr_gamma or None,   # 0: off
                              "merge_adapters": [] if merge_lora in (NONE, None)
                              else [folder_paths.get_full_path_or_raise("loras", merge_lora)]}, "model")
         model_type = patch.get("model.type")

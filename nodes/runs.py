@@ -60,6 +60,10 @@ def status_text(s: dict) -> str:
         parts.append(f"ETA {int(s['eta_s']) // 60} min")
     if s.get("error"):
         parts.append(f"error: {s['error']}")
+    memory = s.get("memory") or {}
+    if memory.get("chosen"):   # memory = "auto" (backend/train/memory_auto.py)
+        planned = "/".join(f"{g:.1f}" for g in memory.get("stages_gib", []))
+        parts.append(f"memory auto: {memory['chosen']} (planned {planned} of {memory.get('gpu_gib')} GiB)")
     comfyui = s.get("comfyui") or {}
     if comfyui.get("parity") and not s.get("error"):
         parts.append(f"ComfyUI {comfyui.get('version')}: parity {comfyui['parity'].get('verdict')}")

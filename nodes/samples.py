@@ -13,6 +13,15 @@ RENDER_ON = {"host ComfyUI": "host", "training run": "run"}
 RENDER_NAMES = {v: k for k, v in RENDER_ON.items()}
 
 
+def parse_strengths(text: str) -> tuple[float, ...]:
+    """LoRA strengths, comma separated (e.g. "0.6, 0.8, 1.0")."""
+    try:
+        values = tuple(float(v) for v in str(text).replace(";", ",").split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"strengths {text!r}: write numbers separated by commas, e.g. 0.6, 0.8, 1.0") from None
+    return values or (1.0,)
+
+
 def parse_prompts(text: str) -> tuple[str, ...]:
     """One prompt a line; blank lines are skipped."""
     prompts = tuple(line.strip() for line in (text or "").splitlines() if line.strip())
@@ -54,6 +63,9 @@ class SamplesNode(io.ComfyNode):
                                optional=True, tooltip="host ComfyUI: this ComfyUI renders them on its queue (sharing "
                                "the GPU with your prompts; the run waits, and renders them itself if ComfyUI does "
                                "not answer within host_timeout_s); training run: the run's rank 0 does"),
+                io.String.Input("strengths", default=", ".join(map(str, start("samples.strengths"))), optional=True,
+                                tooltip="LoRA strengths to render every prompt at, comma separated (e.g. 0.6, 0.8, "
+                                "1.0): the panel shows epoch x strength x prompt, to pick the epoch and strength"),
                 io.Float.Input("host_timeout_s", default=start("samples.host_timeout_s"), min=1.0, max=86400.0,
                                step=60.0, optional=True, tooltip="render_on host ComfyUI: how long the run waits for "
                                "this ComfyUI's samples before it renders them itself (seconds)"),
@@ -62,19 +74,23 @@ class SamplesNode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, prompts=None):
-        if prompts is not None:
-            try:
+    def validate_inputs(cls, prompts=None, strengths=None):
+        try:
+            if prompts is not None:
                 parse_prompts(prompts)
-            except ValueError as e:
-                return str(e)
+            if strengths is not None:
+                parse_strengths(strengths)
+        except ValueError as e:
+            return str(e)
         return True
 
     @classmethod
-    def execute(cls, prompts, render_on=None, **keys) -> io.NodeOutput:
+    def execute(cls, prompts, render_on=None, strengths=None, **keys) -> io.NodeOutput:
         # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s: as named
         render = RENDER_ON[render_on] if render_on is not None else None
-        return io.NodeOutput(RunPatch.of({**keys, "prompts": parse_prompts(prompts), "render": render}, "samples"))
+        return io.NodeOutput(RunPatch.of({**keys, "prompts": parse_prompts(prompts), "render": render,
+                                          "strengths": parse_strengths(strengths) if strengths is not None else None},
+                                         "samples"))
 
 
 class EpochSamplesNode(io.ComfyNode):

@@ -9,7 +9,8 @@ from comfy_api.latest import io
 from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
 from ..launcher.cluster_form import FLAGS, LAUNCHERS, OFF, check_cluster, cluster_form
-from ..launcher.forms import FULL_FINETUNE, adapter_patch, checkpointing_mode, memory_patch, unset_if_zero
+from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, loss_patch, memory_patch,
+                              unset_if_zero)
 from ..launcher.specs import ParallelismSpec
 from . import types as t
 from .widgets import choices, start
@@ -75,6 +76,12 @@ class AdapterNode(io.ComfyNode):
                 io.Combo.Input("save_dtype", options=[DEFAULT, *choices("save_dtype")], default=DEFAULT,
                                optional=True, tooltip="The dtype the saved LoRAs (or models) are written in "
                                "(default: as trained)"),
+                io.Boolean.Input("ema", default=start("ema"), optional=True, tooltip="Also keep an exponential "
+                                 "moving average of the trained weights and save it beside each LoRA (or model) as "
+                                 "<name>-ema, loaded like the plain one: often smoother results"),
+                io.Float.Input("ema_decay", default=start("ema_decay"), min=0.5, max=0.99999, step=0.0001,
+                               round=1e-5, optional=True, tooltip="With ema: the share of the average each step "
+                               "keeps; it follows about the last 1 / (1 - decay) steps (0.999: 1000)"),
             ],
             outputs=[t.Adapter.Output(display_name="adapter")],
         )
@@ -94,13 +101,16 @@ class AdapterNode(io.ComfyNode):
     @classmethod
     def execute(cls, rank, alpha, dropout, target_modules, type=start("adapter.type"),  # noqa: A002
                 decompose_factor=start("adapter.decompose_factor"), dora=start("adapter.dora"), dtype=DEFAULT,
-                init_from_existing="none", save_dtype=DEFAULT) -> io.NodeOutput:
+                init_from_existing="none", save_dtype=DEFAULT, ema=start("ema"),
+                ema_decay=start("ema_decay")) -> io.NodeOutput:
         # dora off leaves the key out (its default), so other types' tables carry no LoRA-only key
         patch = adapter_patch(dict(type=type, rank=rank, alpha=alpha, dropout=dropout, dora=dora or None,
                                    target_modules=_words(target_modules), decompose_factor=decompose_factor,
                                    dtype=None if dtype == DEFAULT else dtype,
                                    init_from_existing=lora_path(init_from_existing)))
-        return io.NodeOutput(patch | RunPatch.of({"save_dtype": None if save_dtype == DEFAULT else save_dtype}))
+        run = {"save_dtype": None if save_dtype == DEFAULT else save_dtype, "ema": ema or None,
+               "ema_decay": ema_decay if ema else None}   # off: both keys left out
+        return io.NodeOutput(patch | RunPatch.of(run))
 
 
 OPTIMIZERS = [start("optimizer.type"), "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy",
@@ -160,6 +170,16 @@ class OptimizerNode(io.ComfyNode):
                                "examples (0: off, beta2 as given)"),
                 io.Float.Input("gradient_clipping", default=start("gradient_clipping"), min=0.0, max=1e6, step=0.1,
                                optional=True, tooltip="Clip the gradients' global norm to this (0: no clipping)"),
+                io.Combo.Input("loss_type", options=choices("loss_type"), default=start("loss_type"), optional=True,
+                               tooltip="Loss between the prediction and the model's own target: mse (the usual), "
+                               "l1, huber or smooth_l1 (less pull from outliers)"),
+                io.Float.Input("huber_delta", default=start("huber_delta"), min=1e-4, max=100.0, step=0.01,
+                               optional=True, tooltip="loss_type huber: quadratic below this error, linear above"),
+                io.Float.Input("smooth_l1_beta", default=start("smooth_l1_beta"), min=1e-4, max=100.0, step=0.01,
+                               optional=True, tooltip="loss_type smooth_l1: quadratic below this error, linear above"),
+                io.Float.Input("noise_offset", default=start("noise_offset"), min=0.0, max=1.0, step=0.01,
+                               optional=True, tooltip="Add this times a random per-channel shift to the noise "
+                               "(ai-toolkit's noise offset: darker darks, brighter brights; 0: off, 0.05-0.1 usual)"),
             ],
             outputs=[t.Optimizer.Output(display_name="optimizer")],
         )
@@ -181,11 +201,13 @@ class OptimizerNode(io.ComfyNode):
     @classmethod
     def execute(cls, type, lr, beta1, beta2, weight_decay, eps, extra_args="",  # noqa: A002
                 beta2_half_life=0.0,
-                gradient_clipping=start("gradient_clipping")) -> io.NodeOutput:
+                gradient_clipping=start("gradient_clipping"), **loss) -> io.NodeOutput:
         betas = {"betas": (beta1, beta2), "eps": eps} if type not in NO_BETAS else {}
         keys = {"type": type, "lr": lr, "weight_decay": weight_decay, **betas, **dict(parse_kwargs(extra_args)),
                 "beta2_half_life": unset_if_zero(beta2_half_life)}
-        return io.NodeOutput(RunPatch.of(keys, "optimizer") | RunPatch.of({"gradient_clipping": gradient_clipping}))
+        # loss_type, huber_delta, smooth_l1_beta, noise_offset: run keys (launcher/forms.loss_patch)
+        return io.NodeOutput(RunPatch.of(keys, "optimizer") | RunPatch.of({"gradient_clipping": gradient_clipping})
+                             | loss_patch(**loss))
 
 
 class ScheduleNode(io.ComfyNode):
@@ -427,6 +449,13 @@ class MemoryNode(io.ComfyNode):
                 io.Boolean.Input("compile_cuda_graphs", default=start("compile_cuda_graphs"), optional=True,
                                  tooltip="With compile: replay compiled regions as CUDA graphs where that pays "
                                  "(SDXL); off: plain compiled kernels"),
+                io.Combo.Input("memory", options=["manual", "auto"], default=start("memory"), optional=True,
+                               tooltip="auto: before training, the run estimates each pipeline stage's GPU memory "
+                               "from the model itself and picks the fastest checkpointing and block swapping that "
+                               "fit (the choices above are then ignored); the run's events say what it chose"),
+                io.Float.Input("memory_limit_gib", default=0.0, min=0.0, max=4096.0, step=1.0, optional=True,
+                               tooltip="With memory = auto: plan for this many GiB of each GPU (a GPU shared with "
+                               "ComfyUI or another job); 0: the whole GPU"),
             ],
             outputs=[t.Memory.Output(display_name="memory")],
         )
@@ -440,6 +469,7 @@ class MemoryNode(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False, **keys) -> io.NodeOutput:
+    def execute(cls, activation_checkpointing, blocks_to_swap, offload_activations=False, memory_limit_gib=0.0,
+                **keys) -> io.NodeOutput:
         return io.NodeOutput(memory_patch(activation_checkpointing, offload_activations, blocks_to_swap=blocks_to_swap,
-                                          **keys))
+                                          memory_limit_gib=unset_if_zero(memory_limit_gib), **keys))

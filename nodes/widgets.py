@@ -2,11 +2,12 @@
 """Where a widget starts: its key's config default (``backend/config``), the one place each default lives."""
 from __future__ import annotations
 
-from ..backend.config import DatasetConfig
+from ..backend.config import DatasetConfig, DirectoryConfig
 from ..backend.config.patch import choices, default
 
-__all__ = ["DATASET", "choices", "start"]
+__all__ = ["DATASET", "DIRECTORY", "choices", "start"]
 DATASET = DatasetConfig   # the dataset file's keys (``root`` of ``start``)
+DIRECTORY = DirectoryConfig   # a [[directory]] table's own keys
 
 
 def start(key: str, root=None, off=0):

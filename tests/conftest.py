@@ -95,7 +95,8 @@ class Run:
 
     @property
     def run_dirs(self) -> list[Path]:
-        return sorted(p for p in self.output_dir.iterdir() if (p / "status.json").exists())
+        # the shared cache folder keeps a status too (a --cache-only run's): it is not a training run
+        return sorted(p for p in self.output_dir.iterdir() if (p / "status.json").exists() and p.name != "cache")
 
     @property
     def run_dir(self) -> Path:

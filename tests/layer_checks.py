@@ -232,6 +232,50 @@ def flow_targets_agree_with_comfyui(adapter, inputs, tolerance=1e-6, **comfy_con
     assert (comfy_denoised - ours).abs().max() / ours.abs().max() < tolerance
 
 
+def discrete_targets_agree_with_comfyui(adapter, prediction: str, inputs, **comfy_conds):
+    """UNet models on ComfyUI's ``ModelSamplingDiscrete`` with ``prediction`` (eps or v) as ComfyUI samples it: what
+    the UNet sees in training is what ComfyUI's ``apply_model`` feeds it for the same noisy latent, and a perfect
+    prediction of the training target is denoised by ComfyUI to the clean latent. ``comfy_conds``: the conditioning
+    ComfyUI's sampler encodes for the model (``cross_attn``, ``pooled_output``)."""
+    import comfy.model_base
+
+    model = adapter.patcher.model
+    sampling = model.model_sampling
+    kind = comfy.model_base.ModelType.V_PREDICTION if prediction == "v" else comfy.model_base.ModelType.EPS
+    model.model_sampling = comfy.model_base.model_sampling(model.model_config, kind)
+    try:
+        _discrete_targets_agree(adapter, prediction, inputs, comfy_conds)
+    finally:
+        model.model_sampling = sampling
+
+
+def _discrete_targets_agree(adapter, prediction, inputs, comfy_conds):
+    import comfy.samplers
+
+    from pipetrain.backend.models.objectives import DiscreteDiffusion
+
+    model = adapter.patcher.model
+    ms = model.model_sampling
+    objective = adapter.objective()
+    assert isinstance(objective, DiscreteDiffusion) and objective.prediction == prediction
+    x0, noise, t, *_ = inputs
+    sigma = ms.sigma(t)
+    assert torch.equal(ms.timestep(sigma).float(), t)
+    x_comfy = ms.noise_scaling(sigma, noise, x0)           # ComfyUI's noisy latent: x0 + sigma * noise
+    assert torch.allclose(ms.calculate_input(sigma, x_comfy), objective.noisy(x0, noise, t), rtol=1e-6, atol=1e-6)
+    denoised = ms.calculate_denoised(sigma, objective.target(x0, noise, t), x_comfy)
+    assert torch.allclose(denoised, x0, rtol=1e-5, atol=1e-5)
+    # the whole path: ComfyUI's sampler conditioning (SDXL's y from its own size defaults) and apply_model
+    conds = comfy.samplers.encode_model_conds(model.extra_conds, [{**comfy_conds, "model_conds": {}}], x_comfy,
+                                              torch.device("cpu"), "positive")
+    kwargs = {k: v.cond for k, v in conds[0]["model_conds"].items()}
+    with torch.no_grad():
+        comfy_denoised = model.apply_model(x_comfy, sigma, **kwargs)
+        ours = ms.calculate_denoised(sigma, run_layers(adapter.to_layers(), inputs), x_comfy)
+    err = (comfy_denoised - ours).abs().max() / ours.abs().max()
+    assert err < 1e-6, err  # apply_model returns the model output in float32
+
+
 def captions_batch_as_if_alone(adapter, x0, noise, t, items, atol=1e-10, rtol=1e-8) -> list[torch.Tensor]:
     """Cached captions of different lengths (``items``, one per sample) collated into one micro-batch give each
     sample the output it gets alone; returns the collated text."""

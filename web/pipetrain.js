@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: GPL-3.0-or-later
 // PipeTrain panel: runs with progress and ETA, a live loss chart, epoch LoRAs (one click adds a
 // "PipeTrain Load Epoch LoRA" node), stop/resume, and while a run trains: save now, sample now, stop after this
-// epoch, a new learning rate from the next step (POST /pipetrain/runs/{id}/{save,sample,stop_after_epoch,lr}). Fed by GET /pipetrain/runs[/{id}] and the
-// "pipetrain.event" websocket messages that the launcher's relay sends. A run on several machines shows its
-// nodes and, while a no_ssh run is alive, the command each other node must run (events come from global rank 0).
+// epoch, a new learning rate from the next step (POST /pipetrain/runs/{id}/{save,sample,stop_after_epoch,lr}).
+// Fed by GET /pipetrain/runs[/{id}] and the "pipetrain.event" websocket messages that the launcher's relay sends.
+// A run on several machines shows its nodes and, while a no_ssh run is alive, the command each other node must run
+// (events come from global rank 0).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const state = { runs: new Map(), selected: null, losses: new Map(), root: null, lrInputs: new Map() };
+const state = { runs: new Map(), selected: null, losses: new Map(), best: new Map(), root: null, lrInputs: new Map() };
 const ACTIVE = new Set(["launched", "resuming", "starting", "caching", "loading", "training", "stopping"]);
 
 const css = `
@@ -26,6 +27,8 @@ const css = `
 .pipetrain-samples img{width:72px;height:72px;object-fit:cover;border-radius:3px;cursor:zoom-in}
 .pipetrain-control{flex-wrap:wrap;justify-content:flex-start;margin-top:4px}
 .pipetrain-control input{width:72px;font-size:11px}
+.pipetrain-strength{min-width:40px;font-size:11px}
+.pipetrain-best{color:#7c7;margin:2px 0}
 .pipetrain-float{position:fixed;right:12px;top:60px;width:340px;max-height:80vh;z-index:1000;background:#222;border:1px solid #555;border-radius:8px}
 `;
 
@@ -62,6 +65,7 @@ async function loadRun(id) {
   if (!r.ok) return;
   const run = await r.json();
   state.losses.set(id, run.losses || []);
+  state.best.set(id, run.best_epoch || null);
   state.runs.set(id, run);
 }
 
@@ -82,12 +86,13 @@ async function post(id, action, body = {}) {
   await refreshRuns();
 }
 
-function addLoader(runId, epoch) {
+function addLoader(runId, epoch, strength = 1.0) {
   const node = LiteGraph.createNode("PipeTrainLoadEpochLoRA");
   if (!node) return;
   const set = (name, value) => { const w = node.widgets?.find((w) => w.name === name); if (w) w.value = value; };
   set("run", runId);
   set("epoch", epoch);
+  set("strength", strength);
   const c = app.canvas;
   node.pos = c?.graph_mouse ? [c.graph_mouse[0], c.graph_mouse[1]] : [100, 100];
   app.graph.add(node);
@@ -185,16 +190,29 @@ function controls(run) {
     lr, el("button", { onclick: setLr }, "Set LR"));
 }
 
-// the epoch's sample images (sample_saved events), served by GET /pipetrain/runs/{id}/samples/{name}
-function sampleStrip(runId, samples) {
-  const strip = el("div", { class: "pipetrain-samples" });
-  for (const s of samples) {
-    const url = api.apiURL(`/pipetrain/runs/${encodeURIComponent(runId)}/samples/${encodeURIComponent(s.name)}`);
-    const img = el("img", { src: url, title: s.prompt || s.name, alt: s.prompt || s.name, loading: "lazy" });
-    img.onclick = () => window.open(url, "_blank");
-    strip.append(img);
+// the epoch's sample images (sample_saved events), served by GET /pipetrain/runs/{id}/samples/{name}: one row
+// per LoRA strength, one column per prompt; a click on a row's strength adds a loader at that epoch and strength
+function sampleGrid(runId, epoch, samples, loaders = true) {
+  const strengths = [...new Set(samples.map((s) => s.strength ?? 1))].sort((a, b) => a - b);
+  const grid = el("div", { class: "pipetrain-grid", "data-epoch": String(epoch) });
+  for (const w of strengths) {
+    const row = el("div", { class: "pipetrain-samples", "data-strength": String(w) });
+    if (loaders && strengths.length > 1) {
+      row.append(el("button", { class: "pipetrain-strength", title: `Add a loader for epoch ${epoch} at ${w}`,
+        onclick: () => addLoader(runId, epoch, w) }, `×${w}`));
+    }
+    const cells = samples.filter((s) => (s.strength ?? 1) === w)
+      .sort((a, b) => (a.prompt_index ?? 0) - (b.prompt_index ?? 0));
+    for (const s of cells) {
+      const url = api.apiURL(`/pipetrain/runs/${encodeURIComponent(runId)}/samples/${encodeURIComponent(s.name)}`);
+      const label = `${s.prompt || s.name} (strength ${w})`;
+      const img = el("img", { src: url, title: label, alt: label, loading: "lazy" });
+      img.onclick = () => window.open(url, "_blank");
+      row.append(img);
+    }
+    grid.append(row);
   }
-  return strip;
+  return grid;
 }
 
 function render() {
@@ -211,19 +229,26 @@ function render() {
   root.append(el("h3", {}, `Loss — ${run.id}`), canvas);
   drawChart(canvas, state.losses.get(run.id) || []);
   const epochs = el("div", { class: "pipetrain-epochs" }, el("h3", {}, "Epoch LoRAs"));
+  const best = state.best.get(run.id);   // the lowest held-out loss (eval datasets): GET /pipetrain/runs/{id}
+  if (best) {
+    epochs.append(el("div", { class: "pipetrain-best" },
+      `Lowest held-out loss: epoch ${best.epoch} (${Number(best.loss).toPrecision(4)})`));
+  }
   for (const l of [...(run.loras || [])].sort((a, b) => b.epoch - a.epoch)) {
     const use = l.kind === "model"   // a full fine-tune's model: load it with Load Diffusion Model
       ? el("span", { title: l.path }, `full model: ${l.path.split("/").pop()}`)
       : el("button", { onclick: () => addLoader(run.id, l.epoch) }, "Add loader node");
-    epochs.append(el("div", { class: "pipetrain-row" }, `epoch ${l.epoch} (step ${l.step})`, use));
-    if ((l.samples || []).length) epochs.append(sampleStrip(run.id, l.samples));
+    const mark = best && best.epoch === l.epoch ? " ★ lowest eval loss" : "";
+    epochs.append(el("div", { class: "pipetrain-row" }, `epoch ${l.epoch} (step ${l.step})${mark}`, use));
+    if ((l.samples || []).length) epochs.append(sampleGrid(run.id, l.epoch, l.samples));
   }
   if (!(run.loras || []).length) epochs.append(el("div", {}, "none saved yet"));
   root.append(epochs);
   if ((run.step_samples || []).length) {   // "Sample now": samples of the step LoRA saved for them
     const now = el("div", { class: "pipetrain-step-samples" }, el("h3", {}, "Sampled now"));
     for (const l of [...run.step_samples].sort((a, b) => b.step - a.step)) {
-      now.append(el("div", { class: "pipetrain-row", title: l.path }, `step ${l.step} (epoch ${l.epoch})`), sampleStrip(run.id, l.samples));
+      now.append(el("div", { class: "pipetrain-row", title: l.path }, `step ${l.step} (epoch ${l.epoch})`),
+        sampleGrid(run.id, l.epoch, l.samples, false));   // a step LoRA: no epoch loader
     }
     root.append(now);
   }
@@ -241,6 +266,7 @@ function onEvent({ detail }) {
     backfill(id);       // steps were made while no message reached us: read the curve from the run's files
   }
   for (const e of steps) if (last == null || e.step > last) pts.push([e.step, e.loss]);
+  if (id === state.selected && (detail.events || []).some((e) => e.type === "eval")) backfill(id);
   state.losses.set(id, pts);
   if (!old) state.runs = new Map([...state.runs.entries()].sort((a, b) => (b[1].created || 0) - (a[1].created || 0)));
   if (!state.selected) state.selected = id;

@@ -24,6 +24,7 @@ class CacheEntry:
     latent: str
     text: str
     control: str = ""     # edit models: the paired control image
+    is_reg: bool = False  # a regularisation image (an is_reg directory's)
 
 
 @dataclass
@@ -79,7 +80,7 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
             latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS,
                               vae_fp, adapter.arch, adapter.latent_format, conditioning),
             text=text_key(text, te_fps, adapter.arch, caption_image(adapter, digests.get(control), s.bucket)),
-            control=str(control) if control else ""))
+            control=str(control) if control else "", is_reg=s.item.is_reg))
     return entries
 
 

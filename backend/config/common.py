@@ -12,8 +12,9 @@ MAX_RESOLUTION = 8192   # a side of 8192 is 64 Mpx a frame already; larger value
 
 
 def check_resolutions(resolutions: list[int], file, key: str) -> None:
-    if not resolutions or any(r < 64 or r % 64 or r > MAX_RESOLUTION for r in resolutions):
-        raise ConfigError(f"got {resolutions}; each resolution must be a multiple of 64 from 64 to {MAX_RESOLUTION}",
+    """Square sides in pixels (a [width, height] pair arrives here as the side of the same area)."""
+    if not resolutions or any(r < 64 or r % 16 or r > MAX_RESOLUTION for r in resolutions):
+        raise ConfigError(f"got {resolutions}; each resolution must be a multiple of 16 from 64 to {MAX_RESOLUTION}",
                           file=file, key=key)
 
 

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 
 from .. import compat
 from ..errors import ConfigError
-from .common import check_caption_extension, check_frame_buckets, check_resolutions, replace
+from .common import MAX_RESOLUTION, check_caption_extension, check_frame_buckets, check_resolutions, replace
 
 @dataclass
 class DirectoryConfig:
@@ -24,6 +24,9 @@ class DirectoryConfig:
     skip_empty_caption: Optional[bool] = None
     frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
     control_path: Optional[str] = None          # edit models: control images paired by file stem
+    # regularisation (prior-preservation) images: drawn into each epoch at the dataset's reg_ratio, their loss
+    # logged apart (train/loss_reg); ai-toolkit's key
+    is_reg: bool = False
 
     UNSUPPORTED = compat.DIRECTORY
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_dataset(data, file, prefix))
@@ -38,6 +41,17 @@ class DirectoryConfig:
         check_caption_extension(self.caption_extension, file, "directory.caption_extension")
         if self.resolutions is not None:
             check_resolutions(self.resolutions, file, "directory.resolutions")
+
+
+def check_size_buckets(buckets: list, file) -> None:
+    for i, b in enumerate(buckets):
+        if not isinstance(b, list) or len(b) not in (2, 3) or not all(isinstance(v, int) for v in b) \
+                or not all(64 <= v <= MAX_RESOLUTION and v % 16 == 0 for v in b[:2]) or (len(b) == 3 and b[2] < 1):
+            raise ConfigError(f"entry {b!r}: give [width, height] or [width, height, frames], sides multiples of 16 "
+                              f"from 64 to {MAX_RESOLUTION}, frames 1 or more", file=file, key=f"size_buckets[{i}]")
+    if not buckets:
+        raise ConfigError("give at least one [width, height] (or leave size_buckets out)", file=file,
+                          key="size_buckets")
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,10 @@ class DatasetConfig:
     min_ar: float = 0.5
     max_ar: float = 2.0
     num_ar_buckets: int = 7
+    # diffusion-pipe's explicit buckets: aspect ratios (width / height; [w, h] pairs become w / h) instead of
+    # min_ar..max_ar, or exact sizes [w, h] / [w, h, frames] instead of resolutions and ratios altogether
+    ar_buckets: Optional[list[float]] = None
+    size_buckets: Optional[list[list[int]]] = None
     num_repeats: int = 1
     caption_extension: str = ".txt"
     on_unreadable: Literal["skip", "error"] = "skip"
@@ -68,6 +86,8 @@ class DatasetConfig:
     # video models: each video trains as one clip of the largest of these frame counts it fills at the
     # model's frame rate, taken from its start (1 = still images; a video never goes to 1)
     frame_buckets: list[int] = field(default_factory=lambda: [1])
+    # with is_reg directories: the share of each epoch's samples drawn from them (the rest: every training sample)
+    reg_ratio: float = 0.5
     # where relative directory paths are resolved; set from the file's location, not written back
     _base: Optional[Path] = None
 
@@ -83,12 +103,24 @@ class DatasetConfig:
                               file=file, key="min_ar")
         if self.num_ar_buckets < 1:
             raise ConfigError("must be 1 or more", file=file, key="num_ar_buckets")
+        if self.ar_buckets is not None and (not self.ar_buckets or any(not 0.05 <= a <= 20 for a in self.ar_buckets)):
+            raise ConfigError(f"got {self.ar_buckets}; give aspect ratios (width / height) from 0.05 to 20, or "
+                              "[width, height] pairs, e.g. [0.75, 1.0, [1216, 832]]", file=file, key="ar_buckets")
+        if self.size_buckets is not None:
+            check_size_buckets(self.size_buckets, file)
         if self.num_repeats < 1:
             raise ConfigError("must be 1 or more", file=file, key="num_repeats")
         if self.cache_shuffle_num < 0:
             raise ConfigError("must be 0 or more", file=file, key="cache_shuffle_num")
         check_frame_buckets(self.frame_buckets, file, "frame_buckets")
         check_caption_extension(self.caption_extension, file, "caption_extension")
+        if not 0 < self.reg_ratio < 1:
+            raise ConfigError(f"got {self.reg_ratio}; must be between 0 and 1, e.g. 0.5: half of each epoch's "
+                              "samples from the is_reg directories", file=file, key="reg_ratio")
+        if all(d.is_reg for d in self.directory):
+            raise ConfigError("every [[directory]] is marked is_reg: regularisation images go beside the training "
+                              "images; set is_reg = false on the directory of the images to learn", file=file,
+                              key="directory.is_reg")
 
     def caption_options(self, d: DirectoryConfig) -> CaptionOptions:
         def pick(name):

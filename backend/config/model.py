@@ -46,8 +46,10 @@ class ModelConfig:
     flux_shift: bool = False
     guidance: float = 1.0
     v_pred: bool = False
-    min_t: float = 0.0                  # Wan: training timesteps restricted to [min_t, max_t] (Wan 2.2 experts)
-    max_t: float = 1.0
+    min_t: float = 0.0                  # flow models: training timesteps restricted to [min_t, max_t] (Wan 2.2
+    max_t: float = 1.0                  # experts; diffusion-pipe reads it for Wan only)
+    min_snr_gamma: Optional[float] = None     # SDXL: per-sample weight min(SNR, gamma) / SNR (diffusion-pipe's)
+    debiased_estimation_loss: bool = False    # SDXL: per-sample weight 1 / sqrt(SNR) (diffusion-pipe's)
     clip_vision: Optional[str] = None   # Wan 2.1 i2v: the CLIP-vision file (clip_vision_h.safetensors)
     merge_adapters: list[str] = field(default_factory=list)   # LoRAs merged into the base weights before training
 
@@ -59,6 +61,9 @@ class ModelConfig:
             raise ConfigError(f"got min_t = {self.min_t}, max_t = {self.max_t}; need 0 <= min_t < max_t <= 1 "
                               "(Wan 2.2 14B: high-noise expert min_t = 0.875, low-noise max_t = 0.875 for t2v, "
                               "0.9 for i2v)", file=file, key="model.min_t")
+        if self.min_snr_gamma is not None and not self.min_snr_gamma > 0:
+            raise ConfigError(f"got {self.min_snr_gamma}; must be > 0 (5 is the usual value), or leave it out",
+                              file=file, key="model.min_snr_gamma")
 
     @property
     def text_encoder_files(self) -> list[str]:

@@ -11,7 +11,10 @@ from ..errors import ConfigError
 from .common import check_folder, replace
 from .dataset import DatasetConfig
 from .model import AdapterConfig, Dtype, ModelConfig
+from .patch import widget
 from .sections import ClusterConfig, EvalDatasetConfig, OptimizerConfig, SamplesConfig
+
+EMA_DECAY = 0.999   # the average follows about the last 1 / (1 - decay) = 1000 steps
 
 
 @dataclass
@@ -40,6 +43,12 @@ class RunConfig:
     eval_image_micro_batch_size_per_gpu: Optional[int] = None   # default eval_micro_batch_size_per_gpu
     eval_gradient_accumulation_steps: int = 1
     uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
+    # the loss on the model's own target (models/losses.py); left out: mse, or diffusion-pipe's choice by key
+    # (huber_delta set: huber; smooth_l1_beta set: smooth_l1)
+    loss_type: Optional[Literal["mse", "l1", "huber", "smooth_l1"]] = field(default=None, metadata=widget("mse"))
+    huber_delta: Optional[float] = field(default=None, metadata=widget(1.0))       # huber (default 1.0)
+    smooth_l1_beta: Optional[float] = field(default=None, metadata=widget(1.0))    # smooth_l1 (default 1.0)
+    noise_offset: float = 0.0                    # ai-toolkit's: noise + noise_offset * N(0, 1) per sample and channel
     checkpoint_every_n_epochs: Optional[int] = None
     checkpoint_every_n_minutes: Optional[float] = None
     # 'unsloth': inputs parked in CPU memory; 'selective': attention and MLP down-projection outputs kept
@@ -50,9 +59,17 @@ class RunConfig:
     activation_memory_budget: Optional[float] = None   # with compile: share of activations kept (compiling.py)
     compile_cuda_graphs: bool = True             # with compile: replay regions as CUDA graphs where it pays (SDXL)
     fp8_compute: bool = False                    # adapters: frozen base linears multiply in FP8 (models/fp8.py)
+    # "auto": the trainer picks activation_checkpointing(_fraction) and blocks_to_swap that fit the GPU
+    # (memory_plan.py); memory_limit_gib: plan for this much of each GPU instead of all of it
+    memory: Literal["manual", "auto"] = "manual"
+    memory_limit_gib: Optional[float] = None
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
     partition_split: Optional[list[int]] = None
     save_dtype: Optional[Dtype] = None
+    # an exponential moving average of the trained weights, saved beside each LoRA as <name>-ema (train/ema.py)
+    ema: bool = False
+    # the share of the average each optimizer step keeps; left out: EMA_DECAY
+    ema_decay: Optional[float] = field(default=None, metadata=widget(EMA_DECAY))
     caching_batch_size: int = 1
     steps_per_print: int = 1
     seed: int = 42
@@ -88,10 +105,19 @@ class RunConfig:
                 raise ConfigError(f"got {value}; must be 1 or more (or leave it out)", file=file, key=key)
         if not 0 <= self.uncond_fraction < 1:
             raise ConfigError(f"got {self.uncond_fraction}; must be in [0, 1)", file=file, key="uncond_fraction")
+        check_loss(self, file)
         names = [e.name for e in self.eval_datasets]
         if len(set(names)) != len(names):
             raise ConfigError(f"got names {names}; each eval dataset needs its own name", file=file,
                               key="eval_datasets")
+        if self.ema_decay is not None:
+            if not 0 < self.ema_decay < 1:
+                raise ConfigError(f"got {self.ema_decay}; must be between 0 and 1, e.g. 0.999 (the share of the "
+                                  "average each step keeps; 1 - decay goes to the new weights)", file=file,
+                                  key="ema_decay")
+            if not self.ema:
+                raise ConfigError("a decay without the average: set ema = true too, or leave ema_decay out",
+                                  file=file, key="ema_decay")
         if self.checkpoint_every_n_minutes is not None and self.checkpoint_every_n_minutes <= 0:
             raise ConfigError("must be > 0 (or leave it out)", file=file, key="checkpoint_every_n_minutes")
         if not 0 < self.activation_checkpointing_fraction <= 1:
@@ -109,6 +135,12 @@ class RunConfig:
                 raise ConfigError("the budget is applied by torch.compile's partitioner: set compile = true, or leave "
                                   "activation_memory_budget out (activation_checkpointing saves memory without "
                                   "compile)", file=file, key="activation_memory_budget")
+        if self.memory_limit_gib is not None and not 0 < self.memory_limit_gib <= 4096:
+            raise ConfigError(f"got {self.memory_limit_gib}; the GiB of each GPU a run may plan for, up to 4096 "
+                              "(or leave it out: the whole GPU)", file=file, key="memory_limit_gib")
+        if self.samples is not None and self.adapter is None and self.samples.strengths != [1.0]:
+            raise ConfigError(f"got {self.samples.strengths}; a full fine-tune saves whole models, which have no "
+                              "strength: leave samples.strengths out", file=file, key="samples.strengths")
         if self.blocks_to_swap < 0:
             raise ConfigError(f"got {self.blocks_to_swap}; must be 0 or more", file=file, key="blocks_to_swap")
         if self.blocks_to_swap and self.adapter is None:
@@ -126,6 +158,19 @@ class RunConfig:
                     file=file, key="partition_split")
 
     # --- derived ---------------------------------------------------------------------------
+    @property
+    def average_decay(self) -> float:
+        """``ema_decay``, or its default where the file leaves it out."""
+        return EMA_DECAY if self.ema_decay is None else self.ema_decay
+
+    @property
+    def loss_kind(self) -> str:
+        """The loss that trains: loss_type, else diffusion-pipe's choice by which parameter its file sets."""
+        if self.loss_type is not None:
+            return self.loss_type
+        given = [kind for key, kind in LOSS_PARAMETERS.items() if getattr(self, key) is not None]
+        return given[0] if given else "mse"
+
     @property
     def file(self) -> Path | None:
         """The TOML file this config was loaded from (None: built in memory); errors name it."""
@@ -184,6 +229,27 @@ class RunConfig:
                 f"use a number of GPUs that is a multiple of {self.pipeline_stages}",
                 file=self._file, key="pipeline_stages")
 
+
+
+LOSS_PARAMETERS = {"huber_delta": "huber", "smooth_l1_beta": "smooth_l1"}   # key -> the loss it belongs to
+
+
+def check_loss(cfg: RunConfig, file) -> None:
+    """loss_type and its parameter, and noise_offset."""
+    given = [k for k in LOSS_PARAMETERS if getattr(cfg, k) is not None]
+    if len(given) == 2:
+        raise ConfigError("give huber_delta (huber loss) or smooth_l1_beta (smooth L1 loss), not both", file=file,
+                          key="smooth_l1_beta")
+    for key in given:
+        value, kind = getattr(cfg, key), LOSS_PARAMETERS[key]
+        if not value > 0:
+            raise ConfigError(f"got {value}; must be > 0 (1.0 is the usual value)", file=file, key=key)
+        if cfg.loss_kind != kind:
+            raise ConfigError(f"a parameter of the {kind} loss, and loss_type is {cfg.loss_type!r}: set "
+                              f"loss_type = '{kind}' (or leave it out), or remove {key}", file=file, key=key)
+    if not 0 <= cfg.noise_offset <= 1:
+        raise ConfigError(f"got {cfg.noise_offset}; must be in [0, 1] (0: off; 0.05 to 0.1 are usual)", file=file,
+                          key="noise_offset")
 
 
 def _named_evals(data: dict) -> dict:

@@ -49,6 +49,9 @@ class OptimizerConfig:
         return {**out, **self._extra}
 
 
+MAX_STRENGTHS = 6
+
+
 @dataclass
 class SamplesConfig:
     """Images rendered with ComfyUI's own sampler and each freshly saved epoch LoRA."""
@@ -66,6 +69,8 @@ class SamplesConfig:
     # renders them on its own queue (its model management shares the GPU), the run waits for them
     render: Literal["run", "host"] = "run"
     host_timeout_s: float = 900.0        # render = "host": how long the run waits; then it renders them itself
+    # each prompt at each LoRA strength (the panel shows epoch x strength x prompt); a full fine-tune: [1.0]
+    strengths: list[float] = field(default_factory=lambda: [1.0])
 
     def validate(self, file):
         if self.host_timeout_s <= 0:
@@ -77,6 +82,11 @@ class SamplesConfig:
                               file=file, key="samples.width")
         if self.steps < 1:
             raise ConfigError("must be 1 or more", file=file, key="samples.steps")
+        if not 1 <= len(self.strengths) <= MAX_STRENGTHS or any(not 0 < x <= 2 for x in self.strengths):
+            raise ConfigError(f"got {self.strengths}; give 1 to {MAX_STRENGTHS} LoRA strengths, each above 0 and at "
+                              "most 2, e.g. [0.6, 0.8, 1.0]", file=file, key="samples.strengths")
+        if len(set(self.strengths)) != len(self.strengths):
+            raise ConfigError(f"got {self.strengths}; each strength once", file=file, key="samples.strengths")
 
 
 @dataclass

@@ -28,17 +28,37 @@ def _aspect_ratios(min_ar: float, max_ar: float, count: int) -> list[float]:
 
 
 def make_buckets(resolution: int, enable_ar_bucket: bool, min_ar: float, max_ar: float,
-                 num_ar_buckets: int, multiple: int = SIDE_MULTIPLE) -> list[tuple[int, int]]:
+                 num_ar_buckets: int, multiple: int = SIDE_MULTIPLE,
+                 ratios: list[float] | None = None) -> list[tuple[int, int]]:
     """Bucket sizes (width, height) of about resolution² pixels each, sides multiples of ``multiple``, sorted
-    and without duplicates."""
+    and without duplicates; ``ratios`` (``ar_buckets``) replace the ones spaced from min_ar to max_ar."""
     if not enable_ar_bucket:
         side = _round_side(resolution, multiple)
         return [(side, side)]
     sizes = {
         (_round_side(resolution * math.sqrt(ar), multiple), _round_side(resolution / math.sqrt(ar), multiple))
-        for ar in _aspect_ratios(min_ar, max_ar, num_ar_buckets)
+        for ar in (ratios or _aspect_ratios(min_ar, max_ar, num_ar_buckets))
     }
     return sorted(sizes)
+
+
+def size_bucket(width: int, height: int, frames: int | None, sizes: list[list[int]],
+                multiple: int = SIDE_MULTIPLE) -> tuple[int, ...] | None:
+    """``size_buckets``: the size whose aspect ratio is nearest the item's (log space) among those of its kind
+    (a still: one frame; a clip: the most frames up to ``frames``), sides rounded to ``multiple``; None when no
+    size of its kind exists."""
+    def kind_fits(b):
+        f = b[2] if len(b) == 3 else 1
+        return f == 1 if frames is None else 1 < f <= frames
+    fitting = [b for b in sizes if kind_fits(b)]
+    if not fitting:
+        return None
+    log_ar = math.log(width / height)
+    best_ar = min((abs(log_ar - math.log(b[0] / b[1])), b[0] / b[1]) for b in fitting)[1]
+    same_ar = [b for b in fitting if b[0] / b[1] == best_ar]
+    b = max(same_ar, key=lambda b: (b[2] if len(b) == 3 else 1, b[0] * b[1]))
+    side = (_round_side(b[0], multiple), _round_side(b[1], multiple))
+    return side if frames is None else (*side, b[2])
 
 
 def assign_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
@@ -49,8 +69,14 @@ def assign_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tu
     return min(buckets, key=lambda b: abs(log_ar - math.log(b[0] / b[1])))
 
 
-def check_frame_buckets(items: list[MediaItem], frame_multiple: int) -> None:
+def check_frame_buckets(items: list[MediaItem], frame_multiple: int, size_buckets=None) -> None:
     """A video model whose clips must be ``frame_multiple`` k + 1 frames long (Wan: 4k + 1) rejects others."""
+    if size_buckets:
+        bad = sorted({b[2] for b in size_buckets if len(b) == 3 and (b[2] - 1) % frame_multiple})
+        if bad:
+            raise DatasetError(f"size_buckets frames {bad}: this model trains on clips of {frame_multiple}k + 1 "
+                               "frames; change those size_buckets entries")
+        return
     bad = sorted({f for item in items for f in item.frame_buckets if (f - 1) % frame_multiple})
     if bad:
         fits = ", ".join(str(frame_multiple * k + 1) for k in range(5))
@@ -70,6 +96,14 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
     assigned: dict[tuple[int, int, int], tuple[int, int]] = {}   # (width, height, resolution): pictures share sizes
     samples, too_short = [], []
     for item in items:
+        if cfg.size_buckets:
+            clip = frames_at_rate(item.frames, item.fps, model_fps) if item.frames > 1 and model_fps else None
+            bucket = size_bucket(item.width, item.height, clip, cfg.size_buckets, side_multiple)
+            if bucket is None:
+                too_short.append(item)
+            else:
+                samples.append(Sample(item=item, bucket=bucket))
+            continue
         frames = None
         if item.frames > 1 and model_fps:
             frames = frame_bucket(frames_at_rate(item.frames, item.fps, model_fps), list(item.frame_buckets))
@@ -79,13 +113,17 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
         for resolution in item.resolutions:
             if resolution not in buckets_by_resolution:
                 buckets_by_resolution[resolution] = make_buckets(
-                    resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets, side_multiple)
+                    resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets, side_multiple,
+                    cfg.ar_buckets)
             size = (item.width, item.height, resolution)
             if size not in assigned:
                 assigned[size] = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
             bucket = assigned[size]
             samples.append(Sample(item=item, bucket=bucket if frames is None else (*bucket, frames)))
-    if too_short:
+    if too_short and cfg.size_buckets:
+        log.warning("leaving out %d item(s) that no size bucket of their kind (stills: 1 frame, clips: up to "
+                    "their length) takes:%s", len(too_short), "".join(f"\n  {i.path}" for i in too_short))
+    elif too_short:
         log.warning("leaving out %d video(s) shorter than every frame bucket above 1 at %g fps:%s", len(too_short),
                     model_fps, "".join(f"\n  {i.path}: {frames_at_rate(i.frames, i.fps, model_fps)} frames, "
                                        f"frame_buckets {list(i.frame_buckets)}" for i in too_short))

@@ -30,11 +30,16 @@ class EpochPlan:
     mixes buckets, so every micro batch stacks into one tensor. ``image_micro_batch_size`` (default
     ``micro_batch_size``) is the micro batch of one-frame buckets (images), as diffusion-pipe's
     ``image_micro_batch_size_per_gpu``: a video model can batch several images where one clip fills the GPU.
+
+    ``reg`` marks regularisation samples (``is_reg`` directories): they are not all in every epoch, but drawn so
+    that they make ``reg_ratio`` of it (``RegDraw``), each bucket the same number every epoch (so every epoch has
+    the same steps), shuffled in with the training samples of their bucket.
     """
 
     def __init__(self, samples: list[Sample], repeats: list[int] | None, micro_batch_size: int,
                  grad_accum_steps: int, dp_rank: int, dp_world: int, seed: int,
-                 image_micro_batch_size: int | None = None):
+                 image_micro_batch_size: int | None = None, reg: list[bool] | None = None,
+                 reg_ratio: float = 0.5):
         if repeats is None:
             repeats = [sample.item.num_repeats for sample in samples]
         if len(repeats) != len(samples):
@@ -51,7 +56,14 @@ class EpochPlan:
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.seed = seed
-        self._by_bucket = self._expand_and_group(samples, repeats)
+        reg = reg or [False] * len(samples)
+        self._by_bucket = self._expand_and_group([s for s, r in zip(samples, reg) if not r],
+                                                 [n for n, r in zip(repeats, reg) if not r])
+        pool = self._expand_and_group([s for s, r in zip(samples, reg) if r], [n for n, r in zip(repeats, reg) if r])
+        self.reg = RegDraw(pool, sum(map(len, self._by_bucket.values())), reg_ratio, seed)
+        for bucket in self.reg.counts:   # a bucket of regularisation images alone
+            self._by_bucket.setdefault(bucket, [])
+        self._by_bucket = dict(sorted(self._by_bucket.items()))
         # what settings counted in examples are divided by (save_every_n_examples, beta2_half_life): an image
         # dataset's global batch, else a clip's
         all_images = all(_is_image(b) for b in self._by_bucket)
@@ -73,20 +85,24 @@ class EpochPlan:
     def global_batch_of(self, bucket: Bucket) -> int:
         return self.micro_batch_size_of(bucket) * self.grad_accum_steps * self.dp_world
 
+    def _sizes(self) -> dict[Bucket, int]:
+        """Samples of each bucket in every epoch: its training samples and the regularisation ones drawn."""
+        return {bucket: len(group) + self.reg.counts.get(bucket, 0) for bucket, group in self._by_bucket.items()}
+
     def steps_per_epoch(self) -> int:
-        return sum(len(group) // self.global_batch_of(bucket) for bucket, group in self._by_bucket.items())
+        return sum(n // self.global_batch_of(bucket) for bucket, n in self._sizes().items())
 
     def dropped(self) -> dict[Bucket, int]:
         """Samples (after repeats) left out of each bucket every epoch because they fill no global batch."""
-        return {bucket: len(group) % self.global_batch_of(bucket) for bucket, group in self._by_bucket.items()}
+        return {bucket: n % self.global_batch_of(bucket) for bucket, n in self._sizes().items()}
 
     def warnings(self) -> list[str]:
         """One message for each bucket too small to give even one global batch."""
         return [
-            f"bucket {_bucket_name(bucket)} has {_plural(len(group), 'sample')}, fewer than one global batch of "
+            f"bucket {_bucket_name(bucket)} has {_plural(n, 'sample')}, fewer than one global batch of "
             f"{self.global_batch_of(bucket)}: it is not trained; add images of this shape, raise its num_repeats, "
             "or lower the global batch (micro batch size x gradient accumulation steps x data-parallel GPUs)"
-            for bucket, group in self._by_bucket.items() if len(group) < self.global_batch_of(bucket)
+            for bucket, n in self._sizes().items() if n < self.global_batch_of(bucket)
         ]
 
     def epoch(self, epoch: int) -> list[list[list[Sample]]]:
@@ -95,7 +111,7 @@ class EpochPlan:
         rng = random.Random(f"pipetrain-epoch:{self.seed}:{epoch}")
         global_batches = []
         for bucket, group in self._by_bucket.items():
-            shuffled = list(group)
+            shuffled = list(group) + self.reg.draw(bucket, epoch)
             rng.shuffle(shuffled)
             size = self.global_batch_of(bucket)
             usable = len(shuffled) - len(shuffled) % size
@@ -110,16 +126,52 @@ class EpochPlan:
         return [global_batch[start:start + size] for start in starts]
 
     def _no_steps_message(self) -> str:
-        total = sum(len(group) for group in self._by_bucket.values())
+        sizes = self._sizes()
+        total = sum(sizes.values())
         if total == 0:
             return "the dataset has no samples, so an epoch has no steps; check the dataset directories"
-        counts = ", ".join(f"{_bucket_name(b)}: {len(g)}" for b, g in self._by_bucket.items())
+        counts = ", ".join(f"{_bucket_name(b)}: {n}" for b, n in sizes.items())
         return (
             f"the dataset has {_plural(total, 'sample')} (after repeats) in "
-            f"{_plural(len(self._by_bucket), 'bucket')} ({counts}), but the global batch size is "
+            f"{_plural(len(sizes), 'bucket')} ({counts}), but the global batch size is "
             f"{self.global_batch} (micro batch {self.micro_batch_size} x gradient accumulation "
             f"{self.grad_accum_steps} x {_plural(self.dp_world, 'data-parallel GPU')}) and no bucket fills one "
             "global batch, so an epoch has no steps. Use fewer GPUs, a smaller micro_batch_size_per_gpu or "
             "fewer gradient_accumulation_steps; raise num_repeats; or use fewer buckets (fewer resolutions, "
             "a smaller num_ar_buckets, or enable_ar_bucket = false)."
         )
+
+
+class RegDraw:
+    """Which regularisation samples each epoch trains on. ``reg_ratio`` of the epoch's samples: with ``n`` training
+    samples, ``round(n * ratio / (1 - ratio))`` of them, split over the buckets in proportion to the samples each
+    holds (largest remainders first), the same counts every epoch. Each bucket's samples come in turn from its
+    pool, shuffled anew on every pass through it: every one is drawn once before any is drawn again."""
+
+    def __init__(self, pool: dict[Bucket, list], training_samples: int, ratio: float, seed: int):
+        self.pool, self.seed = pool, seed
+        total = sum(map(len, pool.values()))
+        wanted = round(training_samples * ratio / (1 - ratio)) if total else 0
+        exact = {bucket: wanted * len(group) / total for bucket, group in pool.items()}
+        self.counts = {bucket: int(share) for bucket, share in exact.items()}
+        left = wanted - sum(self.counts.values())
+        for bucket in sorted(exact, key=lambda b: (-(exact[b] % 1), b))[:left]:
+            self.counts[bucket] += 1
+        self.counts = {bucket: n for bucket, n in self.counts.items() if n}
+
+    def draw(self, bucket: Bucket, epoch: int) -> list:
+        """This epoch's regularisation samples of ``bucket`` (epochs count from 1, as the trainer's do)."""
+        n = self.counts.get(bucket, 0)
+        if not n:
+            return []
+        size = len(self.pool[bucket])
+        start = max(epoch - 1, 0) * n
+        passes = {}
+        for cycle in range(start // size, (start + n - 1) // size + 1):
+            passes[cycle] = self._pass(bucket, cycle)
+        return [passes[p // size][p % size] for p in range(start, start + n)]
+
+    def _pass(self, bucket: Bucket, cycle: int) -> list:
+        shuffled = list(self.pool[bucket])
+        random.Random(f"pipetrain-reg:{self.seed}:{bucket}:{cycle}").shuffle(shuffled)
+        return shuffled

@@ -22,6 +22,7 @@ class MediaItem:
     fps: float = 0.0      # a video's source frame rate
     frame_buckets: tuple[int, ...] = (1,)  # its directory's frame buckets (video models)
     control: Path | None = None  # edit models: the paired control image (same stem, the directory's control_path)
+    is_reg: bool = False  # from an is_reg directory: a regularisation image
 
 
 @dataclass(frozen=True)

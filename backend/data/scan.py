@@ -166,7 +166,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
             scan.missing_captions.append(file)
         scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
                                     num_repeats=num_repeats, resolutions=resolutions, captions=captions,
-                                    frame_buckets=frame_buckets, **video))
+                                    frame_buckets=frame_buckets, is_reg=directory.is_reg, **video))
     if scan.control is not None:
         _pair_controls(scan, caption_extension)
     return scan

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelError
+from .losses import Loss
 from .spec import ArchSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -31,7 +32,8 @@ class ModelAdapter(ABC):
     spatial_multiple: int = 16               # bucket sides are multiples of this many pixels
     framerate: float | None = None           # video models: frames per second clips are resampled to
     frame_multiple: int = 1                  # video models: clips are frame_multiple k + 1 frames long
-    timestep_range: bool = False             # honours [model] min_t / max_t (Wan)
+    timestep_range: bool = True              # honours [model] min_t / max_t (flow models; not SDXL's DDPM)
+    snr_weighting: bool = False              # honours [model] min_snr_gamma / debiased_estimation_loss (SDXL)
     compile_dynamic: bool | None = None      # compile = true: torch.compile's dynamic (None: dynamic from the
                                              # second shape on)
     compiles_checkpoints: bool = True        # compile = true puts each block's checkpoint (and its policy) inside
@@ -49,8 +51,13 @@ class ModelAdapter(ABC):
     def check_config(cls, cfg: ModelConfig, file) -> None:
         """What this architecture accepts in ``[model]`` beyond the keys every model has (``preflight`` runs it)."""
         if (cfg.min_t, cfg.max_t) != (0.0, 1.0) and not cls.timestep_range:
-            raise ConfigError(f"a {cfg.type} model trains on every timestep; min_t and max_t are for Wan models "
-                              "(remove them)", file=file, key="model.min_t")
+            raise ConfigError(f"a {cfg.type} model draws discrete DDPM timesteps; min_t and max_t restrict the "
+                              "timesteps of flow-matching models (remove them)", file=file, key="model.min_t")
+        for key, value in (("min_snr_gamma", cfg.min_snr_gamma), ("debiased_estimation_loss",
+                                                                   cfg.debiased_estimation_loss)):
+            if value not in (None, False) and not cls.snr_weighting:
+                raise ConfigError(f"a {cfg.type} model has no DDPM noise schedule to weigh by SNR; {key} is for "
+                                  "SDXL (remove it)", file=file, key=f"model.{key}")
         if cfg.clip_vision is not None and not cls.takes_clip_vision:
             raise ConfigError(f"a {cfg.type} model takes no CLIP-vision file (Wan 2.1 i2v does); remove the key",
                               file=file, key="model.clip_vision")
@@ -68,6 +75,7 @@ class ModelAdapter(ABC):
         self.resolve = resolve
         self.dtype = DTYPES[cfg.dtype]
         self.patcher = None
+        self.criterion = Loss()     # mse until the run sets its loss_type (use_loss)
 
     # --- files ------------------------------------------------------------------------------
     def model_files(self) -> dict[str, list[Path]]:
@@ -185,10 +193,14 @@ class ModelAdapter(ABC):
         """Relative compute of a layer, for balancing pipeline stages (override per family)."""
         return float(getattr(layer, "cost", 0.05))
 
+    def use_loss(self, loss) -> None:
+        """Compare prediction and target with ``loss`` (``losses.Loss``: the run's loss_type) from now on."""
+        self.criterion = loss
+
     def loss(self, pred: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        from .objectives import mse_loss
         latents, noise, t = labels[:3]
-        return mse_loss(pred, self.objective().target(latents, noise, t))
+        objective = self.objective()
+        return self.criterion(pred, objective.target(latents, noise, t), objective.loss_weights(t))
 
     def probe_latent(self, generator: torch.Generator, size: tuple[int, int] = (8, 8)) -> torch.Tensor:
         """A random clean latent [1, C, H, W] (video models: [1, C, T, H, W]) for checks."""

@@ -198,7 +198,8 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
 
     def objective(self):
         return EDMObjective(sample_method=self.cfg.timestep_sample_method, sigmoid_scale=self.cfg.sigmoid_scale,
-                            shift=self.cfg.shift, flux_shift=self.cfg.flux_shift)
+                            shift=self.cfg.shift, flux_shift=self.cfg.flux_shift, min_t=self.cfg.min_t,
+                            max_t=self.cfg.max_t)
 
     def to_layers(self):
         dm = self.diffusion_model

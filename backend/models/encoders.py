@@ -54,12 +54,15 @@ def _comfy_llm_config(name: str):
     return config
 
 
-# Output widths stay real: CLIP-L 768, CLIP-G 1280, T5 / UMT5 4096 (the diffusion models' context widths).
+# Output widths stay real: CLIP-L 768, CLIP-H 1024, CLIP-G 1280, T5 / UMT5 4096 (the diffusion models' context widths).
 TEXT_ENCODERS: dict[str, TextEncoderKind] = {
     "clip_l": TextEncoderKind("CLIP-L", "comfy/sd1_clip_config.json",
                               {"num_hidden_layers": 3, "intermediate_size": 256}, CLIP_TEXT_MODEL, "CLIP_L"),
     "clip_g": TextEncoderKind("CLIP-G", "comfy/clip_config_bigg.json",
                               {"num_hidden_layers": 3, "intermediate_size": 256}, CLIP_TEXT_MODEL, "CLIP_G"),
+    # SD 2.x's OpenCLIP ViT-H/14 text tower (ComfyUI reads its penultimate layer)
+    "clip_h": TextEncoderKind("OpenCLIP-H", "comfy/text_encoders/sd2_clip_config.json",
+                              {"num_hidden_layers": 3, "intermediate_size": 256}, CLIP_TEXT_MODEL, "CLIP_H"),
     "t5xxl": TextEncoderKind("T5-XXL", "comfy/text_encoders/t5_config_xxl.json",
                              {"num_layers": 2, "num_heads": 4, "d_ff": 256}, T5_MODEL, "T5_XXL"),
     # Cosmos' T5-XXL (the original T5 v1.0: ReLU, 1024 wide output); ComfyUI calls it t5xxl too

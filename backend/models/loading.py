@@ -203,6 +203,25 @@ def build_model(arch: str, unet_config: dict, dtype: torch.dtype, device=None):
                                             offload_device=mm.unet_offload_device())
 
 
+def build_meta_model(path, dtype: torch.dtype, arch: str):
+    """The model in ``path`` built on the ``meta`` device (shapes only, nothing read but the header): what the
+    memory plan traces (``meta_trace.py``)."""
+    path = _require_file(path)
+    shapes, metadata = read_header(path)
+    if META_UNET in metadata:
+        return build_model(arch, json.loads(metadata[META_UNET]), dtype, "meta")
+    ensure_comfyui()
+    import comfy.model_detection as md
+    sd = _meta_state_dict(shapes)
+    prefix = md.unet_prefix_from_state_dict(sd)   # a whole checkpoint's diffusion model, or a bare one
+    sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
+    unet_config = md.detect_unet_config(sd, "", metadata=metadata)
+    if unet_config is None:
+        raise ModelError(f"{path}: ComfyUI cannot tell this file's model configuration from its weights; the "
+                         "memory plan needs a file in ComfyUI's own layout")
+    return build_model(arch, unet_config, dtype, "meta")
+
+
 def merge_loras(patcher, paths: list[Path]) -> None:
     """``[model] merge_adapters``: each LoRA (any format ComfyUI's LoRA loader reads) baked into the base
     weights at strength 1, exactly as ComfyUI's ``LoraLoaderModelOnly`` patches them, before the training

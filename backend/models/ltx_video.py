@@ -248,7 +248,7 @@ class LTXVideoAdapter(VideoLatents, ModelAdapter):
 
     def objective(self):
         return LTXFlowMatching(sample_method=self.cfg.timestep_sample_method, sigmoid_scale=self.cfg.sigmoid_scale,
-                               shift=self.cfg.shift, multiplier=1.0)
+                               shift=self.cfg.shift, multiplier=1.0, min_t=self.cfg.min_t, max_t=self.cfg.max_t)
 
     def to_layers(self):
         dm = self.diffusion_model

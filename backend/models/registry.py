@@ -8,6 +8,8 @@ import importlib
 ADAPTERS: dict[str, str] = {
     "flux": ".flux:FluxAdapter",
     "sdxl": ".sdxl:SDXLAdapter",
+    "sd15": ".sd15:SD15Adapter",
+    "sd2": ".sd15:SD2Adapter",
     "sd3": ".sd3:SD3Adapter",
     "chroma": ".chroma:ChromaAdapter",
     "wan": ".wan:WanAdapter",

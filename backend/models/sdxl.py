@@ -218,19 +218,29 @@ class Norms:
 
 
 def spatial_transformer_forward(st, norms, x, context=None, transformer_options={}):
-    """ComfyUI's ``SpatialTransformer.forward`` (linear projections, as SDXL has them), ending in the input's
-    memory format: ComfyUI's ends in ``.contiguous()``, which copies a channels-last activation to NCHW for every
-    op after it to convert back. Same maths, same ``transformer_options`` bookkeeping."""
+    """ComfyUI's ``SpatialTransformer.forward`` (linear projections as SDXL and SD 2.x have them, 1x1 convolutions
+    as SD 1.x has), ending in the input's memory format: ComfyUI's ends in ``.contiguous()``, which copies a
+    channels-last activation to NCHW for every op after it to convert back. Same maths, same ``transformer_options``
+    bookkeeping."""
     if not isinstance(context, list):
         context = [context] * len(st.transformer_blocks)
     b, c, h, w = x.shape
     transformer_options["activations_shape"] = list(x.shape)
     x_in = x
-    x = st.proj_in(norms.norm(st.norm, x).movedim(1, 3).flatten(1, 2))
+    x = norms.norm(st.norm, x)
+    if not st.use_linear:
+        x = st.proj_in(x)
+    x = x.movedim(1, 3).flatten(1, 2)
+    if st.use_linear:
+        x = st.proj_in(x)
     for i, block in enumerate(st.transformer_blocks):
         transformer_options["block_index"] = i
         x = block(x, context=context[i], transformer_options=transformer_options)
-    x = st.proj_out(x).reshape(b, h, w, -1).movedim(3, 1)    # channels-last strides: no copy for such an x_in
+    if st.use_linear:
+        x = st.proj_out(x)
+    x = x.reshape(b, h, w, -1).movedim(3, 1)    # channels-last strides: no copy for such an x_in
+    if not st.use_linear:
+        x = st.proj_out(x)
     return _like(x_in, x) + x_in
 
 
@@ -249,7 +259,7 @@ def _restates(m: nn.Module) -> bool:
     from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
 
     if type(m) is SpatialTransformer:
-        return m.use_linear
+        return True
     return (type(m) is ResBlock and not (m.updown or m.skip_t_emb or m.use_scale_shift_norm or m.exchange_temb_dims
                                          or m.use_checkpoint) and len(m.in_layers) == 3 and len(m.out_layers) == 4)
 
@@ -263,23 +273,40 @@ def restate_blocks(dm: nn.Module, norms: Norms) -> int:
     return rebind_forwards([m for m in dm.modules() if _restates(m)], forwards, norms)
 
 
-class SDXLInput(TupleLayer):
+class UNetInput(TupleLayer):
+    """x_t and the time embedding ``time_embed(t)``: the first layer of a UNet without class or ADM embedding
+    (SD 1.x / 2.x)  ->  (emb, context, x_t)."""
     cost = 1e-3
 
-    def __init__(self, dm, encode_adm, objective, dtype):
+    def __init__(self, dm, objective, dtype):
         super().__init__()
         # only the embedders become children: the blocks belong to other layers
-        self.time_embed, self.label_emb = dm.time_embed, dm.label_emb
+        self.time_embed = dm.time_embed
         self.model_channels = dm.model_channels
-        self.size_conditioning = SizeConditioning(encode_adm)  # through ComfyUI's model_base.SDXL.encode_adm
         self.objective, self.dtype = objective, dtype
 
-    def run(self, latents, noise, t, context, pooled):
+    def noisy_and_emb(self, latents, noise, t):
         from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 
         x = self.objective.noisy(latents, noise, t).to(self.dtype).contiguous(memory_format=torch.channels_last)
         t_emb = timestep_embedding(self.objective.model_timestep(t), self.model_channels, repeat_only=False)
-        emb = self.time_embed(t_emb.to(self.dtype))
+        return x, self.time_embed(t_emb.to(self.dtype))
+
+    def run(self, latents, noise, t, context):
+        x, emb = self.noisy_and_emb(latents, noise, t)
+        return hide(emb), hide(context.to(self.dtype)), with_grad(x)
+
+
+class SDXLInput(UNetInput):
+    """``UNetInput`` plus SDXL's ADM vector: emb = time_embed(t) + label_emb(y)."""
+
+    def __init__(self, dm, encode_adm, objective, dtype):
+        super().__init__(dm, objective, dtype)
+        self.label_emb = dm.label_emb
+        self.size_conditioning = SizeConditioning(encode_adm)  # through ComfyUI's model_base.SDXL.encode_adm
+
+    def run(self, latents, noise, t, context, pooled):
+        x, emb = self.noisy_and_emb(latents, noise, t)
         emb = emb + self.label_emb(self.size_conditioning(pooled, x).to(self.dtype))
         return hide(emb), hide(context.to(self.dtype)), with_grad(x)
 
@@ -359,15 +386,20 @@ class SDXLAdapter(ModelAdapter):
     # plain contiguous tensors (train.pipeline.sendable).
     memory_format = torch.channels_last
     compiles_checkpoints = False   # compile() compiles the transformer blocks inside the checkpointed UNet blocks
+    timestep_range = False         # DDPM's integer timesteps: min_t / max_t are the flow models'
+    snr_weighting = True           # min_snr_gamma, debiased_estimation_loss
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.norms = Norms()
 
+    reference_latent = REFERENCE_LATENT   # the latent size layer costs are estimated at
+
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
         out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
-        return {"cond": out["cond"][0].float().cpu(), "pooled": out["pooled_output"][0].float().cpu()}
+        encoded = {"cond": out["cond"][0], "pooled": out["pooled_output"][0]}
+        return {name: encoded[name].float().cpu() for name in self.text_fields}
 
     def collate_text(self, items):
         """Captions of different chunk counts (77, 154, ... tokens) are batched the way ComfyUI batches
@@ -375,7 +407,8 @@ class SDXLAdapter(ModelAdapter):
         from comfy.conds import CONDCrossAttn
 
         conds = [CONDCrossAttn(it["cond"][None]) for it in items]
-        return [conds[0].concat(conds[1:]), torch.stack([it["pooled"] for it in items])]
+        return [conds[0].concat(conds[1:]), *(torch.stack([it[name] for it in items])
+                                               for name in self.text_fields[1:])]
 
     def load_diffusion_model(self):
         patcher = super().load_diffusion_model()
@@ -383,31 +416,36 @@ class SDXLAdapter(ModelAdapter):
         return patcher
 
     def check_model(self) -> None:
+        if self.diffusion_model.in_channels != 4:   # inpainting UNets take the mask and masked image as well
+            raise ModelError(f"{self.cfg.diffusion_model}: a UNet with {self.diffusion_model.in_channels} input "
+                             f"channels (an inpainting model); {self.spec.title} training takes the 4-channel "
+                             "text-to-image UNet")
         found = transformer_paths(self.diffusion_model)
-        if sorted(found) != sorted(SDXL_TRANSFORMERS):
-            raise ModelError(f"{self.cfg.diffusion_model}: not the SDXL UNet layout (SpatialTransformers at "
-                             f"{found}, expected {list(SDXL_TRANSFORMERS)})")
+        if sorted(found) != sorted(self.lora_block_prefixes):
+            raise ModelError(f"{self.cfg.diffusion_model}: not the {self.spec.title} UNet layout (SpatialTransformers "
+                             f"at {found}, expected {list(self.lora_block_prefixes)})")
         self.objective()  # rejects sampling types this adapter does not train
 
     def objective(self):
         import comfy.model_sampling as cms
 
         v_pred = self.cfg.v_pred
+        weighting = dict(min_snr_gamma=self.cfg.min_snr_gamma, debiased=self.cfg.debiased_estimation_loss)
         if self.patcher is None:  # not loaded (yet): ComfyUI's default SDXL schedule
-            return DiscreteDiffusion(cms.ModelSamplingDiscrete(), "v" if v_pred else "eps")
+            return DiscreteDiffusion(cms.ModelSamplingDiscrete(), "v" if v_pred else "eps", **weighting)
         ms = self.model_sampling
         if not isinstance(ms, cms.ModelSamplingDiscrete) or not isinstance(ms, cms.EPS) or isinstance(ms, cms.EDM):
             kind = " + ".join(b.__name__ for b in type(ms).__bases__)
-            raise ModelError(f"{self.cfg.diffusion_model}: ComfyUI samples this model with {kind}; SDXL "
-                             f"training supports ModelSamplingDiscrete with EPS or V_PREDICTION only")
+            raise ModelError(f"{self.cfg.diffusion_model}: ComfyUI samples this model with {kind}; "
+                             f"{self.spec.title} training supports ModelSamplingDiscrete with EPS or V_PREDICTION only")
         v_pred = v_pred or isinstance(ms, cms.V_PREDICTION)  # a v-pred checkpoint samples as v in ComfyUI
-        return DiscreteDiffusion(ms, "v" if v_pred else "eps")
+        return DiscreteDiffusion(ms, "v" if v_pred else "eps", **weighting)
 
     def to_layers(self):
         dm = self.diffusion_model
         restate_blocks(dm, self.norms)
-        pixels = REFERENCE_LATENT[0] * REFERENCE_LATENT[1]
-        layers: list[nn.Module] = [SDXLInput(dm, self.patcher.model.encode_adm, self.objective(), self.dtype)]
+        pixels = self.reference_latent[0] * self.reference_latent[1]
+        layers: list[nn.Module] = [self.input_layer(dm)]
         for i, block in enumerate(dm.input_blocks):
             layers.append(InputBlock(block, self.dtype, block_tflop(block, pixels),
                                      replace_top=i == 0))
@@ -418,6 +456,9 @@ class SDXLAdapter(ModelAdapter):
             pixels = int(pixels * _resolution_factor(block))
         layers.append(SDXLOutput(dm, self.dtype, block_tflop(dm.out, pixels), self.norms))
         return layers
+
+    def input_layer(self, dm) -> TupleLayer:
+        return SDXLInput(dm, self.patcher.model.encode_adm, self.objective(), self.dtype)
 
     def compile(self, layers, checkpoint_inside=True, memory_budget=None, cuda_graphs=False):
         """The ``BasicTransformerBlock``s inside the UNet blocks are compiled, with dynamic shapes, and so are the

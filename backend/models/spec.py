@@ -37,6 +37,9 @@ class ArchSpec:
     text_encoders_read_images: bool = False
     # the ``type`` names diffusion-pipe's ``[model] text_encoders`` tables may give (default: clip_type in lower case)
     text_encoder_types: tuple[str, ...] = ()
+    # state-dict key -> init rule of diffusion-model files where the generic one would mislead ComfyUI's detection
+    # (``tiny._make_tensor``'s rules; e.g. the bias SD 2.x's v-prediction detection reads)
+    diffusion_model_init: dict[str, str] | None = None
 
     def accepted_text_encoder_types(self) -> tuple[str, ...]:
         return self.text_encoder_types or (self.clip_type.lower(),)

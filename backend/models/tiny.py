@@ -113,13 +113,15 @@ def tensor_plan(module: torch.nn.Module) -> list[tuple[str, tuple, str]]:
 def _make_tensor(key: str, shape: tuple, init: str, dtype: torch.dtype, seed: int,
                  device: str = "cpu") -> torch.Tensor:
     """One initialised tensor on the CPU; the random draw happens on ``device`` (a GPU draws a 12B model in
-    seconds; values then differ from the CPU's for the same seed)."""
+    seconds; values then differ from the CPU's for the same seed). ``init``: zeros, ones, normal (std ``INIT_STD``)
+    or ``normal:<std>``."""
     if init == "zeros":
         return torch.zeros(shape, dtype=dtype)
     if init == "ones":
         return torch.ones(shape, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return torch.empty(shape, device=device).normal_(0.0, INIT_STD, generator=gen).to(dtype).cpu()
+    std = float(init.partition(":")[2] or INIT_STD)
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen).to(dtype).cpu()
 
 
 def _header(plan, dtype: torch.dtype, metadata: dict[str, str], extras: dict[str, torch.Tensor]) -> bytes:
@@ -171,7 +173,7 @@ def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed, device
     meta = {"pipetrain.arch": arch, "pipetrain.size": size}
     if size not in spec.detected_sizes:  # ComfyUI cannot tell this config from the weights: say what it is
         meta["pipetrain.unet_config"] = json.dumps(config)
-    return write_safetensors(spec.build(config), path, dtype, seed, meta, device=device)
+    return write_safetensors(spec.build(config), path, dtype, seed, meta, device=device, init=spec.diffusion_model_init)
 
 
 def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: str = "cpu",

@@ -17,7 +17,7 @@ Everything but x comes from frozen weights or the data and travels bit-cast to i
 rectified flow (target noise - x0; ``shift`` as configured -- ComfyUI samples Wan with shift 8); the network
 takes t x 1000, ComfyUI's ``ModelSamplingDiscreteFlow`` multiplier. ``min_t`` / ``max_t`` restrict the
 timesteps to a range of that (shifted) distribution, as the two experts of Wan 2.2 14B divide the range
-(``RangedFlowMatching``). The text is UMT5-XXL's, 512 tokens with the padding zeroed, as ComfyUI encodes it.
+(``FlowMatching``). The text is UMT5-XXL's, 512 tokens with the padding zeroed, as ComfyUI encodes it.
 LoRA goes on every linear of the blocks (self- and cross-attention q/k/v/o, i2v's k_img/v_img, feed-forward).
 
 Types: ``wan`` -- Wan 2.1 t2v (1.3B, 14B) and the Wan 2.2 14B t2v experts (same network, ComfyUI's
@@ -25,8 +25,6 @@ WAN21_T2V); ``wan_i2v`` -- Wan 2.1 i2v 14B (WAN21_I2V, with CLIP-vision tokens) 
 (WAN21_T2V with 36 input channels, no CLIP vision). Wan 2.2 TI2V 5B is ``wan22.py``.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,7 +34,6 @@ from .attention import sdpa_transformer_options
 from .base import ModelAdapter, VideoLatents
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
-from .objectives import FlowMatching
 from .spec import ArchSpec, comfy_diffusion_model
 
 WAN_FPS = 16
@@ -84,49 +81,6 @@ WAN_I2V_SPEC = ArchSpec(
     build=build_wan, detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN",
     vae="wan21", example_file="wan2.2_i2v_high_noise_14B_fp16.safetensors",
     accepts=lambda c: c.get("in_dim") == 36)
-
-
-@dataclass
-class RangedFlowMatching(FlowMatching):
-    """Flow matching whose timesteps are drawn from the configured (shifted) distribution restricted to
-    [min_t, max_t]: the quantile range of the two bounds is sampled uniformly and mapped back."""
-    min_t: float = 0.0
-    max_t: float = 1.0
-
-    @property
-    def ranged(self) -> bool:
-        return (self.min_t, self.max_t) != (0.0, 1.0)
-
-    def _t_of_q(self, q: torch.Tensor, seq_len: int) -> torch.Tensor:
-        q = q.double().clamp(1e-7, 1 - 1e-7)
-        t = torch.sigmoid(torch.special.ndtri(q) * self.sigmoid_scale) if self.sample_method == "logit_normal" else q
-        return self._shift(t.float(), seq_len)
-
-    def _q_range(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantiles of min_t and max_t, by bisection (the shifted distribution's CDF has no common closed form)."""
-        bounds = torch.tensor([self.min_t, self.max_t])
-        lo, hi = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            below = self._t_of_q(mid, seq_len) < bounds
-            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-        q = (lo + hi) / 2
-        q[0] = 0.0 if self.min_t <= 0 else q[0]
-        q[1] = 1.0 if self.max_t >= 1 else q[1]
-        return q[0], q[1]
-
-    def sample_t(self, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
-        if not self.ranged:
-            return super().sample_t(batch, seq_len, generator)
-        q0, q1 = self._q_range(seq_len)
-        u = torch.rand(batch, generator=generator, dtype=torch.float64)
-        return self._t_of_q(q0 + u * (q1 - q0), seq_len).clamp(self.min_t, self.max_t)
-
-    def quantile_t(self, q: float, seq_len: int) -> torch.Tensor:
-        if not self.ranged:
-            return super().quantile_t(q, seq_len)
-        q0, q1 = self._q_range(seq_len)
-        return self._t_of_q((q0 + q * (q1 - q0)).reshape(1), seq_len).clamp(self.min_t, self.max_t)
 
 
 class WanInput(TupleLayer):
@@ -221,7 +175,6 @@ class WanAdapter(VideoLatents, ModelAdapter):
     text_fields = ("context",)
     framerate = WAN_FPS
     frame_multiple = 4          # clips of 4k + 1 frames (the VAE's causal 4x temporal compression)
-    timestep_range = True
     latent_channels = 16
     vae_scale = 8               # pixels per latent side
 
@@ -231,8 +184,7 @@ class WanAdapter(VideoLatents, ModelAdapter):
         return {"context": out["cond"][0].float().cpu()}
 
     def objective(self):
-        base = self.flow_matching(default_multiplier=1000.0)
-        return RangedFlowMatching(**vars(base), min_t=self.cfg.min_t, max_t=self.cfg.max_t)
+        return self.flow_matching(default_multiplier=1000.0)
 
     def to_layers(self):
         dm = self.diffusion_model

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelError
-from .objectives import mse_loss
 from .spec import ArchSpec
 from .wan import WanAdapter, build_wan, first_frame_mask, wan_config
 
@@ -60,8 +59,9 @@ class Wan22I2VAdapter(Wan22Adapter):
 
     def loss(self, pred, labels):
         latents, noise, t = labels[:3]
-        target = self.objective().target(latents, noise, t)
-        return mse_loss(pred[:, :, 1:], target[:, :, 1:])
+        objective = self.objective()
+        target = objective.target(latents, noise, t)
+        return self.criterion(pred[:, :, 1:], target[:, :, 1:], objective.loss_weights(t))
 
     def probe_text(self, generator):
         return [*super().probe_text(generator), torch.randn(1, 48, 1, 8, 8, generator=generator)]

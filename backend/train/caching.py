@@ -27,7 +27,7 @@ def _samples(ds, seed: int, reporter, label: str, adapter=None):
     check_control_paths(ds, adapter, label)
     scan = scan_dataset(ds, videos=fps is not None)
     if fps is not None:
-        check_frame_buckets(scan.items, adapter.frame_multiple)
+        check_frame_buckets(scan.items, adapter.frame_multiple, ds.size_buckets)
     if scan.missing_captions:
         reporter.event("warning", message=f"{label}: {len(scan.missing_captions)} images have no caption file and "
                        "train with an empty caption", files=[str(p) for p in scan.missing_captions])

@@ -31,7 +31,8 @@ def is_complete(folder: Path) -> bool:
     return (folder / COMPLETE).is_file()
 
 
-def save(engine, ckpt_root: Path, step: int, client_state: dict) -> Path:
+def save(engine, ckpt_root: Path, step: int, client_state: dict, extra=None) -> Path:
+    """``extra(folder)``: called on every rank to write its own files into the checkpoint (``ema``)."""
     tag = tag_for(step)
     partial, final, aside = ckpt_root / f"{PARTIAL}{tag}", ckpt_root / tag, ckpt_root / f"{ASIDE}{tag}"
     rank = dist.get_rank()
@@ -44,6 +45,8 @@ def save(engine, ckpt_root: Path, step: int, client_state: dict) -> Path:
         torch.save({"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                    partial / f"rng_rank{rank:05d}.pt")
+        if extra is not None:
+            extra(partial)
         distributed.barrier()
         if rank == 0:
             atomic_write_bytes(partial / COMPLETE, json.dumps(client_state).encode())

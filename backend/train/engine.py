@@ -12,17 +12,20 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..models.base import DTYPES
 from ..models.checkpointing import apply_checkpointing, selective_advice
+from ..models.losses import Loss
 from ..models import fp8
 from ..models.compiling import cuda_graphs_allowed
 from ..optim import make_optimizer
 from ..patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
 from . import distributed
 from .clipping import clip_grad_norm_
+from .ema import WeightAverage
 from .eval import build_eval_sets, every_n_steps
 from .events import RunReporter
 from .feed import MicroBatchFeed
 from .parts import CachedData, EngineParts, GradNorm, Topology
 from .pipeline import StagedModule, stage_bounds
+from .reg_loss import SplitLoss
 from .schedule import lr_multiplier
 from .swap import enable_block_swap
 
@@ -96,8 +99,10 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     if cfg.compile:
         adapter.compile(layers, memory_budget=cfg.activation_memory_budget, cuda_graphs=cuda_graphs_allowed(cfg))
     costs = [adapter.layer_cost(layer) for layer in layers]
+    adapter.use_loss(Loss.from_config(cfg))
+    split_loss = SplitLoss(adapter.loss) if any(e.is_reg for e in data.entries) else None   # is_reg directories
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
-                          loss_fn=adapter.loss)
+                          loss_fn=split_loss or adapter.loss)
     swapper = enable_block_swap(module, cfg.blocks_to_swap, distributed.device(), cfg.file)
     swapped = distributed.all_gather_object(len(swapper.slots) if swapper else 0)
     plan = plan_epochs(cfg, data.entries, topology, reporter)
@@ -121,13 +126,16 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     clear_trained_grads_only(engine, params)
     grad_norm = record_grad_norm(engine, params, cfg.gradient_clipping)
     feed = MicroBatchFeed(adapter, data.store, cfg.seed, topology.dp_rank, topology.dp_world, data.uncond_text,
-                          cfg.uncond_fraction, distributed.device())
+                          cfg.uncond_fraction, distributed.device(), reg_labels=split_loss is not None,
+                          noise_offset=cfg.noise_offset)
     parts = EngineParts(
         engine=engine, plan=plan, feed=feed, swapper=swapper, grad_norm=grad_norm, global_batch=global_batch,
         total_steps=total_steps,
         save_every_steps=every_n_steps(cfg.save_every_n_steps, cfg.save_every_n_examples, global_batch),
         eval_every_steps=every_n_steps(cfg.eval_every_n_steps, cfg.eval_every_n_examples, global_batch),
-        eval_sets=build_eval_sets(cfg, adapter, data, topology, reporter))
+        eval_sets=build_eval_sets(cfg, adapter, data, topology, reporter),
+        ema=WeightAverage(engine.module, cfg.average_decay) if cfg.ema else None,   # the weights as they start
+        split_loss=split_loss)
     if topology.is_main:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
         reporter.event(
@@ -157,7 +165,8 @@ def plan_epochs(cfg: RunConfig, entries, topology: Topology, reporter: RunReport
 
     plan = EpochPlan(entries, [e.num_repeats for e in entries], cfg.micro_batch_size_per_gpu,
                      cfg.gradient_accumulation_steps, topology.dp_rank, topology.dp_world, cfg.seed,
-                     image_micro_batch_size=cfg.image_micro_batch_size_per_gpu)
+                     image_micro_batch_size=cfg.image_micro_batch_size_per_gpu, reg=[e.is_reg for e in entries],
+                     reg_ratio=cfg.dataset_config.reg_ratio)
     if topology.is_main:
         for message in plan.warnings():
             reporter.event("warning", message=message)

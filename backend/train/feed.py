@@ -29,7 +29,7 @@ def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
 class MicroBatchFeed:
     def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int,
                  uncond_text: dict[str, str] | None = None, uncond_fraction: float = 0.0,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, reg_labels: bool = False, noise_offset: float = 0.0):
         self.adapter = adapter
         self.device = device if device is not None and device.type == "cuda" else None   # None: host tensors
         self.store = store
@@ -39,6 +39,8 @@ class MicroBatchFeed:
         self.objective = adapter.objective()
         self.uncond_text = uncond_text          # caption dropout: text key -> the empty caption's key
         self.uncond_fraction = uncond_fraction if uncond_text else 0.0
+        self.reg_labels = reg_labels            # the labels end with which samples are regularisation ones
+        self.noise_offset = noise_offset
         self._pool: ThreadPoolExecutor | None = None
         self._prefetched = None                 # ((epoch, step, micro_batches), Future) of the next step
 
@@ -52,7 +54,13 @@ class MicroBatchFeed:
     def _noise_and_t(self, latent: torch.Tensor, epoch: int, step: int, position: int, entry=None):
         g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, step, position))
         noise = torch.randn(latent.shape, generator=g)
-        return noise, self.objective.sample_t(1, self.seq_len(latent), g)
+        t = self.objective.sample_t(1, self.seq_len(latent), g)
+        if self.noise_offset:
+            # ai-toolkit's noise offset: one Gaussian shift per channel of the sample, drawn after t so that the
+            # noise and t of a run without it stay what they were
+            channels = (latent.shape[0],) + (1,) * (latent.ndim - 1)
+            noise = noise + self.noise_offset * torch.randn(channels, generator=g)
+        return noise, t
 
     def seq_len(self, latent: torch.Tensor) -> int:
         """The token count the timestep shift reads (the adapter's ``seq_len``; Flux's rule for stand-ins)."""
@@ -69,7 +77,10 @@ class MicroBatchFeed:
         drawn = [self._noise_and_t(lat, epoch, step, first + i, e) for i, (lat, e) in enumerate(zip(latents, entries))]
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
-        batch = (latents, noise, t, *text, *conditioning), (latents, noise, t)
+        labels = (latents, noise, t)
+        if self.reg_labels:   # for the loss logged per kind (reg_loss.py)
+            labels += (torch.tensor([e.is_reg for e in entries], dtype=torch.bool),)
+        batch = (latents, noise, t, *text, *conditioning), labels
         return _map_tensors(batch, torch.Tensor.pin_memory) if self.device is not None else batch
 
     def step_iter(self, micro_batches, epoch: int, step: int):

@@ -78,6 +78,10 @@ def _report_step(reporter: RunReporter, epochs: int, global_batch: int, total_st
         extra["grad_norm"] = scalars["train/grad_norm"] = s.grad_norm
     if s.prodigy_d is not None:
         extra["prodigy_d"] = scalars["train/prodigy_d"] = s.prodigy_d
+    for name, value in s.groups.items():   # is_reg directories: each kind's loss (train/loss_reg, train/loss_main)
+        extra[name] = value
+        if name.startswith("loss_"):
+            scalars[f"train/{name}"] = value
     reporter.event("step", step=s.step, epoch=s.epoch, loss=s.loss, lr=s.lr, samples_per_s=samples_per_s,
                    step_time_s=s.step_time, total_steps=total_steps, **extra)
     reporter.update(state="training", step=s.step, total_steps=total_steps, epoch=s.epoch,
@@ -132,6 +136,9 @@ def run_loop(t: Trainer) -> None:
         if profiler:
             profiler.before_step(state.global_step + 1)
         loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
+        if parts.ema is not None:   # train_batch ended with the optimizer step
+            parts.ema.update()
+        reg_sums = parts.split_loss.step_sums(t.topology.world, control.device) if parts.split_loss else None
         following = state.step_in_epoch + 1
         if reads_data and following < steps_per_epoch and state.global_step + 1 < state.total_steps:
             feed.prefetch(batches[following], state.epoch, following)
@@ -142,7 +149,7 @@ def run_loop(t: Trainer) -> None:
         if t.topology.is_main:
             # global_step counts this step now; issuing it reports the step before
             reports.issued(pending_step(state.global_step, state.epoch, lr, loss, parts.grad_norm.value,
-                                        prodigy_d(engine.optimizer)))
+                                        prodigy_d(engine.optimizer), reg_sums))
         now = control.exchange(_requests(t))
         asked = now.requests
         if asked.lr is not None:

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from ..cache import CacheStore
     from ..cache.manifest import CacheEntry
     from ..data import EpochPlan
+    from .ema import WeightAverage
+    from .reg_loss import SplitLoss
     from .eval import EvalSet
     from .feed import MicroBatchFeed
     from .swap import BlockSwapper
@@ -70,6 +72,8 @@ class EngineParts:
     save_every_steps: int | None
     eval_every_steps: int | None
     eval_sets: list[EvalSet] = field(default_factory=list)
+    ema: WeightAverage | None = None  # ``ema = true``: this stage's moving average of the trained weights
+    split_loss: SplitLoss | None = None   # is_reg directories: the loss function, keeping each kind's loss
 
 
 @dataclass

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .reg_loss import group_losses
+
 
 @dataclass
 class PendingStep:
@@ -24,6 +26,7 @@ class PendingStep:
     prodigy_d: float | None = None
     done: torch.cuda.Event | None = None    # None on CPU, where train_batch returns with the step's work done
     issued_at: float = field(default_factory=time.monotonic)
+    reg_sums: torch.Tensor | None = None    # is_reg directories: the loss sums per kind (``reg_loss.py``)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -34,16 +37,19 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def pending_step(step: int, epoch: int, lr: float, loss, grad_norm: torch.Tensor | None,
-                 prodigy_d: float | None) -> PendingStep:
+                 prodigy_d: float | None, reg_sums: torch.Tensor | None = None) -> PendingStep:
     """The step just issued. On CUDA its values are copied to host memory on the current stream and an event is
     recorded after them: reading them then waits for this step alone, where a ``.item()`` on the device tensor
     would wait for everything queued since, the next step included."""
     if not (torch.is_tensor(loss) and loss.is_cuda):
-        return PendingStep(step, epoch, lr, loss.detach() if torch.is_tensor(loss) else loss, grad_norm, prodigy_d)
+        return PendingStep(step, epoch, lr, loss.detach() if torch.is_tensor(loss) else loss, grad_norm, prodigy_d,
+                           reg_sums=reg_sums)
     if grad_norm is not None and grad_norm.is_cuda:
         grad_norm = host_copy(grad_norm)
+    if reg_sums is not None and reg_sums.is_cuda:
+        reg_sums = host_copy(reg_sums)
     loss = host_copy(loss)
-    return PendingStep(step, epoch, lr, loss, grad_norm, prodigy_d, timing_event())
+    return PendingStep(step, epoch, lr, loss, grad_norm, prodigy_d, timing_event(), reg_sums=reg_sums)
 
 
 def timing_event() -> torch.cuda.Event | None:
@@ -66,6 +72,7 @@ class FinishedStep:
     prodigy_d: float | None
     step_time: float      # from the previous step's end: what happens between steps counts, as in the wall clock
     steps_done: int       # steps reported since the loop started
+    groups: dict = field(default_factory=dict)   # loss_reg, loss_main, reg_samples (``reg_loss.group_losses``)
 
 
 class StepReports:
@@ -108,4 +115,4 @@ class StepReports:
         self._steps_done += 1
         grad_norm = None if step.grad_norm is None else float(step.grad_norm)
         self._report(FinishedStep(step.step, step.epoch, step.lr, float(step.loss), grad_norm, step.prodigy_d,
-                                  step_time, self._steps_done))
+                                  step_time, self._steps_done, group_losses(step.reg_sums)))

@@ -34,6 +34,12 @@ def unique_path(folder: Path, stem: str) -> Path:
     return path
 
 
+def weights_stem(run: str, epoch: int, step: int, at_step: bool, ema: bool = False) -> str:
+    """``<run>-epoch0003`` or ``<run>-step00000120``; the moving average (``ema``) beside it as ``…-ema``."""
+    stem = f"{run}-step{step:08d}" if at_step else f"{run}-epoch{epoch:04d}"
+    return f"{stem}-ema" if ema else stem
+
+
 def write_lora(sd, folder: Path, stem: str, adapter_config: dict, run_toml: str, info: dict,
                replace: bool = False) -> Path:
     """``replace``: write ``<stem>.safetensors`` over a file of that name (atomically) rather than beside it."""
@@ -136,12 +142,13 @@ def _unprefixed(key: str) -> str:
 
 
 def save_full_model(engine, adapter, cfg, run_dir: RunDir, reporter: RunReporter, topology: Topology, epoch: int,
-                    step: int, at_step: bool, replace: bool) -> Path | None:
+                    step: int, at_step: bool, replace: bool, ema: bool = False) -> Path | None:
     """The trained diffusion model as one ComfyUI single file (``<run>/models/<run>-epoch0001.safetensors``):
     each stage's data-parallel rank 0 writes its weights, global rank 0 merges them (returns the path there).
-    ``replace``: as write_lora's (a resumed run that trains an epoch again rewrites its file)."""
+    ``replace``: as write_lora's (a resumed run that trains an epoch again rewrites its file). ``ema``: the
+    moving average, swapped into the weights by the caller, as ``…-ema`` with its own event."""
     name = run_dir.name
-    stem = f"{name}-step{step:08d}" if at_step else f"{name}-epoch{epoch:04d}"
+    stem = weights_stem(name, epoch, step, at_step, ema)
     parts = run_dir.path / f".parts-{stem}"
     dtype = model_save_dtype(cfg)
     dm = adapter.diffusion_model
@@ -159,9 +166,12 @@ def save_full_model(engine, adapter, cfg, run_dir: RunDir, reporter: RunReporter
         trained = merge_full_model(dm, adapter.model_files()["diffusion_model"][0], parts, path, dtype, info)
         shutil.rmtree(parts, ignore_errors=True)
         atomic_write_bytes(Path(f"{path.with_suffix('')}.run.toml"), run_dir.run_toml.read_bytes())
-        models = with_entry(reporter.status.get("models", []), {"epoch": epoch, "step": step, "path": str(path)})
-        reporter.update(models=models)
-        reporter.event("model_saved", epoch=epoch, step=step, path=str(path), at_step=at_step,
-                       tensors_trained=trained)
+        if ema:
+            reporter.event("ema_saved", epoch=epoch, step=step, path=str(path), at_step=at_step)
+        else:
+            models = with_entry(reporter.status.get("models", []), {"epoch": epoch, "step": step, "path": str(path)})
+            reporter.update(models=models)
+            reporter.event("model_saved", epoch=epoch, step=step, path=str(path), at_step=at_step,
+                           tensors_trained=trained)
     distributed.barrier()
     return path   # global rank 0: the epoch samples render with this model

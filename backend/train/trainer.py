@@ -24,8 +24,8 @@ from . import checkpoint, distributed
 from .events import RunReporter
 from .launcher_watch import LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
+from .saving import gather_lora, save_full_model, sweep_run_dir, weights_stem, with_entry, write_lora
 from .schedule import set_base_lr
-from .saving import gather_lora, save_full_model, sweep_run_dir, with_entry, write_lora
 
 if TYPE_CHECKING:
     from ..models.base import ModelAdapter
@@ -98,6 +98,9 @@ class Trainer:
                 return 0
             if self.stop_before_training():
                 return 0
+            if self.cfg.memory == "auto":
+                from .memory_auto import plan_memory
+                self.cfg = plan_memory(self.cfg, self.data, self.topology, self.reporter)
             self.parts = self.build_engine()
             self.state = self.restore()
             self.train_loop()
@@ -238,6 +241,9 @@ class Trainer:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
             return state
         saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag)
+        if parts.ema is not None and not parts.ema.load(self.run_dir.checkpoints / tag) and is_main:
+            log.warning("checkpoint %s holds no moving average (saved without ema): it starts from the resumed "
+                        "weights", tag)
         state.global_step = state.last_checkpoint_step = saved["global_step"]
         state.last_saved_epoch = saved.get("last_saved_epoch")
         state.epoch = saved["epoch"]
@@ -275,19 +281,32 @@ class Trainer:
             return
         state.last_checkpoint_step = state.global_step
         path = checkpoint.save(self.parts.engine, self.run_dir.checkpoints, state.global_step,
-                               state.client_state(self.parts.global_batch))
+                               state.client_state(self.parts.global_batch), extra=self._save_ema)
         state.last_checkpoint_time = time.monotonic()
         if self.topology.is_main:
             self.reporter.event("checkpoint", step=state.global_step, epoch=state.epoch, path=str(path))
             self.reporter.update(last_checkpoint=str(path))
 
+    def _save_ema(self, folder: Path) -> None:
+        """Into a checkpoint being written: this stage's moving average (``ema``), from its data-parallel rank 0."""
+        if self.parts.ema is not None and self.topology.dp_rank == 0:
+            self.parts.ema.save(folder, self.parts.engine.stage_id)
+
     def save_lora(self, epoch: int, *, at_step: bool = False) -> Path | None:
         """Write the epoch LoRA, or with ``at_step`` the step LoRA (save_every_n_steps) (global rank 0);
-        returns its path there, None elsewhere. A full fine-tune writes the whole model instead (saving.py)."""
+        returns its path there, None elsewhere. A full fine-tune writes the whole model instead (saving.py).
+        With ``ema``, the weights' moving average is written beside it as ``<stem>-ema``, in the same format."""
+        path = self._save_weights(epoch, at_step)
+        if self.parts.ema is not None:
+            with self.parts.ema.applied():
+                self._save_weights(epoch, at_step, ema=True)
+        return path
+
+    def _save_weights(self, epoch: int, at_step: bool, ema: bool = False) -> Path | None:
         step, run_dir, replace = self.state.global_step, self.run_dir, self.opts.resume is not None
         if self.cfg.adapter is None:
             return save_full_model(self.parts.engine, self.adapter, self.cfg, run_dir, self.reporter, self.topology,
-                                   epoch, step, at_step, replace)
+                                   epoch, step, at_step, replace, ema=ema)
         save_dtype = DTYPES[self.cfg.save_dtype] if self.cfg.save_dtype else torch.float32
         sd = gather_lora(self.parts.engine.module, self.topology.dp_rank, save_dtype)
         if not self.topology.is_main:
@@ -299,13 +318,16 @@ class Trainer:
                        "target_modules": self.cfg.adapter.target_modules, "model_type": self.cfg.model.type,
                        "decompose_factor": self.cfg.adapter.decompose_factor}
         run_toml = run_dir.run_toml.read_text()
-        stem = f"{run_dir.name}-step{step:08d}" if at_step else f"{run_dir.name}-epoch{epoch:04d}"
+        stem = weights_stem(run_dir.name, epoch, step, at_step, ema)
+        info = {"epoch": epoch, "step": step, "run": run_dir.name, **({"ema_decay": self.cfg.average_decay} if ema else {})}
         # a resumed run that trains an epoch again (killed after its LoRA, before the checkpoint) rewrites the
         # same file, bit for bit, rather than adding a "-1" copy beside it
-        path = write_lora(sd, folder, stem, adapter_cfg, run_toml, {"epoch": epoch, "step": step, "run": run_dir.name},
-                          replace=replace)
+        path = write_lora(sd, folder, stem, adapter_cfg, run_toml, info, replace=replace)
         # trained on the pinned ComfyUI: announced only once the host's LoRA loader applies every key
         check_saved_lora(path, self.adapter.model_files()["diffusion_model"][0], self.reporter)
+        if ema:   # its own event: the epoch list (and the loader node) keep to the plain LoRAs
+            self.reporter.event("ema_saved", epoch=epoch, step=step, path=str(path), at_step=at_step)
+            return path
         if at_step:   # not an epoch LoRA: its own event, outside the epoch list
             self.reporter.event("step_lora_saved", epoch=epoch, step=step, path=str(path))
             return path

@@ -95,7 +95,8 @@ def test_two_stage_full_fine_tune_saves_a_model_comfyui_reproduces(micro_flux_fi
 
     samples = {"prompts": ["a red circle"], "seed": 3, "width": 64, "height": 64, "steps": 2}
     config = make_run(micro_flux_files, images=4, name="fft", stages=2, epochs=1, adapter=None, samples=samples,
-                      checkpoint_every_n_epochs=None, optimizer={"type": "adamw", "lr": 1e-3})
+                      checkpoint_every_n_epochs=None, optimizer={"type": "adamw", "lr": 1e-3}, ema=True,
+                      ema_decay=0.5)
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
     assert not run.events("lora_saved")
@@ -131,3 +132,17 @@ def test_two_stage_full_fine_tune_saves_a_model_comfyui_reproduces(micro_flux_fi
     assert check.comfy_vs_training < 1e-4, check
     assert check.change > 1e-3, check
     assert dataclasses.is_dataclass(check)
+
+    # ema: the moving average of both stages' weights beside it, a whole model with the same keys, outside the
+    # epoch list; 4 steps at decay 0.5 leave it between the start and the trained weights (for steps of equal size
+    # in one direction, a quarter of the way back: 1 - (4 * 0.5 + 3 * 0.25 + 2 * 0.125 + 0.0625) / 4 = 0.23)
+    (ema,) = run.events("ema_saved")
+    assert ema["path"] == path.removesuffix(".safetensors") + "-ema.safetensors" and not ema["at_step"]
+    assert [m["path"] for m in run.status()["models"]] == [path]
+    average = load_file(ema["path"])
+    assert set(average) == set(model)
+
+    def distance(a, b):
+        return sum(((a[k].float() - b[k].float()) ** 2).sum() for k in model) ** 0.5
+    assert 0 < distance(average, original) < distance(model, original)
+    assert distance(average, model) > 0.1 * distance(model, original)

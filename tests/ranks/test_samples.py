@@ -26,3 +26,25 @@ def test_each_epoch_gets_sample_images(micro_flux_files, make_run):
     second = np.asarray(Image.open(announced[2]["path"]), dtype=np.int16)
     assert np.abs(first - second).max() > 0          # same prompt and seed, another epoch's LoRA
     assert list((run.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_samples_at_several_lora_strengths_form_the_panels_grid(micro_flux_files, make_run):
+    """Each prompt at each strength, strength after strength; the run's summary gives each sample its strength
+    and prompt (the panel's epoch x strength x prompt grid); weaker LoRA, another image."""
+    from pipetrain.launcher.summaries import saved_loras
+
+    samples = {"prompts": ["a red circle", "a blue square"], "seed": 3, "width": 64, "height": 64, "steps": 3,
+               "strengths": [0.5, 1.0]}
+    config = make_run(micro_flux_files, images=2, stages=2, epochs=1, samples=samples,
+                      optimizer={"type": "adamw", "lr": 5e-2})
+    run = train(config, ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    announced = run.events("sample_saved")
+    assert [(e["strength"], e["prompt_index"], e["prompt"]) for e in announced] == [
+        (0.5, 0, "a red circle"), (0.5, 1, "a blue square"), (1.0, 0, "a red circle"), (1.0, 1, "a blue square")]
+    assert [e["path"].rsplit("-", 1)[-1] for e in announced] == ["x0.50.png", "x0.50.png", "x1.00.png", "x1.00.png"]
+    half, full = (np.asarray(Image.open(announced[i]["path"]), dtype=np.int16) for i in (0, 2))
+    assert np.abs(half - full).max() > 0
+    [lora] = saved_loras(run.run_dir)
+    assert sorted((s["strength"], s["prompt_index"]) for s in lora["samples"]) == [(0.5, 0), (0.5, 1), (1.0, 0),
+                                                                                   (1.0, 1)]

@@ -191,3 +191,12 @@ def test_the_dataset_node_pairs_control_images_for_edit_models(forms, tmp_path):
     with pytest.raises(DatasetError, match="c.jpg"):
         check_spec(TrainSpec(paired, kontext))
     assert "is not a folder" in data.dataset_input_error(control_folder=str(tmp_path / "nowhere"))
+
+
+def test_the_loss_widgets_write_each_parameter_with_its_loss_only():
+    from pipetrain.launcher.forms import loss_patch
+
+    assert loss_patch().as_dict() == {"loss_type": "mse"}                 # the node as it starts: today's loss
+    assert loss_patch("smooth_l1", 0.3, 0.2, 0.0).as_dict() == {"loss_type": "smooth_l1", "smooth_l1_beta": 0.2}
+    assert loss_patch("huber", 0.3, 0.2, 0.1).as_dict() == {"loss_type": "huber", "huber_delta": 0.3,
+                                                            "noise_offset": 0.1}

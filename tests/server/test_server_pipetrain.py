@@ -207,3 +207,33 @@ def test_web_extension_and_example_workflows_are_served(server):
     code, info = server.get("/object_info")
     prompt = workflow_to_prompt(workflow, info)   # every widget value fits its node's schema, by the frontend's rule
     assert prompt["5"]["inputs"]["seed"] == 42 and prompt["5"]["inputs"]["save_every_n_steps"] == 0
+
+
+def test_images_made_in_the_graph_become_a_dataset_folder_the_dataset_node_takes(server):
+    """Two EmptyImage colours batched by ComfyUI's own nodes, captioned one per line: the node writes them under
+    the input folder and shows the folder (the same content always gives the same folder: the unit tests); a
+    Dataset node accepts it."""
+    import numpy as np
+    from PIL import Image
+
+    prompt = {
+        "1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 0xFF0000}},
+        "2": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 0x0000FF}},
+        "3": {"class_type": "ImageBatch", "inputs": {"image1": ["1", 0], "image2": ["2", 0]}},
+        "4": {"class_type": "PipeTrainImagesToDataset", "inputs": {
+            "images": ["3", 0], "captions": "a red square\na blue square", "name": "colours"}},
+    }
+    code, body = server.queue(prompt)
+    assert code == 200, body
+    done = server.wait_history(body["prompt_id"])
+    assert "4" in done["outputs"], (done.get("status"), server.log_tail())
+    [text] = done["outputs"]["4"]["text"]
+    written = text.split(" (")[0]
+    assert written.startswith("pipetrain_datasets/colours-") and text.endswith("(2 images)"), text
+    folder = server.base / "input" / written
+    colours = {p.with_suffix(".txt").read_text(): tuple(np.asarray(Image.open(p))[0, 0]) for p in folder.glob("*.png")}
+    assert colours == {"a red square": (255, 0, 0), "a blue square": (0, 0, 255)}
+    # the Dataset node's folder check (what runs at queue time) accepts the written folder
+    bad = graph(folder=written, dm="junk.safetensors")
+    code, body = server.queue(bad)
+    assert code == 400 and "folder" not in node_error(body, "1"), body

@@ -80,6 +80,17 @@ class FakeRun:
         self.event({"type": "step_lora_saved", "epoch": epoch, "step": step, "path": str(lora)})
         self.event({"type": "sample_saved", "epoch": epoch, "step": step, "path": str(png), "prompt": "a red square"})
 
+    def samples(self, epoch: int, step: int, strengths: list[float], prompts: list[str]) -> None:
+        """PNGs beside the epoch's LoRA, announced as the backend does (``sampling.EpochSamples.announce``)."""
+        from PIL import Image
+
+        for w in strengths:
+            for i, prompt in enumerate(prompts):
+                png = self.dir / f"{RUN_ID}-epoch{epoch:04d}-sample{i:02d}-x{w:.2f}.png"
+                Image.new("RGB", (32, 32), (int(255 * w / 2), 40 * i, 90)).save(png)
+                self.event({"type": "sample_saved", "epoch": epoch, "step": step, "path": str(png),
+                            "prompt": prompt, "prompt_index": i, "strength": w})
+
     def close(self) -> None:
         self.ref.signal_group(signal.SIGKILL)
         self.ref.popen.wait(5)
@@ -108,6 +119,10 @@ BUTTON = ("((scope, label) => [...document.querySelectorAll(`#pipetrain-panel ${
 CLICK = "((b) => (b ? (b.click(), true) : false))"   # clicks once the button is there
 LOADER = ("(() => { const n = window.app?.graph?.findNodesByType('PipeTrainLoadEpochLoRA')?.[0];"
           " return n ? Object.fromEntries(n.widgets.map((w) => [w.name, w.value])) : null; })()")
+SECOND_LOADER = LOADER.replace("?.[0]", "?.[1]")
+GRID = ("(() => { const g = document.querySelector('#pipetrain-panel .pipetrain-grid'); return g ? [...g.children]"
+        ".map((row) => [row.dataset.strength, row.querySelectorAll('img').length]) : null; })()")
+BEST = "(document.querySelector('#pipetrain-panel .pipetrain-best')?.textContent ?? '')"
 
 
 # ComfyUI's api reconnects 300 ms after its socket closes; holding WebSocket back keeps it away for as long as a
@@ -163,6 +178,18 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         # the epoch's button puts a Load Epoch LoRA node for it into the graph
         await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-epochs', 'Add loader node'))", 10, "an Add loader button")
         loader = await page.wait_for(LOADER, 10, "showing a Load Epoch LoRA node")
+        # samples at two strengths and a held-out loss: the grid (strength rows, prompt columns), the best epoch,
+        # and a strength's button adds a loader at that epoch and strength
+        run.samples(1, 10, [0.5, 1.0], ["a cat", "a dog"])
+        run.event({"type": "eval", "name": "eval", "epoch": 1, "step": 10, "loss": 0.1234})
+        grid = await page.wait_for(f"(({GRID}) || []).length === 2 && {BEST} !== '' && {GRID}", 20,
+                                   "a 2-row sample grid and the best epoch")
+        await page.wait_for("[...document.querySelectorAll('#pipetrain-panel .pipetrain-grid img')]"
+                            ".every((i) => i.complete && i.naturalWidth === 32)", 20, "the grid's images loaded")
+        best = await page.js(BEST)
+        await page.screenshot(ARTIFACTS / "pipetrain-sample-grid.png")
+        await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-grid', '×0.5'))", 10, "a strength button")
+        strength_loader = await page.wait_for(SECOND_LOADER, 10, "a second Load Epoch LoRA node")
         # the run-control buttons reach their routes; the LR typed survives the re-renders of step events
         await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Save now'))", 10, "a Save now button")
         await page.wait_for(f"!!{BUTTON}('[data-run=\"{RUN_ID}\"]', 'Sample now')", 10, "a Sample now button")
@@ -196,6 +223,7 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         await page.wait_for(f"!!{BUTTON}('[data-run=\"ui-paused\"]', 'Resume')", 20, "Resume on the stopped run")
         resume_on_finished = await page.js(f"!!{BUTTON}('[data-run=\"ui-finished\"]', 'Resume')")
         return {"first": first, "later": later, "loader": loader, "exceptions": page.exceptions, "missed": missed,
+                "grid": grid, "best": best, "strength_loader": strength_loader,
                 "asked": asked, "resume_on_finished": resume_on_finished, "step_sample": step_sample}
 
 
@@ -208,6 +236,10 @@ def test_panel_shows_live_progress_and_loss_chart(ui):
     text = result["later"]["text"]
     assert "ui run" in text and "training" in text and "ETA 15 s" in text and "Stop" in text, text
     assert result["loader"] == {"run": RUN_ID, "epoch": 1, "strength": 1.0}, result["loader"]
+    assert result["grid"] == [["0.5", 2], ["1", 2]], result["grid"]
+    assert result["best"] == "Lowest held-out loss: epoch 1 (0.1234)", result["best"]
+    assert result["strength_loader"] == {"run": RUN_ID, "epoch": 1, "strength": 0.5}, result["strength_loader"]
+    assert (ARTIFACTS / "pipetrain-sample-grid.png").stat().st_size > 5_000
     info = json.loads((run.dir / "launcher.json").read_text())
     assert info.get("stop_requested") and (run.dir / "stop").exists()   # the Stop button reached the route
     control = run.dir / "control"   # so did the run-control buttons, with the LR typed before a step re-rendered

@@ -272,8 +272,6 @@ def test_qwen_image_24gb_example_is_refused_for_its_folder_and_its_optimizer(tmp
 
 
 @pytest.mark.parametrize("dataset_lines, key", [
-    ("size_buckets = [[960, 960, 1], [960, 704, 1]]\n[[directory]]\npath = 'images'\nnum_repeats = 10\n",
-     "size_buckets"),     # examples/cosmos_dataset.toml
     (DATASETS["dataset"] + "mask_path = 'masks'\n", "directory[0].mask_path"),
 ])
 def test_dataset_examples_with_options_not_built_yet_are_refused(tmp_path, dataset_lines, key):
@@ -305,12 +303,12 @@ def test_check_config_reports_each_key_the_defaults_that_differ_and_the_refusals
     assert "epochs (main file)" not in out          # set in the file: its value applies
     assert out.count("dataset.toml:\n") == 1
     # a refused key and a typo, with the fix; the command fails
-    path.write_text("huber_delta = 0.5\nepoch = 3\n" + path.read_text())
+    path.write_text("force_constant_lr = 1e-5\nepoch = 3\n" + path.read_text())
     assert cli_main(["check-config", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "  huber_delta: REFUSED: PipeTrain trains with the mean squared error; remove the key" in out, out
+    assert "  force_constant_lr: REFUSED: set [optimizer] lr and lr_scheduler = 'constant'" in out, out
     assert "  epoch: unknown key (a typo?)" in out
-    assert "Does not load:" in out and "key 'huber_delta'" in out
+    assert "Does not load:" in out and "key 'force_constant_lr'" in out
 
 
 def test_the_readme_lists_every_default_difference():
@@ -326,3 +324,39 @@ def test_check_config_on_our_own_example_covers_its_eval_dataset():
     text, ok = report(examples / "sdxl_lora.toml")
     assert ok and f"{examples / 'eval_dataset.toml'}:" in text and "Loads: trains model type 'sdxl'." in text
     assert "REFUSED" not in text and "unknown key" not in text
+
+
+def test_cosmos_size_buckets_example_loads(tmp_path):
+    """examples/cosmos_dataset.toml's explicit sizes: read as they are (tests/unit/test_data_buckets.py: which
+    size each image takes)."""
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.config.files import _read_toml
+    from pipetrain.backend.schema import from_dict
+
+    lines = "size_buckets = [[960, 960, 1], [960, 704, 1]]\n[[directory]]\npath = 'images'\nnum_repeats = 10\n"
+    path = _write(tmp_path, MAIN + _model("hunyuan_video", LOADS[0][3]) + ADAPTER + OPTIMIZER, lines)
+    dataset = path.parent / "dataset.toml"
+    cfg = from_dict(DatasetConfig, _read_toml(dataset), file=dataset)
+    assert cfg.size_buckets == [[960, 960, 1], [960, 704, 1]]
+
+
+def test_loss_and_timestep_keys_load_with_diffusion_pipes_meaning(tmp_path):
+    """huber_delta / smooth_l1_beta choose their loss (diffusion-pipe's rule), SDXL's min_snr_gamma and
+    debiased_estimation_loss weigh it, and min_t / max_t restrict any flow model; check-config says so."""
+    sdxl = _table("sdxl", "diffusion_model", "vae", extra="text_encoders = ['{te0}', '{te1}']\nv_pred = false\n"
+                  "min_snr_gamma = 5\ndebiased_estimation_loss = true")
+    path = _write(tmp_path, "huber_delta = 0.5\n" + MAIN + _model("sdxl", sdxl) + ADAPTER + OPTIMIZER)
+    cfg = load_run(path)
+    assert (cfg.loss_kind, cfg.huber_delta, cfg.model.min_snr_gamma, cfg.model.debiased_estimation_loss) == (
+        "huber", 0.5, 5, True)
+    text, ok = report(path)
+    assert ok and "REFUSED" not in text, text
+    for line in ("  huber_delta: read as is", "  model.min_snr_gamma: read as is",
+                 "  model.debiased_estimation_loss: DIFFERENT: false is off"):
+        assert line in text, (line, text)
+    flux = _table("flux", "transformer_path", "vae_path", extra="text_encoders = ['{te0}', '{te1}']\nmin_t = 0.2\n"
+                  "max_t = 0.8")
+    path = _write(tmp_path, "smooth_l1_beta = 0.1\n" + MAIN + _model("flux", flux) + ADAPTER + OPTIMIZER)
+    cfg = load_run(path)
+    assert (cfg.loss_kind, cfg.smooth_l1_beta, cfg.model.min_t, cfg.model.max_t) == ("smooth_l1", 0.1, 0.2, 0.8)
+    assert "  model.min_t: DIFFERENT: every flow model" in report(path)[0]

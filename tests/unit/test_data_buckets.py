@@ -100,3 +100,49 @@ def test_bucket_sides_follow_the_models_spatial_multiple():
     assert any(w % 32 or h % 32 for w, h in sixteen)
     assert all(w % 32 == 0 and h % 32 == 0 for w, h in thirty_two)
     assert make_buckets(1000, False, 1, 1, 1, multiple=32) == [(992, 992)]
+
+
+def test_ar_buckets_replace_the_spaced_ratios_and_pairs_become_ratios(tmp_path):
+    """diffusion-pipe's ar_buckets: the listed ratios (a [w, h] pair is w / h) at each resolution's area."""
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.schema import from_dict
+
+    cfg = from_dict(DatasetConfig, {"resolutions": [[1280, 720]], "enable_ar_bucket": True,
+                                    "ar_buckets": [1.0, [1216, 832]], "directory": [{"path": "x"}]},
+                    file=tmp_path / "dataset.toml")
+    assert cfg.resolutions == [960] and cfg.ar_buckets == [1.0, pytest.approx(1216 / 832)]
+    assert make_buckets(960, True, 0.5, 2.0, 7, ratios=cfg.ar_buckets) == [(960, 960), (1168, 800)]
+    wide = MediaItem(path=tmp_path / "a.png", caption="", num_repeats=1, width=1500, height=1000, resolutions=(960,))
+    [sample] = build_samples(cfg, [wide])
+    assert sample.bucket == (1168, 800)
+
+
+def test_size_buckets_give_stills_and_clips_the_nearest_ratio_and_the_longest_clip_that_fits(tmp_path):
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.errors import DatasetError
+    from pipetrain.backend.data.buckets import check_frame_buckets
+    from pipetrain.backend.schema import from_dict
+
+    cfg = from_dict(DatasetConfig, {"size_buckets": [[832, 480, 1], [480, 832], [832, 480, 33], [832, 480, 17],
+                                                     [512, 512, 33]], "directory": [{"path": "x"}]},
+                    file=tmp_path / "dataset.toml")
+    still = MediaItem(path=tmp_path / "a.png", caption="", num_repeats=1, width=1600, height=900, resolutions=(512,))
+    portrait = MediaItem(path=tmp_path / "b.png", caption="", num_repeats=1, width=900, height=1600, resolutions=(512,))
+    clip = MediaItem(path=tmp_path / "c.mp4", caption="", num_repeats=1, width=1920, height=1080, resolutions=(512,), frames=30, fps=16.0)
+    short = MediaItem(path=tmp_path / "d.mp4", caption="", num_repeats=1, width=1920, height=1080, resolutions=(512,), frames=20, fps=16.0)
+    buckets = [s.bucket for s in build_samples(cfg, [still, portrait, clip, short], model_fps=16.0)]
+    assert buckets == [(832, 480), (480, 832), (832, 480, 17), (832, 480, 17)]
+    with pytest.raises(DatasetError, match=r"size_buckets frames \[34\]"):
+        check_frame_buckets([], 4, [[832, 480, 34]])
+
+
+@pytest.mark.parametrize("data,key", [({"size_buckets": [[830, 480]]}, "size_buckets[0]"),
+                                      ({"ar_buckets": [0.0]}, "ar_buckets"),
+                                      ({"resolutions": [[1280, 720.5]]}, "resolutions[0]")])
+def test_bad_explicit_buckets_are_refused_naming_the_key(tmp_path, data, key):
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.errors import ConfigError
+    from pipetrain.backend.schema import from_dict
+
+    with pytest.raises(ConfigError, match=f"key '{key.replace('[', '.').replace(']', '.')}"):
+        from_dict(DatasetConfig, {**data, "directory": [{"path": "x"}]}, file=tmp_path / "dataset.toml")

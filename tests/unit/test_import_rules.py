@@ -19,9 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("backend", "launcher", "nodes")
 SERVER_SIDE = ("server", "execution", "comfy_api", "comfy_execution", "aiohttp")
 # what a node may import from the backend: config and its run patches, preflight checks, errors, and the
-# model-type facts the Model node shows (registry, file detection, parity verdict)
+# model-type facts the Model node shows (registry, file detection, parity verdict), and the writer of datasets
+# made in the graph (Images To Dataset)
 NODE_FACADE = ("backend.config", "backend.preflight", "backend.errors", "backend.schema", "backend.parity",
-               "backend.models.registry", "backend.models.loading")
+               "backend.models.registry", "backend.models.loading", "backend.data.graph_dataset")
 
 
 def _modules():

@@ -89,7 +89,8 @@ def test_full_size_configs_match_comfyui_detection_without_weights():
     assert type(comfy.model_detection.model_config_from_unet(flux, "")) is comfy.supported_models.Flux
     assert comfy.model_detection.detect_unet_config(flux, "")["depth_single_blocks"] == 38
     assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sdxl.items()}) == "sdxl"
-    expected = {"clip_l": comfy.sd.TEModel.CLIP_L, "clip_g": comfy.sd.TEModel.CLIP_G, "t5xxl": comfy.sd.TEModel.T5_XXL}
+    expected = {"clip_l": comfy.sd.TEModel.CLIP_L, "clip_g": comfy.sd.TEModel.CLIP_G, "t5xxl": comfy.sd.TEModel.T5_XXL,
+                "clip_h": comfy.sd.TEModel.CLIP_H}
     for kind, te_model in expected.items():
         module = tiny.build_text_encoder(kind, tiny.text_encoder_config(kind, "full"))
         assert comfy.sd.detect_te_model(meta_state_dict(module)) == te_model
@@ -127,6 +128,26 @@ def test_a_tiny_file_loads_through_comfyuis_own_loader(sdxl_files, tmp_path, mon
                                          r"missing, e.g. 'out.2.weight'"):
         loading.load_diffusion_model(short, torch.float32)
     assert comfy.model_detection.detect_unet_config is detect
+
+
+@pytest.mark.parametrize("arch, comfy_class, prediction, context_dim, tokenizer", [
+    ("sd15", "SD15", "EPS", 768, "SD1Tokenizer"), ("sd2", "SD20", "V_PREDICTION", 1024, "SD2Tokenizer")])
+def test_tiny_sd_files_load_as_comfyui_loads_sd15_and_sd2(model_files, arch, comfy_class, prediction, context_dim,
+                                                          tokenizer):
+    """ComfyUI builds the tiny SD 1.x / 2.x UNets from their metadata with its own SD15 / SD20 config, and its own
+    SD20 check reads the tiny SD 2.x as a 768-v model (v-prediction), as it reads SD 2.1 768-v; CLIP-L / OpenCLIP-H
+    give the UNet's context width, the VAE 4 channels."""
+    files = model_files(arch)
+    patcher = loading.load_diffusion_model(files.diffusion_model, torch.float32)
+    assert type(patcher.model.model_config) is getattr(comfy.supported_models, comfy_class)
+    assert patcher.model.model_type.name == prediction
+    assert patcher.model.diffusion_model.model_channels == 32
+    assert loading.detect_architecture(files.diffusion_model) == arch
+    clip = loading.load_text_encoders(files.text_encoders, arch, torch.float32)
+    assert type(clip.tokenizer).__name__ == tokenizer
+    cond = clip.encode_from_tokens(clip.tokenize(CAPTION), return_dict=True)["cond"]
+    assert cond.shape == (1, 77, context_dim) == (1, 77, patcher.model.model_config.unet_config["context_dim"])
+    assert loading.load_vae(files.vae, arch=arch).encode(torch.rand(1, 64, 64, 3)).shape == (1, 4, 8, 8)
 
 
 # --- text encoders, VAE ---------------------------------------------------------------------------

@@ -117,3 +117,24 @@ def test_stop_requests_and_the_runs_root_listing(tmp_path):
     assert not older.stop_requested()
     assert RunDir(older) == older and Path(older) == older.path                # a RunDir passes where a path does
     assert older.started() == 100.0
+
+
+def test_a_finished_run_is_not_resumed_and_the_newest_unfinished_one_is(tmp_path):
+    """The CLI's --resume follows the route's rule (409 for a finished run): a finished run is refused by name,
+    and a bare --resume takes the newest run that still has training left."""
+    import os
+
+    def run_with_checkpoint(name, state, mtime):
+        run = choose_run_dir(_cfg(tmp_path, run_name=name), None)
+        (run.path / "checkpoints" / "step5").mkdir(parents=True)
+        (run.path / "checkpoints" / "step5" / "pipetrain.json").write_text("{}")
+        (run.path / "checkpoints" / "latest").write_text("step5")
+        run.status_file.write_text(json.dumps({"state": state}))
+        os.utime(run.path, (mtime, mtime))
+        return run
+
+    stopped = run_with_checkpoint("older", "stopped", 1_000)
+    run_with_checkpoint("newer", "finished", 2_000)
+    with pytest.raises(ConfigError, match="--resume newer: that run has finished"):
+        choose_run_dir(_cfg(tmp_path), "newer")
+    assert choose_run_dir(_cfg(tmp_path), "") == stopped

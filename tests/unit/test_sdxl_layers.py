@@ -3,7 +3,8 @@ differences of that forward, training inputs/targets that ComfyUI's sampler turn
 and tuples between layers that DeepSpeed's pipeline can send both ways."""
 import pytest
 import torch
-from layer_checks import every_boundary_is_a_stage_boundary, give_lora_b_values, lora_gradients_match_finite_differences
+from layer_checks import (discrete_targets_agree_with_comfyui, every_boundary_is_a_stage_boundary, give_lora_b_values,
+                          lora_gradients_match_finite_differences)
 
 from pipetrain.backend import lora
 from pipetrain.backend.config import ModelConfig
@@ -178,45 +179,8 @@ def _copies(forward, *args):
 def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sdxl, prediction):
     """What the UNet sees in training is what ComfyUI's ``apply_model`` feeds it for the same noisy latent,
     and a perfect prediction of the training target is denoised by ComfyUI to the clean latent."""
-    import comfy.model_base
-
-    model = small_sdxl.patcher.model
-    eps_sampling = model.model_sampling
-    if prediction == "v":
-        model.model_sampling = comfy.model_base.model_sampling(model.model_config,
-                                                               comfy.model_base.ModelType.V_PREDICTION)
-    try:
-        _check_against_comfyui_sampling(small_sdxl, prediction)
-    finally:
-        model.model_sampling = eps_sampling
-
-
-def _check_against_comfyui_sampling(a, prediction):
-    import comfy.samplers
-    from pipetrain.backend.models.objectives import DiscreteDiffusion
-
-    model = a.patcher.model
-    ms = model.model_sampling
-    objective = a.objective()
-    assert isinstance(objective, DiscreteDiffusion) and objective.prediction == prediction
-
     x0, noise, t, cond, pooled = inputs = _inputs(batch=4)
-    sigma = ms.sigma(t)
-    assert torch.equal(ms.timestep(sigma).float(), t)
-    x_comfy = ms.noise_scaling(sigma, noise, x0)           # ComfyUI's noisy latent: x0 + sigma * noise
-    assert torch.allclose(ms.calculate_input(sigma, x_comfy), objective.noisy(x0, noise, t), rtol=1e-6, atol=1e-6)
-    denoised = ms.calculate_denoised(sigma, objective.target(x0, noise, t), x_comfy)
-    assert torch.allclose(denoised, x0, rtol=1e-5, atol=1e-5)
-
-    # the whole path: ComfyUI's sampler conditioning (y from its own size defaults) and apply_model
-    conds = comfy.samplers.encode_model_conds(model.extra_conds, [{"cross_attn": cond, "pooled_output": pooled,
-                                              "model_conds": {}}], x_comfy, torch.device("cpu"), "positive")
-    kwargs = {k: v.cond for k, v in conds[0]["model_conds"].items()}
-    with torch.no_grad():
-        comfy_denoised = model.apply_model(x_comfy, sigma, **kwargs)
-        ours = ms.calculate_denoised(sigma, _run_layers(a.to_layers(), inputs), x_comfy)
-    err = (comfy_denoised - ours).abs().max() / ours.abs().max()
-    assert err < 1e-6, err  # apply_model returns the model output in float32
+    discrete_targets_agree_with_comfyui(small_sdxl, prediction, inputs, cross_attn=cond, pooled_output=pooled)
 
 
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sdxl):

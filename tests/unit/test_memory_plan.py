@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The memory plan: the meta-device trace sees what a real forward keeps, the sums follow each setting, and
+``auto`` takes the fastest settings that fit."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipetrain.backend import memory_plan as mp
+from pipetrain.backend.models.meta_trace import LayerFootprint
+
+MIB = 2 ** 20
+
+
+def _footprints(blocks: int = 4, saved: int = 100 * MIB, output: int = 10 * MIB, weights: int = 50 * MIB):
+    head = LayerFootprint("Input", weights, 0, 1000, saved // 10, output, False)
+    body = [LayerFootprint("Block", weights, weights, 1000, saved, output, True) for _ in range(blocks)]
+    tail = LayerFootprint("Output", weights, 0, 1000, saved // 10, output // 4, False)
+    return [head, *body, tail]
+
+
+def test_without_checkpointing_every_saved_tensor_stays():
+    fps = _footprints()
+    [st] = mp.estimate(fps, mp.MemorySettings(), mp.Training())
+    assert st.activations == sum(fp.saved for fp in fps)
+    assert st.weights == sum(fp.weights for fp in fps)
+    assert st.adapter == 6 * 1000 * 16
+
+
+def test_checkpointed_blocks_keep_their_input_and_one_recomputes():
+    fps = _footprints()
+    [st] = mp.estimate(fps, mp.MemorySettings(True), mp.Training())
+    # the head and tail keep theirs; each block its input (the previous layer's output); one block recomputed
+    assert st.activations == fps[0].saved + fps[-1].saved + 4 * 10 * MIB + 100 * MIB
+    [half] = mp.estimate(fps, mp.MemorySettings(True, 0.5), mp.Training())
+    assert mp.checkpointed_flags(fps, mp.MemorySettings(True, 0.5)) == [False, False, True, False, True, False]
+    assert half.activations == fps[0].saved + fps[-1].saved + 2 * 100 * MIB + 2 * 10 * MIB + 100 * MIB
+    [unsloth] = mp.estimate(fps, mp.MemorySettings("unsloth"), mp.Training())
+    assert unsloth.activations == st.activations - 4 * 10 * MIB and unsloth.host == 4 * 10 * MIB
+
+
+def test_swapped_blocks_leave_two_on_the_gpu_and_the_rest_in_cpu_memory():
+    fps = _footprints(blocks=6)
+    [st] = mp.estimate(fps, mp.MemorySettings(True, 1.0, 4), mp.Training())
+    assert st.weights == 8 * 50 * MIB - 4 * 50 * MIB + 2 * 50 * MIB
+    assert st.host == 4 * 50 * MIB
+
+
+def test_each_stage_holds_the_micro_batches_in_flight():
+    fps = _footprints(blocks=4)
+    first, last = mp.estimate(fps, mp.MemorySettings(), mp.Training(micro_batches=8, stages=2), bounds=[0, 3, 6])
+    # 1F1B: the first of two stages holds two micro-batches' activations, the last one
+    assert first.activations == 2 * (fps[0].saved + 2 * fps[1].saved)
+    assert last.activations == 2 * fps[1].saved + fps[-1].saved
+
+
+def test_auto_takes_the_fastest_settings_that_fit_and_says_when_none_do():
+    fps = _footprints(blocks=8)
+    training = mp.Training()
+    none = max(s.gpu for s in mp.estimate(fps, mp.MemorySettings(), training))
+    full = max(s.gpu for s in mp.estimate(fps, mp.MemorySettings(True), training))
+    settings, _ = mp.choose(fps, training, int(none / mp.HEADROOM) + 1, whole_gpu=False)
+    assert settings == mp.MemorySettings()
+    settings, stages = mp.choose(fps, training, int(full / mp.HEADROOM) + 1, whole_gpu=False)
+    assert settings.activation_checkpointing in (True, "selective") and max(s.gpu for s in stages) <= full
+    # below every block checkpointed (and parked in CPU memory): blocks swap, two at a time on the GPU
+    settings, _ = mp.choose(fps, training, int((full - 90 * MIB) / mp.HEADROOM), whole_gpu=False)
+    assert settings.blocks_to_swap >= 4
+    assert mp.choose(fps, mp.Training(can_swap=False), int((full - 90 * MIB) / mp.HEADROOM), whole_gpu=False) is None
+
+
+def _trace(files, device):
+    from pipetrain.backend import lora
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models import loading
+    from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers
+    from pipetrain.backend.models.registry import adapter_class
+
+    adapter = adapter_class("flux")(ModelConfig(type="flux", diffusion_model=str(files.diffusion_model),
+                                                vae=str(files.vae), dtype="float32"))
+    if device == "meta":
+        adapter.use_model(loading.build_meta_model(files.diffusion_model, torch.float32, "flux"))
+    else:
+        adapter.load_diffusion_model()
+    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    inputs = probe_inputs(adapter, 64, 48, batch=2)
+    return trace_layers(adapter.to_layers(), to_meta_where_large(inputs) if device == "meta" else inputs)
+
+
+def test_the_meta_trace_sees_what_a_real_forward_keeps(tiny_flux_files):
+    """The same model, LoRA and micro-batch traced on real CPU tensors and on the meta device: every layer's
+    weights, kept tensors and outputs agree byte for byte."""
+    real, meta = _trace(tiny_flux_files, "cpu"), _trace(tiny_flux_files, "meta")
+    assert [fp.name for fp in real] == [fp.name for fp in meta]
+    assert real == meta
+    assert sum(fp.saved for fp in real) > 0 and sum(fp.checkpointable for fp in real) >= 2
+
+
+def test_a_file_without_our_metadata_is_built_from_comfyuis_detection(tiny_flux_files, tmp_path):
+    """A real file carries no config of ours: the meta model comes from ComfyUI's own detection of its keys."""
+    from safetensors.torch import load_file, save_file
+
+    from pipetrain.backend.models import loading
+
+    plain = tmp_path / "flux.safetensors"
+    save_file(load_file(tiny_flux_files.diffusion_model), plain)
+    detected = loading.build_meta_model(plain, torch.bfloat16, "flux").model.diffusion_model
+    ours = loading.build_meta_model(tiny_flux_files.diffusion_model, torch.bfloat16, "flux").model.diffusion_model
+    assert {k: v.shape for k, v in detected.state_dict().items()} == {k: v.shape for k, v in ours.state_dict().items()}
+    assert all(p.device.type == "meta" for p in detected.parameters())
+
+
+def test_memory_plan_command_prints_each_stage_and_autos_choice(tiny_flux_files, make_run):
+    config = make_run(tiny_flux_files, images=2, memory_limit_gib=0.001)
+    out = subprocess.run([sys.executable, "-m", "pipetrain", "memory-plan", str(config), "--gpu-gib", "0.001"],
+                         capture_output=True, text=True, timeout=300)
+    assert "stage 0:" in out.stdout and "stage 1:" in out.stdout, out.stdout + out.stderr
+    assert "as configured: memory plan: no activation checkpointing" in out.stdout
+    # a thousandth of a GiB fits no setting: the command says what to change, naming the keys
+    assert out.returncode == 1 and "pipeline_stages" in out.stdout
+    big = subprocess.run([sys.executable, "-m", "pipetrain", "memory-plan", str(config), "--gpu-gib", "80"],
+                         capture_output=True, text=True, timeout=300)
+    assert big.returncode == 0 and "memory = 'auto' on 80.0 GiB: memory plan: no activation checkpointing" in big.stdout
+
+
+@pytest.mark.parametrize("value", [0, -1, 5000])
+def test_memory_limit_out_of_range_is_refused_naming_the_key(value, tiny_flux_files, make_run):
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.errors import ConfigError
+
+    config = make_run(tiny_flux_files, images=2, memory_limit_gib=value)
+    with pytest.raises(ConfigError, match="memory_limit_gib"):
+        load_run_config(config)

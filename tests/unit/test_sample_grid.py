@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Sample names per strength, the strength read back, the epoch with the lowest held-out loss, and refusals."""
+from pathlib import Path
+
+import pytest
+
+from pipetrain.backend.sampling import sample_paths, sample_strength
+from pipetrain.launcher.summaries import _lora_of_sample, best_epoch
+
+
+def test_names_keep_the_old_form_at_strength_one_and_carry_the_strength_otherwise():
+    lora = Path("/runs/r/loras/r-epoch0002.safetensors")
+    assert [p.name for p in sample_paths(lora, 2)] == ["r-epoch0002-sample00.png", "r-epoch0002-sample01.png"]
+    names = [p.name for p in sample_paths(lora, 2, [0.6, 1.0])]
+    assert names == ["r-epoch0002-sample00-x0.60.png", "r-epoch0002-sample01-x0.60.png",
+                     "r-epoch0002-sample00-x1.00.png", "r-epoch0002-sample01-x1.00.png"]
+    assert [sample_strength(n) for n in names] == [0.6, 0.6, 1.0, 1.0]
+    assert sample_strength("r-epoch0002-sample00.png") == 1.0
+    assert {_lora_of_sample(str(lora.parent / n)) for n in names} == {str(lora)}
+
+
+def test_best_epoch_is_the_lowest_mean_held_out_loss_of_a_saved_epoch():
+    events = [{"type": "lora_saved", "epoch": 1}, {"type": "eval", "epoch": 1, "name": "a", "loss": 0.30},
+              {"type": "eval", "epoch": 1, "name": "b", "loss": 0.10},
+              {"type": "lora_saved", "epoch": 2}, {"type": "eval", "epoch": 2, "name": "a", "loss": 0.25},
+              {"type": "eval", "epoch": 2, "name": "b", "loss": 0.20},
+              {"type": "eval", "epoch": 3, "name": "a", "loss": 0.01}]          # no LoRA of epoch 3
+    assert best_epoch(events) == {"epoch": 1, "loss": pytest.approx(0.20)}
+    assert best_epoch([{"type": "lora_saved", "epoch": 1}]) is None
+
+
+@pytest.mark.parametrize("strengths,message", [([], "give 1 to 6"), ([0.0, 1.0], "each above 0"),
+                                               ([1.0, 1.0], "each strength once"), ([2.5], "at most 2")])
+def test_bad_strengths_are_refused_naming_the_key(strengths, message, micro_flux_files, make_run):
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.errors import ConfigError
+
+    config = make_run(micro_flux_files, images=1, samples={"prompts": ["x"], "strengths": strengths})
+    with pytest.raises(ConfigError, match=f"samples.strengths.*{message}"):
+        load_run_config(config)
+
+
+def test_a_full_fine_tune_has_no_strengths(micro_flux_files, make_run):
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.errors import ConfigError
+
+    config = make_run(micro_flux_files, images=1, adapter=None, samples={"prompts": ["x"], "strengths": [0.5, 1.0]})
+    with pytest.raises(ConfigError, match="samples.strengths"):
+        load_run_config(config)
