@@ -5,8 +5,9 @@ locks it to one live writer. Nothing else spells a run folder's file names.
 
 The training side writes ``run.toml``/``dataset.toml`` (its config), ``status.json`` (the latest state,
 rewritten atomically), ``events.jsonl`` (one JSON object a line), ``checkpoints/``, ``loras/``, ``models/``,
-``tensorboard/``; the launcher writes ``launcher.json`` (its process record) and ``log.txt``, and asks a
-run to stop with the ``stop`` file. Reading a run never needs its process alive.
+``tensorboard/``; the launcher writes ``launcher.json`` (its process record) and ``log.txt``, asks a
+run to stop with the ``stop`` file and for the rest (save or sample now, stop after the epoch, a new learning
+rate) with files in ``control/``. Reading a run never needs its process alive.
 
 Run ids are validated by a strict pattern and the resolved folder must lie directly inside the root, so
 nothing outside the run folders is read or written through an id.
@@ -121,6 +122,7 @@ class RunDir:
     models = property(lambda self: self.path / "models")
     tensorboard = property(lambda self: self.path / "tensorboard")
     sample_requests = property(lambda self: self.path / "sample_requests")
+    control = property(lambda self: self.path / "control")   # requests to a live run (``run_control.py``)
 
     def is_run(self) -> bool:
         """A folder some PipeTrain process has made a run of (the launcher's record, a status or a config)."""

@@ -7,8 +7,10 @@ A run is "stopped" only once its processes are gone.
 
 Stopping follows the backend's contract: the ``<run_dir>/stop`` file, checked after every step, makes the
 ranks checkpoint and exit; after ``stop_timeout`` the ranks get SIGTERM (their handler sets the same flag);
-after ``kill_timeout`` more the whole process group gets SIGKILL. A stopped run with a checkpoint resumes
-as ``deepspeed ... --module pipetrain train <run_dir>/run.toml --resume <run id>``.
+after ``kill_timeout`` more the whole process group gets SIGKILL. The other requests to a live run (save or
+sample now, stop after this epoch, a new learning rate) are files in its ``control/`` folder
+(``backend/run_control.py``), taken by the run at its next step; they never escalate. A stopped run with a
+checkpoint resumes as ``deepspeed ... --module pipetrain train <run_dir>/run.toml --resume <run id>``.
 
 A run on several machines (``[cluster]``) starts as ``python -m pipetrain launch`` would, through
 ``backend/cluster.py``: one detached launcher command for pdsh/slurm/openmpi; for ``no_ssh`` node 0 starts here
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..backend import run_control
 from ..backend.cluster import launch_environment, node_commands, prepare_run_folder, read_hosts
 from ..backend.config import load_run_config
 from ..backend.errors import PipeTrainError
@@ -37,6 +40,10 @@ from .specs import TrainSpec
 
 class LauncherError(PipeTrainError):
     pass
+
+
+# what the Run Control node offers (nodes reach the backend through the launcher here)
+CONTROL_ACTIONS, CONTROL_LR, CONTROL_MAX_LR = run_control.ACTIONS, run_control.LR, run_control.MAX_LR
 
 
 class Launcher:
@@ -158,6 +165,7 @@ class Launcher:
         if not summary["resumable"]:
             raise LauncherError(f"run {run_id} has no checkpoint to resume from")
         run_dir.clear_stop()
+        run_control.clear(run_dir)   # asked of the run that stopped; the resumed one starts without them
         if info.get("cluster"):
             self._launch_cluster(run_id, run_dir.run_toml, resume=True, name=info.get("name", run_id))
             return
@@ -246,6 +254,22 @@ class Launcher:
             self.deadlines.setdefault(run_id, (time.monotonic() + self.stop_timeout, signal.SIGTERM))
         return summarize(self.dirs, run_id, True)
 
+    def control(self, run_id: str, action: str, lr=None) -> dict:
+        """Ask a live run for ``action`` (``run_control.ACTIONS``; ``lr`` with "lr"); the run acts at its next step.
+        ``ControlValueError`` for a request that is never valid, ``LauncherError`` for one this run refuses."""
+        run_control.check_action(action)
+        if action == run_control.LR:
+            lr = run_control.check_lr(lr)
+        run_dir = self._require(run_id)
+        if not self.alive(run_id):
+            raise LauncherError(f"run {run_id} is not running")
+        if action == run_control.SAMPLE and not has_samples(run_dir):
+            raise LauncherError(f"run {run_id} has no sample prompts: add a Samples node to the Train node (or "
+                                "[samples] to its config) for the next run")
+        with self.lock:
+            request = run_control.request(run_dir, action, lr)
+        return summarize(self.dirs, run_id, True) | {"requested": request}
+
     def kill(self, run_id: str) -> dict:
         run_dir = self._require(run_id)
         with self.lock:
@@ -292,6 +316,16 @@ class Launcher:
         info = run_dir.read_launcher()
         info.update(fields)
         run_dir.write_launcher(info)
+
+
+def has_samples(run_dir: RunDir) -> bool:
+    """Whether the run's config asks for sample images (``[samples]``)."""
+    import tomllib
+
+    try:
+        return isinstance(tomllib.loads(run_dir.run_toml.read_text()).get("samples"), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def nodes_text(cluster: dict, joins: list[dict], gpus: list[int] | None = None) -> str:

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""HTTP routes under ``/pipetrain``: list runs, one run, stop, resume, an epoch's sample images.
+"""HTTP routes under ``/pipetrain``: list runs, one run, stop, resume, an epoch's sample images, and the requests
+to a live run: save now, sample now, stop after this epoch (``stop_after_epoch``), a new learning rate (``lr``,
+body ``{"lr": 1e-4}``).
 
 Run ids are checked by ``backend.rundir.check_run_id`` and the resolved folder must sit directly in the runs
 root: a bad id is a 400, an unknown one a 404. State changes are POSTs whose body, if any, is a small JSON
 object: anything else (not JSON, not an object, nested past what ``json`` can parse, larger than
-``MAX_BODY``) is a 400 or 413 naming the problem, never a traceback. A refused state change is a 409.
+``MAX_BODY``) is a 400 or 413 naming the problem, never a traceback, as is a value that can never be valid (a
+learning rate that is not a finite number in range). A refused state change (a run not running) is a 409.
 """
 from __future__ import annotations
 
@@ -14,13 +17,14 @@ from typing import Callable
 
 from aiohttp import web
 
+from ..backend import run_control
 from ..backend.errors import PipeTrainError
 from ..backend.rundir import RunIdError
 from .core import Launcher
 from .summaries import sample_file
 
 
-MAX_BODY = 16 * 1024          # {"kill": true} is all a body carries
+MAX_BODY = 16 * 1024          # {"kill": true} or {"lr": 1e-4} is all a body carries
 
 
 class BodyError(ValueError):
@@ -68,7 +72,7 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
             loop = asyncio.get_running_loop()
             try:  # file I/O and process waits stay off the event loop
                 return web.json_response(await loop.run_in_executor(None, action, get_launcher(), run_id, args))
-            except RunIdError as e:
+            except (RunIdError, run_control.ControlValueError) as e:
                 return _error(400, str(e))
             except KeyError:
                 return _error(404, f"no run {run_id!r}")
@@ -103,3 +107,11 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
     routes.get("/pipetrain/runs/{run_id}")(guarded(get_run))
     routes.post("/pipetrain/runs/{run_id}/stop")(guarded(stop_run))
     routes.post("/pipetrain/runs/{run_id}/resume")(guarded(resume_run))
+    for action in run_control.ACTIONS:
+        routes.post(f"/pipetrain/runs/{{run_id}}/{action}")(guarded(control_action(action)))
+
+
+def control_action(action: str):
+    def control(launcher, run_id, args):
+        return launcher.control(run_id, action, args.get("lr"))
+    return control

@@ -52,10 +52,10 @@ def summarize(runs: RunsRoot, run_id: str, alive: bool) -> dict:
     if state == "failed" and not error:
         error = f"the training process exited without reporting; see {d.log_file}"
     keys = ("step", "total_steps", "epoch", "epochs", "loss", "lr", "samples_per_s", "eta_s", "last_checkpoint",
-            "updated", "cache", "comfyui", "memory")   # comfyui: the ComfyUI that trains and its parity verdict;
-    # memory: what memory = "auto" chose
+            "updated", "cache", "comfyui", "memory",   # comfyui: the ComfyUI that trains and its parity verdict;
+            "base_lr", "stop_after_epoch")   # memory: what memory = "auto" chose; the last two: run control
     return {"id": run_id, "state": state, "alive": alive, "error": error,
-            "loras": saved_loras(d, status), "gpus": info.get("gpus", []),
+            "loras": saved_loras(d, status), "step_samples": sampled_step_loras(d), "gpus": info.get("gpus", []),
             "created": info.get("created"), "name": info.get("name", run_id),
             # a finished run has nothing left to train: resuming it would only write its last epoch again
             # (by the backend's word: a Kill in its last moments must not make it resumable)
@@ -69,13 +69,9 @@ _lora_scans: dict[Path, tuple[int, dict[str, dict]]] = {}   # events.jsonl -> (o
 _lora_lock = threading.Lock()
 
 
-def saved_loras(run_dir: Path | RunDir, status: dict | None = None) -> list[dict]:
-    """Every epoch LoRA of the run (a full fine-tune: every epoch model) as {epoch, step, path, samples, kind},
-    oldest first: ``status.json``'s lists and the ``lora_saved`` / ``model_saved`` events, which also hold the
-    LoRAs saved before a resume (the backend starts a resumed run's status afresh). The events file is read
-    incrementally, so polling a long run stays cheap."""
-    run_dir = RunDir(run_dir)
-    status = run_dir.read_status() if status is None else status
+def _scan(run_dir: RunDir) -> dict[str, dict]:
+    """The LoRAs the events announce, by path, with their samples: epoch LoRAs (and models) and step LoRAs
+    (``kind`` "step"). The events file is read incrementally, so polling a long run stays cheap."""
     path = run_dir.events_file
     with _lora_lock:
         offset, found = _lora_scans.get(path, (0, {}))
@@ -87,9 +83,12 @@ def saved_loras(run_dir: Path | RunDir, status: dict | None = None) -> list[dict
         events, offset = read_events(path, offset)
         found = dict(found)
         for e in events:
-            if e.get("type") in ("lora_saved", "model_saved") and e.get("path") and not e.get("at_step"):
+            kind = {"lora_saved": "lora", "model_saved": "model", "step_lora_saved": "step"}.get(e.get("type"))
+            if kind and e.get("at_step"):     # a full fine-tune's step model
+                kind = "step"
+            if kind and e.get("path"):
                 found[e["path"]] = {"epoch": e.get("epoch"), "step": e.get("step"), "path": e["path"], "samples": [],
-                                    "kind": "model" if e["type"] == "model_saved" else "lora"}
+                                    "kind": kind}
             elif e.get("type") == "sample_saved" and isinstance(e.get("path"), str):
                 lora = _lora_of_sample(e["path"])
                 if lora in found:
@@ -98,7 +97,16 @@ def saved_loras(run_dir: Path | RunDir, status: dict | None = None) -> list[dict
                     found[lora] = {**found[lora], "samples": [
                         *(x for x in found[lora]["samples"] if x["path"] != e["path"]), sample]}
         _lora_scans[path] = (offset, found)
-    merged = dict(found)
+    return found
+
+
+def saved_loras(run_dir: Path | RunDir, status: dict | None = None) -> list[dict]:
+    """Every epoch LoRA of the run (a full fine-tune: every epoch model) as {epoch, step, path, samples, kind},
+    oldest first: ``status.json``'s lists and the ``lora_saved`` / ``model_saved`` events, which also hold the
+    LoRAs saved before a resume (the backend starts a resumed run's status afresh)."""
+    run_dir = RunDir(run_dir)
+    status = run_dir.read_status() if status is None else status
+    merged = {p: x for p, x in _scan(run_dir).items() if x["kind"] != "step"}
     for kind, key in (("lora", "loras"), ("model", "models")):
         for x in status.get(key, []):
             if isinstance(x, dict) and x.get("path"):
@@ -106,6 +114,12 @@ def saved_loras(run_dir: Path | RunDir, status: dict | None = None) -> list[dict
                 merged[x["path"]] = {"epoch": x.get("epoch"), "step": x.get("step"), "path": x["path"],
                                      "samples": samples, "kind": kind}
     return sorted(merged.values(), key=lambda x: (x.get("epoch") or 0, x.get("step") or 0))
+
+
+def sampled_step_loras(run_dir: Path | RunDir) -> list[dict]:
+    """The step LoRAs that have samples (a "sample now" request: ``backend/run_control.py``), oldest first."""
+    return sorted((x for x in _scan(RunDir(run_dir)).values() if x["kind"] == "step" and x["samples"]),
+                  key=lambda x: x.get("step") or 0)
 
 
 def _lora_of_sample(png: str) -> str:
@@ -116,7 +130,8 @@ def _lora_of_sample(png: str) -> str:
 
 def sample_file(runs: RunsRoot, run_id: str, name: str) -> Path:
     """An announced sample image of the run, by file name (KeyError for anything else)."""
-    for lora in saved_loras(runs.run(run_id)):
+    run = runs.run(run_id)
+    for lora in saved_loras(run) + sampled_step_loras(run):
         for sample in lora.get("samples", []):
             if sample["name"] == name and Path(sample["path"]).is_file():
                 return Path(sample["path"])
@@ -159,5 +174,5 @@ def lora_for_epoch(runs: RunsRoot, run_id: str, epoch: int = 0) -> dict | None:
     return max(loras, key=lambda x: (x.get("epoch", 0), x.get("step", 0)), default=None)
 
 
-__all__ = ["ACTIVE", "best_epoch", "details", "file_identity", "lora_for_epoch", "run_state", "sample_file", "saved_loras",
-           "summarize"]
+__all__ = ["ACTIVE", "best_epoch", "details", "file_identity", "lora_for_epoch", "run_state", "sample_file",
+           "sampled_step_loras", "saved_loras", "summarize"]

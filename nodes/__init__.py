@@ -4,14 +4,15 @@ widget starting at its key's config default) or, for what exists in the UI alone
 from comfy_api.latest import ComfyExtension, io
 
 from .data import DatasetNode, ImagesToDatasetNode, ModelNode
-from .runs import LoadEpochLoRANode, RunStatusNode, StopNode
+from .runs import LoadEpochLoRANode, RunControlNode, RunStatusNode, StopNode
 from .samples import EpochSamplesNode, SamplesNode
 from .settings import AdapterNode, MemoryNode, OptimizerNode, ParallelismNode, ScheduleNode
 from .train import CacheNode, TrainNode
 
 NODES: list[type[io.ComfyNode]] = [
     DatasetNode, ImagesToDatasetNode, ModelNode, AdapterNode, OptimizerNode, ScheduleNode, ParallelismNode, MemoryNode,
-    SamplesNode, CacheNode, TrainNode, RunStatusNode, StopNode, LoadEpochLoRANode, EpochSamplesNode,
+    SamplesNode, CacheNode, TrainNode, RunStatusNode, StopNode, RunControlNode, LoadEpochLoRANode,
+    EpochSamplesNode,
 ]
 
 

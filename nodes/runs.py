@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Run Status, Stop and Load Epoch LoRA: nodes over existing runs (by id, or the Train node's RUN)."""
+"""Run Status, Stop, Run Control and Load Epoch LoRA: nodes over existing runs (by id, or the Train node's RUN)."""
 from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
 from ..backend.errors import PipeTrainError
+from ..launcher.core import CONTROL_ACTIONS, CONTROL_LR, CONTROL_MAX_LR
 from . import types as t
 
 NEWEST = "newest"
@@ -72,7 +73,19 @@ def status_text(s: dict) -> str:
     return ", ".join(parts)
 
 
-class RunStatusNode(io.ComfyNode):
+class _LiveRunNode(io.ComfyNode):
+    """A node that reads or acts on a run as it is now: checked by run id, run again each time it is queued."""
+
+    @classmethod
+    def validate_inputs(cls, run=None):
+        return _validate_run(run)
+
+    @classmethod
+    def fingerprint_inputs(cls, **kw):
+        return float("nan")
+
+
+class RunStatusNode(_LiveRunNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -84,14 +97,6 @@ class RunStatusNode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, run=None):
-        return _validate_run(run)
-
-    @classmethod
-    def fingerprint_inputs(cls, **kw):
-        return float("nan")  # a status is always read fresh
-
-    @classmethod
     def execute(cls, run, run_handle=None) -> io.NodeOutput:
         s = _launcher().get(resolve_run(run, run_handle))
         newest = max(s["loras"], key=lambda x: x.get("epoch", 0), default={})
@@ -100,7 +105,7 @@ class RunStatusNode(io.ComfyNode):
                              ui=ui.PreviewText(text))
 
 
-class StopNode(io.ComfyNode):
+class StopNode(_LiveRunNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -112,20 +117,43 @@ class StopNode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, run=None):
-        return _validate_run(run)
-
-    @classmethod
-    def fingerprint_inputs(cls, **kw):
-        return float("nan")
-
-    @classmethod
     def execute(cls, run, kill, run_handle=None) -> io.NodeOutput:
         run_id = resolve_run(run, run_handle)
         try:
             s = _launcher().stop(run_id, kill=kill)
             text = status_text(s)
         except PipeTrainError as e:
+            text = str(e)
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+class RunControlNode(_LiveRunNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PipeTrainRunControl", display_name="PipeTrain Run Control", category=t.CATEGORY,
+            is_output_node=True, description="Act on a run while it trains, at its next step: save a LoRA and a "
+            "checkpoint now, render the sample prompts now, stop after this epoch, or train on with a new learning "
+            "rate.",
+            inputs=run_inputs() + [
+                io.Combo.Input("action", options=list(CONTROL_ACTIONS), default=CONTROL_ACTIONS[0],
+                               tooltip="save: step LoRA + checkpoint; sample: step LoRA + samples; stop_after_epoch: "
+                               "finish the epoch, checkpoint, stop; lr: the learning rate below from the next step"),
+                io.Float.Input("lr", default=1e-4, min=1e-8, max=CONTROL_MAX_LR, step=1e-5, round=1e-8,
+                               tooltip="The new base learning rate (action 'lr' only); the schedule's warm-up and "
+                               "decay go on applying to it, and a resume keeps it"),
+            ],
+            outputs=[io.String.Output(display_name="status")],
+        )
+
+    @classmethod
+    def execute(cls, run, action, lr, run_handle=None) -> io.NodeOutput:
+        run_id = resolve_run(run, run_handle)
+        try:
+            _launcher().control(run_id, action, lr if action == CONTROL_LR else None)
+            asked = f"{action} {lr:g}" if action == CONTROL_LR else action
+            text = f"{run_id}: {asked} asked for; the run acts at its next step (a 'control' event says when)"
+        except (PipeTrainError, ValueError) as e:   # ValueError: run_control's ControlValueError
             text = str(e)
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 

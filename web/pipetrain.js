@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: GPL-3.0-or-later
 // PipeTrain panel: runs with progress and ETA, a live loss chart, epoch LoRAs (one click adds a
-// "PipeTrain Load Epoch LoRA" node), stop/resume. Fed by GET /pipetrain/runs[/{id}] and the
-// "pipetrain.event" websocket messages that the launcher's relay sends. A run on several machines shows its
-// nodes and, while a no_ssh run is alive, the command each other node must run (events come from global rank 0).
+// "PipeTrain Load Epoch LoRA" node), stop/resume, and while a run trains: save now, sample now, stop after this
+// epoch, a new learning rate from the next step (POST /pipetrain/runs/{id}/{save,sample,stop_after_epoch,lr}).
+// Fed by GET /pipetrain/runs[/{id}] and the "pipetrain.event" websocket messages that the launcher's relay sends.
+// A run on several machines shows its nodes and, while a no_ssh run is alive, the command each other node must run
+// (events come from global rank 0).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const state = { runs: new Map(), selected: null, losses: new Map(), best: new Map(), root: null };
+const state = { runs: new Map(), selected: null, losses: new Map(), best: new Map(), root: null, lrInputs: new Map() };
 const ACTIVE = new Set(["launched", "resuming", "starting", "caching", "loading", "training", "stopping"]);
 
 const css = `
@@ -23,6 +25,8 @@ const css = `
 .pipetrain-cmd{white-space:pre-wrap;word-break:break-all;background:#1b1b1b;padding:4px;border-radius:4px;font:11px monospace;margin:2px 0 4px;user-select:text}
 .pipetrain-samples{display:flex;flex-wrap:wrap;gap:4px;margin:2px 0 6px}
 .pipetrain-samples img{width:72px;height:72px;object-fit:cover;border-radius:3px;cursor:zoom-in}
+.pipetrain-control{flex-wrap:wrap;justify-content:flex-start;margin-top:4px}
+.pipetrain-control input{width:72px;font-size:11px}
 .pipetrain-strength{min-width:40px;font-size:11px}
 .pipetrain-best{color:#7c7;margin:2px 0}
 .pipetrain-float{position:fixed;right:12px;top:60px;width:340px;max-height:80vh;z-index:1000;background:#222;border:1px solid #555;border-radius:8px}
@@ -153,18 +157,47 @@ function runCard(run) {
   }
   if (run.alive && (run.node_commands || []).length) card.append(nodeCommands(run));
   if (run.error) card.append(el("div", { style: "color:#f77" }, run.error));
+  if (run.alive && run.stop_after_epoch != null) card.append(el("div", { class: "pipetrain-pending" }, `stops after epoch ${run.stop_after_epoch}`));
   card.append(buttons);
+  if (run.alive && ACTIVE.has(run.state) && run.state !== "stopping") card.append(controls(run));
   return card;
+}
+
+// requests the run takes at its next step (backend/run_control.py); its events say when it acted
+function controls(run) {
+  const act = (action, body) => (e) => { e.stopPropagation(); post(run.id, action, body); };
+  // one input per run, kept across renders (every step event re-renders): what is typed stays
+  let lr = state.lrInputs.get(run.id);
+  if (!lr) {
+    lr = el("input", { type: "number", step: "any", min: "0", placeholder: "new LR", title: "learning rate from the next step",
+      class: "pipetrain-lr", value: run.base_lr ?? run.lr ?? "" });
+    lr.onclick = (e) => e.stopPropagation();
+    state.lrInputs.set(run.id, lr);
+  }
+  const setLr = (e) => {
+    e.stopPropagation();
+    const value = Number(lr.value);
+    if (!(value > 0) || !Number.isFinite(value)) {
+      app.extensionManager?.toast?.add?.({ severity: "error", summary: "PipeTrain", detail: "the learning rate must be a number above 0", life: 5000 });
+      return;
+    }
+    post(run.id, "lr", { lr: value });
+  };
+  return el("div", { class: "pipetrain-row pipetrain-control" },
+    el("button", { onclick: act("save"), title: "write a LoRA and a checkpoint at the next step" }, "Save now"),
+    el("button", { onclick: act("sample"), title: "save a LoRA and render the sample prompts with it" }, "Sample now"),
+    el("button", { onclick: act("stop_after_epoch"), title: "finish this epoch (its LoRA and samples), then stop with a checkpoint" }, "Stop after epoch"),
+    lr, el("button", { onclick: setLr }, "Set LR"));
 }
 
 // the epoch's sample images (sample_saved events), served by GET /pipetrain/runs/{id}/samples/{name}: one row
 // per LoRA strength, one column per prompt; a click on a row's strength adds a loader at that epoch and strength
-function sampleGrid(runId, epoch, samples) {
+function sampleGrid(runId, epoch, samples, loaders = true) {
   const strengths = [...new Set(samples.map((s) => s.strength ?? 1))].sort((a, b) => a - b);
   const grid = el("div", { class: "pipetrain-grid", "data-epoch": String(epoch) });
   for (const w of strengths) {
     const row = el("div", { class: "pipetrain-samples", "data-strength": String(w) });
-    if (strengths.length > 1) {
+    if (loaders && strengths.length > 1) {
       row.append(el("button", { class: "pipetrain-strength", title: `Add a loader for epoch ${epoch} at ${w}`,
         onclick: () => addLoader(runId, epoch, w) }, `×${w}`));
     }
@@ -185,9 +218,11 @@ function sampleGrid(runId, epoch, samples) {
 function render() {
   const root = state.root;
   if (!root) return;
+  const focused = document.activeElement;   // an LR being typed keeps its focus through the re-render
   root.replaceChildren(el("h3", {}, "PipeTrain runs"));
   if (!state.runs.size) root.append(el("div", {}, "No runs yet: queue a workflow with a PipeTrain Train node."));
   for (const run of state.runs.values()) root.append(runCard(run));
+  if (focused?.classList?.contains("pipetrain-lr") && focused.isConnected) focused.focus();
   const run = state.runs.get(state.selected);
   if (!run) return;
   const canvas = el("canvas", { class: "pipetrain-chart" });
@@ -209,6 +244,14 @@ function render() {
   }
   if (!(run.loras || []).length) epochs.append(el("div", {}, "none saved yet"));
   root.append(epochs);
+  if ((run.step_samples || []).length) {   // "Sample now": samples of the step LoRA saved for them
+    const now = el("div", { class: "pipetrain-step-samples" }, el("h3", {}, "Sampled now"));
+    for (const l of [...run.step_samples].sort((a, b) => b.step - a.step)) {
+      now.append(el("div", { class: "pipetrain-row", title: l.path }, `step ${l.step} (epoch ${l.epoch})`),
+        sampleGrid(run.id, l.epoch, l.samples, false));   // a step LoRA: no epoch loader
+    }
+    root.append(now);
+  }
 }
 
 function onEvent({ detail }) {

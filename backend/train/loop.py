@@ -1,4 +1,6 @@
-"""The training loop: steps, reporting, evals, epoch and step LoRAs, checkpoints, graceful stop."""
+"""The training loop: steps, reporting, evals, epoch and step LoRAs, checkpoints, graceful stop, and the requests
+from outside the run (``backend/run_control.py``): save or sample now, stop after this epoch, a new learning
+rate."""
 from __future__ import annotations
 
 import logging
@@ -7,14 +9,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import run_control
 from ..optim import prodigy_d
 from . import distributed
-from .control import ControlFlags
+from .control import Control, ControlFlags
 from .eval import eval_due, evaluate
 from .events import RunReporter
 from .parts import RunState
 from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
+from .schedule import set_base_lr
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -29,14 +33,36 @@ def _progress_bar(shown: bool, state: RunState):
     return tqdm(total=state.total_steps, initial=state.global_step, unit="step", dynamic_ncols=True)
 
 
-def _requests(t: Trainer) -> tuple[bool, bool]:
-    """(checkpoint, stop) as rank 0 sees them now: a stop checkpoints too."""
+def _requests(t: Trainer) -> Control:
+    """What rank 0 sees asked for now: a checkpoint (a stop checkpoints too), a stop, the control files' requests."""
     if not t.topology.is_main:
-        return False, False
+        return Control()
     stop = t.stopping()
     minutes = t.cfg.checkpoint_every_n_minutes
     due = minutes is not None and time.monotonic() - t.state.last_checkpoint_time >= minutes * 60
-    return due or stop, stop
+    asked, problems = run_control.take(t.run_dir)
+    for problem in problems:
+        t.reporter.event("warning", message=problem)
+        log.warning(problem)
+    return Control(due or stop, stop, asked)
+
+
+def change_lr(t: Trainer, lr: float) -> None:
+    """The base learning rate from the next step on (every rank); kept in the run's checkpoints."""
+    set_base_lr(t.parts.engine.lr_scheduler, lr)
+    t.state.base_lr = lr
+    if t.topology.is_main:
+        step = t.state.global_step
+        t.reporter.event("control", action=run_control.LR, lr=lr, step=step, from_step=step + 1)
+        t.reporter.update(base_lr=lr)
+        log.info("learning rate %g from step %d on", lr, step + 1)
+
+
+def _control_event(t: Trainer, action: str) -> None:
+    if t.topology.is_main:
+        t.reporter.event("control", action=action, step=t.state.global_step, epoch=t.state.epoch)
+        if action == run_control.STOP_AFTER_EPOCH:   # the panel says so until the run stops
+            t.reporter.update(stop_after_epoch=t.state.epoch)
 
 
 def _report_step(reporter: RunReporter, epochs: int, global_batch: int, total_steps: int, s: FinishedStep,
@@ -100,6 +126,7 @@ def run_loop(t: Trainer) -> None:
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
     profiler = StepProfiler.from_env(t.topology.rank)
     control = ControlFlags(t.topology.world, distributed.device())
+    stop_after_epoch = False
     while state.global_step < state.total_steps:
         if batches_epoch != state.epoch:
             batches, batches_epoch = plan.epoch(state.epoch), state.epoch
@@ -123,9 +150,22 @@ def run_loop(t: Trainer) -> None:
             # global_step counts this step now; issuing it reports the step before
             reports.issued(pending_step(state.global_step, state.epoch, lr, loss, parts.grad_norm.value,
                                         prodigy_d(engine.optimizer), reg_sums))
-        if parts.save_every_steps and state.global_step % parts.save_every_steps == 0:
+        now = control.exchange(_requests(t))
+        asked = now.requests
+        if asked.lr is not None:
+            reports.flush()   # the steps before the change are reported before its event
+            change_lr(t, asked.lr)
+        if asked.stop_after_epoch and not stop_after_epoch:
+            stop_after_epoch = True
+            _control_event(t, run_control.STOP_AFTER_EPOCH)
+        if (parts.save_every_steps and state.global_step % parts.save_every_steps == 0) or asked.save or asked.sample:
             reports.flush()
-            t.save_lora(state.epoch, at_step=True)
+            for action in (run_control.SAVE, run_control.SAMPLE):
+                if getattr(asked, action):
+                    _control_event(t, action)
+            path = t.save_lora(state.epoch, at_step=True)
+            if asked.sample:
+                _sample_now(t, path)
         finished_epoch = None
         if state.step_in_epoch == steps_per_epoch:
             state.step_in_epoch = 0
@@ -136,24 +176,39 @@ def run_loop(t: Trainer) -> None:
         if eval_due(parts.eval_every_steps, t.cfg.eval_every_n_epochs, state.global_step, finished_epoch):
             reports.flush()
             _evaluate(t)
-        checkpoint_now, stop_now = control.exchange(*_requests(t))
-        if checkpoint_now:
+        # "stop after this epoch" on the epoch's last step: the run ends at the boundary (unless it ends there anyway)
+        stop_now = now.stop or (stop_after_epoch and finished_epoch is not None
+                                and state.global_step < state.total_steps)
+        if now.checkpoint or asked.save or stop_now:
             reports.flush()
             t.save_checkpoint()
         if stop_now:
-            _stopped(t, bar)
+            _stopped(t, bar, after_epoch=finished_epoch if not now.stop else None)
             return
     reports.flush()
     _finished(t, bar)
 
 
-def _stopped(t: Trainer, bar) -> None:
+def _sample_now(t: Trainer, path) -> None:
+    """Samples from the step LoRA just saved, as an epoch's are rendered (every rank waits for rank 0)."""
+    if t.cfg.samples is None:
+        if t.topology.is_main:
+            message = "sample now: the run has no [samples] prompts (add a Samples node, or [samples] to the config)"
+            t.reporter.event("warning", message=message)
+            log.warning(message)
+        return
+    t.render_samples(path, t.state.epoch)
+
+
+def _stopped(t: Trainer, bar, after_epoch: int | None = None) -> None:
+    """``after_epoch``: the epoch whose end a "stop after this epoch" request waited for."""
     if bar is not None:
         bar.close()
     if t.topology.is_main:
         t.run_dir.clear_stop()
-        t.reporter.event("stopped", step=t.state.global_step, epoch=t.state.epoch)
-        t.reporter.update(state="stopped")
+        extra = {} if after_epoch is None else {"after_epoch": after_epoch}
+        t.reporter.event("stopped", step=t.state.global_step, epoch=t.state.epoch, **extra)
+        t.reporter.update(state="stopped", stop_after_epoch=None)
     log.info("stopped at step %d after a checkpoint; resume with --resume %s", t.state.global_step, t.run_dir.name)
 
 
@@ -170,4 +225,4 @@ def _finished(t: Trainer, bar) -> None:
     if t.topology.is_main:
         t.run_dir.clear_stop()   # asked for too late: the run had finished
         t.reporter.event("done", step=state.global_step, epoch=last_epoch)
-        t.reporter.update(state="finished")
+        t.reporter.update(state="finished", stop_after_epoch=None)

@@ -18,3 +18,16 @@ def lr_multiplier(kind: str, warmup_steps: int, total_steps: int):
             return 0.5 * (1 + math.cos(math.pi * progress))
         raise ValueError(kind)
     return f
+
+
+def set_base_lr(scheduler, lr: float) -> None:
+    """Train with base learning rate ``lr`` from the next optimizer step on: the schedule's multiplier (warm-up,
+    decay) goes on applying, now to ``lr``. ``scheduler`` is the run's ``LambdaLR``; its ``base_lrs`` are in its
+    state dict, so a checkpoint keeps the change. Further parameter groups keep their ratio to the first."""
+    first = scheduler.base_lrs[0]
+    scheduler.base_lrs = [lr] + [base * lr / first if first else lr for base in scheduler.base_lrs[1:]]
+    # the step just taken has already set each group's rate for the next one: set it again, from the new base
+    for group, base, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * multiplier(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

@@ -25,6 +25,7 @@ from .events import RunReporter
 from .launcher_watch import LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
 from .saving import gather_lora, save_full_model, sweep_run_dir, weights_stem, with_entry, write_lora
+from .schedule import set_base_lr
 
 if TYPE_CHECKING:
     from ..models.base import ModelAdapter
@@ -247,6 +248,9 @@ class Trainer:
         state.last_saved_epoch = saved.get("last_saved_epoch")
         state.epoch = saved["epoch"]
         state.step_in_epoch = saved["step_in_epoch"]
+        if saved.get("base_lr") is not None:   # set while it trained: the run goes on with it, not the config's
+            state.base_lr = saved["base_lr"]
+            set_base_lr(parts.engine.lr_scheduler, state.base_lr)
         global_batch, steps_per_epoch = parts.global_batch, parts.plan.steps_per_epoch()
         saved_batch = saved.get("global_batch", global_batch)
         if saved_batch != global_batch:  # another number of data-parallel ranks (e.g. more nodes)
@@ -262,7 +266,7 @@ class Trainer:
             state.total_steps = min(state.total_steps, self.cfg.max_steps)
         if is_main:
             self.reporter.event("resume", checkpoint=tag, step=state.global_step, epoch=state.epoch,
-                                global_batch=global_batch, saved_global_batch=saved_batch)
+                                global_batch=global_batch, saved_global_batch=saved_batch, base_lr=state.base_lr)
         return state
 
     def train_loop(self) -> None:

@@ -13,7 +13,7 @@ from pipetrain.backend.errors import ConfigError, DatasetError, ModelError
 from pipetrain.launcher.build import check_spec, write_config
 from pipetrain.launcher.core import Launcher, LauncherError
 from pipetrain.backend.rundir import RunDir, RunIdError, RunsRoot, check_run_id, new_run_id, read_events
-from pipetrain.launcher.summaries import lora_for_epoch, run_state, saved_loras
+from pipetrain.launcher.summaries import lora_for_epoch, run_state, sample_file, saved_loras
 from pipetrain.launcher.relay import EventRelay
 from pipetrain.backend.config.patch import RunPatch
 from pipetrain.launcher.forms import folder_patch, model_patch
@@ -119,6 +119,39 @@ def test_stop_escalates_to_sigterm(launcher):
     assert not la.alive("run-t")
     s = la.get("run-t")
     assert s["state"] == "stopped" and not s["resumable"]  # stopped before any checkpoint
+
+
+def test_control_requests_reach_a_live_run_only(launcher):
+    from pipetrain.backend import run_control
+    from pipetrain.backend.run_control import ControlValueError, Requests
+
+    la = launcher()
+    la.launch("run-c", SLEEPER, (0,))
+    run = la.dirs.run("run-c")
+    run.run_toml.write_text('[samples]\nprompts = ["a cat"]\n')
+    for action in ("save", "sample", "stop_after_epoch"):
+        assert la.control("run-c", action)["requested"]["action"] == action
+    assert la.control("run-c", "lr", "2e-5")["requested"]["lr"] == 2e-5
+    assert run_control.take(run)[0] == Requests(True, True, True, 2e-5)   # what the run's rank 0 reads
+    with pytest.raises(ControlValueError, match="at most"):
+        la.control("run-c", "lr", 1e4)
+    with pytest.raises(ControlValueError, match="unknown run control"):
+        la.control("run-c", "resume")
+    run.run_toml.write_text("")
+    with pytest.raises(LauncherError, match="no sample prompts"):
+        la.control("run-c", "sample")
+    la.control("run-c", "stop_after_epoch")
+    la.kill("run-c")
+    with pytest.raises(LauncherError, match="not running"):
+        la.control("run-c", "save")
+    with pytest.raises(KeyError):
+        la.control("nope", "save")
+    assert run_control.take(run)[0] == Requests(stop_after_epoch=True)   # left by the killed run ...
+    run_control.request(run, "stop_after_epoch")
+    (run.checkpoints / "step00000001").mkdir(parents=True)
+    (run.checkpoints / "step00000001" / "pipetrain.json").write_text("{}")
+    la.resume("run-c")                                                   # ... is forgotten by its resume
+    assert run_control.take(run)[0] == Requests()
 
 
 def test_unknown_runs(launcher):
@@ -277,6 +310,29 @@ def test_loras_saved_before_a_resume_are_kept(launcher):
         f.write(json.dumps({"type": "lora_saved", "epoch": 4, "step": 16, "path": str(d / "e4.safetensors")}) + "\n")
     (d / "e4.safetensors").write_bytes(b"x")
     assert lora_for_epoch(la.dirs, "run-r")["epoch"] == 4
+
+
+def test_samples_of_a_step_lora_are_listed_apart_from_the_epochs(launcher):
+    """"Sample now" renders with a step LoRA: its samples are shown and served, the LoRA never counts as an epoch's."""
+    la = launcher()
+    d = la.dirs.path("run-s")
+    d.mkdir(parents=True)
+    step_lora, plain = d / "run-s-step00000006.safetensors", d / "run-s-step00000008.safetensors"
+    png = d / "run-s-step00000006-sample00.png"
+    png.write_bytes(b"png")
+    with open(d / "events.jsonl", "w") as f:
+        for event in ({"type": "lora_saved", "epoch": 1, "step": 4, "path": str(d / "e1.safetensors")},
+                      {"type": "step_lora_saved", "epoch": 2, "step": 6, "path": str(step_lora)},
+                      {"type": "sample_saved", "epoch": 2, "step": 6, "path": str(png), "prompt": "a cat"},
+                      {"type": "step_lora_saved", "epoch": 2, "step": 8, "path": str(plain)}):   # no samples
+            f.write(json.dumps(event) + "\n")
+    (d / "status.json").write_text(json.dumps({"state": "training"}))
+    run = la.get("run-s")
+    assert [(x["epoch"], x["step"]) for x in run["loras"]] == [(1, 4)]
+    assert [(x["step"], x["path"], [s["prompt"] for s in x["samples"]]) for x in run["step_samples"]] == [
+        (6, str(step_lora), ["a cat"])]
+    assert sample_file(la.dirs, "run-s", png.name) == png
+    assert lora_for_epoch(la.dirs, "run-s", 2) is None
 
 
 # A stand-in for ``pipetrain train`` under DeepSpeed's real launcher: like the backend, SIGTERM only

@@ -12,7 +12,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import sys
 import threading
+import time
 import uuid
 
 import psutil
@@ -203,6 +205,9 @@ BODIES = [b"[" * 100_000 + b"]" * 100_000, b'{"kill":' * 50_000, b"not json", b"
           b"\x00\x01\x02", b"\xff\xfe{}", b'{"kill": true}' + b" " * 20_000, b"{" + b'"a":1,' * 200_000 + b"}"]
 
 
+CONTROLS = ("save", "sample", "stop_after_epoch", "lr")
+
+
 def test_routes_fuzzed_answer_4xx_never_500(server, marker):
     if not (server.runs_root / "fab-done").exists():    # run alone (-k): the finished run of the test above
         checkpointed(server, "fab-done", "finished")
@@ -212,12 +217,13 @@ def test_routes_fuzzed_answer_4xx_never_500(server, marker):
     for run_id in BAD_IDS:
         for method, path in (("GET", f"/pipetrain/runs/{run_id}"), ("POST", f"/pipetrain/runs/{run_id}/stop"),
                              ("POST", f"/pipetrain/runs/{run_id}/resume"),
+                             *(("POST", f"/pipetrain/runs/{run_id}/{a}") for a in CONTROLS),
                              ("GET", f"/pipetrain/runs/{run_id}/samples/..%2F..%2Foutside.txt")):
             status, text = send(server, method, path, b"{}" if method == "POST" else b"")
             assert status in (400, 404, 405), (method, path, status, text)
             assert "Traceback" not in text and "untouched" not in text
     for body in BODIES:
-        for action in ("stop", "resume"):
+        for action in ("stop", "resume", *CONTROLS):
             status, text = send(server, "POST", f"/pipetrain/runs/fab-done/{action}", body)
             assert status in (400, 413), (action, body[:40], status, text)
             assert "Traceback" not in text and "error" in json.loads(text)
@@ -248,4 +254,64 @@ def test_concurrent_stop_and_resume_on_runs_that_cannot_change(server, marker):
     assert all("not running" in e or "finished" in e or "no checkpoint" in e for _, e in answers), answers
     for run_id in ("fab-race-done", "fab-race-nockpt"):
         assert not (server.runs_root / run_id / "launcher.json").exists()
+    nothing_ran(server, marker)
+
+
+BAD_LRS = [b'{"lr": NaN}', b'{"lr": Infinity}', b'{"lr": -Infinity}', b'{"lr": 0}', b'{"lr": -1e-4}', b'{"lr": 1e9}',
+           b'{"lr": 1e999}', b'{"lr": 1e-400}', b'{"lr": true}', b'{"lr": "1e-4; touch x"}', b'{"lr": [1e-4]}',
+           b'{"lr": {"$gt": 0}}', b'{"lr": null}', b"{}", b'{"lr": 1' + b"0" * 5000 + b"}", b'{"lr": "0x10"}']
+
+
+def live_run(server, run_id: str):
+    """A fabricated run whose recorded process is alive (a sleeper), so a request reaches the run's files."""
+    from pipetrain.backend.rundir import RunDir
+    from pipetrain.launcher.procs import spawn
+
+    fabricate_run(server, run_id, "training")
+    d = server.runs_root / run_id
+    ref = spawn([sys.executable, "-c", "import time; time.sleep(300)"], cwd=d, log_path=d / "log.txt", env=None)
+    RunDir(d).write_launcher({"id": run_id, "gpus": [], "process": ref.as_dict(), "created": time.time()})
+    return ref
+
+
+def test_run_control_refuses_bad_learning_rates_and_runs_not_training(server, marker):
+    ref = live_run(server, "fab-live")
+    control = server.runs_root / "fab-live" / "control"
+    try:
+        for body in BAD_LRS:
+            status, text = send(server, "POST", "/pipetrain/runs/fab-live/lr", body)
+            error = json.loads(text)["error"]
+            assert status == 400 and ("learning rate" in error or "JSON" in error), (body[:40], status, text)
+            assert not (control / "lr.json").exists(), body[:40]
+        for query in ("nan", "inf", "-1", "abc", "1e9"):
+            status, text = send(server, "POST", f"/pipetrain/runs/fab-live/lr?lr={query}")
+            assert status == 400 and "learning rate" in text, (query, status, text)
+        status, text = send(server, "POST", "/pipetrain/runs/fab-live/lr", b'{"lr": 2.5e-5}')
+        assert status == 200 and json.loads(text)["requested"]["lr"] == 2.5e-5, text
+        assert json.loads((control / "lr.json").read_text())["lr"] == 2.5e-5
+        for action in ("save", "stop_after_epoch"):
+            status, text = send(server, "POST", f"/pipetrain/runs/fab-live/{action}", b"{}")
+            assert status == 200 and (control / f"{action}.json").is_file(), (action, text)
+        status, text = send(server, "POST", "/pipetrain/runs/fab-live/sample", b"{}")   # its run.toml has no [samples]
+        assert status == 409 and "no sample prompts" in text and not (control / "sample.json").exists(), text
+        assert send(server, "POST", "/pipetrain/runs/fab-live/delete", b"{}")[0] in (404, 405)
+        # the Run Control node asks the same way; its widget bounds refuse a learning rate out of range at queue time
+        node = {"1": {"class_type": "PipeTrainRunControl", "inputs": {"run": "fab-live", "action": "lr", "lr": 4e-5}}}
+        code, body = server.queue(node)
+        assert code == 200, body
+        server.wait_history(body["prompt_id"], timeout=60)
+        assert json.loads((control / "lr.json").read_text())["lr"] == 4e-5
+        node["1"]["inputs"]["lr"] = 1e6
+        code, body = server.queue(node)
+        assert code == 400 and node_error(body, "1"), body
+    finally:
+        ref.signal_group(9)
+    if not (server.runs_root / "fab-done").exists():
+        checkpointed(server, "fab-done", "finished")
+    for action in CONTROLS:
+        status, text = send(server, "POST", f"/pipetrain/runs/fab-done/{action}", b'{"lr": 1e-4}')
+        assert status == 409 and "not running" in text, (action, status, text)
+        status, text = send(server, "POST", f"/pipetrain/runs/fab-nope/{action}", b'{"lr": 1e-4}')
+        assert status == 404, (action, status, text)
+    assert not (server.runs_root / "fab-done" / "control").exists()
     nothing_ran(server, marker)

@@ -12,7 +12,7 @@ from server_fixtures import comfy_server, workflow_to_prompt, write_fake_model, 
 
 NODES = ["PipeTrainDataset", "PipeTrainModel", "PipeTrainAdapter", "PipeTrainOptimizer", "PipeTrainSchedule",
          "PipeTrainParallelism", "PipeTrainMemory", "PipeTrainCache", "PipeTrainTrain", "PipeTrainRunStatus",
-         "PipeTrainStop", "PipeTrainLoadEpochLoRA"]
+         "PipeTrainStop", "PipeTrainRunControl", "PipeTrainLoadEpochLoRA"]
 
 
 def fake_sdxl_files(base) -> None:

@@ -70,6 +70,16 @@ class FakeRun:
         self.status["loras"] = self.status.get("loras", []) + [{"epoch": epoch, "step": step, "path": path}]
         self.write_status()
 
+    def step_sample(self, epoch: int, step: int) -> None:
+        """What "Sample now" leaves: a step LoRA and a sample rendered with it."""
+        from PIL import Image
+
+        lora = self.dir / f"{RUN_ID}-step{step:08d}.safetensors"
+        png = self.dir / f"{RUN_ID}-step{step:08d}-sample00.png"
+        Image.new("RGB", (64, 64), (200, 40, 40)).save(png)
+        self.event({"type": "step_lora_saved", "epoch": epoch, "step": step, "path": str(lora)})
+        self.event({"type": "sample_saved", "epoch": epoch, "step": step, "path": str(png), "prompt": "a red square"})
+
     def samples(self, epoch: int, step: int, strengths: list[float], prompts: list[str]) -> None:
         """PNGs beside the epoch's LoRA, announced as the backend does (``sampling.EpochSamples.announce``)."""
         from PIL import Image
@@ -180,6 +190,25 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         await page.screenshot(ARTIFACTS / "pipetrain-sample-grid.png")
         await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-grid', '×0.5'))", 10, "a strength button")
         strength_loader = await page.wait_for(SECOND_LOADER, 10, "a second Load Epoch LoRA node")
+        # the run-control buttons reach their routes; the LR typed survives the re-renders of step events
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Save now'))", 10, "a Save now button")
+        await page.wait_for(f"!!{BUTTON}('[data-run=\"{RUN_ID}\"]', 'Sample now')", 10, "a Sample now button")
+        await page.js(f"{card(RUN_ID, '.pipetrain-lr')}.value = '3e-5'")
+        run.steps(16, 16)
+        await page.wait_for(f"{PROGRESS} === 'step 16/{TOTAL}'", 20, "at step 16")
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Set LR'))", 10, "a Set LR button")
+        await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop after epoch'))", 10,
+                            "a Stop after epoch button")
+        run.status["stop_after_epoch"] = 2      # what the backend reports once a rank has taken the request
+        run.step_sample(2, 17)
+        run.steps(17, 17)
+        await page.wait_for(f"{card(RUN_ID, '.pipetrain-pending')}?.textContent === 'stops after epoch 2'", 20,
+                            "the pending stop after epoch 2")
+        step_sample = await page.wait_for(
+            "(() => { const i = document.querySelector('#pipetrain-panel .pipetrain-step-samples img');"
+            " return i?.complete && i.naturalWidth ? [i.closest('.pipetrain-step-samples').innerText, i.naturalWidth]"
+            " : null; })()", 20, "the sample-now image, served by the samples route")
+        await page.screenshot(ARTIFACTS / "pipetrain-panel-controls.png")
         # Stop goes through the route; the run shows "stopping" until its process is gone
         await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop'))", 10, "a Stop button")
         await page.wait_for(f"{STATE} === 'stopping'", 20, "stopping")
@@ -195,7 +224,7 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         resume_on_finished = await page.js(f"!!{BUTTON}('[data-run=\"ui-finished\"]', 'Resume')")
         return {"first": first, "later": later, "loader": loader, "exceptions": page.exceptions, "missed": missed,
                 "grid": grid, "best": best, "strength_loader": strength_loader,
-                "asked": asked, "resume_on_finished": resume_on_finished}
+                "asked": asked, "resume_on_finished": resume_on_finished, "step_sample": step_sample}
 
 
 def test_panel_shows_live_progress_and_loss_chart(ui):
@@ -213,9 +242,13 @@ def test_panel_shows_live_progress_and_loss_chart(ui):
     assert (ARTIFACTS / "pipetrain-sample-grid.png").stat().st_size > 5_000
     info = json.loads((run.dir / "launcher.json").read_text())
     assert info.get("stop_requested") and (run.dir / "stop").exists()   # the Stop button reached the route
+    control = run.dir / "control"   # so did the run-control buttons, with the LR typed before a step re-rendered
+    assert json.loads((control / "lr.json").read_text())["lr"] == 3e-5
+    assert (control / "save.json").is_file() and (control / "stop_after_epoch.json").is_file()
     assert "Kill run ui run now?" in result["asked"] and not info.get("killed") and run.ref.alive(), result
     assert result["resume_on_finished"] is False, result
+    assert "step 17 (epoch 2)" in result["step_sample"][0] and result["step_sample"][1] == 64, result
     assert not [e for e in result["exceptions"] if "pipetrain" in e], result["exceptions"]
     shot = ARTIFACTS / "pipetrain-panel.png"
-    assert shot.stat().st_size > 10_000
+    assert shot.stat().st_size > 10_000 and (ARTIFACTS / "pipetrain-panel-controls.png").stat().st_size > 10_000
     print(f"\nscreenshot: {shot}")

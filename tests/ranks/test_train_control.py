@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Run control with real ranks (2 gloo ranks, a 2-stage pipeline): while the run trains, a new learning rate shows
+in the logged LR from the step after the one that took it and survives a resume; save now writes a step LoRA and a
+checkpoint at one step; sample now renders the sample prompts with a step LoRA; stop after this epoch ends the run
+at the epoch's boundary with a checkpoint, resumable."""
+import json
+import time
+
+import pytest
+from conftest import Run, launch, train
+from PIL import Image
+from safetensors.torch import load_file
+
+from pipetrain.backend import run_control
+from pipetrain.backend.rundir import RunDir, RunsRoot
+from pipetrain.launcher.summaries import summarize
+
+pytestmark = pytest.mark.slow
+
+OLD_LR, NEW_LR = 2e-3, 7.5e-4
+STEPS_PER_EPOCH = 4   # 4 images, global batch 1
+SAMPLES = {"prompts": ["a red circle"], "seed": 3, "width": 64, "height": 64, "steps": 2}
+
+
+def _events(run_dir, type_, **match) -> list[dict]:
+    try:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    events = [json.loads(line) for line in lines if line.strip()]
+    return [e for e in events if e["type"] == type_ and all(e.get(k) == v for k, v in match.items())]
+
+
+def _wait(proc, output, type_, timeout=600, **match) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for run_dir in output.glob("2*"):
+            if found := _events(run_dir, type_, **match):
+                return found[0]
+        assert proc.poll() is None, f"the run ended before a {type_} event:\n{proc.communicate()[0][-4000:]}"
+        time.sleep(0.1)
+    raise TimeoutError(type_)
+
+
+def test_save_sample_lr_and_stop_after_epoch_while_training_then_resume(micro_flux_files, make_run):
+    config = make_run(micro_flux_files, images=4, name="control", stages=2, epochs=6, samples=SAMPLES,
+                      lr_scheduler="constant", save_every_n_epochs=100, checkpoint_every_n_epochs=100,
+                      optimizer={"type": "adamw", "lr": OLD_LR})
+    output = config.parent / "output"
+    proc = launch(config, 2)
+    try:
+        _wait(proc, output, "step")
+        run_dir = RunDir(next(output.glob("2*")))
+        for action in ("save", "sample"):
+            run_control.request(run_dir, action)
+        run_control.request(run_dir, "lr", NEW_LR)
+        _wait(proc, output, "sample_saved")               # the samples hold every rank: the run waits for them
+        run_control.request(run_dir, "stop_after_epoch")
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    run = Run(0, out, output)
+    acted = {e["action"]: e for e in run.events("control")}
+    assert set(acted) == {"save", "sample", "lr", "stop_after_epoch"}, run.events("control")
+
+    # the new learning rate: logged from the step after the one that took it, the config's before
+    lr = acted["lr"]
+    assert lr["lr"] == NEW_LR and lr["from_step"] == lr["step"] + 1
+    logged = {e["step"]: e["lr"] for e in run.events("step")}
+    assert {s: v for s, v in logged.items() if s <= lr["step"]} == {s: OLD_LR for s in range(1, lr["step"] + 1)}
+    assert set(v for s, v in logged.items() if s > lr["step"]) == {NEW_LR}
+
+    # save now: a step LoRA and a checkpoint, both of the step that took the request
+    step = acted["save"]["step"]
+    saved = run.events("step_lora_saved")
+    assert [e["step"] for e in saved] == [step] and load_file(saved[0]["path"])
+    checkpoints = {e["step"]: e["path"] for e in run.events("checkpoint")}
+    assert step in checkpoints and (run.run_dir / "checkpoints" / f"step{step:08d}" / "pipetrain.json").is_file()
+
+    # sample now: the prompts rendered with that step LoRA, beside it
+    samples = run.events("sample_saved")
+    assert [(e["step"], e["prompt"]) for e in samples] == [(acted["sample"]["step"], "a red circle")]
+    assert samples[0]["path"].startswith(saved[0]["path"].removesuffix(".safetensors"))
+    assert Image.open(samples[0]["path"]).size == (64, 64)
+    listed = summarize(RunsRoot(output), run.run_dir.name, False)      # what the panel shows of them
+    assert [s["path"] for x in listed["step_samples"] for s in x["samples"]] == [samples[0]["path"]]
+
+    # stop after this epoch: at the boundary of the epoch that took it, with a checkpoint; resumable
+    stopped = run.events("stopped")[-1]
+    epoch = acted["stop_after_epoch"]["epoch"]
+    assert stopped["after_epoch"] == epoch and stopped["step"] == epoch * STEPS_PER_EPOCH < 6 * STEPS_PER_EPOCH
+    assert run.events("step")[-1]["step"] == stopped["step"] and stopped["step"] in checkpoints
+    assert run.status()["state"] == "stopped" and run.status()["stop_after_epoch"] is None   # no longer pending
+    kept = json.loads((run.run_dir / "checkpoints" / f"step{stopped['step']:08d}" / "pipetrain.json").read_text())
+    assert kept["base_lr"] == NEW_LR
+
+    resumed = train(config, 2, "--resume")
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    resume = resumed.events("resume")[-1]
+    assert resume["step"] == stopped["step"] and resume["base_lr"] == NEW_LR
+    after = [e["lr"] for e in resumed.events("step") if e["time"] > resume["time"]]
+    assert len(after) == 6 * STEPS_PER_EPOCH - stopped["step"] and set(after) == {NEW_LR}
+    assert resumed.status()["state"] == "finished"
