@@ -25,6 +25,7 @@ ADAPTERS: dict[str, str] = {
     "qwen_image": ".qwen_image:QwenImageAdapter",
     "qwen_image_edit": ".qwen_image:QwenImageEditAdapter",
     "ltx_video": ".ltx_video:LTXVideoAdapter",
+    "ltx_video_i2v": ".ltx_video:LTXVideoI2VAdapter",
     "cosmos_predict2": ".cosmos:CosmosPredict2Adapter",
     "cosmos": ".cosmos1:Cosmos1Adapter",
     "auraflow": ".auraflow:AuraFlowAdapter",
