@@ -52,8 +52,8 @@ class ModelAdapter(ABC):
             raise ConfigError(f"a {cfg.type} model trains on every timestep; min_t and max_t are for Wan models "
                               "(remove them)", file=file, key="model.min_t")
         if cfg.clip_vision is not None and not cls.takes_clip_vision:
-            raise ConfigError(f"a {cfg.type} model takes no CLIP-vision file (Wan 2.1 i2v does); remove the key",
-                              file=file, key="model.clip_vision")
+            raise ConfigError(f"a {cfg.type} model takes no CLIP-vision file (Wan 2.1 i2v and flf2v do); "
+                              "remove the key", file=file, key="model.clip_vision")
         allowed = cls.spec.accepted_text_encoder_types()
         for i, declared in cfg.declared_text_encoder_types():
             if declared.lower() not in allowed:
