@@ -54,6 +54,9 @@ def _key_lines(cls, data: dict, prefix: str = "") -> list[str]:
                 lines.append(f"  {key}: read as is (diffusion-pipe's meaning where it has the key)")
         elif name in renames:
             lines.append(f"  {key}: read as {renames[name]}")
+        elif cls.__name__ == "ModelConfig" and name == "first_frame_conditioning_p":
+            lines.append(f"  {key}: 1 trains type 'ltx_video_i2v' (every clip's first frame given), 0 plain "
+                         "text to video; other values are refused")
         elif cls.__name__ == "ModelConfig" and name in compat.TEXT_ENCODER_KEYS:
             lines.append(f"  {key}: a text-encoder file, read into text_encoders (order: "
                          f"{', '.join(compat.TEXT_ENCODER_KEYS)})")

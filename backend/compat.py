@@ -183,6 +183,8 @@ def _rename(data: dict, alias: str, target: str, file, prefix: str) -> None:
 def preprocess_model(data: dict, file, prefix: str) -> dict:
     if isinstance(data.get("type"), str):
         data["type"] = TYPE_ALIASES.get(data["type"], data["type"])
+    if data.get("type") == "ltx_video" and "first_frame_conditioning_p" in data:
+        _first_frame_conditioning(data, file, prefix)
     for alias, target in MODEL_RENAMES.items():
         _rename(data, alias, target, file, prefix)
     given = [k for k in TEXT_ENCODER_KEYS if k in data]
@@ -193,6 +195,19 @@ def preprocess_model(data: dict, file, prefix: str) -> dict:
         data["text_encoders"] = [data.pop(k) for k in given]
     model_folders.expand(data, file, prefix)
     return data
+
+
+def _first_frame_conditioning(data: dict, file, prefix: str) -> None:
+    """diffusion-pipe's LTX-Video ``first_frame_conditioning_p``: the share of clips trained with their first frame
+    given. Every clip (1) is the type ``ltx_video_i2v``, none (0) plain ``ltx_video``; a share of them is not
+    built (a run here trains one mode)."""
+    p = data.pop("first_frame_conditioning_p")
+    if p == 1:
+        data["type"] = "ltx_video_i2v"
+    elif p != 0:
+        raise ConfigError(f"got {p!r}; a run here trains every clip with its first frame given or none: set "
+                          "type = 'ltx_video_i2v' (or first_frame_conditioning_p = 1.0) for image to video, or "
+                          "remove the key for text to video", file=file, key=_key(prefix, "first_frame_conditioning_p"))
 
 
 def edit_type(model_type: str, has_control: bool) -> str:

@@ -356,7 +356,8 @@ class ModelNode(io.ComfyNode):
                                tooltip="Detected from the file, except what the weights cannot tell: Flux Kontext "
                                "(a Flux file), Qwen-Image-Edit, Wan 2.2 5B image-to-video"),
                 io.Combo.Input("clip_vision", options=[NONE] + clip_vision_options(), default=NONE, optional=True,
-                               tooltip="Wan 2.1 image-to-video: clip_vision_h from models/clip_vision"),
+                               tooltip="Wan 2.1 image-to-video and first-last-frame: clip_vision_h from "
+                                       "models/clip_vision"),
                 io.Float.Input("min_t", default=start("model.min_t"), min=0.0, max=1.0, step=0.005, optional=True,
                                tooltip="Flow models: train only timesteps >= min_t (Wan 2.2 high-noise expert: 0.875 "
                                "t2v, 0.9 i2v)"),

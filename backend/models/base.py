@@ -65,8 +65,8 @@ class ModelAdapter(ABC):
                 raise ConfigError(f"a {cfg.type} model has no DDPM noise schedule to weigh by SNR; {key} is for "
                                   "SDXL (remove it)", file=file, key=f"model.{key}")
         if cfg.clip_vision is not None and not cls.takes_clip_vision:
-            raise ConfigError(f"a {cfg.type} model takes no CLIP-vision file (Wan 2.1 i2v does); remove the key",
-                              file=file, key="model.clip_vision")
+            raise ConfigError(f"a {cfg.type} model takes no CLIP-vision file (Wan 2.1 i2v and flf2v do); "
+                              "remove the key", file=file, key="model.clip_vision")
         allowed = cls.spec.accepted_text_encoder_types()
         for i, declared in cfg.declared_text_encoder_types():
             if declared.lower() not in allowed:
@@ -244,3 +244,30 @@ class VideoLatents:
         import comfy.latent_formats
         fmt = getattr(comfy.latent_formats, self.latent_format)()
         return fmt.process_in(vae.encode(frames).float()).cpu()[0]
+
+
+class GivenFirstFrame:
+    """Mixin for the i2v modes ComfyUI samples with the clip's first latent frame given clean (Wan 2.2 5B's
+    ``Wan22ImageToVideoLatent``, LTX-Video's ``LTXVImgToVideo``): it is cached as ``first_frame`` (the first pixel
+    frame encoded alone, as those nodes encode their image), and the loss leaves that frame out, since ComfyUI's
+    sampler puts the given latent over its prediction. The layers take ``first_frame`` with timestep 0."""
+    conditioning_fields = ("first_frame",)
+    still_type: str   # the model type that trains still images on the same file (named in the error)
+
+    def encode_conditioning(self, vae, media, control):
+        if media.shape[0] < 2:
+            raise ModelError(f"{self.arch} trains on videos only (the first frame conditions the others); "
+                             f"this dataset has a still image: train stills with type '{self.still_type}'")
+        return {"first_frame": self.encode_video(vae, media[:1])}
+
+    def loss(self, pred, labels):
+        latents, noise, t = labels[:3]
+        objective = self.objective()
+        target = objective.target(latents, noise, t)
+        mask = loss_mask(labels)   # [B, 1, 1, H, W]: the same weights on every frame
+        return self.criterion(pred[:, :, 1:], target[:, :, 1:], objective.loss_weights(t),
+                              None if mask is None else mask.expand(-1, -1, pred.shape[2], -1, -1)[:, :, 1:])
+
+    def probe_text(self, generator):
+        """The caption's tensors, then a given first frame (for ``check_lora`` and the parity check)."""
+        return [*super().probe_text(generator), self.probe_latent(generator)[:, :, :1]]

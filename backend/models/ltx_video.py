@@ -25,6 +25,11 @@ constant shift. The text is T5-XXL's, as ComfyUI's LTXV text encoder gives it, c
 tokens (ComfyUI pads to 128 tokens and masks the padding out of cross-attention, which is the same);
 captions of different lengths in one micro-batch are masked. LoRA goes on every linear of the blocks
 (self- and cross-attention q/k/v/out, feed-forward).
+
+``ltx_video_i2v`` trains the image-to-video mode ComfyUI samples with ``LTXVImgToVideo``: the first latent frame
+is the clean latent of the clip's first frame (cached as ``first_frame``, encoded alone as the node encodes its
+image), the node's noise mask gives its tokens timestep 0 and the others t (``LTXV.process_timestep``: one
+timestep per token), and the loss covers the other frames (the sampler keeps the given frame). Clips only.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import torch
 from torch import nn
 
 from .attention import sdpa_transformer_options
-from .base import ModelAdapter, VideoLatents
+from .base import GivenFirstFrame, ModelAdapter, VideoLatents
 from .carry import TupleLayer, hide, reveal, with_grad
 from .checkpointing import BlockLayer
 from .objectives import FlowMatching
@@ -101,7 +106,7 @@ def key_mask(text_lengths: torch.Tensor, tokens: int, dtype: torch.dtype) -> tor
 class LTXInput(TupleLayer):
     cost = 0.05
 
-    def __init__(self, dm, objective, dtype):
+    def __init__(self, dm, objective, dtype, conditioning: tuple[str, ...] = ()):
         super().__init__()
         # only the embedders become children: the blocks belong to other layers
         self.patchify_proj, self.adaln_single = dm.patchify_proj, dm.adaln_single
@@ -109,12 +114,18 @@ class LTXInput(TupleLayer):
         self.patchifier, self.inner_dim = dm.patchifier, dm.inner_dim
         self.vae_scale_factors, self.causal = dm.vae_scale_factors, dm.causal_temporal_positioning
         self.rope = rope_tables(dm)
-        self.objective, self.dtype = objective, dtype
+        self.objective, self.dtype, self.conditioning = objective, dtype, conditioning
 
-    def run(self, latents, noise, t, context, text_lengths):
+    def run(self, latents, noise, t, context, text_lengths, *conditioning):
         from comfy.ldm.lightricks.symmetric_patchifier import latent_to_pixel_coords
 
-        x_t = self.objective.noisy(latents, noise, t).to(self.dtype)
+        cond = dict(zip(self.conditioning, conditioning))
+        x_t = self.objective.noisy(latents, noise, t)
+        timestep = self.objective.model_timestep(t)
+        if "first_frame" in cond:   # LTXVImgToVideo: the first frame clean, its tokens at timestep 0
+            x_t = torch.cat([cond["first_frame"].to(x_t.dtype), x_t[:, :, 1:]], dim=2)
+            timestep = first_frame_token_timesteps(timestep, x_t.shape)
+        x_t = x_t.to(self.dtype)
         size = torch.tensor(list(x_t.shape[2:]), device=x_t.device)
         x, latent_coords = self.patchifier.patchify(x_t)
         coords = latent_to_pixel_coords(latent_coords, self.vae_scale_factors, causal_fix=self.causal).float()
@@ -122,13 +133,22 @@ class LTXInput(TupleLayer):
         x = self.patchify_proj(x)
         pe = pack_rope(self.rope(coords, x.dtype))
         b = x.shape[0]
-        timestep, embedded = self.adaln_single(self.objective.model_timestep(t).flatten() * 1000.0,
+        timestep, embedded = self.adaln_single(timestep.flatten() * 1000.0,
                                                {"resolution": None, "aspect_ratio": None}, batch_size=b,
                                                hidden_dtype=x.dtype)
         timestep = timestep.view(b, -1, timestep.shape[-1])
         embedded = embedded.view(b, -1, embedded.shape[-1])
         context = self.caption_projection(context.to(self.dtype)).view(b, -1, x.shape[-1])
         return with_grad(x), hide(context), hide(timestep), hide(embedded), hide(pe[0]), size, text_lengths
+
+
+def first_frame_token_timesteps(timestep: torch.Tensor, shape) -> torch.Tensor:
+    """[B, tokens]: ``timestep`` [B] for every token but those of the first latent frame, which get 0 -- what
+    ComfyUI's ``LTXV.process_timestep`` makes of LTXVImgToVideo's noise mask (tokens in T, H, W order)."""
+    b, _, frames, h, w = shape
+    mask = torch.ones(1, frames, h * w, dtype=timestep.dtype, device=timestep.device)
+    mask[:, 0] = 0
+    return (timestep.reshape(b, 1, 1) * mask).flatten(1)
 
 
 def rope_tables(dm):
@@ -252,7 +272,7 @@ class LTXVideoAdapter(VideoLatents, ModelAdapter):
 
     def to_layers(self):
         dm = self.diffusion_model
-        layers: list[nn.Module] = [LTXInput(dm, self.objective(), self.dtype)]
+        layers: list[nn.Module] = [LTXInput(dm, self.objective(), self.dtype, self.conditioning_fields)]
         blocks = [LTXBlock(b, self.dtype) for b in dm.transformer_blocks]
         kind = rope_kind(dm)
         for block in blocks:
@@ -275,6 +295,22 @@ class LTXVideoAdapter(VideoLatents, ModelAdapter):
     def reference_forward(self, x_t, t, text):
         """ComfyUI's LTXVModel forward with the integer caption mask ComfyUI's T5 gives it."""
         cond, lengths = text
+        return self._comfy_forward(x_t, self.objective().model_timestep(t), cond, lengths)
+
+    def _comfy_forward(self, x, timestep, cond, lengths):
         mask = (torch.arange(cond.shape[1], device=cond.device)[None] < lengths[:, None].to(cond.device)).long()
-        return self.diffusion_model(x_t.to(self.dtype), self.objective().model_timestep(t), cond.to(self.dtype),
-                                    attention_mask=mask, frame_rate=LTX_FPS)
+        return self.diffusion_model(x.to(self.dtype), timestep, cond.to(self.dtype), attention_mask=mask,
+                                    frame_rate=LTX_FPS)
+
+
+class LTXVideoI2VAdapter(GivenFirstFrame, LTXVideoAdapter):
+    """LTX-Video image to video: the clip's first frame given, as ComfyUI's LTXVImgToVideo (strength 1) gives it."""
+    arch = "ltx_video_i2v"
+    still_type = "ltx_video"
+
+    def reference_forward(self, x_t, t, text):
+        """ComfyUI's LTXV under LTXVImgToVideo: the first frame given, one timestep per token [B, tokens, 1]."""
+        cond, lengths, first = text
+        x = torch.cat([first.to(x_t.dtype), x_t[:, :, 1:]], dim=2)
+        timestep = first_frame_token_timesteps(self.objective().model_timestep(t), x.shape)[..., None]
+        return self._comfy_forward(x, timestep, cond, lengths)

@@ -22,7 +22,9 @@ LoRA goes on every linear of the blocks (self- and cross-attention q/k/v/o, i2v'
 
 Types: ``wan`` -- Wan 2.1 t2v (1.3B, 14B) and the Wan 2.2 14B t2v experts (same network, ComfyUI's
 WAN21_T2V); ``wan_i2v`` -- Wan 2.1 i2v 14B (WAN21_I2V, with CLIP-vision tokens) and Wan 2.2 i2v 14B
-(WAN21_T2V with 36 input channels, no CLIP vision). Wan 2.2 TI2V 5B is ``wan22.py``.
+(WAN21_T2V with 36 input channels, no CLIP vision); ``wan_flf2v`` -- Wan 2.1 first-last-frame 14B (WAN21_I2V
+whose CLIP-vision projection has a position embedding for the two frames' tokens, ``img_emb.emb_pos``).
+Wan 2.2 TI2V 5B is ``wan22.py``.
 """
 from __future__ import annotations
 
@@ -58,6 +60,10 @@ WAN_I2V_CONFIGS = {
     "full_22": wan_config(5120, 13824, 40, in_dim=36),
     "tiny_22": wan_config(256, 512, 2, in_dim=36),
 }
+# flf2v: Wan 2.1 i2v plus img_emb.emb_pos over the first and the last frame's CLIP-vision tokens (2 x 257), from
+# which ComfyUI's detection reads flf_pos_embed_token_number
+WAN_FLF2V_CONFIGS = {size: {**WAN_I2V_CONFIGS[size], "flf_pos_embed_token_number": 2 * 257}
+                     for size in ("tiny", "full")}
 
 
 def wan21_config(size: str) -> dict:
@@ -66,6 +72,10 @@ def wan21_config(size: str) -> dict:
 
 def wan_i2v_config(size: str) -> dict:
     return dict(WAN_I2V_CONFIGS["full" if size == "full" else "tiny"])
+
+
+def wan_flf2v_config(size: str) -> dict:
+    return dict(WAN_FLF2V_CONFIGS["full" if size == "full" else "tiny"])
 
 
 build_wan = comfy_diffusion_model("comfy.ldm.wan.model:WanModel")
@@ -80,7 +90,13 @@ WAN_I2V_SPEC = ArchSpec(
     title="Wan 2.1 / 2.2 14B i2v", comfy_configs=("WAN21_I2V", "WAN21_T2V"), unet_config=wan_i2v_config,
     build=build_wan, detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN",
     vae="wan21", example_file="wan2.2_i2v_high_noise_14B_fp16.safetensors",
-    accepts=lambda c: c.get("in_dim") == 36)
+    accepts=lambda c: c.get("in_dim") == 36 and "flf_pos_embed_token_number" not in c)
+
+WAN_FLF2V_SPEC = ArchSpec(
+    title="Wan 2.1 14B first-last-frame", comfy_configs=("WAN21_I2V",), unet_config=wan_flf2v_config,
+    build=build_wan, detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN",
+    vae="wan21", example_file="wan2.1_flf2v_720p_14B_fp16.safetensors",
+    accepts=lambda c: "flf_pos_embed_token_number" in c)
 
 
 class WanInput(TupleLayer):
@@ -239,19 +255,29 @@ class WanI2VAdapter(WanAdapter):
             raise ModelError(f"[model] clip_vision: file not found: {path}")
         return path
 
+    given_last_frame = False    # wan_flf2v: the clip's last frame is given too
+
     def encode_conditioning(self, vae, media, control):
         import comfy.latent_formats
         if media.shape[0] < 2:
-            raise ModelError(f"{self.arch} trains on videos only (the first frame conditions the others); "
+            raise ModelError(f"{self.arch} trains on videos only (the given frames condition the others); "
                              "this dataset has a still image: move images to another run or give clips")
         image = torch.full_like(media, 0.5)
         image[:1] = media[:1]
+        if self.given_last_frame:
+            image[-1:] = media[-1:]
         latent = comfy.latent_formats.Wan21().process_in(vae.encode(image).float()).cpu()[0]
         mask = torch.zeros(4, *latent.shape[1:])
         mask[:, 0] = 1.0
+        if self.given_last_frame:
+            # ComfyUI's mask is per pixel frame, the first one standing for 4, folded 4 to a latent frame: the
+            # clip's last pixel frame is the last latent frame's 4th mask channel alone (as the Wan reference does)
+            mask[3, -1] = 1.0
         out = {"concat": torch.cat([mask, latent])}
         if "clip_fea" in self.conditioning_fields:
-            out["clip_fea"] = self.encode_clip_vision(media[:1])
+            frames = [media[:1], media[-1:]] if self.given_last_frame else [media[:1]]
+            # WanFirstLastFrameToVideo: the two frames' tokens concatenated, first frame first
+            out["clip_fea"] = torch.cat([self.encode_clip_vision(f) for f in frames], dim=-2)
         return out
 
     def encode_clip_vision(self, image: torch.Tensor) -> torch.Tensor:
@@ -266,7 +292,8 @@ class WanI2VAdapter(WanAdapter):
         concat = torch.randn(b, 20, t, h, w, generator=generator)
         out = [*super().probe_text(generator), concat]
         if "clip_fea" in self.conditioning_fields:
-            out.append(torch.randn(b, CLIP_VISION_TOKENS, CLIP_VISION_WIDTH, generator=generator))
+            tokens = CLIP_VISION_TOKENS * (2 if self.given_last_frame else 1)
+            out.append(torch.randn(b, tokens, CLIP_VISION_WIDTH, generator=generator))
         return out
 
     def reference_forward(self, x_t, t, text):
@@ -274,3 +301,13 @@ class WanI2VAdapter(WanAdapter):
         x = torch.cat([x_t, concat], dim=1).to(self.dtype)
         clip_fea = clip[0].to(self.dtype) if clip else None
         return self.diffusion_model(x, self.objective().model_timestep(t), context.to(self.dtype), clip_fea=clip_fea)
+
+
+class WanFLF2VAdapter(WanI2VAdapter):
+    """Wan 2.1 first-last-frame-to-video 14B: the clip's first and last frames condition the frames between, as
+    ComfyUI's ``WanFirstLastFrameToVideo`` gives them: ``concat`` = [mask, the latent of (first frame, mid-grey
+    frames, last frame)], ``clip_fea`` = both frames' CLIP-vision tokens [514, 1280] (first, then last), which
+    the model's ``img_emb`` offsets by its position embedding before the projection."""
+    arch = "wan_flf2v"
+    spec = WAN_FLF2V_SPEC
+    given_last_frame = True

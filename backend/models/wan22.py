@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ModelError
-from .base import loss_mask
+from .base import GivenFirstFrame
 from .spec import ArchSpec
 from .wan import WanAdapter, build_wan, first_frame_mask, wan_config
 
@@ -48,26 +47,9 @@ class Wan22Adapter(WanAdapter):
     vae_scale = 16
 
 
-class Wan22I2VAdapter(Wan22Adapter):
+class Wan22I2VAdapter(GivenFirstFrame, Wan22Adapter):
     arch = "wan22_5b_i2v"
-    conditioning_fields = ("first_frame",)
-
-    def encode_conditioning(self, vae, media, control):
-        if media.shape[0] < 2:
-            raise ModelError(f"{self.arch} trains on videos only (the first frame conditions the others); "
-                             "this dataset has a still image: train stills with type 'wan22_5b'")
-        return {"first_frame": self.encode_video(vae, media[:1])}
-
-    def loss(self, pred, labels):
-        latents, noise, t = labels[:3]
-        objective = self.objective()
-        target = objective.target(latents, noise, t)
-        mask = loss_mask(labels)
-        return self.criterion(pred[:, :, 1:], target[:, :, 1:], objective.loss_weights(t),
-                              None if mask is None else mask.expand(-1, -1, pred.shape[2], -1, -1)[:, :, 1:])
-
-    def probe_text(self, generator):
-        return [*super().probe_text(generator), torch.randn(1, 48, 1, 8, 8, generator=generator)]
+    still_type = "wan22_5b"
 
     def reference_forward(self, x_t, t, text):
         """ComfyUI's WAN22 under Wan22ImageToVideoLatent: the first frame given, per-frame timesteps."""

@@ -103,3 +103,29 @@ def test_wan22_5b_ti2v_first_frame_given(model_files, tmp_path):
         assert payload["first_frame"].shape == (48, 1, 4, 4)
         assert torch.allclose(payload["first_frame"], payload["latent"][:, :1], atol=1e-6)
     check_epoch_loras(run, config, keys=20)
+
+
+def test_wan_flf2v_first_and_last_frames_condition_the_clip(model_files, tmp_path):
+    """Wan 2.1 first-last-frame (tiny, with a tiny CLIP vision): the cached conditioning is ComfyUI's mask for
+    both given frames + their latent, and the two frames' CLIP-vision tokens (first, then last); the LoRA loads."""
+    from pipetrain.backend.models.tiny import write_clip_vision
+
+    root = tmp_path / "job"
+    make_video_dataset(root / "dataset")
+    for still in (root / "dataset").glob("still*"):
+        still.unlink()
+    write_clip_vision(tmp_path / "clip_vision.safetensors")
+    config = write_configs(root, model_files("wan_flf2v"), stages=2, epochs=1, model={
+        "type": "wan_flf2v", "clip_vision": str(tmp_path / "clip_vision.safetensors")})
+    with open(root / "dataset.toml", "a") as f:
+        f.write("frame_buckets = [9]\n")
+    run = train(config, ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    store, entries = _entries(root, "wan_flf2v")
+    payload = store.get("latents", entries["clip_mp4.mp4"].latent)
+    concat, clip_fea = payload["concat"], payload["clip_fea"]
+    assert concat.shape == (20, 3, 8, 8) and (concat[:4, 0] == 1).all() and (concat[:4, 1] == 0).all()
+    assert (concat[:3, 2] == 0).all() and (concat[3, 2] == 1).all()   # the last pixel frame: 4th channel
+    assert clip_fea.shape == (514, 1280) and not torch.allclose(clip_fea[:257], clip_fea[257:])
+    assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]
+    check_epoch_loras(run, config, keys=24)   # + cross_attn.k_img / v_img

@@ -141,6 +141,11 @@ LOADS = [
     ("flux2", "flux2", "flux2",
      _table("flux2", "diffusion_model", "vae", extra="text_encoders = [{{path = '{te0}', type = 'flux2'}}]\n"
             "diffusion_model_dtype = 'float8'\nshift = 3")),
+    # diffusion-pipe's LTX-Video image to video: every clip with its first frame given
+    ("ltx-video first_frame_conditioning_p = 1", "ltx_video", "ltx_video_i2v",
+     _table("ltx-video", "diffusion_model", "vae", "t5_path", extra="first_frame_conditioning_p = 1.0")),
+    ("ltx-video first_frame_conditioning_p = 0", "ltx_video", "ltx_video",
+     _table("ltx-video", "diffusion_model", "vae", "t5_path", extra="first_frame_conditioning_p = 0")),
 ]
 
 # (case, [model] lines, the key refused, a fragment of the fix)
@@ -150,6 +155,9 @@ REFUSED = [
      "diffusion_model ="),
     ("hunyuan-video (checkpoint folder)", _table("hunyuan-video", "ckpt_path=/models/HunyuanVideo"),
      "model.ckpt_path", _FOLDER_FIX),
+    ("ltx-video first_frame_conditioning_p = 0.5", _table("ltx-video", "diffusion_model=/m/ltxv.safetensors",
+                                                          extra="first_frame_conditioning_p = 0.5"),
+     "model.first_frame_conditioning_p", "type = 'ltx_video_i2v'"),
     ("ltx-video", _table("ltx-video", "diffusers_path=/models/LTX-Video",
                          "single_file_path=/models/ltx-video-2b-v0.9.1.safetensors"), "model.diffusers_path",
      _FOLDER_FIX),
@@ -303,6 +311,15 @@ def test_check_config_reports_each_key_the_defaults_that_differ_and_the_refusals
     assert "  force_constant_lr: REFUSED: set [optimizer] lr and lr_scheduler = 'constant'" in out, out
     assert "  epoch: unknown key (a typo?)" in out
     assert "Does not load:" in out and "key 'force_constant_lr'" in out
+
+
+def test_check_config_tells_what_first_frame_conditioning_p_trains(tmp_path, capsys):
+    case = next(c for c in LOADS if c[0] == "ltx-video first_frame_conditioning_p = 1")
+    path = _write(tmp_path, MAIN + _model("ltx_video", case[3]) + ADAPTER + OPTIMIZER + MONITORING)
+    assert cli_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  model.first_frame_conditioning_p: 1 trains type 'ltx_video_i2v'" in out, out
+    assert "Loads: trains model type 'ltx_video_i2v'." in out
 
 
 def test_the_readme_lists_every_default_difference():

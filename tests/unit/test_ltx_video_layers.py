@@ -155,3 +155,101 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_ltx):
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_ltx):
     a = small_ltx
     every_boundary_is_a_stage_boundary_with_lora(a, _inputs())
+
+
+# --- image to video (ltx_video_i2v) ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_ltx_i2v():
+    from pipetrain.backend.models.ltx_video import LTXVideoI2VAdapter, ltx_config
+
+    config = {**ltx_config(2, 8), "num_attention_heads": 4, "cross_attention_dim": 32, "caption_channels": TEXT}
+    return small_adapter(LTXVideoI2VAdapter, "ltx_video", config, std=0.08, model_type="ltx_video_i2v")
+
+
+def _i2v_inputs(seed=1):
+    """``_inputs`` and a given first latent frame that is not the clip's own (so that using it shows)."""
+    (x0, noise, t, cond, lengths), g = padded_caption_inputs(128, (3, 4, 6), (7, 4), TEXT, 2, seed)
+    return x0, noise, t, cond, lengths, torch.randn(2, 128, 1, 4, 6, generator=g, dtype=torch.float64)
+
+
+class _GivenLatentVAE:
+    """What LTXVImgToVideo reads of a VAE: ``encode`` of the image (here, a latent given by the test)."""
+    def __init__(self, latent):
+        self.latent = latent
+
+    def encode(self, pixels):
+        return self.latent
+
+
+def test_i2v_layers_match_comfyui_under_ltxv_img_to_video(small_ltx_i2v):
+    """ComfyUI's sampling step under LTXVImgToVideo's output (strength 1): its noise mask through the sampler's
+    reshape, the given latent put over the first frame (KSamplerX0Inpaint), the mask as ``denoise_mask`` (one
+    timestep per token, 0 on the first frame) -- the layers compute the same prediction."""
+    comfy_nodes()
+    import comfy.utils
+    from comfy_extras.nodes_lt import LTXVImgToVideo
+
+    a = small_ltx_i2v
+    assert a.conditioning_fields == ("first_frame",)
+    x0, noise, t, cond, lengths, first = inputs = _i2v_inputs()
+    layers_match_comfyui_forward(a, inputs)
+    samples, masks = [], []
+    for i in range(2):   # one node per sample: each clip has its own first frame
+        _, _, latent = LTXVImgToVideo.execute([], [], torch.zeros(1, 128, 192, 3), _GivenLatentVAE(first[i:i + 1]),
+                                              192, 128, 17, 1, 1.0).args
+        samples.append(latent["samples"])
+        masks.append(latent["noise_mask"])
+    latent_image, noise_mask = torch.cat(samples).double(), torch.cat(masks).double()
+    assert latent_image.shape == x0.shape and noise_mask[:, 0, :, 0, 0].tolist() == [[0, 1, 1]] * 2
+    model = a.patcher.model
+    ms = model.model_sampling
+    mask = comfy.utils.reshape_mask(noise_mask, x0.shape)
+    x_in = ms.noise_scaling(t, noise, x0) * mask + latent_image * (1 - mask)
+    caption_mask = (torch.arange(cond.shape[1])[None] < lengths[:, None]).long()
+    with torch.no_grad():
+        comfy_denoised = model.apply_model(x_in, t, c_crossattn=cond, attention_mask=caption_mask, denoise_mask=mask)
+        ours = ms.calculate_denoised(t, run_layers(a.to_layers(), inputs), x_in)
+    assert (comfy_denoised - ours).abs().max() / ours.abs().max() < 1e-6   # apply_model's timesteps are float32
+    # the given frame is used: another one changes the other frames' prediction
+    other = (*inputs[:5], first + 1)
+    with torch.no_grad():
+        assert not torch.allclose(run_layers(a.to_layers(), other)[:, :, 1:], ours[:, :, 1:])
+
+
+def test_i2v_loss_leaves_out_the_given_first_frame(small_ltx_i2v):
+    a = small_ltx_i2v
+    x0, noise, t, *_ = _i2v_inputs()
+    target = a.objective().target(x0, noise, t)
+    assert torch.allclose(a.loss(torch.zeros_like(x0), (x0, noise, t)), (target[:, :, 1:] ** 2).mean())
+    assert not torch.allclose(a.loss(torch.zeros_like(x0), (x0, noise, t)), (target ** 2).mean())
+
+
+def test_i2v_lora_gradients_and_stage_boundaries(small_ltx_i2v):
+    a = small_ltx_i2v
+    dm = a.diffusion_model
+    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    give_lora_b_values(dm)
+    lora_gradients_match_finite_differences(a, _i2v_inputs(), eps=1e-5)
+    every_boundary_is_a_stage_boundary_with_lora(a, _i2v_inputs())
+
+
+def test_i2v_first_frame_is_what_ltxv_img_to_video_encodes(model_files):
+    """The cached ``first_frame``: the clip's first frame encoded alone by LTX's VAE, the latent ComfyUI's node
+    puts in the first frame; later frames change nothing; still images are refused."""
+    comfy_nodes()
+    from comfy_extras.nodes_lt import LTXVImgToVideo
+
+    from pipetrain.backend.models import loading
+    from pipetrain.backend.models.ltx_video import LTXVideoI2VAdapter
+
+    a = LTXVideoI2VAdapter(ModelConfig(type="ltx_video_i2v", diffusion_model="unused", vae="unused"))
+    vae = loading.load_vae(model_files("ltx_video").vae, arch="ltx_video")
+    clip = torch.rand(9, 64, 96, 3, generator=torch.Generator().manual_seed(0))
+    first = a.encode_conditioning(vae, clip, None)["first_frame"]
+    _, _, latent = LTXVImgToVideo.execute([], [], clip[:1], vae, 96, 64, 9, 1, 1.0).args
+    assert first.shape == (128, 1, 2, 3) and torch.allclose(first, latent["samples"][0, :, :1], atol=1e-6)
+    later = clip.clone()
+    later[5] = 1 - later[5]
+    assert torch.equal(a.encode_conditioning(vae, later, None)["first_frame"], first)
+    with pytest.raises(Exception, match="videos only"):
+        a.encode_conditioning(vae, clip[:1], None)

@@ -1,5 +1,6 @@
 """Wan variants beyond 2.1 t2v against ComfyUI: Wan 2.2 TI2V 5B (t2v, and its ti2v mode with the first frame
-given at timestep 0), Wan 2.1 i2v 14B (mask + image latent channels, CLIP-vision tokens) and Wan 2.2 i2v 14B
+given at timestep 0), Wan 2.1 i2v 14B (mask + image latent channels, CLIP-vision tokens), Wan 2.1 flf2v 14B
+(the same with both frames' CLIP-vision tokens and their position embedding) and Wan 2.2 i2v 14B
 (mask + image latent channels): the same output as ComfyUI's forward, LoRA gradients equal to finite differences
 of that forward, training targets ComfyUI's model turns back into the clean latent, every layer boundary a
 possible stage boundary; ComfyUI's detection of each layout; the Wan 2.2 VAE's tiny file; min_t / max_t."""
@@ -22,6 +23,7 @@ VARIANTS = {
     "i2v_21": ("wan_i2v", dict(in_dim=36, model_type="i2v")),
     "i2v_21_noclip": ("wan_i2v", dict(in_dim=36, model_type="i2v")),
     "i2v_22": ("wan_i2v", dict(in_dim=36)),
+    "flf2v": ("wan_flf2v", dict(in_dim=36, model_type="i2v")),
 }
 
 
@@ -30,8 +32,10 @@ def _adapter(variant):
     from pipetrain.backend.models.wan import wan_config
 
     arch, kwargs = VARIANTS[variant]
-    clip_vision = "clip_vision_h.safetensors" if variant == "i2v_21" else None
+    clip_vision = "clip_vision_h.safetensors" if variant in ("i2v_21", "flf2v") else None
     config = {**wan_config(64, 96, 2, **kwargs), "num_heads": 2, "text_dim": TEXT, "freq_dim": 32}
+    if arch == "wan_flf2v":   # img_emb.emb_pos over the two frames' tokens
+        config["flf_pos_embed_token_number"] = 514
     adapter = adapter_class(arch)(ModelConfig(type=arch, diffusion_model="unused", vae="unused",
                                               clip_vision=clip_vision))
     adapter.dtype = torch.float64
@@ -53,7 +57,8 @@ def _inputs(adapter, batch=2, size=(3, 6, 10), tokens=7, seed=1):
     t = torch.tensor([0.25, 0.8, 0.05][:batch], dtype=torch.float64)
     cond = {"first_frame": x0[:, :, :1].clone(),
             "concat": torch.randn(batch, 20, *size, generator=g, dtype=torch.float64),
-            "clip_fea": torch.randn(batch, 257, 1280, generator=g, dtype=torch.float64)}
+            "clip_fea": torch.randn(batch, 514 if adapter.arch == "wan_flf2v" else 257, 1280, generator=g,
+                                    dtype=torch.float64)}
     text = torch.randn(batch, tokens, TEXT, generator=g, dtype=torch.float64)
     return (x0, noise, t, text, *(cond[name] for name in adapter.conditioning_fields))
 
@@ -79,12 +84,13 @@ def test_comfyui_detects_each_layout_as_its_type():
     import comfy.supported_models as sm
 
     from pipetrain.backend.models import loading, tiny
-    from pipetrain.backend.models.wan import WAN_I2V_CONFIGS, build_wan
+    from pipetrain.backend.models.wan import WAN_FLF2V_CONFIGS, WAN_I2V_CONFIGS, build_wan
     from pipetrain.backend.models.wan22 import WAN22_5B_CONFIGS
 
     cases = [(WAN22_5B_CONFIGS[s], sm.WAN22_T2V, "wan22_5b") for s in ("tiny", "full")]
     cases += [(WAN_I2V_CONFIGS[s], sm.WAN21_I2V, "wan_i2v") for s in ("tiny", "full")]
     cases += [(WAN_I2V_CONFIGS[s], sm.WAN21_T2V, "wan_i2v") for s in ("tiny_22", "full_22")]
+    cases += [(WAN_FLF2V_CONFIGS[s], sm.WAN21_I2V, "wan_flf2v") for s in ("tiny", "full")]
     for config, comfy_class, arch in cases:
         sd = {k: torch.empty(s, device="meta") for k, s, _ in tiny.tensor_plan(build_wan(config))}
         assert type(comfy.model_detection.model_config_from_unet(sd, "")) is comfy_class
@@ -138,7 +144,7 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small):
     variant, a = small
     dm = a.diffusion_model
     names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
-    per_block = 12 if variant.startswith("i2v_21") else 10   # Wan 2.1 i2v: + k_img, v_img
+    per_block = 12 if variant.startswith("i2v_21") or variant == "flf2v" else 10   # Wan 2.1 i2v: + k_img, v_img
     assert len(names) == 2 * per_block and "blocks.1.cross_attn.v" in names
     give_lora_b_values(dm)
     if variant == "i2v_21_noclip":   # img_emb's k_img/v_img then see the text: every LoRA still gets a gradient
@@ -180,6 +186,60 @@ def test_i2v_conditioning_is_the_first_frame(model_files):
     assert not torch.allclose(a.encode_conditioning(vae, first, None)["concat"][4:], concat[4:])
     with pytest.raises(Exception, match="videos only"):
         a.encode_conditioning(vae, clip[:1], None)
+
+
+def test_flf2v_conditioning_is_the_first_and_last_frames(tmp_path, model_files):
+    """As ComfyUI's WanFirstLastFrameToVideo builds them (its own node run here on the same frames): ``concat`` =
+    ComfyUI's mask + the latent of [first frame, mid-grey, last frame]; ``clip_fea`` = the first then the last
+    frame's CLIP-vision tokens. A middle frame changes nothing, the last one changes the latent and tokens."""
+    from pipetrain.backend.runtime import comfy_nodes
+    comfy_nodes()   # ComfyUI's own ``nodes``, which nodes_wan imports (``python -m pytest`` puts our nodes/ first)
+    import comfy_extras.nodes_wan as nodes_wan
+
+    from pipetrain.backend.models import loading, tiny
+    from pipetrain.backend.models.wan import WanFLF2VAdapter
+
+    path = tmp_path / "clip_vision.safetensors"
+    tiny.write_clip_vision(path)
+    a = WanFLF2VAdapter(ModelConfig(type="wan_flf2v", diffusion_model="unused", vae="unused", clip_vision=str(path)))
+    assert a.conditioning_fields == ("concat", "clip_fea")
+    vae = loading.load_vae(model_files("wan").vae)
+    clip = torch.rand(9, 32, 48, 3, generator=torch.Generator().manual_seed(0))
+    out = a.encode_conditioning(vae, clip, None)
+
+    vision = loading.load_clip_vision(path)
+    first, last = (vision.encode_image(f, crop=False) for f in (clip[:1], clip[-1:]))
+    text = [[torch.zeros(1, 1, 8), {}]]
+    positive, _, latent = nodes_wan.WanFirstLastFrameToVideo.execute(
+        text, text, vae, 48, 32, 9, 1, start_image=clip[:1], end_image=clip[-1:],
+        clip_vision_start_image=first, clip_vision_end_image=last).args
+    positive = positive[0][1]
+    concat = _comfy_concat(torch.zeros(latent["samples"].shape), positive)
+    assert out["concat"].shape == (20, 3, 4, 6)
+    assert torch.allclose(out["concat"], concat[0], atol=1e-5)
+    mask = out["concat"][:4]
+    assert (mask[:, 0] == 1).all() and (mask[:, 1] == 0).all()
+    assert (mask[:3, -1] == 0).all() and (mask[3, -1] == 1).all()   # the last pixel frame: the 4th channel
+    assert torch.allclose(out["clip_fea"], positive["clip_vision_output"].penultimate_hidden_states[0].float())
+    assert out["clip_fea"].shape == (514, 1280)
+
+    middle = clip.clone()
+    middle[4] = 1 - middle[4]
+    assert torch.equal(a.encode_conditioning(vae, middle, None)["concat"], out["concat"])
+    end = clip.clone()
+    end[-1] = 1 - end[-1]
+    changed = a.encode_conditioning(vae, end, None)
+    assert not torch.allclose(changed["concat"][4:, -1], out["concat"][4:, -1])
+    assert torch.equal(changed["clip_fea"][:257], out["clip_fea"][:257])
+    assert not torch.allclose(changed["clip_fea"][257:], out["clip_fea"][257:])
+
+
+def _comfy_concat(noise, cond):
+    """ComfyUI's WAN21 (i2v) ``concat_cond`` on a node's conditioning values: the channels the model is given."""
+    from pipetrain.backend.models.wan import wan_flf2v_config
+
+    model = comfy_model("wan_flf2v", {**wan_flf2v_config("tiny"), "num_layers": 1}, dtype=torch.float32).model
+    return model.concat_cond(noise=noise, device="cpu", **cond)
 
 
 def test_tiny_clip_vision_gives_wan21_i2v_its_257_tokens(tmp_path, model_files):
