@@ -36,9 +36,6 @@ RUN = {
     "resume_from_checkpoint": Unsupported("pass --resume [RUN] on the command line", inert=(False,)),
     "force_constant_lr": Unsupported("set [optimizer] lr and lr_scheduler = 'constant' (a resumed run keeps "
                                      "the checkpoint's schedule)"),
-    "monitoring": Unsupported("Weights & Biases is not supported; the run logs to TensorBoard "
-                              "(<run>/tensorboard) and events.jsonl; set enable_wandb = false or remove [monitoring]",
-                              inert=lambda v: isinstance(v, dict) and not v.get("enable_wandb", False)),
 }
 
 # diffusion-pipe's type strings that name a model type here by another spelling

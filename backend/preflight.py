@@ -24,6 +24,12 @@ def check_model(model: ModelConfig, file) -> None:
 
 def check_run(cfg: RunConfig) -> RunConfig:
     check_model(cfg.model, cfg.file)
+    if cfg.monitoring is not None and cfg.monitoring.enable_wandb:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("Weights & Biases is not installed in this Python: pip install wandb, or set "
+                              "enable_wandb = false (the run logs to TensorBoard either way)", file=cfg.file,
+                              key="monitoring.enable_wandb")
     if cfg._dataset is not None:   # edit models need control images, other models take none: said before caching
         from .data import check_control_paths
         from .models.registry import adapter_class

@@ -250,6 +250,13 @@ class ScheduleNode(io.ComfyNode):
                 io.Int.Input("eval_image_micro_batch_size_per_gpu",
                              default=start("eval_image_micro_batch_size_per_gpu"), min=0, max=256, optional=True, tooltip="Video models: the eval micro batch of images "
                              "(0: the eval micro batch)"),
+                io.Boolean.Input("enable_wandb", default=False, optional=True, tooltip="Also log the run's "
+                                 "scalars to Weights & Biases (needs wandb installed and logged in on this machine: "
+                                 "`wandb login`); TensorBoard logs either way"),
+                io.String.Input("wandb_tracker_name", default="", optional=True, tooltip="With enable_wandb: the W&B "
+                                "project (empty: pipetrain)"),
+                io.String.Input("wandb_run_name", default="", optional=True, tooltip="With enable_wandb: the W&B run "
+                                "name (empty: the run id)"),
             ],
             outputs=[t.Schedule.Output(display_name="schedule")],
         )
@@ -261,10 +268,13 @@ class ScheduleNode(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, **keys) -> io.NodeOutput:
+    def execute(cls, enable_wandb=False, wandb_tracker_name="", wandb_run_name="", **keys) -> io.NodeOutput:
         # the widgets are the run keys; 0 leaves an optional one out (its default: off)
         counts = {k: unset_if_zero(v) for k, v in keys.items() if k in UNSET_BY_ZERO}
-        return io.NodeOutput(RunPatch.of({**keys, **counts}))
+        # the API key is never a widget (a workflow file would carry it): wandb's own login holds it
+        monitoring = {"monitoring": {"enable_wandb": True, "wandb_tracker_name": wandb_tracker_name.strip() or None,
+                                     "wandb_run_name": wandb_run_name.strip() or None}} if enable_wandb else {}
+        return io.NodeOutput(RunPatch.of({**keys, **counts, **monitoring}))
 
 
 # optional counts whose 0 means "off" (the key left out)

@@ -10,9 +10,9 @@ from .dataset import CaptionOptions, DatasetConfig, DirectoryConfig
 from .files import load_dataset_config, load_run_config, save_toml
 from .model import AdapterConfig, Dtype, ModelConfig, TextEncoderConfig, WeightDtype
 from .run import RunConfig
-from .sections import ClusterConfig, EvalDatasetConfig, OptimizerConfig, SamplesConfig
+from .sections import ClusterConfig, EvalDatasetConfig, MonitoringConfig, OptimizerConfig, SamplesConfig
 
 __all__ = ["MAX_RESOLUTION", "AdapterConfig", "CaptionOptions", "ClusterConfig", "DatasetConfig", "DirectoryConfig",
-           "Dtype", "EvalDatasetConfig", "ModelConfig", "OptimizerConfig", "RunConfig", "SamplesConfig",
+           "Dtype", "EvalDatasetConfig", "ModelConfig", "MonitoringConfig", "OptimizerConfig", "RunConfig", "SamplesConfig",
            "TextEncoderConfig", "WeightDtype", "check_caption_extension", "load_dataset_config", "load_run_config",
            "replace", "save_toml"]

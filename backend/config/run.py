@@ -12,7 +12,7 @@ from .common import check_folder, replace
 from .dataset import DatasetConfig
 from .model import AdapterConfig, Dtype, ModelConfig
 from .patch import widget
-from .sections import ClusterConfig, EvalDatasetConfig, OptimizerConfig, SamplesConfig
+from .sections import ClusterConfig, EvalDatasetConfig, MonitoringConfig, OptimizerConfig, SamplesConfig
 
 EMA_DECAY = 0.999   # the average follows about the last 1 / (1 - decay) = 1000 steps
 
@@ -83,6 +83,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     cluster: Optional[ClusterConfig] = None
     samples: Optional[SamplesConfig] = None
+    monitoring: Optional[MonitoringConfig] = None
     # what load_run_config attaches (not written back into run.toml): the dataset files, read once, and the
     # file this config came from
     _dataset: Optional[DatasetConfig] = None

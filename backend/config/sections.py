@@ -50,6 +50,26 @@ class OptimizerConfig:
 
 
 MAX_STRENGTHS = 6
+_WANDB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass
+class MonitoringConfig:
+    """diffusion-pipe's ``[monitoring]``: Weights & Biases beside TensorBoard (global rank 0 logs the same scalars)."""
+    enable_wandb: bool = False
+    wandb_api_key: Optional[str] = None       # else wandb's own login (``wandb login``, WANDB_API_KEY)
+    wandb_tracker_name: Optional[str] = None  # the W&B project (default "pipetrain")
+    wandb_run_name: Optional[str] = None      # default: the run id
+
+    def validate(self, file):
+        for key in ("wandb_tracker_name", "wandb_run_name"):
+            value = getattr(self, key)
+            if value and not _WANDB_NAME.match(value):   # '' (diffusion-pipe's examples): the default
+                raise ConfigError("use letters, digits, '.', '-' and '_' (at most 128)", file=file,
+                                  key=f"monitoring.{key}")
+        if self.wandb_api_key and not re.fullmatch(r"[A-Za-z0-9_-]{8,128}", self.wandb_api_key):
+            raise ConfigError("not a W&B API key (letters and digits); the value is not shown", file=file,
+                              key="monitoring.wandb_api_key")
 
 
 @dataclass

@@ -22,6 +22,7 @@ class RunReporter:
                 previous = {}
             self.status = {**previous, **self.status, "error": None}
         self._tb = None
+        self.wandb = None   # train/wandb_sink.py: the same scalars to Weights & Biases ([monitoring])
 
     def event(self, type_: str, **fields) -> None:
         if not self.enabled:
@@ -47,6 +48,8 @@ class RunReporter:
         return self._tb
 
     def scalars(self, step: int, **values) -> None:
+        if self.enabled and self.wandb is not None:
+            self.wandb.log(step, values)
         if not self.enabled or not self._writer():
             return
         for name, value in values.items():
@@ -65,3 +68,5 @@ class RunReporter:
     def close(self) -> None:
         if self._tb:
             self._tb.close()
+        if self.wandb is not None:
+            self.wandb.close()

@@ -170,6 +170,9 @@ class Trainer:
             if warning:
                 reporter.event("warning", message=warning)
                 log.warning(warning)
+            if not self.opts.cache_only:
+                from .wandb_sink import attach
+                attach(reporter, self.cfg, run_dir.name, run_dir.path)
         distributed.barrier()
         return run_dir, reporter
 

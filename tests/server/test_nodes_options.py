@@ -12,7 +12,10 @@ from pipetrain.launcher.build import LAUNCHER_KEYS
 
 # section -> the node whose inputs set its keys ("": top-level run keys, on any setting node)
 SECTION_NODES = {"model": "PipeTrainModel", "adapter": "PipeTrainAdapter", "optimizer": "PipeTrainOptimizer",
-                 "samples": "PipeTrainSamples", "cluster": "PipeTrainParallelism", "dataset": "PipeTrainDataset"}
+                 "samples": "PipeTrainSamples", "cluster": "PipeTrainParallelism", "dataset": "PipeTrainDataset",
+                 "monitoring": "PipeTrainSchedule"}
+# secrets are never widgets (a workflow file carries every widget value)
+NOT_ON_NODES = {"monitoring.wandb_api_key"}
 RUN_KEY_NODES = ("PipeTrainDataset", "PipeTrainAdapter", "PipeTrainOptimizer", "PipeTrainSchedule",
                  "PipeTrainParallelism", "PipeTrainMemory", "PipeTrainTrain")
 # keys whose widget has another name (a node's form: several widgets, a picker, a clearer word)
@@ -46,6 +49,8 @@ def test_every_config_key_has_a_node_input(node_inputs):
     for key in _config_keys():
         if key in LAUNCHER_KEYS and key not in WIDGET_NAMES and key != "run_name":
             continue   # where the run writes and its dataset file: the launcher's
+        if key in NOT_ON_NODES:
+            continue
         section, _, name = key.rpartition(".")
         nodes = [SECTION_NODES[section.split(".")[0]]] if section else RUN_KEY_NODES
         widget = WIDGET_NAMES.get(key, name)

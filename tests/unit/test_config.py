@@ -124,3 +124,22 @@ def test_sizes_and_output_folders_are_checked_before_anything_runs(files):
     (files / "run.toml").write_text(RUN.replace('output_dir = "out"', 'output_dir = "elsewhere"\nlora_dir = "out"'))
     with pytest.raises(ConfigError, match="key 'lora_dir'.*is a file, not a folder"):
         load_run_config(files / "run.toml")
+
+
+def test_wandb_without_the_package_is_refused_naming_the_key(files):
+    """[monitoring] enable_wandb with no wandb in this Python: refused before anything runs (this machine has no
+    wandb; tests/ranks/test_wandb.py runs with a stand-in)."""
+    import importlib.util
+
+    from pipetrain.backend.preflight import load_run
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    run = files / "run.toml"
+    run.write_text(run.read_text() + "\n[monitoring]\nenable_wandb = true\n")
+    with pytest.raises(ConfigError, match="key 'monitoring.enable_wandb'.*pip install wandb"):
+        load_run(run)
+    run.write_text(run.read_text().replace("enable_wandb = true", "enable_wandb = true\nwandb_api_key = 'a b'"))
+    with pytest.raises(ConfigError, match="monitoring.wandb_api_key") as err:
+        load_run(run)
+    assert "a b" not in str(err.value)

@@ -140,7 +140,7 @@ def test_the_flux_example_shows_every_option():
     shown = _commented_keys(text)
     for cls in (RunConfig, ModelConfig, AdapterConfig, OptimizerConfig):
         missing = {f.name for f in fields(cls) if not f.name.startswith("_")} - shown - {
-            "adapter", "optimizer", "model", "cluster", "samples", "v_pred", "min_snr_gamma",
+            "adapter", "optimizer", "model", "cluster", "samples", "monitoring", "v_pred", "min_snr_gamma",
             "debiased_estimation_loss"}   # SDXL's: sdxl_lora.toml shows them
         assert not missing, (cls.__name__, missing)
     dataset_shown = _commented_keys((EXAMPLES / "dataset.toml").read_text())
@@ -149,7 +149,7 @@ def test_the_flux_example_shows_every_option():
 
 
 @pytest.mark.parametrize("edit, key, reason", [
-    (("enable_wandb = false", "enable_wandb = true"), "monitoring", "TensorBoard"),
+    (("enable_wandb = false", "enable_wandb = true"), "monitoring.enable_wandb", "pip install wandb"),
     (("eval_micro_batch_size_per_gpu = 1", "eval_micro_batch_size_per_gpu = [[512, 4]]"),
      "eval_micro_batch_size_per_gpu", "one integer"),
     (("epochs = 1000", "epochs = 1000\nforce_constant_lr = 1e-5"), "force_constant_lr", "lr_scheduler = 'constant'"),
