@@ -114,7 +114,10 @@ def _declared() -> dict[str, str]:
     """import name -> distribution, from pyproject.toml's dependencies."""
     import re
     import tomllib
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    # optional dependencies (extras) count: the code imports them only where a config asks for them
+    extras = {k: v for k, v in project.get("optional-dependencies", {}).items() if k != "test"}
+    deps = project["dependencies"] + [d for extra in extras.values() for d in extra]
     names = {re.split(r"[<>=;\s\[]", d, maxsplit=1)[0].lower() for d in deps}
     return {IMPORT_NAMES.get(n, n.replace("-", "_")): n for n in names}
 
