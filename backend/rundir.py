@@ -249,16 +249,24 @@ def cache_folder(output_dir: Path) -> Path:
     return Path(output_dir) / CACHE
 
 
-def _finished(run: RunDir) -> bool:
-    return (run.read_status() or {}).get("state") == "finished"
+def _nothing_left(run: RunDir, cfg) -> bool:
+    """The run finished and this config asks for no more: no more epochs, no higher max_steps. (A finished run
+    resumed with more epochs trains on: diffusion-pipe's way of extending a run.)"""
+    status = run.read_status() or {}
+    if status.get("state") != "finished":
+        return False
+    more_epochs = cfg.epochs > (status.get("epoch") or 0)   # the epoch its last step was in
+    more_steps = cfg.max_steps is not None and cfg.max_steps > (status.get("total_steps") or 0)
+    return not (more_epochs or more_steps)
 
 
-def _unfinished(run: RunDir) -> RunDir:
-    """A run to resume, refused when it has finished: resuming would train nothing and save its last epoch
-    again (the panel's Resume route answers 409 for the same reason)."""
-    if _finished(run):
-        raise ConfigError(f"--resume {run.name}: that run has finished, nothing is left to train; start a new run "
-                          "(without --resume), or train on from its LoRA with [adapter] init_from_existing")
+def _resumable(run: RunDir, cfg) -> RunDir:
+    """A run to resume, refused when it has finished and the config asks for nothing more: resuming would train
+    nothing and save its last epoch again (the panel's Resume route answers 409 for the same reason)."""
+    if _nothing_left(run, cfg):
+        raise ConfigError(f"--resume {run.name}: that run has finished and this config trains no further (epochs "
+                          f"= {cfg.epochs}); raise epochs (or max_steps) to train on, or start a new run without "
+                          "--resume")
     return run
 
 
@@ -284,12 +292,12 @@ def choose_run_dir(cfg, resume: str | None) -> RunDir:
         path = Path(resume) if Path(resume).is_absolute() else out / resume
         if not path.is_dir():
             raise ConfigError(f"--resume {resume}: no such run directory under {out}")
-        run = _unfinished(RunDir(path))
+        run = _resumable(RunDir(path), cfg)
     elif cfg.run_name and (out / cfg.run_name).is_dir():
-        run = _unfinished(RunDir(out / cfg.run_name))
+        run = _resumable(RunDir(out / cfg.run_name), cfg)
     else:
         runs = [RunDir(p) for p in sorted(out.iterdir()) if p.is_dir()] if out.is_dir() else []
-        runs = [r for r in runs if r.latest_checkpoint() and not _finished(r)]
+        runs = [r for r in runs if r.latest_checkpoint() and not _nothing_left(r, cfg)]
         if not runs:
             raise ConfigError(f"--resume: no unfinished run with a checkpoint under {out}; start a new run without "
                               "--resume")

@@ -134,7 +134,14 @@ def test_a_finished_run_is_not_resumed_and_the_newest_unfinished_one_is(tmp_path
         return run
 
     stopped = run_with_checkpoint("older", "stopped", 1_000)
-    run_with_checkpoint("newer", "finished", 2_000)
-    with pytest.raises(ConfigError, match="--resume newer: that run has finished"):
+    finished = run_with_checkpoint("newer", "finished", 2_000)
+    finished.status_file.write_text(json.dumps({"state": "finished", "epoch": 10, "epochs": 10, "total_steps": 40}))
+    with pytest.raises(ConfigError, match="--resume newer: that run has finished and this config trains no further"):
         choose_run_dir(_cfg(tmp_path), "newer")
     assert choose_run_dir(_cfg(tmp_path), "") == stopped
+    # more epochs than it finished with: it trains on (diffusion-pipe's way of extending a run)
+    assert choose_run_dir(_cfg(tmp_path, epochs=12), "newer") == finished
+    assert choose_run_dir(_cfg(tmp_path, epochs=12), "") == finished
+    # stopped by max_steps in epoch 4 of 10: without the cap it trains on
+    finished.status_file.write_text(json.dumps({"state": "finished", "epoch": 4, "epochs": 10, "total_steps": 16}))
+    assert choose_run_dir(_cfg(tmp_path), "newer") == finished
