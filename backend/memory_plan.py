@@ -16,7 +16,6 @@ Each setting changes one term:
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Union
 
@@ -86,12 +85,13 @@ def state_bytes_per_param(adapter_dtype_bytes: int, optimizer: str, full_finetun
 
 def checkpointed_flags(footprints: list[LayerFootprint], settings: MemorySettings) -> list[bool]:
     """Which layers checkpoint under ``settings``: the trainer's rule (``checkpointing.thin_checkpointing``)."""
+    from .models.checkpointing import keeps_checkpoint
+
     flags, i = [], 0
-    f = settings.activation_checkpointing_fraction
     for fp in footprints:
         on = False
         if fp.checkpointable and settings.activation_checkpointing:
-            on = math.floor((i + 1) * f) > math.floor(i * f)
+            on = keeps_checkpoint(i, settings.activation_checkpointing_fraction)
             i += 1
         flags.append(on)
     return flags

@@ -34,8 +34,8 @@ def main(config: str, resolution: int | None, frames: int | None, gpu_gib: float
     ensure_comfyui()
     size, clip = _largest(cfg)
     size, clip = resolution or size, frames or clip
-    batch = cfg.micro_batch_size_per_gpu if clip > 1 else \
-        (cfg.image_micro_batch_size_per_gpu or cfg.micro_batch_size_per_gpu)
+    from .data.epoch_plan import micro_batch_for
+    batch = micro_batch_for(cfg, (size, size, clip) if clip > 1 else (size, size))
     footprints = mp.trace_run(cfg, lambda adapter: probe_inputs(adapter, size, size, clip, batch))
     training = mp.training_of(cfg)
     print(f"{cfg.model.type} at {size}x{size}" + (f"x{clip} frames" if clip > 1 else "") +

@@ -11,7 +11,7 @@ from ..backend.errors import PipeTrainError
 from ..launcher.build import check_caption_extension, check_dataset_folder
 from ..launcher.specs import DatasetSpec
 from . import types as t
-from .widgets import DATASET, DIRECTORY, choices, start
+from .widgets import DATASET, DIRECTORY, choices, start, words
 
 WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 COMPUTE_DTYPES = choices("model.dtype")
@@ -27,7 +27,7 @@ def dataset_folder(folder: str) -> Path:
 
 def parse_frame_buckets(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(v) for v in str(text).replace(";", ",").split(",") if v.strip())
+        values = tuple(int(v) for v in words(text))
     except ValueError:
         raise ValueError(f"frame_buckets {text!r}: write whole numbers separated by commas, e.g. 1, 33") from None
     if not values or any(v < 1 for v in values):
@@ -37,7 +37,7 @@ def parse_frame_buckets(text: str) -> tuple[int, ...]:
 
 def parse_resolutions(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(v) for v in str(text).replace(";", ",").split(",") if v.strip())
+        values = tuple(int(v) for v in words(text))
     except ValueError:
         raise ValueError(f"resolutions {text!r}: write whole numbers separated by commas, e.g. 512, 768") from None
     if not values or any(v < 64 or v % 16 or v > 8192 for v in values):
@@ -48,9 +48,7 @@ def parse_resolutions(text: str) -> tuple[int, ...]:
 def parse_ar_buckets(text: str) -> tuple[float, ...] | None:
     """"0.75, 1.0, 1216x832" -> ratios (a WxH entry is W / H); empty: None (min_ar..max_ar instead)."""
     out = []
-    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
-        if not part:
-            continue
+    for part in words(text):
         try:
             w, _, h = part.lower().partition("x")
             out.append(int(w) / int(h) if h else float(part))
@@ -63,9 +61,7 @@ def parse_ar_buckets(text: str) -> tuple[float, ...] | None:
 def parse_size_buckets(text: str) -> tuple[tuple[int, ...], ...] | None:
     """"832x480, 832x480x33" -> [width, height(, frames)] entries; empty: None."""
     out = []
-    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
-        if not part:
-            continue
+    for part in words(text):
         try:
             values = tuple(int(v) for v in part.lower().split("x"))
         except ValueError:

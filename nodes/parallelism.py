@@ -12,16 +12,12 @@ from ..launcher.cluster_form import FLAGS, LAUNCHERS, OFF, check_cluster, cluste
 from ..launcher.forms import unset_if_zero
 from ..launcher.specs import ParallelismSpec
 from . import types as t
-from .widgets import choices, start
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(w.strip() for w in text.replace(";", ",").split(",") if w.strip())
+from .widgets import choices, start, words
 
 
 def parse_gpu_ids(text: str) -> tuple[int, ...]:
     try:
-        ids = tuple(int(w) for w in _words(text))
+        ids = tuple(int(w) for w in words(text))
     except ValueError:
         raise ValueError(f"gpu_ids {text!r}: write GPU indices separated by commas, e.g. 0,1") from None
     if len(set(ids)) != len(ids) or any(not 0 <= i < 1024 for i in ids):
@@ -32,7 +28,7 @@ def parse_gpu_ids(text: str) -> tuple[int, ...]:
 def parse_split(text: str | None) -> tuple[int, ...] | None:
     """``12`` or ``8, 16``: the layer indices where the stages after the first start (empty: None)."""
     try:
-        split = tuple(int(w) for w in _words(text or ""))
+        split = tuple(int(w) for w in words(text or ""))
     except ValueError:
         raise ValueError(f"partition_split {text!r}: write layer indices separated by commas, e.g. 8, 16") from None
     return split or None
@@ -162,9 +158,7 @@ class ParallelismNode(io.ComfyNode):
 def parse_batches(text: str, name: str) -> tuple[tuple[int, int], ...] | None:
     """"512:4, 1024:1" -> ((512, 4), (1024, 1)); empty: None."""
     pairs = []
-    for part in (p.strip() for p in str(text or "").replace(";", ",").split(",")):
-        if not part:
-            continue
+    for part in words(text):
         resolution, _, batch = part.partition(":")
         try:
             pairs.append((int(resolution), int(batch)))

@@ -7,7 +7,7 @@ from comfy_api.latest import io, ui
 
 from ..backend.config.patch import RunPatch
 from . import types as t
-from .widgets import start
+from .widgets import start, words
 
 RENDER_ON = {"host ComfyUI": "host", "training run": "run"}
 RENDER_NAMES = {v: k for k, v in RENDER_ON.items()}
@@ -16,7 +16,7 @@ RENDER_NAMES = {v: k for k, v in RENDER_ON.items()}
 def parse_strengths(text: str) -> tuple[float, ...]:
     """LoRA strengths, comma separated (e.g. "0.6, 0.8, 1.0")."""
     try:
-        values = tuple(float(v) for v in str(text).replace(";", ",").split(",") if v.strip())
+        values = tuple(float(v) for v in words(text))
     except ValueError:
         raise ValueError(f"strengths {text!r}: write numbers separated by commas, e.g. 0.6, 0.8, 1.0") from None
     return values or (1.0,)

@@ -9,9 +9,8 @@ from ..backend.errors import PipeTrainError
 from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, loss_patch, memory_patch,
                               unset_if_zero)
 from . import types as t
-from .widgets import choices, start
-from .parallelism import (ParallelismNode, _words, hostfile_path, parse_batches, parse_gpu_ids,  # noqa: F401
-                          parse_split)
+from .widgets import choices, start, words
+from .parallelism import ParallelismNode, hostfile_path, parse_batches, parse_gpu_ids, parse_split  # noqa: F401
 
 
 ADAPTER_TYPES = (*choices("adapter.type"), FULL_FINETUNE)   # full: no [adapter] table, every weight trains
@@ -99,7 +98,7 @@ class AdapterNode(io.ComfyNode):
                 ema_decay=start("ema_decay")) -> io.NodeOutput:
         # dora off leaves the key out (its default), so other types' tables carry no LoRA-only key
         patch = adapter_patch(dict(type=type, rank=rank, alpha=alpha, dropout=dropout, dora=dora or None,
-                                   target_modules=_words(target_modules), decompose_factor=decompose_factor,
+                                   target_modules=words(target_modules), decompose_factor=decompose_factor,
                                    dtype=None if dtype == DEFAULT else dtype,
                                    init_from_existing=lora_path(init_from_existing)))
         run = {"save_dtype": None if save_dtype == DEFAULT else save_dtype, "ema": ema or None,

@@ -15,3 +15,8 @@ def start(key: str, root=None, off=0):
     ``RunConfig``); ``off`` where the default leaves the key unset (the widget's value for "off")."""
     value = default(key, root)
     return off if value is None else value
+
+
+def words(text) -> tuple[str, ...]:
+    """The entries of a comma- (or semicolon-) separated text widget, stripped, empty ones dropped."""
+    return tuple(w.strip() for w in str(text or "").replace(";", ",").split(",") if w.strip())

@@ -29,6 +29,17 @@ def batch_for_bucket(pairs: list, bucket: Bucket) -> int:
     return min(pairs, key=lambda p: (abs(p[0] - side), p[0]))[1]
 
 
+def micro_batch_for(cfg, bucket: Bucket) -> int:
+    """The micro batch a RunConfig gives ``bucket`` ((w, h) a still, (w, h, frames) a clip): what
+    ``EpochPlan.micro_batch_size_of`` gives it, for callers without a plan (the memory plan)."""
+    image = _is_image(bucket)
+    pairs = batches_by_resolution(cfg).get("image" if image else "clip")
+    if pairs:
+        return batch_for_bucket(pairs, bucket)
+    return (cfg.image_micro_batch_size_per_gpu or cfg.micro_batch_size_per_gpu) if image else \
+        cfg.micro_batch_size_per_gpu
+
+
 def batches_by_resolution(cfg) -> dict[str, list]:
     """A RunConfig's lists: images take image_micro_batch_size_by_resolution, else the general one."""
     general = cfg.micro_batch_size_by_resolution

@@ -180,13 +180,19 @@ def apply_checkpointing(layers, mode, fraction: float = 1.0) -> int:
     return thin_checkpointing(blocks, fraction)
 
 
+def keeps_checkpoint(i: int, fraction: float) -> bool:
+    """Whether the i-th checkpointable block keeps checkpointing at ``fraction``: evenly spread, block i when
+    ``floor((i + 1) * fraction)`` steps up (the memory plan counts with the same rule)."""
+    return math.floor((i + 1) * fraction) > math.floor(i * fraction)
+
+
 def thin_checkpointing(layers, fraction: float) -> int:
-    """Leave checkpointing on ``fraction`` of the checkpointed layers, evenly spread (layer i keeps it when
-    ``floor((i + 1) * fraction)`` steps up); returns how many keep it."""
+    """Leave checkpointing on ``fraction`` of the checkpointed layers (``keeps_checkpoint``); returns how many
+    keep it."""
     blocks = [layer for layer in layers if getattr(layer, "checkpoint_activations", False)]
     kept = 0
     for i, layer in enumerate(blocks):
-        if math.floor((i + 1) * fraction) > math.floor(i * fraction):
+        if keeps_checkpoint(i, fraction):
             kept += 1
         else:
             layer.checkpoint_activations = False

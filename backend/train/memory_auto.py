@@ -39,16 +39,11 @@ def largest_entry(data: CachedData):
 
 def planning_inputs(cfg: RunConfig, data: CachedData, entry):
     """A micro-batch of ``entry`` repeated to the run's micro-batch size, as the feed builds one (``feed.py``)."""
-    from ..data.epoch_plan import batch_for_bucket, batches_by_resolution
+    from ..data.epoch_plan import micro_batch_for
 
     payload = data.store.get("latents", entry.latent)
     latent = payload["latent"].float()
-    image = latent.ndim == 3 or (latent.ndim == 4 and latent.shape[1] == 1)
-    batch = (cfg.image_micro_batch_size_per_gpu or cfg.micro_batch_size_per_gpu) if image else \
-        cfg.micro_batch_size_per_gpu
-    pairs = batches_by_resolution(cfg).get("image" if image else "clip")
-    if pairs:
-        batch = batch_for_bucket(pairs, entry.bucket)
+    batch = micro_batch_for(cfg, entry.bucket)
 
     def inputs_of(adapter):
         latents = latent.expand(batch, *latent.shape).contiguous()
