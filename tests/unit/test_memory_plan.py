@@ -132,3 +132,61 @@ def test_memory_limit_out_of_range_is_refused_naming_the_key(value, tiny_flux_fi
     config = make_run(tiny_flux_files, images=2, memory_limit_gib=value)
     with pytest.raises(ConfigError, match="memory_limit_gib"):
         load_run_config(config)
+
+
+def test_a_plan_is_traced_once_per_model_and_size(tiny_flux_files, make_run, tmp_path, monkeypatch):
+    """The queue-time plan memoises the traced footprints: the second plan of the same run does not trace; a
+    different size traces again."""
+    from pipetrain.backend import memory_plan_config as mpc
+    from pipetrain.backend.config import load_run_config
+
+    cfg = load_run_config(make_run(tiny_flux_files, images=2))
+    memo = tmp_path / "memo"
+    first = mpc.plan_config(cfg, 80 * mp.GIB, memo=memo)
+    assert len(list(memo.glob("*.json"))) == 1
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again although the memo holds this model and size")
+    monkeypatch.setattr(mp, "trace_run", no_trace)
+    again = mpc.plan_config(cfg, 80 * mp.GIB, memo=memo)
+    assert again.configured[1] == first.configured[1] and again.auto == first.auto
+    with pytest.raises(AssertionError, match="traced again"):
+        mpc.plan_config(cfg, 80 * mp.GIB, width=cfg.dataset_config.resolutions[0] * 2, memo=memo)
+
+
+def test_the_largest_bucket_counts_size_buckets_and_frames(tiny_flux_files, make_run):
+    import dataclasses
+
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.memory_plan_config import largest_probe
+
+    cfg = load_run_config(make_run(tiny_flux_files, images=2))
+    object.__setattr__(cfg, "_dataset", dataclasses.replace(cfg.dataset_config, resolutions=[256],
+                                                            size_buckets=[[512, 128], [320, 320]]))
+    probe = largest_probe(cfg)
+    assert (probe.width, probe.height, probe.frames) == (320, 320, 1)   # the largest area, not the longest side
+
+
+def test_a_queued_auto_run_that_nothing_fits_is_refused_before_it_starts(tiny_flux_files, make_run, tmp_path):
+    """The launcher's queue-time plan: ``auto`` under a limit nothing fits is refused naming what to change;
+    under a roomy limit the node is told what ``auto`` chooses; a manual run is told its peak."""
+    from pipetrain.launcher.queue_plan import plan_queued_run
+
+    tight = make_run(tiny_flux_files, images=2, name="tight", memory="auto", memory_limit_gib=0.001)
+    plan = plan_queued_run(tight, (0,), tmp_path)
+    assert plan.refusal and "pipeline_stages" in plan.refusal and "memory = 'auto'" in plan.refusal
+    roomy = plan_queued_run(make_run(tiny_flux_files, images=2, name="roomy", memory="auto", memory_limit_gib=80),
+                            (0,), tmp_path)
+    assert roomy.refusal is None and "memory = 'auto' chooses no activation checkpointing" in roomy.text
+    manual = plan_queued_run(make_run(tiny_flux_files, images=2, name="manual", memory_limit_gib=0.001),
+                             (0,), tmp_path)
+    assert manual.refusal is None and "likely out of memory as configured" in manual.text
+
+
+def test_doctor_prints_a_configs_memory_plan(tiny_flux_files, make_run):
+    config = make_run(tiny_flux_files, images=2, memory_limit_gib=80)
+    out = subprocess.run([sys.executable, "-m", "pipetrain", "doctor", "--model-type", "flux", "--config", str(config)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"memory plan of {config}:" in out.stdout and "stage 0:" in out.stdout
+    assert "memory = 'auto' on 80.0 GiB" in out.stdout
