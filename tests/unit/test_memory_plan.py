@@ -190,3 +190,26 @@ def test_doctor_prints_a_configs_memory_plan(tiny_flux_files, make_run):
     assert out.returncode == 0, out.stderr
     assert f"memory plan of {config}:" in out.stdout and "stage 0:" in out.stdout
     assert "memory = 'auto' on 80.0 GiB" in out.stdout
+
+
+def test_a_run_nothing_fits_is_told_the_smallest_change_that_would():
+    """Between what two stages and what one stage need, the refusal names pipeline_stages = 2 (not 3), and float8
+    weights when they alone fit; a config already in float8 is not told to use float8."""
+    from types import SimpleNamespace
+
+    fps = _footprints(blocks=6, weights=200 * MIB)
+    cfg = SimpleNamespace(adapter=None, optimizer=SimpleNamespace(type="adamw"), gradient_accumulation_steps=1,
+                          pipeline_stages=1, fp8_compute=False,
+                          model=SimpleNamespace(dtype="bfloat16", diffusion_model_dtype=None))
+    last = mp.MemorySettings(True, 1.0, 0)
+    one = max(st.gpu for st in mp.estimate(fps, last, mp.training_of(cfg)))
+    two = max(st.gpu for st in mp.estimate(fps, last, mp.Training(state_bytes_per_param=16, stages=2)))
+    gpu = int((one + two) / 2 / mp.HEADROOM)
+    assert mp.choose(fps, mp.training_of(cfg), gpu, whole_gpu=False) is None
+    text = mp.does_not_fit(cfg, fps, gpu, whole_gpu=False)
+    assert "The smallest change that fits: " in text and "pipeline_stages = 2 on 2 GPUs" in text, text
+    assert "pipeline_stages = 3" not in text
+    fp8_fits = mp.choose(fps, mp.Training(state_bytes_per_param=16, fp8_weights=True), gpu, whole_gpu=False)
+    assert ("diffusion_model_dtype = 'float8_e4m3fn'" in text) == (fp8_fits is not None)
+    cfg.model.diffusion_model_dtype = "float8_e4m3fn"
+    assert "diffusion_model_dtype" not in mp.does_not_fit(cfg, fps, gpu, whole_gpu=False).split("fits:")[-1]
