@@ -173,3 +173,29 @@ def test_the_samples_nodes_start_image_stays_in_comfyuis_input_folder(monkeypatc
     patch = SamplesNode.execute("a fox", start_image="sub/start.png", frames=33, fps=0.0).result[0]
     assert (patch.get("samples.start_image"), patch.get("samples.frames"), patch.get("samples.fps")) == (
         str(inputs / "sub" / "start.png"), 33, None)
+
+
+def test_first_last_frame_samples_take_the_clips_first_and_last_frames(model_files, make_run, monkeypatch, tmp_path):
+    """wan_flf2v without a start image: WanFirstLastFrameToVideo gets the dataset clip's first and last frames (the
+    mask keeps both; the last latent frame is not that of grey frames)."""
+    config = make_run(model_files("wan_flf2v"), images=1, model={"type": "wan_flf2v"}, samples={
+        "prompts": ["a fox"], "width": 64, "height": 64, "steps": 1, "frames": 5})
+    _clip(config.parent / "dataset" / "clip.webp", [(20, 90, 220)] + [(128, 128, 128)] * 3 + [(250, 20, 20)])
+    calls, _, vae = _render_capturing(config, monkeypatch, tmp_path)
+
+    [call] = calls
+    cond = call["positive"][0][1]
+    first = torch.zeros(1, 64, 64, 3)
+    first[..., :] = torch.tensor([20, 90, 220]) / 255.0
+    torch.testing.assert_close(cond["concat_latent_image"][:, :, :1].float(), _encoded(vae, first)[:, :, :1],
+                               rtol=1e-4, atol=1e-5)
+    last = torch.zeros(1, 64, 64, 3)
+    last[..., :] = torch.tensor([250, 20, 20]) / 255.0
+    grey = torch.full((3, 64, 64, 3), 0.5)
+    both = _encoded(vae, torch.cat([first, grey, last]))                 # the node's clip, encoded here
+    grey_end = _encoded(vae, torch.cat([first, grey, torch.full((1, 64, 64, 3), 0.5)]))
+    concat = cond["concat_latent_image"].float()
+    torch.testing.assert_close(concat, both, rtol=1e-4, atol=1e-5)
+    assert (concat - grey_end).abs().max() > 1e-4                         # the last frame is in it
+    mask = cond["concat_mask"]   # [1, 4, latent frames, h, w]: 0 where a frame is given
+    assert mask[0, :, 0].max() == 0 and mask[0, 3, -1].max() == 0 and mask[0, :3, -1].min() == 1
