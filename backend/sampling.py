@@ -1,11 +1,12 @@
-"""Sample images for each saved epoch LoRA, rendered by ComfyUI's own sampler.
+"""Sample images (and clips) for each saved epoch LoRA, rendered by ComfyUI's own sampler.
 
 Training runs on every rank; the samples are rendered while the ranks wait, so the pipeline's memory layout
 is untouched and the base model is loaded whole, the way ComfyUI loads it. Who renders them is
 ``[samples] render``: ``"run"``: a separate process started by global rank 0 (``python -m pipetrain sample``);
 ``"host"``: the ComfyUI that started the run, on its own queue (``sample_host.py`` has the request and marker
 files), with the run's own render as the fallback when ComfyUI does not answer within ``host_timeout_s``.
-Either way the PNGs land beside the LoRA and are announced in events.jsonl (``sample_saved``) and TensorBoard.
+Either way the PNGs (video models: animated WebP clips, ``sample_clips.py``) land beside the LoRA and are
+announced in events.jsonl (``sample_saved``) and TensorBoard (a clip's first frame).
 """
 from __future__ import annotations
 
