@@ -23,7 +23,10 @@ def check_model(model: ModelConfig, file) -> None:
 
 
 def check_run(cfg: RunConfig) -> RunConfig:
+    from .sample_clips import check_samples
+
     check_model(cfg.model, cfg.file)
+    check_samples(cfg)   # clip length and start image against the model type
     if cfg.monitoring is not None and cfg.monitoring.enable_wandb:
         import importlib.util
         if importlib.util.find_spec("wandb") is None:

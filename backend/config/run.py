@@ -233,8 +233,11 @@ class RunConfig:
         cluster = self.cluster
         if cluster is not None and cluster.hostfile:
             cluster = dataclasses.replace(cluster, hostfile=str(r(cluster.hostfile)))
+        samples = self.samples
+        if samples is not None and samples.start_image:
+            samples = dataclasses.replace(samples, start_image=str(r(samples.start_image)))
         return replace(self, output_dir=str(r(self.output_dir)), dataset=str(r(self.dataset)), model=model,
-                       adapter=adapter, cluster=cluster, eval_datasets=evals,
+                       adapter=adapter, cluster=cluster, eval_datasets=evals, samples=samples,
                        lora_dir=str(r(self.lora_dir)) if self.lora_dir else None)
 
     def check_world_size(self, world_size: int) -> None:

@@ -223,10 +223,23 @@ class ModelAdapter(ABC):
             extra["pooled_output"] = text["pooled"][None]
         return [[text[self.text_fields[0]][None], extra]]
 
-    def empty_latent(self, width: int, height: int) -> torch.Tensor:
+    def empty_latent(self, width: int, height: int, frames: int = 1) -> torch.Tensor:
+        """ComfyUI's empty latent of a sample (video models: a clip of ``frames`` frames; image models: a still)."""
         import comfy.latent_formats
         channels = getattr(comfy.latent_formats, self.latent_format)().latent_channels
         return torch.zeros(1, channels, height // 8, width // 8)
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a ``frames``-frame clip (the VAE's causal first frame, then ``frame_multiple`` a latent)."""
+        return (frames - 1) // self.frame_multiple + 1
+
+    takes_start_image: bool = False          # i2v models: samples start from an image ([samples] start_image)
+
+    def start_conditioning(self, vae, positive: list, negative: list, width: int, height: int, frames: int,
+                           images: list[torch.Tensor]) -> tuple[list, list, dict]:
+        """i2v models: (positive, negative, latent) as the ComfyUI node this model samples with builds them from
+        ``images`` (the start image [1, H, W, 3]; wan_flf2v: also the end image)."""
+        raise NotImplementedError(f"{self.arch} samples without a start image")
 
     def reference_forward(self, x_t, t, text: list[torch.Tensor]) -> torch.Tensor:
         """ComfyUI's own forward of the diffusion model on the same inputs the layers see (for tests)."""

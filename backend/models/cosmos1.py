@@ -208,8 +208,8 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
         layers.append(Cosmos1Output(dm, self.dtype))
         return layers
 
-    def empty_latent(self, width, height):   # one frame: epoch samples are stills
-        return torch.zeros(1, 16, 1, height // 8, width // 8)
+    def empty_latent(self, width, height, frames=1):
+        return torch.zeros(1, 16, self.latent_frames(frames), height // 8, width // 8)
 
     def probe_latent(self, generator, size=(8, 8)):
         return torch.randn(1, 16, 2, *size, generator=generator)
