@@ -52,6 +52,8 @@ class ModelAdapter(ABC):
     caption_sees_control: bool = False       # edit models whose text encoder reads the control image with the
     #                                          caption (encode_caption_with_image); cached per caption and image
     memory_format: torch.memory_format = torch.contiguous_format  # how the engine stores 4-D weights in training
+    samples_first: bool = True               # every adapted layer's input has the samples on its first dimension
+    #                                          (outermost where flattened): diff_output_preservation relies on it
 
     @classmethod
     def check_config(cls, cfg: ModelConfig, file) -> None:

@@ -200,3 +200,13 @@ def test_the_adapter_node_sets_the_keys():
     assert "trigger_word" in AdapterNode.validate_inputs(diff_output_preservation=True, trigger_word="")
     assert "full" in AdapterNode.validate_inputs(type="full", diff_output_preservation=True, trigger_word="sks")
     assert AdapterNode.validate_inputs(diff_output_preservation=True, trigger_word="sks") is True
+
+
+@pytest.mark.parametrize("arch", ["hidream", "cosmos"])   # cosmos: Cosmos-Predict1 (cosmos1.py)
+def test_models_whose_layers_see_the_samples_elsewhere_are_refused(arch):
+    from pipetrain.backend.preflight import check_preservation
+
+    keys = {**BASE, "diff_output_preservation": True, "trigger_word": "sks"}
+    check_preservation(from_dict(RunConfig, keys))      # flux: the samples come first
+    with pytest.raises(ConfigError, match=f"key 'diff_output_preservation': a {arch} model's adapted layers"):
+        check_preservation(from_dict(RunConfig, {**keys, "model": {**BASE["model"], "type": arch}}))
