@@ -62,6 +62,16 @@ def test_the_last_third_of_the_rows_sees_the_base_layers_alone(kind, dora):
     assert torch.equal(model(x), adapted)                # off again after the block
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_in_bfloat16_the_target_rows_are_the_base_output_bit_for_bit():
+    model = _adapted("lora").to("cuda", torch.bfloat16)
+    x = torch.randn(6, 5, 8, device="cuda", dtype=torch.bfloat16)
+    with lora.base_rows(PARTS):
+        out = model(x)
+    assert torch.equal(out[4:], _base_output(model, x)[4:])
+    assert (out[2:4].float() - _base_output(model, x)[2:4].float()).abs().max() > 1e-2
+
+
 def test_rows_not_in_three_equal_parts_are_refused():
     model = _adapted("lora")
     with lora.base_rows(PARTS), pytest.raises(RuntimeError, match="not 3 equal parts"):
