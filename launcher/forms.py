@@ -60,6 +60,18 @@ def loss_patch(loss_type: str = "mse", huber_delta: float = 1.0, smooth_l1_beta:
                         "noise_offset": unset_if_zero(noise_offset)})
 
 
+def preservation_patch(diff_output_preservation: bool = False, trigger_word: str = "",
+                       diff_output_preservation_class: str = "person",
+                       diff_output_preservation_multiplier: float = 1.0) -> RunPatch:
+    """The LoRA Adapter node's differential output preservation widgets: off leaves every key out (the config
+    refuses its keys without it)."""
+    if not diff_output_preservation:
+        return RunPatch.of({})
+    return RunPatch.of({"diff_output_preservation": True, "trigger_word": trigger_word.strip() or None,
+                        "diff_output_preservation_class": diff_output_preservation_class.strip() or None,
+                        "diff_output_preservation_multiplier": diff_output_preservation_multiplier})
+
+
 def model_patch(type: str, diffusion_model: str, vae: str, text_encoders=(), **keys) -> RunPatch:  # noqa: A002
     """``[model]`` as run keys (the Model node's, or a test's)."""
     return RunPatch.of({**keys, "type": type, "diffusion_model": diffusion_model, "vae": vae,

@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
 from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, loss_patch, memory_patch,
-                              unset_if_zero)
+                              preservation_patch, unset_if_zero)
 from . import types as t
 from .widgets import choices, start, words
 from .parallelism import ParallelismNode, hostfile_path, parse_batches, parse_gpu_ids, parse_split  # noqa: F401
@@ -75,12 +75,32 @@ class AdapterNode(io.ComfyNode):
                 io.Float.Input("ema_decay", default=start("ema_decay"), min=0.5, max=0.99999, step=0.0001,
                                round=1e-5, optional=True, tooltip="With ema: the share of the average each step "
                                "keeps; it follows about the last 1 / (1 - decay) steps (0.999: 1000)"),
+                io.Boolean.Input("diff_output_preservation", default=start("diff_output_preservation"), optional=True,
+                                 tooltip="Differential output preservation (ai-toolkit's): for each caption with the "
+                                 "trigger word swapped for the class, the trained model should predict what the base "
+                                 "model does, so the class keeps its look; each step computes three rows per sample"),
+                io.String.Input("trigger_word", default=start("trigger_word", off=""), optional=True,
+                                tooltip="With diff_output_preservation: the word your captions name the subject with "
+                                "(e.g. sks)"),
+                io.String.Input("diff_output_preservation_class", default=start("diff_output_preservation_class"),
+                                optional=True, tooltip="With diff_output_preservation: what replaces the trigger word "
+                                "(the subject's class, e.g. person, dog)"),
+                io.Float.Input("diff_output_preservation_multiplier",
+                               default=start("diff_output_preservation_multiplier"), min=0.0, max=100.0, step=0.05,
+                               optional=True, tooltip="With diff_output_preservation: the weight of its loss against "
+                               "the training loss"),
             ],
             outputs=[t.Adapter.Output(display_name="adapter")],
         )
 
     @classmethod
-    def validate_inputs(cls, type=None, decompose_factor=None, dora=None, dropout=None):  # noqa: A002
+    def validate_inputs(cls, type=None, decompose_factor=None, dora=None, dropout=None,  # noqa: A002
+                        diff_output_preservation=None, trigger_word=None):
+        if diff_output_preservation and type == FULL_FINETUNE:
+            return ("diff_output_preservation's target is the model without its adapter, and full has none: pick an "
+                    "adapter type, or turn diff_output_preservation off")
+        if diff_output_preservation and not (trigger_word or "").strip():
+            return "diff_output_preservation: give trigger_word, the word your captions name the subject with"
         if dora and type not in (None, "lora"):
             return "dora decomposes a LoRA: set type to lora, or turn dora off"
         if dropout and type == "oft":
@@ -95,7 +115,7 @@ class AdapterNode(io.ComfyNode):
     def execute(cls, rank, alpha, dropout, target_modules, type=start("adapter.type"),  # noqa: A002
                 decompose_factor=start("adapter.decompose_factor"), dora=start("adapter.dora"), dtype=DEFAULT,
                 init_from_existing="none", save_dtype=DEFAULT, ema=start("ema"),
-                ema_decay=start("ema_decay")) -> io.NodeOutput:
+                ema_decay=start("ema_decay"), **preservation) -> io.NodeOutput:
         # dora off leaves the key out (its default), so other types' tables carry no LoRA-only key
         patch = adapter_patch(dict(type=type, rank=rank, alpha=alpha, dropout=dropout, dora=dora or None,
                                    target_modules=words(target_modules), decompose_factor=decompose_factor,
@@ -103,7 +123,7 @@ class AdapterNode(io.ComfyNode):
                                    init_from_existing=lora_path(init_from_existing)))
         run = {"save_dtype": None if save_dtype == DEFAULT else save_dtype, "ema": ema or None,
                "ema_decay": ema_decay if ema else None}   # off: both keys left out
-        return io.NodeOutput(patch | RunPatch.of(run))
+        return io.NodeOutput(patch | RunPatch.of(run) | preservation_patch(**preservation))
 
 
 OPTIMIZERS = [start("optimizer.type"), "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy",

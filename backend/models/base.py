@@ -52,6 +52,8 @@ class ModelAdapter(ABC):
     caption_sees_control: bool = False       # edit models whose text encoder reads the control image with the
     #                                          caption (encode_caption_with_image); cached per caption and image
     memory_format: torch.memory_format = torch.contiguous_format  # how the engine stores 4-D weights in training
+    samples_first: bool = True               # every adapted layer's input has the samples on its first dimension
+    #                                          (outermost where flattened): diff_output_preservation relies on it
 
     @classmethod
     def check_config(cls, cfg: ModelConfig, file) -> None:
@@ -208,6 +210,11 @@ class ModelAdapter(ABC):
         objective = self.objective()
         return self.criterion(pred, objective.target(latents, noise, t), objective.loss_weights(t), loss_mask(labels))
 
+    def preservation_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """diff_output_preservation (train/preservation.py): the adapted prediction against the base model's on the
+        same input, by the run's loss_type, unweighted: both are predictions of the same target."""
+        return self.criterion(pred, target)
+
     def probe_latent(self, generator: torch.Generator, size: tuple[int, int] = (8, 8)) -> torch.Tensor:
         """A random clean latent [1, C, H, W] (video models: [1, C, T, H, W]) for checks."""
         import comfy.latent_formats
@@ -280,6 +287,9 @@ class GivenFirstFrame:
         mask = loss_mask(labels)   # [B, 1, 1, H, W]: the same weights on every frame
         return self.criterion(pred[:, :, 1:], target[:, :, 1:], objective.loss_weights(t),
                               None if mask is None else mask.expand(-1, -1, pred.shape[2], -1, -1)[:, :, 1:])
+
+    def preservation_loss(self, pred, target):
+        return self.criterion(pred[:, :, 1:], target[:, :, 1:])   # the given frame, as in ``loss``
 
     def probe_text(self, generator):
         """The caption's tensors, then a given first frame (for ``check_lora`` and the parity check)."""

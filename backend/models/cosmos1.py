@@ -184,6 +184,7 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
     spec = COSMOS1_SPEC
     latent_format = "Cosmos1CV8x8x8"
     lora_block_prefixes = ("blocks",)
+    samples_first = False   # GeneralDIT's blocks hold the tokens as (T, H, W, B, D): the samples come last
     text_fields = ("cond",)
     framerate = COSMOS1_FPS
     frame_multiple = 8          # clips of 8k + 1 frames (the tokenizer's causal 8x temporal compression)
