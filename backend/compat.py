@@ -146,9 +146,12 @@ def _key(prefix: str, name: str) -> str:
 
 
 def preprocess_run(data: dict, file, prefix: str) -> dict:
-    # diffusion-pipe's per-resolution lists [[resolution, batch], ...]: the list is kept under our
-    # *_by_resolution key, the first batch (what DeepSpeed records) under the key itself
-    for key in ("micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu"):
+    for alias, target in RUN_RENAMES.items():
+        _rename(data, alias, target, file, prefix)
+    # diffusion-pipe's per-resolution lists [[resolution, batch], ...] (training and eval): the list is kept under
+    # our *_by_resolution key, the first batch (what DeepSpeed records) under the key itself
+    for key in ("micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu", "eval_micro_batch_size_per_gpu",
+                "eval_image_micro_batch_size_per_gpu"):
         if isinstance(data.get(key), list):
             pairs = data[key]
             if not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) for v in p)
@@ -156,13 +159,6 @@ def preprocess_run(data: dict, file, prefix: str) -> dict:
                 raise ConfigError(f"got {pairs!r}; give one integer or [[resolution, batch], ...], e.g. "
                                   "[[512, 4], [1024, 1]]", file=file, key=_key(prefix, key))
             data = {**data, key: pairs[0][1], key.replace("_per_gpu", "_by_resolution"): pairs}
-    for key in ("eval_micro_batch_size_per_gpu", "eval_image_micro_batch_size_per_gpu",
-                "image_eval_micro_batch_size_per_gpu"):
-        if isinstance(data.get(key), list):
-            raise ConfigError(f"got {data[key]!r}; per-resolution eval batch sizes are not supported: give one "
-                              "integer", file=file, key=key)
-    for alias, target in RUN_RENAMES.items():
-        _rename(data, alias, target, file, prefix)
     if ("save_every_n_steps" in data or "save_every_n_examples" in data) and "save_every_n_epochs" not in data:
         data["save_every_n_epochs"] = None   # as in diffusion-pipe: saving by steps alone means no epoch saves
     return data
