@@ -2,7 +2,7 @@
 
 A diffusion-pipe main + dataset TOML pair loads as is when it trains a model PipeTrain supports from ComfyUI
 single files or from a model folder ComfyUI converts (``compat_folders``: ``diffusers_path`` / ``checkpoint_path``
-for Flux, SD3, SDXL, ``ckpt_path`` for Wan): keys with the same meaning are config fields (``backend/config``);
+for Flux, SD3, SDXL, SD1.5, a Flux folder's VAE and T5 for Chroma, ``ckpt_path`` for Wan): keys with the same meaning are config fields (``backend/config``);
 diffusion-pipe's other names for them (its type strings, ``transformer_path`` & co., ``transformer_dtype``, its
 folder keys) are rewritten by the ``preprocess_*`` hooks; its edit models (``flux`` / ``qwen_image`` with control
 images) are mapped by ``edit_type`` once the dataset is read; keys whose value changes nothing here (``inert``

@@ -161,8 +161,7 @@ REFUSED = [
     ("ltx-video", _table("ltx-video", "diffusers_path=/models/LTX-Video",
                          "single_file_path=/models/ltx-video-2b-v0.9.1.safetensors"), "model.diffusers_path",
      _FOLDER_FIX),
-    ("chroma", _table("chroma", "diffusers_path=/models/FLUX.1-dev",
-                      "transformer_path=/models/chroma-unlocked-v10.safetensors", extra=FP8),
+    ("chroma without its transformer", _table("chroma", "diffusers_path=/models/FLUX.1-dev", extra=FP8),
      "model.diffusers_path", _FOLDER_FIX),
     ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
                        "llama3_path=/models/Meta-Llama-3.1-8B-Instruct"), "model.diffusers_path", _FOLDER_FIX),
@@ -373,22 +372,29 @@ def test_loss_and_timestep_keys_load_with_diffusion_pipes_meaning(tmp_path):
     assert "  model.min_t: DIFFERENT: every flow model" in report(path)[0]
 
 
-@pytest.mark.parametrize("case, extra", [
-    ("flux", "transformer_dtype = 'float8'\nflux_shift = true"),
-    ("flux kontext", "transformer_path = '{dm}'"),   # Kontext's transformer file over the folder's
-])
-def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diffusers_folder, case, extra):
-    """docs/supported_models.md's Flux tables: diffusers_path (a Diffusers folder, here the tiny one) is read
-    through ComfyUI's converters; a transformer_path overrides its transformer."""
-    model = _table("flux", f"diffusers_path={flux_diffusers_folder}", extra=extra)
-    path = _write(tmp_path, MAIN + _model("flux_kontext", model) + ADAPTER + OPTIMIZER + MONITORING,
+FOLDER_TABLES = [   # (case, dp type, the type here, the tiny transformer file's arch or None: the folder's, extra)
+    ("flux", "flux", "flux", None, "transformer_dtype = 'float8'\nflux_shift = true"),
+    ("flux kontext", "flux", "flux_kontext", "flux_kontext", ""),   # Kontext's file over the folder's transformer
+    # Chroma: the Flux folder's VAE and T5 (not its CLIP-L), the Chroma file's transformer
+    ("chroma", "chroma", "chroma", "chroma", FP8 + "\nflux_shift = true"),
+]
+
+
+@pytest.mark.parametrize("case, dp_type, ours, arch, extra", FOLDER_TABLES, ids=[c[0] for c in FOLDER_TABLES])
+def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diffusers_folder, case, dp_type, ours,
+                                                             arch, extra):
+    """docs/supported_models.md's Flux, Flux Kontext and Chroma tables: diffusers_path (a Diffusers folder, here the
+    tiny one) is read through ComfyUI's converters; a transformer_path overrides its transformer."""
+    from pipetrain.backend.models.tiny import cached_model_files
+    model = _table(dp_type, f"diffusers_path={flux_diffusers_folder}", *(["transformer_path"] if arch else []),
+                   extra=extra)
+    path = _write(tmp_path, MAIN + _model(arch or "flux", model) + ADAPTER + OPTIMIZER + MONITORING,
                   DATASETS["kontext" if case == "flux kontext" else "dataset"])
     cfg = load_run(path)
-    from pipetrain.backend.models.tiny import cached_model_files
-    kontext = case == "flux kontext"
-    dm = cached_model_files("flux_kontext").diffusion_model if kontext else flux_diffusers_folder / "transformer"
-    assert cfg.model.type == ("flux_kontext" if kontext else "flux")
+    dm = cached_model_files(arch).diffusion_model if arch else flux_diffusers_folder / "transformer"
+    assert cfg.model.type == ours
     assert (Path(cfg.model.diffusion_model), Path(cfg.model.vae)) == (dm, flux_diffusers_folder / "vae")
-    assert [Path(p).name for p in cfg.model.text_encoder_files] == ["text_encoder", "text_encoder_2"]
+    assert [Path(p).name for p in cfg.model.text_encoder_files] == (
+        ["text_encoder_2"] if ours == "chroma" else ["text_encoder", "text_encoder_2"])
     text, ok = report(path)
-    assert ok and "model.diffusers_path: a Diffusers pipeline folder" in text
+    assert ok and "model.diffusers_path: a " in text and "REFUSED" not in text, text
