@@ -398,3 +398,57 @@ def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diff
         ["text_encoder_2"] if ours == "chroma" else ["text_encoder", "text_encoder_2"])
     text, ok = report(path)
     assert ok and "model.diffusers_path: a " in text and "REFUSED" not in text, text
+
+
+def _folders(root: Path) -> None:
+    """The layouts of an SD1.5 / SDXL Diffusers pipeline folder and Wan's official checkpoint folder (one small
+    tensor a component: check-config reads the layout, not the weights)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    for sub in ("unet", "vae", "text_encoder", "text_encoder_2", "Wan2.1-T2V-1.3B"):
+        (root / "pipeline" / sub).mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, str(root / "pipeline" / sub / "model.safetensors"))
+    (root / "pipeline" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    torch.save({"w": torch.zeros(2)}, root / "pipeline" / "Wan2.1-T2V-1.3B" / "Wan2.1_VAE.pth")
+
+
+NEW_SOURCES = [   # (case, [model] lines ({folder}: the tiny Flux folder), dataset, what check-config says, the type)
+    ("eval lists", _table("hunyuan-video", *FILES, "llm_path", "clip_path"), "dataset",
+     ["  eval_micro_batch_size_per_gpu: a per-resolution list, read into eval_micro_batch_size_by_resolution",
+      "  image_eval_micro_batch_size_per_gpu: a per-resolution list, read into "
+      "eval_image_micro_batch_size_by_resolution"], "hunyuan_video"),
+    ("wan ckpt_path", _table("wan", "ckpt_path=pipeline/Wan2.1-T2V-1.3B", "llm_path"), "dataset",
+     ["  model.ckpt_path: Wan's official checkpoint folder: its transformer shards and VAE .pth"], "wan"),
+    ("chroma", _table("chroma", "diffusers_path={folder}", "transformer_path", extra=FP8), "dataset",
+     ["  model.diffusers_path: a Flux Diffusers pipeline folder lending its vae and t5xxl text encoder",
+      "  model.transformer_path: read as diffusion_model"], "chroma"),
+    ("flux kontext", _table("flux", "diffusers_path={folder}", "transformer_path"), "kontext",
+     ["  model.diffusers_path: a Diffusers pipeline folder", "(diffusion-pipe's 'flux' with control images"],
+     "flux_kontext"),
+    ("sdxl checkpoint_path", _table("sdxl", "checkpoint_path=pipeline"), "dataset",
+     ["  model.checkpoint_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sdxl"),
+    ("sd15 diffusers_path", _table("sd15", "diffusers_path=pipeline"), "dataset",
+     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sd15"),
+]
+
+
+@pytest.mark.parametrize("case, model, dataset, lines, ours", NEW_SOURCES, ids=[c[0] for c in NEW_SOURCES])
+def test_check_config_reports_the_new_sources(tmp_path, flux_diffusers_folder, capsys, case, model, dataset, lines,
+                                              ours):
+    """python -m pipetrain check-config on dp configs with the sources read since: eval per-resolution lists, Wan's
+    ckpt_path, Chroma's Flux folder + transformer file, Kontext's folder + file + control images, SDXL / SD1.5
+    Diffusers folders. Each says what it reads, nothing is refused, and the pair loads as the type it trains."""
+    _folders(tmp_path)
+    arch = {"hunyuan_video": "hunyuan_video", "wan": "wan", "chroma": "chroma", "flux_kontext": "flux"}.get(ours)
+    run = MAIN.replace("eval_micro_batch_size_per_gpu = 1", "eval_micro_batch_size_per_gpu = [[512, 2], [1024, 1]]\n"
+                       "image_eval_micro_batch_size_per_gpu = [[512, 4]]") if case == "eval lists" else MAIN
+    path = _write(tmp_path, run + _model(arch, model.replace("{folder}", str(flux_diffusers_folder))) + ADAPTER +
+                  OPTIMIZER + MONITORING, DATASETS[dataset])
+    assert cli_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for line in lines:
+        assert line in out, (line, out)
+    assert "REFUSED" not in out and "unknown key" not in out
+    assert f"Loads: trains model type '{ours}'" in out
