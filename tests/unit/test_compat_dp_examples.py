@@ -5,8 +5,10 @@ The TOML below is ours: it copies only the *key structure* of diffusion-pipe's `
 paths pointed at the shared tiny model files. Nothing is fetched. Each either loads (through the same checks as
 a run: ``preflight.load_run``) with the meaning it has in diffusion-pipe, or is refused naming the key and what
 to do (model folders ComfyUI has no converter for: their single files; ``size_buckets`` and masks, item 3; models
-the pinned ComfyUI lacks). The folders that load (Flux / SD3 / SDXL Diffusers folders, Wan's checkpoint folder) are
-read from real tiny folders in ``test_dp_model_folders.py``.
+the pinned ComfyUI lacks). The folders that load (Flux / SD3 Diffusers folders, Chroma's Flux folder, Wan's checkpoint
+folder) are read from real tiny folders in ``test_dp_model_folders.py``, SDXL / SD1.5 UNet folders at their published
+sizes on the meta device in ``test_dp_unet_folders.py``; ``tests/ranks/test_dp_model_folders_e2e.py`` trains from
+the Flux, Wan and Kontext ones.
 """
 from pathlib import Path
 
@@ -174,6 +176,10 @@ REFUSED = [
     ("anima", _table("anima", "transformer_path=/models/anima-preview.safetensors",
                      "vae_path=/models/qwen_image_vae.safetensors", "llm_path=/models/qwen_3_06b_base.safetensors",
                      extra="llm_adapter_lr = 0"), "model.type", "newer"),
+    # the models diffusion-pipe runs on a newer ComfyUI than the pinned one
+    *((dp_type, _table(dp_type, f"diffusion_model=/models/{dp_type}.safetensors", "vae=/models/vae.safetensors"),
+       "model.type", "newer")
+      for dp_type in ("ltx2", "ideogram4", "krea2", "minimax_h3")),
     ("ernie_image", _table("ernie_image", "diffusion_model=/models/ernie-image.safetensors",
                            "vae=/models/flux2-vae.safetensors",
                            extra="text_encoders = [{path = '/models/ministral-3-3b.safetensors', type = 'flux2'}]"),
@@ -407,10 +413,12 @@ def _folders(root: Path) -> None:
 
     import torch
     from safetensors.torch import save_file
-    for sub in ("unet", "vae", "text_encoder", "text_encoder_2", "Wan2.1-T2V-1.3B"):
-        (root / "pipeline" / sub).mkdir(parents=True)
-        save_file({"w": torch.zeros(2)}, str(root / "pipeline" / sub / "model.safetensors"))
-    (root / "pipeline" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    for pipeline, subs in (("pipeline", ("unet", "vae", "text_encoder", "text_encoder_2", "Wan2.1-T2V-1.3B")),
+                           ("sd3", ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"))):
+        for sub in subs:
+            (root / pipeline / sub).mkdir(parents=True)
+            save_file({"w": torch.zeros(2)}, str(root / pipeline / sub / "model.safetensors"))
+        (root / pipeline / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline"}))
     torch.save({"w": torch.zeros(2)}, root / "pipeline" / "Wan2.1-T2V-1.3B" / "Wan2.1_VAE.pth")
 
 
@@ -429,6 +437,8 @@ NEW_SOURCES = [   # (case, [model] lines ({folder}: the tiny Flux folder), datas
      "flux_kontext"),
     ("sdxl checkpoint_path", _table("sdxl", "checkpoint_path=pipeline"), "dataset",
      ["  model.checkpoint_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sdxl"),
+    ("sd3 diffusers_path", _table("sd3", "diffusers_path=sd3"), "dataset",
+     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sd3"),
     ("sd15 diffusers_path", _table("sd15", "diffusers_path=pipeline"), "dataset",
      ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sd15"),
 ]
