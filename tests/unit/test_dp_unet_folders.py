@@ -9,7 +9,9 @@ real folder's shards hold) goes through the path a folder takes in PipeTrain: th
 ComfyUI's detection: the model type), ComfyUI's Diffusers-to-ComfyUI key conversion (``comfy_layout``, what the
 memory plan and the checks use) and ComfyUI's own loader (``load_diffusion_model`` -> ``comfy.sd.
 load_diffusion_model_state_dict``, the model built on the meta device). The converted keys and shapes must be
-exactly those of ComfyUI's UNet for the published config, with nothing missing and nothing left over.
+exactly those of ComfyUI's UNet for the published config, with nothing missing and nothing left over. The folder's
+other parts (SDXL's VAE and its two CLIP folders) are compared with the networks diffusers and transformers run from
+the same folder.
 """
 from __future__ import annotations
 
@@ -130,3 +132,74 @@ def test_the_config_reads_the_unet_folder_of_a_diffusers_pipeline(arch, tmp_path
     assert (model.diffusion_model, model.vae) == ("pipeline/unet", "pipeline/vae")
     assert model.text_encoder_files == ["pipeline/text_encoder", *(["pipeline/text_encoder_2"] if arch == "sdxl"
                                                                      else [])]
+
+
+@pytest.fixture(scope="module")
+def sdxl_pipeline(tmp_path_factory):
+    """An SDXL pipeline folder whose VAE is SDXL's at its published widths and whose CLIP-L and OpenCLIP bigG are
+    their published widths with three layers (ComfyUI reads their sizes from config.json); the UNet is a placeholder
+    (its conversion: the tests above)."""
+    pytest.importorskip("diffusers")
+    import json
+
+    import diffusers
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from pipetrain.bench.diffusion_pipe_models import (CLIP_L, OPENCLIP_BIGG, SDXL_VAE, _write_diffusers_component,
+                                                       _write_transformers_component)
+    folder = tmp_path_factory.mktemp("sdxl") / "stable-diffusion-xl-base-1.0"
+    (folder / "unet").mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(folder / "unet" / "diffusion_pytorch_model.safetensors"))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    _write_diffusers_component(folder / "vae", diffusers.AutoencoderKL, SDXL_VAE, "cpu")
+    for sub, cls, config in (("text_encoder", transformers.CLIPTextModel, CLIP_L),
+                             ("text_encoder_2", transformers.CLIPTextModelWithProjection, OPENCLIP_BIGG)):
+        small = transformers.CLIPTextConfig(**{**config, "num_hidden_layers": 3, "intermediate_size": 64})
+        _write_transformers_component(folder / sub, cls, small, "cpu")
+    return folder
+
+
+@pytest.mark.slow   # writes and reads SDXL's VAE at its published widths (about 25 s on 2 cores)
+def test_an_sdxl_folders_vae_and_text_encoders_are_the_networks_diffusers_and_transformers_run(sdxl_pipeline,
+                                                                                               tmp_path):
+    """diffusion-pipe's SDXL table (checkpoint_path = the pipeline folder): ComfyUI's VAE from vae/ encodes as
+    diffusers' AutoencoderKL of the same folder, and its SDXL CLIP from text_encoder*/ gives transformers' hidden
+    states (penultimate layer, side by side) and OpenCLIP bigG's projected pooled output."""
+    import diffusers
+    import torch
+    import transformers
+
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.models.registry import adapter_class
+    (tmp_path / "run.toml").write_text(f"output_dir = 'out'\ndataset = 'dataset.toml'\n[model]\ntype = 'sdxl'\n"
+                                       f"checkpoint_path = '{sdxl_pipeline}'\ndtype = 'float32'\n")
+    (tmp_path / "dataset.toml").write_text("[[directory]]\npath = 'images'\n")
+    cfg = load_run_config(tmp_path / "run.toml")
+    adapter = adapter_class("sdxl")(cfg.model, cfg.resolve)
+
+    vae = adapter.load_vae()
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
+    ours = vae.encode(image)                                   # ComfyUI: the latent mean, unscaled
+    reference = diffusers.AutoencoderKL.from_pretrained(sdxl_pipeline / "vae", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference.encode(image.movedim(-1, 1) * 2 - 1).latent_dist.mean
+    del reference
+    assert ours.shape == theirs.shape == (1, 4, 8, 8)
+    assert (ours.float() - theirs).abs().max() < 1e-3 * theirs.abs().max()
+
+    clip = adapter.load_text_encoders()
+    tokens = clip.tokenize("a red circle")
+    cond, pooled = clip.encode_from_tokens(tokens, return_pooled=True)
+    assert cond.shape[-1] == 768 + 1280
+    for part, (sub, cls, key) in enumerate((("text_encoder", transformers.CLIPTextModel, "l"),
+                                            ("text_encoder_2", transformers.CLIPTextModelWithProjection, "g"))):
+        model = cls.from_pretrained(sdxl_pipeline / sub, torch_dtype=torch.float32).eval()
+        ids = torch.tensor([[token for token, *_ in tokens[key][0]]])
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        width = slice(0, 768) if part == 0 else slice(768, 2048)
+        assert (cond[0, :, width] - out.hidden_states[-2][0]).abs().max() < 1e-3
+        if part == 1:
+            assert (pooled[0] - out.text_embeds[0]).abs().max() < 1e-3
