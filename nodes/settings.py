@@ -10,7 +10,8 @@ from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, 
                               preservation_patch, unset_if_zero)
 from . import types as t
 from .widgets import choices, start, words
-from .parallelism import ParallelismNode, hostfile_path, parse_batches, parse_gpu_ids, parse_split  # noqa: F401
+from .parallelism import (ParallelismNode, batch_list_inputs, hostfile_path, parse_batches,  # noqa: F401
+                          parse_gpu_ids, parse_split)
 
 
 ADAPTER_TYPES = (*choices("adapter.type"), FULL_FINETUNE)   # full: no [adapter] table, every weight trains
@@ -263,6 +264,7 @@ class ScheduleNode(io.ComfyNode):
                 io.Int.Input("eval_image_micro_batch_size_per_gpu",
                              default=start("eval_image_micro_batch_size_per_gpu"), min=0, max=256, optional=True, tooltip="Video models: the eval micro batch of images "
                              "(0: the eval micro batch)"),
+                *batch_list_inputs("eval_"),
                 io.Boolean.Input("enable_wandb", default=False, optional=True, tooltip="Also log the run's "
                                  "scalars to Weights & Biases (needs wandb installed and logged in on this machine: "
                                  "`wandb login`); TensorBoard logs either way"),
@@ -275,19 +277,26 @@ class ScheduleNode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, save_every_n_epochs=None, save_every_n_steps=None, save_every_n_examples=None):
+    def validate_inputs(cls, save_every_n_epochs=None, save_every_n_steps=None, save_every_n_examples=None,
+                        eval_micro_batch_size_by_resolution=None, eval_image_micro_batch_size_by_resolution=None):
         if save_every_n_epochs == 0 and save_every_n_steps == 0 and not save_every_n_examples:
             return "nothing would be saved: set save_every_n_epochs or save_every_n_steps"
+        try:
+            parse_batches(eval_micro_batch_size_by_resolution or "", "eval_micro_batch_size_by_resolution")
+            parse_batches(eval_image_micro_batch_size_by_resolution or "", "eval_image_micro_batch_size_by_resolution")
+        except ValueError as e:
+            return str(e)
         return True
 
     @classmethod
     def execute(cls, enable_wandb=False, wandb_tracker_name="", wandb_run_name="", **keys) -> io.NodeOutput:
         # the widgets are the run keys; 0 leaves an optional one out (its default: off)
         counts = {k: unset_if_zero(v) for k, v in keys.items() if k in UNSET_BY_ZERO}
+        lists = {k: parse_batches(v, k) for k, v in keys.items() if k.endswith("_by_resolution")}
         # the API key is never a widget (a workflow file would carry it): wandb's own login holds it
         monitoring = {"monitoring": {"enable_wandb": True, "wandb_tracker_name": wandb_tracker_name.strip() or None,
                                      "wandb_run_name": wandb_run_name.strip() or None}} if enable_wandb else {}
-        return io.NodeOutput(RunPatch.of({**keys, **counts, **monitoring}))
+        return io.NodeOutput(RunPatch.of({**keys, **counts, **lists, **monitoring}))
 
 
 # optional counts whose 0 means "off" (the key left out)

@@ -46,6 +46,11 @@ class RunConfig:
     eval_before_first_step: bool = True
     eval_micro_batch_size_per_gpu: Optional[int] = None   # default micro_batch_size_per_gpu
     eval_image_micro_batch_size_per_gpu: Optional[int] = None   # default eval_micro_batch_size_per_gpu
+    # the eval batches per bucket size, as the two training lists above (diffusion-pipe writes them as the eval keys
+    # themselves); left out, eval batches as training does (diffusion-pipe's default: the eval micro batch is the
+    # training one, lists included)
+    eval_micro_batch_size_by_resolution: Optional[list[list[int]]] = None
+    eval_image_micro_batch_size_by_resolution: Optional[list[list[int]]] = None
     eval_gradient_accumulation_steps: int = 1
     uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
     # the loss on the model's own target (models/losses.py); left out: mse, or diffusion-pipe's choice by key
@@ -149,7 +154,8 @@ class RunConfig:
                 raise ConfigError("the budget is applied by torch.compile's partitioner: set compile = true, or leave "
                                   "activation_memory_budget out (activation_checkpointing saves memory without "
                                   "compile)", file=file, key="activation_memory_budget")
-        for key in ("micro_batch_size_by_resolution", "image_micro_batch_size_by_resolution"):
+        for key in ("micro_batch_size_by_resolution", "image_micro_batch_size_by_resolution",
+                    "eval_micro_batch_size_by_resolution", "eval_image_micro_batch_size_by_resolution"):
             pairs = getattr(self, key)
             if pairs is not None and (not pairs or any(len(p) != 2 or p[0] < 64 or p[1] < 1 for p in pairs)):
                 raise ConfigError(f"got {pairs}; give [[resolution, batch], ...] with resolutions from 64 and "

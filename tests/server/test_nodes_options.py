@@ -122,7 +122,9 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
                                              max_steps=30, save_every_n_examples=16, eval_every_n_examples=8,
                                              eval_before_first_step=False, eval_micro_batch_size_per_gpu=2,
                                              eval_gradient_accumulation_steps=3, steps_per_print=5,
-                                             eval_image_micro_batch_size_per_gpu=6).result[0]
+                                             eval_image_micro_batch_size_per_gpu=6,
+                                             eval_micro_batch_size_by_resolution="512:2, 1024:1",
+                                             eval_image_micro_batch_size_by_resolution="512:6").result[0]
     parallelism = settings.ParallelismNode.execute(2, 2, 1, 1, "", partition_method="manual",
                                                    partition_split="3", image_micro_batch_size_per_gpu=4).result[0]
     memory = settings.MemoryNode.execute(True, 0, compile=True, compile_cuda_graphs=False).result[0]
@@ -148,6 +150,8 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
         30, 16, 8, False, 2, 3, 5)
     assert (cfg.partition_method, cfg.partition_split, cfg.compile_cuda_graphs) == ("manual", [3], False)
     assert (cfg.image_micro_batch_size_per_gpu, cfg.eval_image_micro_batch_size_per_gpu) == (4, 6)
+    assert (cfg.eval_micro_batch_size_by_resolution, cfg.eval_image_micro_batch_size_by_resolution) == (
+        [[512, 2], [1024, 1]], [[512, 6]])
     assert (cfg.samples.render, cfg.samples.host_timeout_s, cfg.caching_batch_size) == ("host", 60.0, 4)
     ds = cfg.dataset_config
     d = ds.directory[0]
