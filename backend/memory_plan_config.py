@@ -85,7 +85,11 @@ def largest_probe(cfg, width: int | None = None, frames: int | None = None) -> P
         [b[2] for b in (ds.size_buckets or []) if len(b) > 2]
     w, h = (width, width) if width else max(sizes, key=lambda s: s[0] * s[1])
     clip = frames or max(clips)
-    batch = micro_batch_for(cfg, (w, h, clip) if clip > 1 else (w, h))
+    from .train.preservation import PARTS
+
+    # diff_output_preservation: the pipeline carries each sample's two preservation rows too
+    rows = PARTS if cfg.diff_output_preservation else 1
+    batch = micro_batch_for(cfg, (w, h, clip) if clip > 1 else (w, h)) * rows
     return Probe(int(w), int(h), int(clip), int(batch))
 
 

@@ -213,3 +213,14 @@ def test_a_run_nothing_fits_is_told_the_smallest_change_that_would():
     assert ("diffusion_model_dtype = 'float8_e4m3fn'" in text) == (fp8_fits is not None)
     cfg.model.diffusion_model_dtype = "float8_e4m3fn"
     assert "diffusion_model_dtype" not in mp.does_not_fit(cfg, fps, gpu, whole_gpu=False).split("fits:")[-1]
+
+
+def test_the_plan_carries_the_preservation_rows(tiny_flux_files, make_run):
+    """diff_output_preservation triples each micro-batch's rows in the pipeline: the queue-time plan traces them."""
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.memory_plan_config import largest_probe
+
+    plain = largest_probe(load_run_config(make_run(tiny_flux_files, images=2, name="plain")))
+    dop = largest_probe(load_run_config(make_run(tiny_flux_files, images=2, name="dop", diff_output_preservation=True,
+                                                 trigger_word="sks")))
+    assert dop.batch == 3 * plain.batch
