@@ -109,12 +109,29 @@ def latent_mask(path: Path, bucket, latent: torch.Tensor) -> torch.Tensor:
 def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
     from ..data import load_pixels
 
-    control = load_pixels(Path(entry.control), bucket[:2])[None] if entry.control else None
+    if not entry.control:
+        control = None
+    elif len(bucket) == 3 and adapter.video_control:
+        control = _control_video(Path(entry.control), bucket, adapter.framerate)
+    else:
+        control = load_pixels(Path(entry.control), bucket[:2])[None]
     out = adapter.encode_conditioning(vae, media, control)
     if set(out) != set(adapter.conditioning_fields):
         raise RuntimeError(f"{type(adapter).__name__}.encode_conditioning returned {sorted(out)}, "
                            f"expected {list(adapter.conditioning_fields)}")
     return out
+
+
+def _control_video(path: Path, bucket, framerate) -> torch.Tensor:
+    """A clip's control video, its frames taken as the clip's are (resampled, cropped to the bucket)."""
+    from ..data.video import load_video
+    from ..errors import DatasetError
+
+    try:
+        return load_video(path, bucket, framerate)
+    except DatasetError as e:
+        raise DatasetError(f"control video {path}: {e}. A control video needs at least as many frames as its "
+                           f"clip's bucket ({bucket[2]} at {framerate} fps)") from e
 
 
 def encode_text(adapter, clip, work: TextWork) -> dict[str, torch.Tensor]:
