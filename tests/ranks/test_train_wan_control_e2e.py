@@ -44,12 +44,17 @@ def _payloads(root, arch):
     return {e.path.rsplit("/", 1)[-1]: (e, store.get("latents", e.latent)) for e in manifest.entries}
 
 
-def test_wan_vace_trains_on_control_videos(model_files, tmp_path):
+def _trained(files, tmp_path, arch, stills):
+    """A finished 2-rank run on the controlled dataset and its cached samples by file name."""
     root = tmp_path / "job"
-    config = _with_controls(model_files("wan_vace"), root, "wan_vace", stills=True)
+    config = _with_controls(files, root, arch, stills)
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
-    payloads = _payloads(root, "wan_vace")
+    return config, run, _payloads(root, arch)
+
+
+def test_wan_vace_trains_on_control_videos(model_files, tmp_path):
+    config, run, payloads = _trained(model_files("wan_vace"), tmp_path, "wan_vace", stills=True)
     entry, payload = payloads["clip_mp4.mp4"]
     assert entry.control.endswith("controls/clip_mp4.mp4") and entry.bucket == (64, 64, 9)
     vace = payload["vace_context"]
@@ -60,11 +65,7 @@ def test_wan_vace_trains_on_control_videos(model_files, tmp_path):
 
 
 def test_wan_fun_control_trains_on_control_videos(model_files, tmp_path):
-    root = tmp_path / "job"
-    config = _with_controls(model_files("wan_fun_control"), root, "wan_fun_control", stills=False)
-    run = train(config, ranks=2)
-    assert run.returncode == 0, run.output[-4000:]
-    payloads = _payloads(root, "wan_fun_control")
+    config, run, payloads = _trained(model_files("wan_fun_control"), tmp_path, "wan_fun_control", stills=False)
     concat = payloads["clip_mp4.mp4"][1]["concat"]
     assert concat.shape == (32, 3, 8, 8) and (concat[16:, 1:] == 0).all() and concat[16:, 0].abs().sum() > 0
     assert not torch.allclose(concat[:16], payloads["clip_gif.gif"][1]["concat"][:16])
