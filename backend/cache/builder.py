@@ -123,15 +123,17 @@ def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) 
 
 
 def _control_video(path: Path, bucket, framerate) -> torch.Tensor:
-    """A clip's control video, its frames taken as the clip's are (resampled, cropped to the bucket)."""
-    from ..data.video import load_video
-    from ..errors import DatasetError
+    """A clip's control, its frames taken as the clip's are (resampled, cropped to the bucket) up to the bucket's
+    length; a shorter control video gives its own frames only, a control image one frame (ComfyUI's control
+    nodes fill the frames a control lacks with their own default)."""
+    from ..data import load_pixels
+    from ..data.video import frames_at_rate, load_video, probe_video
 
-    try:
-        return load_video(path, bucket, framerate)
-    except DatasetError as e:
-        raise DatasetError(f"control video {path}: {e}. A control video needs at least as many frames as its "
-                           f"clip's bucket ({bucket[2]} at {framerate} fps)") from e
+    info = probe_video(path)
+    if info is None:
+        return load_pixels(path, bucket[:2])[None]
+    count = min(bucket[2], frames_at_rate(info.frames, info.fps, framerate))
+    return load_video(path, (*bucket[:2], count), framerate)
 
 
 def encode_text(adapter, clip, work: TextWork) -> dict[str, torch.Tensor]:

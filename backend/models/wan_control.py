@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Wan 2.1 VACE and Wan 2.1 Fun-Control: Wan trained on (control video, clip) pairs, the control conditioning built
 by ComfyUI's own nodes (``comfy_extras.nodes_wan``) on the control files the dataset's ``control_path`` pairs with
-the clips by file stem (a control video for a clip, a control image for a still), cached with the latent.
+the clips by file stem (a control video, or image, per clip or still), cached with the latent. A clip's control
+video is read up to the clip's length (``cache.builder._control_video``); the nodes fill what it lacks.
 
 - ``wan_vace`` (ComfyUI's ``WAN21_Vace``, ``VaceWanModel``): ``WanVaceToVideo`` at strength 1, without mask or
   reference image, encodes the control twice (the inactive and reactive halves, 32 channels) and gives a 64-channel

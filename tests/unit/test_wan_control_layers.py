@@ -105,7 +105,7 @@ def _frames(seed, count=9):
 
 def test_vace_conditioning_is_comfyuis(model_files):
     """``vace_context`` = WAN21_Vace.extra_conds of WanVaceToVideo's output (strength 1, no mask): the control's
-    inactive / reactive latents scaled, then the all-ones 64-channel mask; the clip's own frames play no part."""
+    inactive / reactive latents scaled, then the all-ones 64-channel mask; another control video changes it."""
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.wan_control import _nodes_wan, wan_vace_config
 
@@ -123,7 +123,6 @@ def test_vace_conditioning_is_comfyuis(model_files):
     assert trim == 0 and ours.shape == (96, 3, 4, 6)
     assert torch.allclose(ours, conds["vace_context"].cond[0, 0], atol=1e-5)
     assert (ours[32:] == 1).all() and conds["vace_strength"].cond == [1.0]
-    assert torch.equal(a.encode_conditioning(vae, _frames(2), control)["vace_context"], ours)
     assert not torch.allclose(a.encode_conditioning(vae, clip, _frames(3))["vace_context"][:32], ours[:32])
 
 
@@ -153,3 +152,18 @@ def test_fun_control_conditioning_is_comfyuis(model_files):
     assert not torch.allclose(a.encode_conditioning(vae, clip, _frames(3))["concat"][:16], ours[:16])
     with pytest.raises(Exception, match="videos only"):
         a.encode_conditioning(vae, clip[:1], control[:1])
+
+
+def test_a_short_control_gives_its_own_frames_only(tmp_path):
+    """ComfyUI's nodes fill what a control lacks (WanVaceToVideo: grey): a short control video is not stretched
+    by holding its last frame, and a control image is one frame."""
+    from media import moving_square, write_video
+    from PIL import Image
+
+    from pipetrain.backend.cache.builder import _control_video
+
+    path = write_video(tmp_path / "a.mp4", moving_square(5), 16)
+    assert _control_video(path, (64, 64, 9), 16).shape == (5, 64, 64, 3)
+    assert _control_video(path, (64, 64, 3), 16).shape == (3, 64, 64, 3)
+    Image.fromarray(moving_square(1)[0]).save(tmp_path / "b.png")
+    assert _control_video(tmp_path / "b.png", (64, 64, 9), 16).shape == (1, 64, 64, 3)
