@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 CLIPS = {"clip_mp4.mp4": (17, 16), "clip_webm.webm": (20, 24), "clip_gif.gif": (12, 20), "clip_webp.webp": (10, 10)}
 
 
-def _with_controls(files, root, arch, stills: bool):
+def _with_controls(files, root, arch, stills: bool, **overrides):
     """The video dataset (its stills kept with grey control images, or left out), a grey square's control video
     per clip (a different grey each), frame buckets of 9; the run's config."""
     dataset, controls = root / "dataset", root / "controls"
@@ -31,7 +31,7 @@ def _with_controls(files, root, arch, stills: bool):
         else:
             still.unlink()
             still.with_suffix(".txt").unlink()
-    config = write_configs(root, files, stages=2, epochs=1, model={"type": arch})
+    config = write_configs(root, files, stages=2, epochs=1, model={"type": arch}, **overrides)
     with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
         f.write(f'frame_buckets = [1, 9]\ncontrol_path = "{controls}"\n')
     return config
@@ -44,17 +44,18 @@ def _payloads(root, arch):
     return {e.path.rsplit("/", 1)[-1]: (e, store.get("latents", e.latent)) for e in manifest.entries}
 
 
-def _trained(files, tmp_path, arch, stills):
+def _trained(files, tmp_path, arch, stills, **overrides):
     """A finished 2-rank run on the controlled dataset and its cached samples by file name."""
     root = tmp_path / "job"
-    config = _with_controls(files, root, arch, stills)
+    config = _with_controls(files, root, arch, stills, **overrides)
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
     return config, run, _payloads(root, arch)
 
 
 def test_wan_vace_trains_on_control_videos(model_files, tmp_path):
-    config, run, payloads = _trained(model_files("wan_vace"), tmp_path, "wan_vace", stills=True)
+    config, run, payloads = _trained(model_files("wan_vace"), tmp_path, "wan_vace", stills=True, samples={
+        "prompts": ["a square"], "width": 64, "height": 64, "steps": 2})   # a still, without the control
     entry, payload = payloads["clip_mp4.mp4"]
     assert entry.control.endswith("controls/clip_mp4.mp4") and entry.bucket == (64, 64, 9)
     vace = payload["vace_context"]
@@ -62,6 +63,7 @@ def test_wan_vace_trains_on_control_videos(model_files, tmp_path):
     assert payloads["still0.png"][1]["vace_context"].shape == (96, 1, 8, 8)   # a still with its control image
     assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]
     check_epoch_loras(run, config, keys=20)   # the main blocks' linears; the VACE block keeps its weights
+    assert [e["prompt"] for e in run.events("sample_saved")] == ["a square"]
 
 
 def test_wan_fun_control_trains_on_control_videos(model_files, tmp_path):
