@@ -229,7 +229,9 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
                           file=cfg.file, key="samples.sampler")
     adapter = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
     store, state = CacheStore(cache_folder(cfg.resolve(cfg.output_dir))), {}
-    control = sample_control(cfg) if adapter.needs_control else None
+    # control-video models (Wan VACE, Fun-Control) sample a still without their control: the reference latent
+    # is an edit model's conditioning
+    control = sample_control(cfg) if adapter.needs_control and not adapter.video_control else None
     texts = [_text(adapter, store, p, state, control, (s.width, s.height)) for p in [*s.prompts, s.negative_prompt]]
     state.clear()
     if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model

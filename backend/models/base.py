@@ -49,6 +49,8 @@ class ModelAdapter(ABC):
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
+    video_control: bool = False              # control models (Wan VACE): a clip's control is a video, read up to
+    #                                          the clip's frame bucket (or an image: one frame)
     caption_sees_control: bool = False       # edit models whose text encoder reads the control image with the
     #                                          caption (encode_caption_with_image); cached per caption and image
     memory_format: torch.memory_format = torch.contiguous_format  # how the engine stores 4-D weights in training
@@ -117,7 +119,8 @@ class ModelAdapter(ABC):
     def encode_conditioning(self, vae, media: torch.Tensor, control: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Edit and i2v models: the ``conditioning_fields`` of one sample (no batch dimension), from the same
         pixels its latent was encoded from (``media``: an image [1, H, W, 3] or a clip's frames [F, H, W, 3])
-        and its paired control image at the same bucket ([1, H, W, 3], or None without a control_path)."""
+        and its paired control image at the same bucket ([1, H, W, 3], or None without a control_path; with
+        ``video_control`` a clip's control video [F', H, W, 3], F' <= F)."""
         raise ModelError(f"{self.arch} declares conditioning_fields but does not encode them")
 
     @abstractmethod

@@ -117,6 +117,15 @@ class WanInput(TupleLayer):
         self.objective, self.dtype, self.conditioning = objective, dtype, conditioning
 
     def run(self, latents, noise, t, context, *conditioning):
+        return self.carried(*self.embed(latents, noise, t, context, *conditioning))
+
+    @staticmethod
+    def carried(x, e0, e, context, freqs, grid, size):
+        """What the blocks receive: the tokens with a graph, the frozen tensors hidden (``carry``)."""
+        return with_grad(x), hide(e0), hide(e), hide(context), hide(freqs.float()), grid, size
+
+    def embed(self, latents, noise, t, context, *conditioning):
+        """The embedded tokens, modulations, text, RoPE table, grid and sizes, none of them hidden yet."""
         import comfy.ldm.common_dit
         from comfy.ldm.wan.model import sinusoidal_embedding_1d
 
@@ -145,8 +154,7 @@ class WanInput(TupleLayer):
             if self.img_emb is not None:
                 context = torch.cat([self.img_emb(clip), context], dim=1)
             image_tokens = clip.shape[-2]
-        size = sizes(frames, h, w, image_tokens)
-        return with_grad(x), hide(e0), hide(e), hide(context), hide(freqs.float()), grid, size
+        return x, e0, e, context, freqs, grid, sizes(frames, h, w, image_tokens)
 
 
 def first_frame_mask(frames: int, like: torch.Tensor) -> torch.Tensor:
@@ -257,6 +265,7 @@ class WanI2VAdapter(WanAdapter):
         return path
 
     given_last_frame = False    # wan_flf2v: the clip's last frame is given too
+    concat_channels = 20        # mask 4 + image latent 16
 
     def encode_conditioning(self, vae, media, control):
         import comfy.latent_formats
@@ -312,7 +321,7 @@ class WanI2VAdapter(WanAdapter):
 
     def probe_text(self, generator):
         b, t, h, w = 1, 2, 8, 8
-        concat = torch.randn(b, 20, t, h, w, generator=generator)
+        concat = torch.randn(b, self.concat_channels, t, h, w, generator=generator)
         out = [*super().probe_text(generator), concat]
         if "clip_fea" in self.conditioning_fields:
             tokens = CLIP_VISION_TOKENS * (2 if self.given_last_frame else 1)
