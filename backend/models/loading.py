@@ -338,7 +338,13 @@ def _narrowed_vae_class(metadata: dict):
     kind = VAES.get(metadata.get(META_VAE_KIND, ""))
     if META_VAE not in metadata or kind is None or not kind.narrowed_class:
         return contextlib.nullcontext()
-    return narrowed_class(kind.narrowed_class, json.loads(metadata[META_VAE]))
+    widths = json.loads(metadata[META_VAE])
+    if "," not in kind.narrowed_class:
+        return narrowed_class(kind.narrowed_class, widths)
+    stack = contextlib.ExitStack()   # several classes narrowed: widths are keyed by each class's target
+    for target in kind.narrowed_class.split(","):
+        stack.enter_context(narrowed_class(target, widths[target]))
+    return stack
 
 
 def load_vae(path, *, arch: str | None = None):

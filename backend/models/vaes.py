@@ -200,19 +200,27 @@ ACE_VAE_TINY = {
     "dcae_config": {"attention_head_dim": 8, "encoder_block_out_channels": [8, 8, 16, 16],
                     "decoder_block_out_channels": [8, 8, 16, 16], "encoder_layers_per_block": [1, 1, 1, 1],
                     "decoder_layers_per_block": [1, 1, 1, 1]},
-    "vocoder_config": {"depths": [1, 1, 1, 1], "dims": [8, 8, 8, 8], "upsample_initial_channel": 16,
-                       "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1]]},
+    "vocoder_config": {"depths": [1, 1, 1, 1], "dims": [8, 8, 8, 8], "upsample_initial_channel": 128,
+                       "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]]},
 }
 
 
+# MusicDCAE names itself in ``super(MusicDCAE, self)``, so the classes it builds are narrowed instead (a
+# ``narrowed_class`` of several targets takes widths keyed by target)
+ACE_VAE_PARTS = {"dcae_config": "comfy.ldm.ace.vae.music_dcae_pipeline:AutoencoderDC",
+                 "vocoder_config": "comfy.ldm.ace.vae.music_dcae_pipeline:ADaMoSHiFiGANV1"}
+
+
 def _ace_vae_widths(size: str) -> dict:
-    return {} if size == "full" else ACE_VAE_TINY
+    return {} if size == "full" else {ACE_VAE_PARTS[k]: v for k, v in ACE_VAE_TINY.items()}
 
 
 def _ace_vae(size: str) -> torch.nn.Module:
+    # its vocoder reads drop-path rates with .item() while being built: built on the CPU, then moved to meta
     MusicDCAE = comfy_object("comfy.ldm.ace.vae.music_dcae_pipeline:MusicDCAE")
-    with torch.device("meta"):
-        return MusicDCAE(source_sample_rate=44100, **_ace_vae_widths(size))
+    with torch.device("cpu"):
+        vae = MusicDCAE(source_sample_rate=44100, **({} if size == "full" else ACE_VAE_TINY))
+    return vae.to("meta")
 
 
 VAES: dict[str, VAEKind] = {
@@ -230,7 +238,7 @@ VAES: dict[str, VAEKind] = {
     "hunyuan_video_15": _hunyuan_vae_kind("hunyuan_video_15", "HunyuanVideo 1.5 VAE", 32, 3),
     "hunyuan_image_21": _hunyuan_vae_kind("hunyuan_image_21", "HunyuanImage 2.1 VAE", 64, 2),
     "ace_dcae": VAEKind("ACE-Step music DCAE + vocoder", 8, _ace_vae, sized=True,
-                        narrowed_class="comfy.ldm.ace.vae.music_dcae_pipeline:MusicDCAE", widths=_ace_vae_widths),
+                        narrowed_class=",".join(ACE_VAE_PARTS.values()), widths=_ace_vae_widths),
     "cosmos1_cv8x8x8": VAEKind("Cosmos 1.0 CV8x8x8 tokenizer", 16, _cosmos1_vae, latent_dim=3, sized=True,
                                narrowed_class="comfy.ldm.cosmos.vae:CausalContinuousVideoTokenizer",
                                widths=_cosmos1_vae_widths, init={"latent_std": "ones", "latent_mean": "zeros"},

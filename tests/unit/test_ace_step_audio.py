@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""ACE-Step's audio side: a wav written here is probed, bucketed by duration, read as ComfyUI's LoadAudio reads it
+and encoded by ComfyUI's music DCAE (a tiny one, its widths in the file's metadata) into the latent
+EmptyAceStepLatentAudio would give for that length; tags + lyrics encode as TextEncodeAceStepAudio does."""
+import math
+import wave
+
+import pytest
+import torch
+
+from pipetrain.backend.runtime import ensure_comfyui
+
+ensure_comfyui()
+pytest.importorskip("torchaudio")   # ComfyUI's ACE VAE builds its mel filter bank with torchaudio
+
+
+def _write_wav(path, seconds: float, rate: int = 22050, channels: int = 1):
+    n = int(seconds * rate)
+    frames = bytearray()
+    for i in range(n):
+        v = int(12000 * math.sin(2 * math.pi * 440 * i / rate))
+        frames += v.to_bytes(2, "little", signed=True) * channels
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(bytes(frames))
+
+
+def test_duration_buckets_and_lyrics(tmp_path):
+    from pipetrain.backend.data.audio import audio_bucket, probe_seconds, read_lyrics
+
+    song = tmp_path / "song.wav"
+    _write_wav(song, 2.5)
+    assert probe_seconds(song) == pytest.approx(2.5, abs=1e-3)
+    assert audio_bucket(2.5) == (2, 1) and audio_bucket(31) == (30, 1) and audio_bucket(0.5) is None
+    assert audio_bucket(1000) == (240, 1)
+    assert read_lyrics(song) == ""
+    (tmp_path / "song.lyrics.txt").write_text("[verse]\nla la la\n")
+    assert read_lyrics(song) == "[verse]\nla la la"
+    (tmp_path / "bad.wav").write_bytes(b"not audio")
+    assert isinstance(probe_seconds(tmp_path / "bad.wav"), str)
+
+
+@pytest.fixture(scope="module")
+def ace_files(tmp_path_factory):
+    from pipetrain.backend.models import tiny
+
+    return tiny.write_model_files("ace_step", tmp_path_factory.mktemp("ace"), "tiny")
+
+
+def test_tiny_wav_caches_to_the_latent_comfyui_makes(tmp_path, ace_files):
+    """22.05 kHz mono, 2 s: resampled to 44.1 kHz (VAEEncodeAudio), duplicated to stereo; ComfyUI pads 88200
+    samples to 90112 (22 x 4096), its mel transform (n_fft 2048, hop 512, no centring) gives 173 frames and the
+    DCAE's 8x makes 21 latent frames of [8, 16]."""
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.data.audio import load_clip
+    from pipetrain.backend.models import loading
+    from pipetrain.backend.models.ace_step import AceStepAdapter
+
+    song = tmp_path / "song.wav"
+    _write_wav(song, 2.4)
+    waveform, rate = load_clip(song, 2)
+    assert rate == 22050 and waveform.shape == (1, 44100)
+    vae = loading.load_vae(ace_files.vae, arch="ace_step")
+    assert type(vae.first_stage_model).__name__ == "MusicDCAE" and vae.latent_channels == 8
+    assert vae.first_stage_model.dcae.encoder.conv_in.out_channels == 8   # the tiny widths from the metadata
+    adapter = AceStepAdapter(ModelConfig(type="ace_step", diffusion_model=str(ace_files.diffusion_model),
+                                         vae=str(ace_files.vae)))
+    latent = adapter.encode_audio(vae, waveform, rate)
+    assert latent.shape == (8, 16, ((22 * 4096 - 2048) // 512 + 1) // 8) and torch.isfinite(latent).all()
+    # the same as ComfyUI's VAEEncodeAudio node on the same audio (made stereo, as the DCAE reads two channels)
+    from comfy_extras.nodes_audio import VAEEncodeAudio
+
+    ref = VAEEncodeAudio().encode(vae, {"waveform": waveform.expand(2, -1)[None], "sample_rate": rate})[0]["samples"]
+    torch.testing.assert_close(latent, ref[0].float())
+
+
+def test_tags_and_lyrics_encode_as_comfyui_node(ace_files):
+    from comfy_extras.nodes_ace import TextEncodeAceStepAudio
+
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models import loading
+    from pipetrain.backend.models.ace_step import AceStepAdapter
+
+    clip = loading.load_text_encoders(ace_files.text_encoders, "ace_step", torch.float32)
+    adapter = AceStepAdapter(ModelConfig(type="ace_step", diffusion_model="unused", vae="unused"))
+    ours = adapter.encode_song(clip, "rock, guitar", "[verse]\nhello world")
+    cond = TextEncodeAceStepAudio.execute(clip, "rock, guitar", "[verse]\nhello world", 1.0)[0]
+    torch.testing.assert_close(ours["cond"], cond[0][0][0].float())
+    assert torch.equal(ours["lyrics"], cond[0][1]["conditioning_lyrics"][0].long())
+    assert ours["cond"].shape[-1] == 768 and ours["lyrics"].shape[0] > 3
+    assert not torch.equal(adapter.encode_song(clip, "rock, guitar", "")["lyrics"], ours["lyrics"])
