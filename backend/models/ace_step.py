@@ -40,9 +40,14 @@ LYRIC_WIDTH = 1024         # ComfyUI builds the lyric Conformer at this width wh
 
 
 def ace_config(**overrides) -> dict:
-    """ComfyUI's detection gives ``{"audio_model": "ace"}`` (every width the class's default); ``overrides``
-    narrow it."""
-    return {"audio_model": "ace", **overrides}
+    """The unet_config ComfyUI's detection gives an ACE-Step v1 3.5B file (``model_detection``: 24 blocks of 20 x 128,
+    a lyric vocabulary of 6693 with the structure tags ComfyUI's lyrics tokenizer adds); ``overrides`` narrow it."""
+    return {"audio_model": "ace", "attention_head_dim": 128, "in_channels": 8, "inner_dim": 2560, "max_height": 16,
+            "max_position": 32768, "max_width": 32768, "mlp_ratio": 2.5, "num_attention_heads": 20, "num_layers": 24,
+            "out_channels": 8, "patch_size": [16, 1], "rope_theta": 1000000.0, "speaker_embedding_dim": SPEAKER_DIM,
+            "text_embedding_dim": 768, "ssl_encoder_depths": [8, 8], "ssl_latent_dims": [1024, 768],
+            "ssl_names": ["mert", "m-hubert"], "lyric_encoder_vocab_size": 6693, "lyric_hidden_size": LYRIC_WIDTH,
+            **overrides}
 
 
 # tiny: 2 blocks of width 64 (2 heads of 32); UMT5-base's 768-wide output and the lyric vocabulary stay real; the
@@ -50,7 +55,7 @@ def ace_config(**overrides) -> dict:
 ACE_CONFIGS = {
     "full": ace_config(),
     "tiny": ace_config(num_layers=2, attention_head_dim=32, num_attention_heads=2, lyric_hidden_size=64,
-                       ssl_latent_dims=[32, 32]),
+                       inner_dim=64, ssl_latent_dims=[32, 32]),
 }
 
 
@@ -225,7 +230,7 @@ class AceStepAdapter(ModelAdapter):
     def probe_text(self, generator):
         tokens, lyric = 7, 9
         return [torch.randn(1, tokens, self.diffusion_model.genre_embedder.in_features, generator=generator),
-                torch.randint(0, 6000, (1, lyric), generator=generator), torch.tensor([tokens]),
+                torch.randint(0, self.diffusion_model.lyric_embs.num_embeddings, (1, lyric), generator=generator), torch.tensor([tokens]),
                 torch.tensor([lyric])]
 
     def reference_forward(self, x_t, t, text):

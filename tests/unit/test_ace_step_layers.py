@@ -22,8 +22,8 @@ def small_ace():
     lyric Conformer narrowed to 32 wide (one block) as tiny files build it."""
     from pipetrain.backend.models.ace_step import AceStepAdapter, ace_config
 
-    config = ace_config(num_layers=2, attention_head_dim=32, num_attention_heads=2, text_embedding_dim=CONTEXT,
-                        lyric_hidden_size=32, ssl_latent_dims=[16, 16])
+    config = ace_config(num_layers=2, attention_head_dim=32, num_attention_heads=2, inner_dim=64, mlp_ratio=4.0,
+                        text_embedding_dim=CONTEXT, lyric_hidden_size=32, ssl_latent_dims=[16, 16])
     return small_adapter(AceStepAdapter, "ace_step", config, std=0.05)
 
 
@@ -33,11 +33,19 @@ def _inputs(batch=2, length=12, tokens=(5, 5), lyrics=(7, 7), seed=1):
     noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
     t = torch.tensor([0.25, 0.8, 0.05][:batch], dtype=torch.float64)
     cond = torch.randn(batch, max(tokens), CONTEXT, generator=g, dtype=torch.float64)
-    ids = torch.randint(3, 6000, (batch, max(lyrics)), generator=g)
+    ids = torch.randint(3, 6693, (batch, max(lyrics)), generator=g)   # the structure tags [verse] ... sit past 6680
     for i, (n, m) in enumerate(zip(tokens, lyrics)):
         cond[i, n:] = 0
         ids[i, m:] = 0
     return x0, noise, t, cond, ids, torch.tensor(tokens), torch.tensor(lyrics)
+
+
+def test_comfyui_detects_the_full_layout_as_ace_step():
+    from layer_checks import comfyui_detects, layout_state_dict
+
+    from pipetrain.backend.models.ace_step import ACE_CONFIGS
+
+    comfyui_detects(layout_state_dict("ace_step", "full"), "ace_step", "ACEStep", ACE_CONFIGS["full"])
 
 
 def test_layers_match_comfyui_forward(small_ace):
@@ -78,3 +86,13 @@ def test_tags_and_lyrics_of_different_lengths_batch_like_comfyui(small_ace):
 
 def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_ace):
     every_boundary_is_a_stage_boundary_with_lora(small_ace, _inputs(tokens=(5, 4), lyrics=(6, 6)))
+
+
+def test_bench_probes_a_clip_of_the_given_seconds(small_ace):
+    """bench/models.py --seconds: 3 s at 44.1 kHz is round(3 x 44100 / 4096) = 32 latent frames of [8, 16]; the
+    probe's tags and lyrics are the adapter's (768-wide UMT5 output is the config's context width here)."""
+    from pipetrain.bench.models import probe_inputs
+
+    x0, noise, t, cond, lyrics, text_lengths, lyric_lengths = probe_inputs(small_ace, 1024, 33, "cpu", seconds=3)
+    assert x0.shape == noise.shape == (1, 8, 16, 32) and cond.shape == (1, 7, CONTEXT)
+    assert lyrics.dtype == torch.int64 and (text_lengths.item(), lyric_lengths.item()) == (7, 9)
