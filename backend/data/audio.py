@@ -13,9 +13,12 @@ bucket travels as ``(seconds, 1)``: a 2-tuple, so the batching code that reads (
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
+
+from ..errors import DatasetError
 
 log = logging.getLogger(__name__)
 
@@ -71,3 +74,64 @@ def load_clip(path: Path, seconds: int) -> tuple[torch.Tensor, int]:
 
     waveform, sample_rate = load(str(path))
     return waveform[:, :int(round(seconds * sample_rate))], sample_rate
+
+
+def _scan_audio_directory(cfg, directory, scan) -> None:
+    from .items import MediaItem
+    from .scan import _caption_extension, _read_caption
+
+    path = Path(os.path.abspath(cfg.directory_path(directory)))
+    if not path.is_dir():
+        raise DatasetError(f"dataset directory not found: {path} (key 'directory.path' = {directory.path!r}); "
+                           "fix the path or create the directory")
+    extension = _caption_extension(cfg, directory)
+    repeats = directory.num_repeats if directory.num_repeats is not None else cfg.num_repeats
+    captions = cfg.caption_options(directory)
+    found = 0
+    for file in sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and is_audio_file(p)):
+        seconds = probe_seconds(file)
+        if isinstance(seconds, str):
+            scan.unreadable.append((file, seconds))
+            continue
+        caption = _read_caption(file.parent / (file.stem + extension))
+        if not caption and captions.skip_empty:
+            scan.skipped_empty.append(file)
+            continue
+        if caption is None:
+            scan.missing_captions.append(file)
+        scan.items.append(MediaItem(path=file, caption=caption or "", width=0, height=0, num_repeats=repeats,
+                                    resolutions=(), captions=captions, is_reg=directory.is_reg, seconds=seconds,
+                                    lyrics=read_lyrics(file)))
+        found += 1
+    if not found:
+        raise DatasetError(f"dataset directory {path} contains no readable audio files "
+                           f"({', '.join(sorted(AUDIO_EXTENSIONS))}); add some or remove this [[directory]]")
+
+
+def scan_audio(cfg):
+    """Every readable audio file of every [[directory]] with its tags and lyrics, in sorted order (a
+    ``scan.ScanResult``); unreadable files are reported as ``on_unreadable`` says."""
+    from .scan import ScanResult, _report_unreadable
+
+    scan = ScanResult(items=[])
+    for directory in cfg.directory:
+        _scan_audio_directory(cfg, directory, scan)
+    _report_unreadable(cfg, scan.unreadable)
+    return scan
+
+
+def audio_samples(items) -> list:
+    """One sample per clip at its duration bucket; clips shorter than the first bucket are left out."""
+    from .items import Sample
+
+    samples, short = [], []
+    for item in items:
+        bucket = audio_bucket(item.seconds)
+        if bucket is None:
+            short.append(item)
+        else:
+            samples.append(Sample(item=item, bucket=bucket))
+    if short:
+        log.warning("leaving out %d audio file(s) shorter than %d s:%s", len(short), AUDIO_BUCKETS[0],
+                    "".join(f"\n  {i.path}: {i.seconds:.2f} s" for i in short))
+    return samples

@@ -91,3 +91,58 @@ def test_tags_and_lyrics_encode_as_comfyui_node(ace_files):
     assert torch.equal(ours["lyrics"], cond[0][1]["conditioning_lyrics"][0].long())
     assert ours["cond"].shape[-1] == 768 and ours["lyrics"].shape[0] > 3
     assert not torch.equal(adapter.encode_song(clip, "rock, guitar", "")["lyrics"], ours["lyrics"])
+
+
+def test_epoch_samples_are_skipped_with_a_warning_for_audio(tmp_path):
+    """Epoch samples are images: an ace_step run with [samples] set goes on without them, saying so once per epoch
+    on the main rank (no job is started, so nothing waits on ComfyUI)."""
+    from types import SimpleNamespace
+
+    from pipetrain.backend.sampling import render_epoch_samples
+
+    events = []
+    reporter = SimpleNamespace(event=lambda kind, **fields: events.append((kind, fields)))
+    cfg = SimpleNamespace(samples=SimpleNamespace(render="run"), model=SimpleNamespace(type="ace_step"))
+    render_epoch_samples(cfg, tmp_path, reporter, True, tmp_path / "e1.safetensors", 1, 10, lambda: False)
+    render_epoch_samples(cfg, tmp_path, reporter, False, None, 1, 10, lambda: False)
+    assert [(k, f["epoch"]) for k, f in events] == [("warning", 1)]
+    assert "audio model" in events[0][1]["message"] and "skipped" in events[0][1]["message"]
+
+
+def test_audio_dataset_scan_and_cache_keys_follow_the_audio_and_lyrics(tmp_path):
+    """The scan pairs each audio file with its tags and lyrics and buckets it by duration; the text key changes with
+    the lyrics (and not for a song without lyrics vs empty ones), the latent key with the audio bytes."""
+    from pipetrain.backend.cache.manifest import build_entries
+    from pipetrain.backend.config import DatasetConfig, DirectoryConfig, ModelConfig
+    from pipetrain.backend.data.audio import audio_samples, scan_audio
+    from pipetrain.backend.models.ace_step import AceStepAdapter
+
+    songs = tmp_path / "songs"
+    songs.mkdir()
+    _write_wav(songs / "a.wav", 2.2)
+    _write_wav(songs / "b.wav", 5.5)
+    _write_wav(songs / "short.wav", 0.5)
+    (songs / "a.txt").write_text("rock, guitar")
+    (songs / "b.txt").write_text("rock, guitar")
+    (songs / "b.lyrics.txt").write_text("[verse]\nhello")
+    (songs / "notes.md").write_text("not audio")
+    cfg = DatasetConfig(directory=[DirectoryConfig(str(songs))])
+    scan = scan_audio(cfg)
+    assert [(i.path.name, i.caption, i.lyrics) for i in scan.items] == [
+        ("a.wav", "rock, guitar", ""), ("b.wav", "rock, guitar", "[verse]\nhello"), ("short.wav", "", "")]
+    assert [p.name for p in scan.missing_captions] == ["short.wav"]
+    samples = audio_samples(scan.items)
+    assert [(s.item.path.name, s.bucket) for s in samples] == [("a.wav", (2, 1)), ("b.wav", (5, 1))]
+    adapter = AceStepAdapter(ModelConfig(type="ace_step", diffusion_model="unused", vae="unused"))
+    files = {"vae": [tmp_path / "vae"], "text_encoders": [tmp_path / "te"]}
+
+    def entries():
+        return build_entries(audio_samples(scan_audio(cfg).items), adapter, files, fingerprint=str)
+    a, b = entries()
+    assert a.text != b.text and b.lyrics == "[verse]\nhello" and a.lyrics == ""
+    (songs / "a.lyrics.txt").write_text("")            # empty lyrics: the same as none (instrumental)
+    assert entries()[0].text == a.text
+    (songs / "b.lyrics.txt").write_text("[verse]\nhello again")
+    assert entries()[1].text != b.text and entries()[1].latent == b.latent
+    _write_wav(songs / "b.wav", 5.5, rate=16000)        # other audio bytes, same length
+    assert entries()[1].latent != b.latent
