@@ -146,3 +146,17 @@ def test_audio_dataset_scan_and_cache_keys_follow_the_audio_and_lyrics(tmp_path)
     assert entries()[1].text != b.text and entries()[1].latent == b.latent
     _write_wav(songs / "b.wav", 5.5, rate=16000)        # other audio bytes, same length
     assert entries()[1].latent != b.latent
+
+
+def test_tiny_ace_step_diffusion_model_loads_through_comfyui(ace_files):
+    """Through ComfyUI's load_diffusion_model with the config in the file's metadata; the lyric Conformer ComfyUI
+    fixes at 1024 x 6 blocks is built narrowed (64 wide, one block) as the file holds it, and the model samples
+    with ComfyUI's ACE-Step settings."""
+    from pipetrain.backend.models import loading
+
+    patcher = loading.load_diffusion_model(ace_files.diffusion_model, torch.float32, arch="ace_step")
+    model = patcher.model
+    assert type(model).__name__ == "ACEStep"
+    assert model.diffusion_model.lyric_encoder.output_size == 64 and len(model.diffusion_model.lyric_encoder.encoders) == 1
+    assert model.diffusion_model.lyric_embs.num_embeddings == 6693
+    assert model.model_sampling.shift == pytest.approx(3.0) and model.model_sampling.multiplier == 1000.0
