@@ -11,7 +11,6 @@ import torch
 from pipetrain.backend.runtime import ensure_comfyui
 
 ensure_comfyui()
-pytest.importorskip("torchaudio")   # ComfyUI's ACE VAE builds its mel filter bank with torchaudio
 
 
 def _write_wav(path, seconds: float, rate: int = 22050, channels: int = 1):
@@ -46,6 +45,7 @@ def test_duration_buckets_and_lyrics(tmp_path):
 def ace_files(tmp_path_factory):
     from pipetrain.backend.models import tiny
 
+    pytest.importorskip("torchaudio")   # ComfyUI's ACE VAE builds its mel filter bank with torchaudio
     return tiny.write_model_files("ace_step", tmp_path_factory.mktemp("ace"), "tiny")
 
 

@@ -23,6 +23,7 @@ def small_ace():
     from pipetrain.backend.models.ace_step import AceStepAdapter, ace_config
 
     config = ace_config(num_layers=2, attention_head_dim=32, num_attention_heads=2, inner_dim=64, mlp_ratio=4.0,
+                        max_position=64, max_width=64,
                         text_embedding_dim=CONTEXT, lyric_hidden_size=32, ssl_latent_dims=[16, 16])
     return small_adapter(AceStepAdapter, "ace_step", config, std=0.05)
 
