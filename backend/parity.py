@@ -186,9 +186,11 @@ def _small_adapter(model_type: str):
     # getattr: until the registry names adapters relative to this package (issue #25), a ComfyUI that loads
     # PipeTrain as a custom node may take the adapter classes from another installed copy
     adapter.dtype = getattr(cls, "parity_dtype", torch.float64)
-    model_config = loading.model_config(adapter.arch, cls.spec.unet_config("micro"))
+    unet_config = cls.spec.unet_config("micro")
+    model_config = loading.model_config(adapter.arch, unet_config)
     model_config.set_inference_dtype(adapter.dtype, None)
-    model = model_config.get_model({}, "", device=torch.device("cpu"))
+    with cls.spec.built_in(unet_config):
+        model = model_config.get_model({}, "", device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for t in [*model.diffusion_model.parameters(), *model.diffusion_model.buffers()]:

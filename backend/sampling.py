@@ -62,6 +62,14 @@ def render_epoch_samples(cfg: RunConfig, run_dir: RunDir, reporter, is_main: boo
     ``is_main``, renders them or has them rendered; ``stopping``: whether a stop has been asked for)."""
     if cfg.samples is None:
         return
+    from .models.registry import adapter_class
+    if getattr(adapter_class(cfg.model.type), "audio", False):
+        # epoch samples are pictures rendered through ComfyUI's image path; audio models have none yet
+        if is_main:
+            reporter.event("warning", message=f"epoch {epoch}: no samples for {cfg.model.type} (an audio model; "
+                           "epoch samples are images): skipped. Try the epoch LoRA in ComfyUI's ACE-Step workflow",
+                           epoch=epoch)
+        return
     job = EpochSamples(cfg, run_dir, reporter, lora_path, epoch, step, stopping=stopping)
     wait_together(job.poll if is_main and lora_path is not None else None)
 

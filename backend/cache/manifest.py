@@ -26,6 +26,7 @@ class CacheEntry:
     control: str = ""     # edit models: the paired control image
     is_reg: bool = False  # a regularisation image (an is_reg directory's)
     mask: str = ""        # masked training: the mask image, stored with the latent (its digest in the latent key)
+    lyrics: str = ""      # audio models: the song's lyrics, encoded with the caption (in the text key)
 
 
 @dataclass
@@ -58,6 +59,7 @@ def manifest_path(cache_dir: Path, dataset_file: Path, arch: str) -> Path:
 def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=model_fingerprint) -> list[CacheEntry]:
     """``fingerprint``: a model file's identity (``CacheStore.fingerprint`` remembers the digests)."""
     from ..data import PREPROCESS_VERSION
+    from ..data.audio import AUDIO_PREPROCESS_VERSION
     from ..data.video import VIDEO_PREPROCESS_VERSION
     VIDEO_PREPROCESS = f"{PREPROCESS_VERSION}/video{VIDEO_PREPROCESS_VERSION}"
 
@@ -74,15 +76,19 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
             if p is not None and p not in digests:
                 digests[p] = file_digest(p)
         text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
+        audio = getattr(adapter, "audio", False)
+        preprocess = AUDIO_PREPROCESS_VERSION if audio else \
+            PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS
         conditioning = {"fields": list(adapter.conditioning_fields), "control": digests[control] if control else None,
                         **cond_models} if adapter.conditioning_fields else None
         entries.append(CacheEntry(
             path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
-            latent=latent_key(digests[path], s.bucket, PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS,
-                              vae_fp, adapter.arch, adapter.latent_format, conditioning,
+            latent=latent_key(digests[path], s.bucket, preprocess, vae_fp, adapter.arch, adapter.latent_format, conditioning,
                               mask=digests[mask] if mask else None),
-            text=text_key(text, te_fps, adapter.arch, caption_image(adapter, digests.get(control), s.bucket)),
-            control=str(control) if control else "", is_reg=s.item.is_reg, mask=str(mask) if mask else ""))
+            text=text_key(text, te_fps, adapter.arch, caption_image(adapter, digests.get(control), s.bucket),
+                          lyrics=s.item.lyrics if audio else None),
+            control=str(control) if control else "", is_reg=s.item.is_reg, mask=str(mask) if mask else "",
+            lyrics=s.item.lyrics if audio else ""))
     return entries
 
 

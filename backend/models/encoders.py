@@ -72,6 +72,12 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
     "umt5xxl": TextEncoderKind("UMT5-XXL", "comfy/text_encoders/umt5_config_xxl.json",
                                {"num_layers": 2, "num_heads": 4, "d_ff": 256, "vocab_size": UMT5_TINY_VOCAB}, T5_MODEL,
                                "T5_XXL", extras={"spiece_model": UMT5_TINY_SPIECE}),
+    # ACE-Step's UMT5-base (768 wide; ComfyUI's AceT5Model): tiny files keep the width with 2 narrow layers and
+    # the tiny UMT5 tokenizer. ComfyUI's UMT5BaseModel names no model, so it reads the unnamed "_model_config"
+    "umt5_base": TextEncoderKind("UMT5-base", "comfy/text_encoders/umt5_config_base.json",
+                                 {"num_layers": 2, "num_heads": 4, "d_ff": 256, "vocab_size": UMT5_TINY_VOCAB},
+                                 T5_MODEL, "T5_BASE", extras={"spiece_model": UMT5_TINY_SPIECE},
+                                 model_option="_model_config", comfy_name="umt5base"),
     # AuraFlow's Pile-T5-XL (tokenizer shipped with ComfyUI): the tiny one is 256 wide (the real 2048-wide
     # vocabulary table alone would be 260 MB); the tiny AuraFlow takes that width
     "pile_t5xl": TextEncoderKind("Pile-T5-XL", "comfy/text_encoders/t5_pile_config_xl.json",

@@ -207,7 +207,8 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
         return comfy.sd.load_diffusion_model(str(path), model_options=options)
     unet_config = json.loads(metadata[META_UNET])
     try:
-        with detection_from_config(unet_config, model_config(found, unet_config)):
+        with detection_from_config(unet_config, model_config(found, unet_config)), \
+                arch_spec(found).built_in(unet_config):
             patcher = comfy.sd.load_diffusion_model(str(path), model_options=options)
     except Exception as exc:
         raise ModelError(f"{path}: cannot build the {found} model from its '{META_UNET}' metadata ({exc})") from exc
@@ -243,7 +244,8 @@ def build_model(arch: str, unet_config: dict, dtype: torch.dtype, device=None):
     import comfy.model_patcher
     config = model_config(arch, unet_config)
     config.set_inference_dtype(dtype, None)
-    model = config.get_model({}, "", device=device)
+    with arch_spec(arch).built_in(unet_config):
+        model = config.get_model({}, "", device=device)
     if device is not None:
         model = model.to(device)   # some buffers are made on the CPU
     return comfy.model_patcher.ModelPatcher(model, load_device=device or mm.get_torch_device(),
@@ -336,7 +338,13 @@ def _narrowed_vae_class(metadata: dict):
     kind = VAES.get(metadata.get(META_VAE_KIND, ""))
     if META_VAE not in metadata or kind is None or not kind.narrowed_class:
         return contextlib.nullcontext()
-    return narrowed_class(kind.narrowed_class, json.loads(metadata[META_VAE]))
+    widths = json.loads(metadata[META_VAE])
+    if "," not in kind.narrowed_class:
+        return narrowed_class(kind.narrowed_class, widths)
+    stack = contextlib.ExitStack()   # several classes narrowed: widths are keyed by each class's target
+    for target in kind.narrowed_class.split(","):
+        stack.enter_context(narrowed_class(target, widths[target]))
+    return stack
 
 
 def load_vae(path, *, arch: str | None = None):

@@ -35,6 +35,7 @@ ADAPTERS: dict[str, str] = {
     "omnigen2": ".omnigen2:OmniGen2Adapter",
     "z_image": ".lumina:ZImageAdapter",
     "lumina2": ".lumina:Lumina2Adapter",
+    "ace_step": ".ace_step:AceStepAdapter",
 }
 
 # Models whose code the pinned ComfyUI (0.3.75) does not have: type string -> (name, the first ComfyUI

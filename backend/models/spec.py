@@ -9,6 +9,7 @@ Text encoders and VAEs are shared between architectures: their kinds are the tab
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +41,12 @@ class ArchSpec:
     # state-dict key -> init rule of diffusion-model files where the generic one would mislead ComfyUI's detection
     # (``tiny._make_tensor``'s rules; e.g. the bias SD 2.x's v-prediction detection reads)
     diffusion_model_init: dict[str, str] | None = None
+    # unet_config -> the context ComfyUI's classes are built in (``loading.build_model``, ``load_diffusion_model``,
+    # ``tiny``): where ComfyUI fixes a submodule's width that a tiny config narrows (ACE-Step's lyric encoder)
+    building: Callable[[dict], contextlib.AbstractContextManager] | None = None
+
+    def built_in(self, unet_config: dict) -> contextlib.AbstractContextManager:
+        return self.building(unet_config) if self.building else contextlib.nullcontext()
 
     def accepted_text_encoder_types(self) -> tuple[str, ...]:
         return self.text_encoder_types or (self.clip_type.lower(),)

@@ -58,7 +58,9 @@ class ModelFiles:
 # --- networks on the meta device ---------------------------------------------------------------
 def build_diffusion_model(arch: str, size: str) -> torch.nn.Module:
     spec = arch_spec(arch)
-    return spec.build(spec.unet_config(size))
+    config = spec.unet_config(size)
+    with spec.built_in(config):
+        return spec.build(config)
 
 
 def build_vae(arch: str, size: str = "tiny") -> torch.nn.Module:
@@ -173,7 +175,9 @@ def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed, device
     meta = {"pipetrain.arch": arch, "pipetrain.size": size}
     if size not in spec.detected_sizes:  # ComfyUI cannot tell this config from the weights: say what it is
         meta["pipetrain.unet_config"] = json.dumps(config)
-    return write_safetensors(spec.build(config), path, dtype, seed, meta, device=device, init=spec.diffusion_model_init)
+    with spec.built_in(config):
+        module = spec.build(config)
+    return write_safetensors(module, path, dtype, seed, meta, device=device, init=spec.diffusion_model_init)
 
 
 def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: str = "cpu",

@@ -193,6 +193,36 @@ def _haar_wavelets() -> torch.Tensor:
     return torch.full((2,), 0.5 ** 0.5)
 
 
+# ACE-Step's music DCAE (mel spectrogram -> 8 x 16 x L latents) with its HiFi-GAN vocoder: ComfyUI builds both at
+# their published widths (``MusicDCAE(source_sample_rate=44100)``); tiny files are narrower and say so. The mel
+# layout (128 bins, hop 512) and the DCAE's 8x downsampling stay, so latents keep the real shape.
+ACE_VAE_TINY = {
+    "dcae_config": {"attention_head_dim": 8, "encoder_block_out_channels": [8, 8, 16, 16],
+                    "decoder_block_out_channels": [8, 8, 16, 16], "encoder_layers_per_block": [1, 1, 1, 1],
+                    "decoder_layers_per_block": [1, 1, 1, 1]},
+    "vocoder_config": {"depths": [1, 1, 1, 1], "dims": [8, 8, 8, 8], "upsample_initial_channel": 128,
+                       "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]]},
+}
+
+
+# MusicDCAE names itself in ``super(MusicDCAE, self)``, so the classes it builds are narrowed instead (a
+# ``narrowed_class`` of several targets takes widths keyed by target)
+ACE_VAE_PARTS = {"dcae_config": "comfy.ldm.ace.vae.music_dcae_pipeline:AutoencoderDC",
+                 "vocoder_config": "comfy.ldm.ace.vae.music_dcae_pipeline:ADaMoSHiFiGANV1"}
+
+
+def _ace_vae_widths(size: str) -> dict:
+    return {} if size == "full" else {ACE_VAE_PARTS[k]: v for k, v in ACE_VAE_TINY.items()}
+
+
+def _ace_vae(size: str) -> torch.nn.Module:
+    # its vocoder reads drop-path rates with .item() while being built: built on the CPU, then moved to meta
+    MusicDCAE = comfy_object("comfy.ldm.ace.vae.music_dcae_pipeline:MusicDCAE")
+    with torch.device("cpu"):
+        vae = MusicDCAE(source_sample_rate=44100, **({} if size == "full" else ACE_VAE_TINY))
+    return vae.to("meta")
+
+
 VAES: dict[str, VAEKind] = {
     "kl16": VAEKind("16-channel KL VAE (Flux ae.safetensors, SD3 VAE)", 16, _kl_vae(16, quant_conv=False)),
     "kl4": VAEKind("SD/SDXL VAE", 4, _kl_vae(4, quant_conv=True)),
@@ -207,6 +237,8 @@ VAES: dict[str, VAEKind] = {
     "hunyuan_video": _hunyuan_vae_kind("hunyuan_video", "HunyuanVideo causal 3D VAE", 16, 3),
     "hunyuan_video_15": _hunyuan_vae_kind("hunyuan_video_15", "HunyuanVideo 1.5 VAE", 32, 3),
     "hunyuan_image_21": _hunyuan_vae_kind("hunyuan_image_21", "HunyuanImage 2.1 VAE", 64, 2),
+    "ace_dcae": VAEKind("ACE-Step music DCAE + vocoder", 8, _ace_vae, sized=True,
+                        narrowed_class=",".join(ACE_VAE_PARTS.values()), widths=_ace_vae_widths),
     "cosmos1_cv8x8x8": VAEKind("Cosmos 1.0 CV8x8x8 tokenizer", 16, _cosmos1_vae, latent_dim=3, sized=True,
                                narrowed_class="comfy.ldm.cosmos.vae:CausalContinuousVideoTokenizer",
                                widths=_cosmos1_vae_widths, init={"latent_std": "ones", "latent_mean": "zeros"},

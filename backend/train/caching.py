@@ -25,7 +25,12 @@ def _samples(ds, seed: int, reporter, label: str, adapter=None):
 
     fps = getattr(adapter, "framerate", None)   # video models read videos, resampled to their frame rate
     check_control_paths(ds, adapter, label)
-    scan = scan_dataset(ds, videos=fps is not None)
+    audio = getattr(adapter, "audio", False)    # audio models read audio files with tags and lyrics
+    if audio:
+        from ..data.audio import scan_audio
+        scan = scan_audio(ds)
+    else:
+        scan = scan_dataset(ds, videos=fps is not None)
     if fps is not None:
         check_frame_buckets(scan.items, adapter.frame_multiple, ds.size_buckets)
     if scan.missing_captions:
@@ -37,6 +42,9 @@ def _samples(ds, seed: int, reporter, label: str, adapter=None):
     if scan.unreadable:
         reporter.event("warning", message=f"{label}: {len(scan.unreadable)} files could not be read and are skipped",
                        files=[f"{p}: {why}" for p, why in scan.unreadable])
+    if audio:
+        from ..data.audio import audio_samples
+        return expand_captions(audio_samples(scan.items), seed)
     multiple = getattr(adapter, "spatial_multiple", 16)
     return expand_captions(build_samples(ds, scan.items, model_fps=fps, side_multiple=multiple), seed)
 

@@ -25,7 +25,7 @@ EXPECTED = {
     "0.3.52": {**_BEFORE_FLUX2, "hunyuan_image_21": "lacks",
                **dict.fromkeys(("sd3", "wan", "wan_i2v", "wan_flf2v", "wan_vace", "wan_fun_control", "wan22_5b",
                                 "wan22_5b_i2v", "qwen_image", "qwen_image_edit", "cosmos_predict2", "cosmos", "hidream",
-                                "omnigen2", "ltx_video", "ltx_video_i2v"),
+                                "omnigen2", "ltx_video", "ltx_video_i2v", "ace_step"),
                                "fails")},
 }
 needs_comfyui = pytest.mark.skipif(not COMFYUIS, reason="no other ComfyUI beside the pinned one: run scripts/setup.sh")
