@@ -25,6 +25,7 @@ class TextWork:
     caption: str
     control: str = ""
     bucket: tuple = ()
+    more_controls: tuple[str, ...] = ()
 
 
 def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, dict]:
@@ -34,7 +35,7 @@ def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, di
         if e.latent not in latents and e.latent not in stored_latents:
             latents[e.latent] = e
         if e.text not in texts and e.text not in stored_texts:
-            texts[e.text] = TextWork(e.caption, e.control, e.bucket)
+            texts[e.text] = TextWork(e.caption, e.control, e.bucket, e.more_controls)
     return latents, texts
 
 
@@ -106,10 +107,17 @@ def latent_mask(path: Path, bucket, latent: torch.Tensor) -> torch.Tensor:
     return weights.reshape((1,) * (latent.ndim - 2) + tuple(latent.shape[-2:])).to(torch.float32)
 
 
-def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
+def control_pixels(control: str, more: tuple[str, ...], bucket) -> torch.Tensor | None:
+    """A sample's control images at its bucket, [N, H, W, 3] in control_path's order, or None without any."""
     from ..data import load_pixels
 
-    control = load_pixels(Path(entry.control), bucket[:2])[None] if entry.control else None
+    if not control:
+        return None
+    return torch.stack([load_pixels(Path(p), bucket[:2]) for p in (control, *more)])
+
+
+def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
+    control = control_pixels(entry.control, entry.more_controls, bucket)
     out = adapter.encode_conditioning(vae, media, control)
     if set(out) != set(adapter.conditioning_fields):
         raise RuntimeError(f"{type(adapter).__name__}.encode_conditioning returned {sorted(out)}, "
@@ -118,11 +126,9 @@ def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) 
 
 
 def encode_text(adapter, clip, work: TextWork) -> dict[str, torch.Tensor]:
-    from ..data import load_pixels
-
     with torch.no_grad():
         if adapter.caption_sees_control and work.control:
-            image = load_pixels(Path(work.control), work.bucket[:2])[None]
+            image = control_pixels(work.control, work.more_controls, work.bucket)
             return adapter.encode_caption_with_image(clip, work.caption, image)
         return adapter.encode_caption(clip, work.caption)
 
