@@ -45,12 +45,15 @@ def _inputs(adapter, size=(3, 5), refs=2, seed=1):
 
 
 def test_a_flux2_file_is_detected_as_flux2_and_trains_with_references_only_when_asked():
+    from pipetrain.backend import compat
     from pipetrain.backend.models import loading, registry
 
     sd = layout_state_dict("flux2_edit", "full")
     assert loading.arch_from_state_dict_shapes({k: v.shape for k, v in sd.items()}) == "flux2"
     adapter = registry.adapter_class("flux2_edit")
     assert adapter.needs_control and adapter.conditioning_fields == ("references",) and adapter.max_controls == 10
+    # diffusion-pipe's flux2 with control images in the dataset is this type
+    assert compat.edit_type("flux2", True) == "flux2_edit" and compat.edit_type("flux2", False) == "flux2"
 
 
 def test_layers_match_comfyui_forward_with_reference_latents(small_edit):
@@ -99,3 +102,10 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_edit):
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(a), eps=1e-4)   # ComfyUI's RoPE runs in float32
     every_boundary_is_a_stage_boundary_with_lora(a, _inputs(a))
+
+
+def test_the_benchmark_probe_gives_references_at_the_training_latents_size(small_edit):
+    from pipetrain.backend.models.meta_trace import probe_inputs
+
+    x0, _, _, _, references = probe_inputs(small_edit, 80, 48)
+    assert x0.shape == (1, 128, 3, 5) and references.shape == (1, 2, 128, 3, 5)

@@ -106,3 +106,13 @@ def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_plus):
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(2), eps=1e-5)
     every_boundary_is_a_stage_boundary_with_lora(a, _inputs(2))
+
+
+def test_the_benchmark_probe_gives_references_at_the_training_latents_size(small_plus):
+    """bench/models.py and the memory plan train on ``meta_trace.probe_inputs``: the stacked references take the
+    latent's size there, as a real sample's do (else the figure would be for 8x8 references)."""
+    from pipetrain.backend.models.meta_trace import probe_inputs
+
+    x0, _, _, context, lengths, references = probe_inputs(small_plus, 80, 48, batch=2)
+    assert x0.shape == (2, 16, 1, 6, 10) and references.shape == (2, 2, 16, 1, 6, 10)
+    assert context.shape[0] == lengths.shape[0] == 2
