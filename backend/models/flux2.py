@@ -193,6 +193,11 @@ class Flux2Adapter(ModelAdapter):
         layers.append(Flux2Output(dm, self.dtype))
         return layers
 
+    def sample_conditioning(self, text, guidance):
+        """No pooled vector: ComfyUI's Flux 2 text encoding gives ``pooled_output`` None, and ``model_base.Flux``
+        reads the key (without it sampling fails)."""
+        return [[text["mistral"][None], {"guidance": guidance, "pooled_output": None}]]
+
     def empty_latent(self, width, height):
         return torch.zeros(1, 128, height // 16, width // 16)
 
