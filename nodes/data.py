@@ -204,7 +204,7 @@ class DatasetNode(io.ComfyNode):
             raise ValueError(error)
         res = parse_resolutions(resolutions)
         ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
-        controls = [str(dataset_folder(c)) for c in words(control_folder)]
+        controls = tuple(str(dataset_folder(c)) for c in words(control_folder))   # several: a list in the file
         control = None if not controls else controls[0] if len(controls) == 1 else controls
         # caption_prefix, shuffle_tags, cache_shuffle_num, skip_empty_caption, cache_shuffle_delimiter: as named
         directory = RunPatch.of({**directory_keys, "path": str(dataset_folder(folder)), "num_repeats": num_repeats,
