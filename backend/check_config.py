@@ -39,7 +39,11 @@ def _key_lines(cls, data: dict, prefix: str = "") -> list[str]:
     lines = []
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
-        if name in fields:
+        target = renames.get(name, name)
+        if isinstance(value, list) and target in compat.PER_RESOLUTION_KEYS and cls.__name__ == "RunConfig":
+            lines.append(f"  {key}: a per-resolution list, read into {compat.PER_RESOLUTION_KEYS[target]} (each "
+                         "bucket batches the entry nearest sqrt(width x height), as diffusion-pipe)")
+        elif name in fields:
             section, items = _section(hints[name]), _list_item_class(hints[name])
             if section is not None and isinstance(value, dict):
                 lines += _key_lines(section, value, key)

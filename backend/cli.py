@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--model-type", action="append", default=None, dest="model_types", metavar="TYPE",
                         help="check only this model type (repeatable)")
+    doctor.add_argument("--config", default=None, metavar="RUN_TOML", help="also this run's memory plan on these "
+                        "GPUs (as memory-plan prints it)")
     probe = sub.add_parser("comfyui-probe", help="(internal) one ComfyUI's side of the pinned-fallback decision "
                                                  "(backend/comfyui_probe.py), in a child process")
     probe.add_argument("what", choices=("forward", "lora"))
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "doctor":
             from .doctor import main as doctor_main
-            return doctor_main(args.comfyui, args.json, args.model_types)
+            return doctor_main(args.comfyui, args.json, args.model_types, args.config)
         if args.command == "check-config":
             from .check_config import main as check_main
             return check_main(args.config)

@@ -2,7 +2,7 @@
 
 A diffusion-pipe main + dataset TOML pair loads as is when it trains a model PipeTrain supports from ComfyUI
 single files or from a model folder ComfyUI converts (``compat_folders``: ``diffusers_path`` / ``checkpoint_path``
-for Flux, SD3, SDXL, ``ckpt_path`` for Wan): keys with the same meaning are config fields (``backend/config``);
+for Flux, SD3, SDXL, SD1.5, a Flux folder's VAE and T5 for Chroma, ``ckpt_path`` for Wan): keys with the same meaning are config fields (``backend/config``);
 diffusion-pipe's other names for them (its type strings, ``transformer_path`` & co., ``transformer_dtype``, its
 folder keys) are rewritten by the ``preprocess_*`` hooks; its edit models (``flux`` / ``qwen_image`` with control
 images) are mapped by ``edit_type`` once the dataset is read; keys whose value changes nothing here (``inert``
@@ -50,6 +50,12 @@ MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "tran
 FOLDER_KEYS = model_folders.FOLDER_KEYS   # key -> the model types it is read for
 # both spellings diffusion-pipe's code and its example read
 RUN_RENAMES = {"image_eval_micro_batch_size_per_gpu": "eval_image_micro_batch_size_per_gpu"}
+# diffusion-pipe's micro-batch keys that take a per-resolution list [[resolution, batch], ...] (training and eval):
+# the list is kept under our key of the same name with _by_resolution for _per_gpu, the first batch (what DeepSpeed
+# records) under the key itself
+PER_RESOLUTION_KEYS = {key: key.replace("_per_gpu", "_by_resolution") for key in (
+    "micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu", "eval_micro_batch_size_per_gpu",
+    "eval_image_micro_batch_size_per_gpu")}
 # its text-encoder file keys, in the order the model types here list their text encoders (the LLM / T5 first,
 # then CLIP-L or ByT5: HunyuanVideo is llm_path + clip_path, HunyuanImage 2.1 text_encoder_path + byt5_path)
 TEXT_ENCODER_KEYS = ("llm_path", "text_encoder_path", "t5_path", "clip_path", "byt5_path")
@@ -146,23 +152,16 @@ def _key(prefix: str, name: str) -> str:
 
 
 def preprocess_run(data: dict, file, prefix: str) -> dict:
-    # diffusion-pipe's per-resolution lists [[resolution, batch], ...]: the list is kept under our
-    # *_by_resolution key, the first batch (what DeepSpeed records) under the key itself
-    for key in ("micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu"):
+    for alias, target in RUN_RENAMES.items():
+        _rename(data, alias, target, file, prefix)
+    for key in PER_RESOLUTION_KEYS:
         if isinstance(data.get(key), list):
             pairs = data[key]
             if not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) for v in p)
                                     for p in pairs):
                 raise ConfigError(f"got {pairs!r}; give one integer or [[resolution, batch], ...], e.g. "
                                   "[[512, 4], [1024, 1]]", file=file, key=_key(prefix, key))
-            data = {**data, key: pairs[0][1], key.replace("_per_gpu", "_by_resolution"): pairs}
-    for key in ("eval_micro_batch_size_per_gpu", "eval_image_micro_batch_size_per_gpu",
-                "image_eval_micro_batch_size_per_gpu"):
-        if isinstance(data.get(key), list):
-            raise ConfigError(f"got {data[key]!r}; per-resolution eval batch sizes are not supported: give one "
-                              "integer", file=file, key=key)
-    for alias, target in RUN_RENAMES.items():
-        _rename(data, alias, target, file, prefix)
+            data = {**data, key: pairs[0][1], PER_RESOLUTION_KEYS[key]: pairs}
     if ("save_every_n_steps" in data or "save_every_n_examples" in data) and "save_every_n_epochs" not in data:
         data["save_every_n_epochs"] = None   # as in diffusion-pipe: saving by steps alone means no epoch saves
     return data

@@ -23,9 +23,14 @@ HINT = (f"{SINGLE_FILES_HINT} (diffusion-pipe's transformer_path, vae_path and l
 # Model types whose Diffusers pipeline folder ComfyUI 0.3.75 loads whole: the transformer / UNet through
 # comfy.model_detection's Diffusers conversions (Flux, SD3 MMDiT, SDXL / SD1.x UNet), the VAE through
 # comfy.sd.VAE's Diffusers VAE conversion, and their CLIP / T5 text encoders, whose Hugging Face keys are ComfyUI's.
-# Others, e.g. Qwen-Image (its VAE and Qwen2.5-VL keys), HiDream, Chroma (its text encoder is T5 alone),
-# OmniGen2, LTX-Video, AuraFlow (Pile-T5), are read from single files only.
+# Others, e.g. Qwen-Image (its VAE and Qwen2.5-VL keys), HiDream, OmniGen2, LTX-Video, AuraFlow (Pile-T5), are
+# read from single files only.
 DIFFUSERS_TYPES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15")
+# Model types that take only some parts of another model's Diffusers folder: diffusion-pipe's Chroma table names a
+# Flux pipeline folder (diffusers_path) for its VAE and its T5, and the Chroma transformer as transformer_path
+# (Chroma has no Diffusers folder of its own; it reads no CLIP). type -> (its text-encoder kinds, as
+# ``model_folders.text_encoder_kind`` tells a folder's, the example transformer file)
+BORROWERS = {"chroma": (("t5xxl",), "chroma-unlocked-v50.safetensors")}
 # Official checkpoint folders (ckpt_path) whose parts ComfyUI reads: Wan's transformer shards carry the keys of
 # ComfyUI's WanModel and its VAE .pth those of ComfyUI's Wan VAE; its T5 .pth is the original code's layout,
 # which ComfyUI does not read, so the text encoder comes from llm_path (ComfyUI's umt5_xxl file).
@@ -34,7 +39,8 @@ CKPT_TYPES = ("wan", "wan22")
 TEXT_ENCODER_HINT = "llm_path = '<umt5_xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)"
 
 
-FOLDER_KEYS = {"diffusers_path": DIFFUSERS_TYPES, "checkpoint_path": DIFFUSERS_TYPES, "ckpt_path": CKPT_TYPES}
+FOLDER_KEYS = {"diffusers_path": (*DIFFUSERS_TYPES, *BORROWERS), "checkpoint_path": DIFFUSERS_TYPES,
+               "ckpt_path": CKPT_TYPES}
 
 
 def describe(key: str, model_type) -> str:
@@ -45,6 +51,9 @@ def describe(key: str, model_type) -> str:
     if key == "ckpt_path":
         return ("Wan's official checkpoint folder: its transformer shards and VAE .pth where the table names no "
                 "single file for them (the text encoder comes from llm_path)")
+    if model_type in BORROWERS:
+        return (f"a Flux Diffusers pipeline folder lending its vae and {' and '.join(BORROWERS[model_type][0])} text "
+                "encoder folders, converted by ComfyUI's own loaders (the diffusion model comes from transformer_path)")
     return ("a Diffusers pipeline folder: its transformer/unet, vae and text encoders where the table names no "
             "single file for them, converted by ComfyUI's own loaders")
 
@@ -89,9 +98,10 @@ def _fill(data: dict, parts: dict[str, object]) -> None:
 def _diffusers(data: dict, key: str, file, prefix: str) -> None:
     from .model_folders import pipeline_components
     model_type = data.get("type")
-    if model_type not in DIFFUSERS_TYPES:
-        raise ConfigError(f"PipeTrain reads a Diffusers folder for model types {', '.join(DIFFUSERS_TYPES)} (ComfyUI "
-                          f"converts their keys); for {model_type!r} {HINT}", file=file, key=_key(prefix, key))
+    if model_type not in FOLDER_KEYS[key]:
+        raise ConfigError(f"PipeTrain reads a Diffusers folder for model types {', '.join(FOLDER_KEYS[key])} "
+                          f"(ComfyUI converts their keys); for {model_type!r} {HINT}", file=file,
+                          key=_key(prefix, key))
     value, folder = _folder(data, key, file, prefix)
     try:
         parts = pipeline_components(folder)
@@ -99,8 +109,28 @@ def _diffusers(data: dict, key: str, file, prefix: str) -> None:
         raise ConfigError(f"{exc}; give the pipeline folder (with model_index.json), or {HINT}", file=file,
                           key=_key(prefix, key)) from None
     join = lambda sub: str(Path(value) / sub)  # noqa: E731  (relative stays relative to the TOML file)
+    encoders = parts["text_encoders"]
+    if model_type in BORROWERS:
+        encoders = _borrowed(data, model_type, folder, encoders, file, _key(prefix, key))
     _fill(data, {"diffusion_model": join(parts["diffusion_model"]), "vae": join(parts["vae"]),
-                 "text_encoders": [join(sub) for sub in parts["text_encoders"]]})
+                 "text_encoders": [join(sub) for sub in encoders]})
+
+
+def _borrowed(data: dict, model_type: str, folder: Path, encoders: list[str], file, key: str) -> list[str]:
+    """The text-encoder folders a ``BORROWERS`` type takes from another model's pipeline folder; its diffusion
+    model must come from its own file."""
+    from .model_folders import read_config, text_encoder_kind
+    kinds, example = BORROWERS[model_type]
+    if not data.get("diffusion_model"):
+        raise ConfigError(f"this folder's transformer is not a {model_type} model: add transformer_path = "
+                          f"'<{example}>' (ComfyUI's models/diffusion_models); the folder gives the VAE and text "
+                          "encoder", file=file, key=key)
+    taken = [sub for sub in encoders if text_encoder_kind(read_config(folder / sub)) in kinds]
+    if not taken and not data.get("text_encoders"):
+        raise ConfigError(f"{folder}: no {' or '.join(kinds)} text encoder folder (told by its config.json) for "
+                          f"{model_type}; add t5_path = '<t5xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)",
+                          file=file, key=key)
+    return taken
 
 
 def _checkpoint_folder(data: dict, file, prefix: str) -> None:

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""``python -m pipetrain doctor [--comfyui PATH] [--json]``: what a run would find on this machine.
+"""``python -m pipetrain doctor [--comfyui PATH] [--json] [--config run.toml]``: what a run would find on this machine.
 
 The ComfyUI found and its version, torch / CUDA / DeepSpeed, the GPUs and their memory, and every model type's
-parity verdict on that ComfyUI (``parity.py``, memoised: a second call is instant).
+parity verdict on that ComfyUI (``parity.py``, memoised: a second call is instant); with ``--config run.toml``,
+that run's memory plan on these GPUs (``memory_plan_config.py``).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def environment() -> dict:
             "deepspeed": ds, "gpus": gpus}
 
 
-def report(comfyui: str | None = None, model_types: list[str] | None = None) -> dict:
+def report(comfyui: str | None = None, model_types: list[str] | None = None, config: str | None = None) -> dict:
     from . import parity
     from .models.registry import ADAPTERS
     from .versions import comfyui_info, range_warning
@@ -51,8 +52,21 @@ def report(comfyui: str | None = None, model_types: list[str] | None = None) -> 
     env = environment()
     info = comfyui_info()
     results = [parity.check_model_type(t) for t in (model_types or list(ADAPTERS))]
-    return {"comfyui": {**info, "warning": range_warning(info["version"])}, **env,
+    data = {"comfyui": {**info, "warning": range_warning(info["version"])}, **env,
             "parity": [r.to_json() for r in results]}
+    if config is not None:
+        data["memory_plan"] = memory_plan_lines(config)
+    return data
+
+
+def memory_plan_lines(config: str) -> list[str]:
+    """``config``'s memory plan on this machine's smallest GPU (or its memory_limit_gib)."""
+    from .config import load_run_config
+    from .memory_plan_cli import gpu_total
+    from .memory_plan_config import plan_config
+
+    cfg = load_run_config(config)
+    return [f"memory plan of {config}:"] + plan_config(cfg, *gpu_total(cfg)).lines()
 
 
 def format_report(data: dict) -> str:
@@ -74,13 +88,15 @@ def format_report(data: dict) -> str:
     lines.append("")
     lines.append(f"{len(data['parity']) - len(failed)} of {len(data['parity'])} model types train on this ComfyUI"
                  + (f"; a run of another type is refused before caching" if failed else ""))
+    if data.get("memory_plan"):
+        lines += [""] + data["memory_plan"]
     return "\n".join(lines)
 
 
-def main(comfyui: str | None, as_json: bool, model_types: list[str] | None = None) -> int:
+def main(comfyui: str | None, as_json: bool, model_types: list[str] | None = None, config: str | None = None) -> int:
     import logging
 
     logging.getLogger().setLevel(logging.ERROR)   # ComfyUI's start-up chatter would bury the table
-    data = report(comfyui, model_types)
+    data = report(comfyui, model_types, config)
     print(json.dumps(data) if as_json else format_report(data))   # JSON on one line: the last one
     return 0

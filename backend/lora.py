@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,8 +29,35 @@ def spec_from_config(adapter, seed: int = 0, dtype: torch.dtype | None = None) -
                        seed=seed, kind=adapter.type, decompose_factor=adapter.decompose_factor, dora=adapter.dora)
 
 
+# differential output preservation (train/preservation.py): while ``base_rows`` is on, the trailing share of every
+# adapted layer's rows sees the adapter scaled to 0. A process-wide value, not a thread-local one: on a GPU the
+# backward's recomputation of checkpointed blocks runs in autograd's own threads.
+_base_parts = 0
+
+
+@contextmanager
+def base_rows(parts: int):
+    """While on, the last ``1 / parts`` of the rows (the batch dimension, samples first, as the pipeline layers
+    carry them) of every adapted layer's input get the layer's base output alone, exactly: the adapter is applied
+    to the other rows only, so the base rows neither see it nor send it gradients."""
+    global _base_parts
+    previous, _base_parts = _base_parts, parts
+    try:
+        yield
+    finally:
+        _base_parts = previous
+
+
 def _forward_hook(module, args, output):
-    return module.adapter_kind.forward(module, args[0], output)
+    x = args[0]
+    if not _base_parts:
+        return module.adapter_kind.forward(module, x, output)
+    rows = output.shape[0]
+    if rows % _base_parts:
+        raise RuntimeError(f"{module.lora_name}: {rows} rows, not {_base_parts} equal parts; differential output "
+                           "preservation needs the samples on the first dimension of every adapted layer's input")
+    adapted = rows - rows // _base_parts
+    return torch.cat([module.adapter_kind.forward(module, x[:adapted], output[:adapted]), output[adapted:]])
 
 
 def attach(linear: nn.Linear, name: str, spec: AdapterSpec) -> None:

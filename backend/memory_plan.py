@@ -110,7 +110,7 @@ def stage_ranges(footprints: list[LayerFootprint], stages: int, bounds: list[int
             if len(bounds) < stages and acc >= total * len(bounds) / stages:
                 bounds.append(i + 1)
         bounds = bounds[:stages] + [n]
-    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1)]
 
 
 def estimate(footprints: list[LayerFootprint], settings: MemorySettings, training: Training,
@@ -237,12 +237,39 @@ def settings_of(cfg) -> MemorySettings:
 
 
 def does_not_fit(cfg, footprints: list[LayerFootprint], gpu_total: int, whole_gpu: bool = True) -> str:
-    """What to say when nothing fits: the smallest estimate and the changes that shrink it."""
+    """What to say when nothing fits: the smallest estimate, and the smallest change that would fit (float8
+    weights, or the fewest pipeline stages) where one does."""
     training = training_of(cfg)
     last = MemorySettings(True, 1.0, max(sum(fp.checkpointable for fp in footprints) // training.stages - 2, 0))
     need = max(st.gpu for st in estimate(footprints, last, training))
-    return (f"even with every block checkpointed and {last.blocks_to_swap} blocks swapped to CPU memory a stage "
+    text = (f"even with every block checkpointed and {last.blocks_to_swap} blocks swapped to CPU memory a stage "
             f"needs about {_gib(need)}, and {_gib(usable_bytes(gpu_total, whole_gpu))} of {_gib(gpu_total)} can be "
-            f"planned: train on more GPUs (pipeline_stages), lower the "
-            "resolution, frames or micro_batch_size_per_gpu, or load the model in float8 "
-            "(diffusion_model_dtype = 'float8_e4m3fn')")
+            "planned")
+    fixes = smallest_changes(cfg, footprints, training, gpu_total, whole_gpu)
+    if fixes:
+        return f"{text}. The smallest change that fits: {' or '.join(fixes)}"
+    return (f"{text}: train on more GPUs (pipeline_stages), lower the resolution, frames or micro_batch_size_per_gpu, "
+            "or load the model in float8 (diffusion_model_dtype = 'float8_e4m3fn')")
+
+
+MAX_STAGES = 8   # one machine's GPUs: the most stages a suggestion names
+
+
+def smallest_changes(cfg, footprints: list[LayerFootprint], training: Training, gpu_total: int,
+                     whole_gpu: bool) -> list[str]:
+    """The changes that make ``choose`` find settings, each the least of its kind: float8 base weights (where they
+    are not float8 already), and the fewest pipeline stages that fit (each stage its own GPU)."""
+    fixes = []
+    dtype = str(cfg.model.diffusion_model_dtype or cfg.model.dtype)
+    if not dtype.startswith("float8"):
+        fp8 = choose(footprints, dataclasses.replace(training, fp8_weights=True), gpu_total, whole_gpu)
+        if fp8:
+            fixes.append(f"diffusion_model_dtype = 'float8_e4m3fn' ({fp8[0].describe()}, "
+                         f"{_gib(max(st.gpu for st in fp8[1]))} per stage)")
+    for stages in range(training.stages + 1, min(MAX_STAGES, len(footprints)) + 1):
+        more = choose(footprints, dataclasses.replace(training, stages=stages), gpu_total, whole_gpu)
+        if more:
+            fixes.append(f"pipeline_stages = {stages} on {stages} GPUs ({more[0].describe()}, "
+                         f"{_gib(max(st.gpu for st in more[1]))} per stage)")
+            break
+    return fixes

@@ -23,7 +23,11 @@ def check_model(model: ModelConfig, file) -> None:
 
 
 def check_run(cfg: RunConfig) -> RunConfig:
+    from .sample_clips import check_samples
+
     check_model(cfg.model, cfg.file)
+    check_samples(cfg)   # clip length and start image against the model type
+    check_preservation(cfg)
     if cfg.monitoring is not None and cfg.monitoring.enable_wandb:
         import importlib.util
         if importlib.util.find_spec("wandb") is None:
@@ -39,6 +43,18 @@ def check_run(cfg: RunConfig) -> RunConfig:
         for name, ds in cfg.eval_dataset_configs().items():
             check_control_paths(ds, adapter, f"eval dataset {name!r}")
     return cfg
+
+
+def check_preservation(cfg: RunConfig) -> None:
+    """diff_output_preservation tells the target rows apart by their place on the first dimension of each adapted
+    layer's input (``lora.base_rows``): a model whose layers see tokens in another order cannot use it."""
+    from .models.registry import adapter_class
+
+    if cfg.diff_output_preservation and not adapter_class(cfg.model.type).samples_first:
+        raise ConfigError(f"a {cfg.model.type} model's adapted layers do not see the samples on their first "
+                          "dimension (routed experts, or tokens before the batch), where differential output "
+                          "preservation tells its target rows apart: set diff_output_preservation = false",
+                          file=cfg.file, key="diff_output_preservation")
 
 
 def load_run(path: str | Path) -> RunConfig:

@@ -1,11 +1,12 @@
-"""Sample images for each saved epoch LoRA, rendered by ComfyUI's own sampler.
+"""Sample images (and clips) for each saved epoch LoRA, rendered by ComfyUI's own sampler.
 
 Training runs on every rank; the samples are rendered while the ranks wait, so the pipeline's memory layout
 is untouched and the base model is loaded whole, the way ComfyUI loads it. Who renders them is
 ``[samples] render``: ``"run"``: a separate process started by global rank 0 (``python -m pipetrain sample``);
 ``"host"``: the ComfyUI that started the run, on its own queue (``sample_host.py`` has the request and marker
 files), with the run's own render as the fallback when ComfyUI does not answer within ``host_timeout_s``.
-Either way the PNGs land beside the LoRA and are announced in events.jsonl (``sample_saved``) and TensorBoard.
+Either way the PNGs (video models: animated WebP clips, ``sample_clips.py``) land beside the LoRA and are
+announced in events.jsonl (``sample_saved``) and TensorBoard (a clip's first frame).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import sample_host
+from . import sample_clips, sample_host
 from .cache import CacheStore, file_digest, text_key
 from .cache.builder import TextWork, encode_text
 from .cache.keys import caption_image
@@ -37,13 +38,13 @@ log = logging.getLogger("pipetrain")
 SYNC_S = 5.0     # the ranks meet this often while rank 0 waits (DeepSpeed's process-group timeout: 10 min)
 
 
-def sample_paths(lora_path: Path, count: int, strengths=(1.0,)) -> list[Path]:
-    """The PNGs of ``count`` prompts at each LoRA strength, strength after strength: ``<lora>-sampleNN.png`` at
-    strength 1 alone, else ``<lora>-sampleNN-x<strength>.png``."""
+def sample_paths(lora_path: Path, count: int, strengths=(1.0,), suffix: str = ".png") -> list[Path]:
+    """The files of ``count`` prompts at each LoRA strength, strength after strength: ``<lora>-sampleNN.png`` at
+    strength 1 alone, else ``<lora>-sampleNN-x<strength>.png`` (video models' clips: ``.webp``)."""
     stem = lora_path.with_suffix("")
     if list(strengths) == [1.0]:
-        return [Path(f"{stem}-sample{i:02d}.png") for i in range(count)]
-    return [Path(f"{stem}-sample{i:02d}-x{w:.2f}.png") for w in strengths for i in range(count)]
+        return [Path(f"{stem}-sample{i:02d}{suffix}") for i in range(count)]
+    return [Path(f"{stem}-sample{i:02d}-x{w:.2f}{suffix}") for w in strengths for i in range(count)]
 
 
 def sample_strength(png: str) -> float:
@@ -218,7 +219,7 @@ def sample_reference(cfg: RunConfig, vae, controls: tuple[Path, ...]) -> list[to
 
 def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     """Render every sample prompt with the base model + ``lora_path`` (a full fine-tune: with the saved model
-    ``lora_path`` itself); returns the PNG paths."""
+    ``lora_path`` itself); returns the PNG paths (video models: animated WebP clips, ``sample_clips``)."""
     ensure_comfyui()
     import comfy.sample
     import comfy.samplers
@@ -232,7 +233,9 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
                           file=cfg.file, key="samples.sampler")
     adapter = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
     store, state = CacheStore(cache_folder(cfg.resolve(cfg.output_dir))), {}
-    controls = sample_control(cfg) if adapter.needs_control else ()
+    # control-video models (Wan VACE, Fun-Control) sample a still without their control: the reference latents
+    # are edit models' conditioning
+    controls = sample_control(cfg) if adapter.needs_control and not adapter.video_control else ()
     texts = [_text(adapter, store, p, state, controls, (s.width, s.height)) for p in [*s.prompts, s.negative_prompt]]
     state.clear()
     if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model
@@ -244,22 +247,40 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
         models = [_with_lora(base, lora_path, strength) for strength in s.strengths]
     vae = adapter.load_vae()
     references = sample_reference(cfg, vae, controls)
+    video = sample_clips.is_video(adapter)
+    frames = s.frames if video else 1
+    starts = sample_clips.start_images(cfg, adapter) if adapter.takes_start_image else None
+    paths = sample_paths(lora_path, len(s.prompts), s.strengths if cfg.adapter is not None else (1.0,),
+                         ".webp" if video else ".png")
     negative = _conditioning(adapter, texts[-1], s.guidance, references)
-    paths = sample_paths(lora_path, len(s.prompts), s.strengths if cfg.adapter is not None else (1.0,))
-    jobs = [(model, text) for model in models for text in texts[:-1]]
-    for (model, text), png in zip(jobs, paths):
-        latent = adapter.empty_latent(s.width, s.height)
-        noise = comfy.sample.prepare_noise(latent, s.seed)
+    with torch.no_grad():
+        prompts = [_prepared(adapter, vae, _conditioning(adapter, text, s.guidance, references), negative, s, frames,
+                             starts) for text in texts[:-1]]
+    jobs = [(model, prompt) for model in models for prompt in prompts]
+    for (model, (positive, unwanted, latent)), path in zip(jobs, paths):
         with torch.no_grad():
-            out = comfy.sample.sample(model, noise, s.steps, s.cfg, s.sampler, s.scheduler,
-                                      _conditioning(adapter, text, s.guidance, references), negative, latent,
-                                      seed=s.seed)
+            noise = comfy.sample.prepare_noise(latent["samples"], s.seed)
+            out = comfy.sample.sample(model, noise, s.steps, s.cfg, s.sampler, s.scheduler, positive, unwanted,
+                                      latent["samples"], noise_mask=latent.get("noise_mask"), seed=s.seed)
             pixels = vae.decode(out)
-            pixels = pixels.reshape(-1, *pixels.shape[-3:])[0].clamp(0, 1)   # a video model's first frame
-        tmp = temp_path_beside(png)        # ComfyUI and the run may both render one epoch's samples
-        Image.fromarray((pixels.cpu().float().numpy() * 255).round().astype(np.uint8)).save(tmp, format="PNG")
-        os.replace(tmp, png)
+            pixels = pixels.reshape(-1, *pixels.shape[-3:]).clamp(0, 1)   # [frames, H, W, 3]
+        tmp = temp_path_beside(path)        # ComfyUI and the run may both render one epoch's samples
+        if video:
+            sample_clips.save_clip(pixels, tmp, s.fps or adapter.framerate)
+        else:
+            Image.fromarray((pixels[0].cpu().float().numpy() * 255).round().astype(np.uint8)).save(tmp, format="PNG")
+        os.replace(tmp, path)
     return paths
+
+
+def _prepared(adapter, vae, positive: list, negative: list, s, frames: int, starts: list | None) -> tuple:
+    """A prompt's (positive, negative, LATENT) for the sampler: an i2v model's as its ComfyUI node builds them from
+    the start image(s), else the empty latent (video models: of a ``frames``-frame clip)."""
+    if starts is not None:
+        return adapter.start_conditioning(vae, positive, negative, s.width, s.height, frames, starts)
+    video = sample_clips.is_video(adapter)
+    latent = adapter.empty_latent(s.width, s.height, frames) if video else adapter.empty_latent(s.width, s.height)
+    return positive, negative, {"samples": latent}
 
 
 def _with_lora(patcher, lora_path: Path, strength: float = 1.0):

@@ -20,6 +20,7 @@ the user to run. Only this machine's slots count as held GPUs. The shared ``stop
 """
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -34,6 +35,7 @@ from ..backend.rundir import RunDir, RunsRoot, new_run_id
 from .build import write_config
 from .cluster_form import cluster_hosts, join_command, local_devices
 from .procs import ProcessRef, child_env, deepspeed_argv, package_path, spawn
+from .queue_plan import plan_queued_run
 from .summaries import details, file_identity, summarize
 from .specs import TrainSpec
 
@@ -57,6 +59,7 @@ class Launcher:
         self.before_launch = before_launch
         self.stop_timeout, self.kill_timeout = stop_timeout, kill_timeout
         self.procs: dict[str, ProcessRef] = {}   # runs whose processes may be alive
+        self.queue_plans: dict[str, str] = {}     # run id -> the memory plan shown when it was queued
         # runs found without a live process, with their launcher.json's identity then: another launcher (the CLI,
         # a second ComfyUI) may record a process for the run later, and a rewritten file means look again
         self.dead: dict[str, list[int] | None] = {}
@@ -123,13 +126,22 @@ class Launcher:
         run_dir = self.dirs.run(run_id)
         lora_dir = self.lora_root / run_id if self.lora_root else None
         run_toml = write_config(spec, run_dir.path, output_dir=self.dirs.root, run_name=run_id, lora_dir=lora_dir)
+        plan = plan_queued_run(run_toml, None if cluster else tuple(devices), self.dirs.root)
+        if plan.refusal:   # the folder holds only the config just written: nothing of the user's is lost
+            shutil.rmtree(run_dir.path, ignore_errors=True)
+            raise LauncherError(plan.refusal)
+        self.queue_plans[run_id] = plan.text
         run_dir.claim_format()
         if cluster is not None:
             self._launch_cluster(run_id, run_toml, resume=False, name=name or run_id)
         else:
             self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id, env=env,
-                        info=info)
+                        info={**info, "memory_plan": plan.text})
         return run_id
+
+    def queue_plan(self, run_id: str) -> str:
+        """The memory plan made when ``run_id`` was queued (``queue_plan.py``), for the Train node."""
+        return self.queue_plans.get(run_id) or self._require(run_id).read_launcher().get("memory_plan", "")
 
     def _comfyui_for(self, model_type: str) -> tuple[dict[str, str] | None, dict]:
         """Which ComfyUI trains the run (``backend/fallback.py``), decided once here for its ranks and recorded

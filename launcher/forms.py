@@ -7,8 +7,11 @@ under its section's prefix. Free of ComfyUI imports, so tests build exactly what
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..backend.config.patch import RunPatch
 from ..backend.errors import ConfigError
+from ..backend.sample_clips import image_problem
 
 FULL_FINETUNE = "full"   # the Adapter node's type without an [adapter] table: every weight trains
 
@@ -57,6 +60,18 @@ def loss_patch(loss_type: str = "mse", huber_delta: float = 1.0, smooth_l1_beta:
                         "noise_offset": unset_if_zero(noise_offset)})
 
 
+def preservation_patch(diff_output_preservation: bool = False, trigger_word: str = "",
+                       diff_output_preservation_class: str = "person",
+                       diff_output_preservation_multiplier: float = 1.0) -> RunPatch:
+    """The LoRA Adapter node's differential output preservation widgets: off leaves every key out (the config
+    refuses its keys without it)."""
+    if not diff_output_preservation:
+        return RunPatch.of({})
+    return RunPatch.of({"diff_output_preservation": True, "trigger_word": trigger_word.strip() or None,
+                        "diff_output_preservation_class": diff_output_preservation_class.strip() or None,
+                        "diff_output_preservation_multiplier": diff_output_preservation_multiplier})
+
+
 def model_patch(type: str, diffusion_model: str, vae: str, text_encoders=(), **keys) -> RunPatch:  # noqa: A002
     """``[model]`` as run keys (the Model node's, or a test's)."""
     return RunPatch.of({**keys, "type": type, "diffusion_model": diffusion_model, "vae": vae,
@@ -66,3 +81,21 @@ def model_patch(type: str, diffusion_model: str, vae: str, text_encoders=(), **k
 def folder_patch(path: str, **keys) -> RunPatch:
     """One ``[[directory]]`` as keys (a Dataset node's folder)."""
     return RunPatch.of({**keys, "path": path})
+
+
+def input_image(root: str | Path, name: str, widget: str) -> Path:
+    """An image a widget names by its path under ComfyUI's input directory ``root`` (what LoadImage lists), as an
+    absolute path: no absolute path, no ``..``, no link leading out of the folder, and a readable image
+    (ValueError naming ``widget`` otherwise)."""
+    root = Path(root).resolve()
+    relative = Path(name.strip())
+    if relative.is_absolute() or ".." in relative.parts:
+        raise ValueError(f"{widget} {name!r}: name a file under ComfyUI's input directory (e.g. start.png), "
+                         "without .. or an absolute path")
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"{widget} {name!r}: leads out of ComfyUI's input directory")
+    problem = image_problem(path)
+    if problem:
+        raise ValueError(f"{widget} {name!r}: {problem}; upload the image to ComfyUI's input directory")
+    return path

@@ -97,7 +97,7 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
     @routes.get("/pipetrain/runs/{run_id}/samples/{name}")
     async def get_sample(request: web.Request) -> web.Response:
         run_id, name = request.match_info["run_id"], request.match_info["name"]
-        try:   # only a PNG the run announced (sample_saved), by its file name
+        try:   # only a sample (PNG, or a video model's WebP clip) the run announced (sample_saved), by its file name
             return web.FileResponse(sample_file(get_launcher().dirs, run_id, name))
         except RunIdError as e:
             return _error(400, str(e))

@@ -96,12 +96,7 @@ class ParallelismNode(io.ComfyNode):
                 io.Int.Input("image_micro_batch_size_per_gpu", default=start("image_micro_batch_size_per_gpu"), min=0,
                              max=256, optional=True, tooltip="Video models: images per micro batch, e.g. 4 where one "
                              "clip fills the GPU (0: micro_batch_size_per_gpu)"),
-                io.String.Input("micro_batch_size_by_resolution", default="", optional=True, tooltip="A micro batch "
-                                "per resolution, e.g. 512:4, 1024:1: each bucket takes the entry nearest its size "
-                                "(empty: micro_batch_size_per_gpu everywhere)"),
-                io.String.Input("image_micro_batch_size_by_resolution", default="", optional=True,
-                                tooltip="Video models: the same for images (empty: the list above, or "
-                                "image_micro_batch_size_per_gpu)"),
+                *batch_list_inputs(),
             ],
             outputs=[t.Parallelism.Output(display_name="parallelism")],
         )
@@ -153,6 +148,20 @@ class ParallelismNode(io.ComfyNode):
                                image_micro_batch_size_by_resolution=parse_batches(
                                    image_micro_batch_size_by_resolution, "image_micro_batch_size_by_resolution")))
         return io.NodeOutput(ParallelismSpec(gpus, parse_gpu_ids(gpu_ids), spec, run))
+
+
+def batch_list_inputs(prefix: str = "") -> list:
+    """The two per-resolution micro-batch widgets (``resolution:batch`` lists) of training (Parallelism) or, with
+    ``prefix`` 'eval_', of eval (Schedule)."""
+    eval_ = "eval " if prefix else ""
+    fallback = "eval_micro_batch_size_per_gpu, or the training list" if prefix else \
+        "micro_batch_size_per_gpu everywhere"
+    return [io.String.Input(f"{prefix}micro_batch_size_by_resolution", default="", optional=True,
+                            tooltip=f"A{'n' if prefix else ''} {eval_}micro batch per resolution, e.g. 512:4, 1024:1: "
+                            f"each bucket takes the entry nearest its size (empty: {fallback})"),
+            io.String.Input(f"{prefix}image_micro_batch_size_by_resolution", default="", optional=True,
+                            tooltip=f"Video models: the same for {eval_}images (empty: the list above, or "
+                            f"{prefix}image_micro_batch_size_per_gpu)")]
 
 
 def parse_batches(text: str, name: str) -> tuple[tuple[int, int], ...] | None:

@@ -3,9 +3,12 @@
 the node the launcher queues to render one epoch's samples in ComfyUI (``launcher/samples.py``)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from comfy_api.latest import io, ui
 
 from ..backend.config.patch import RunPatch
+from ..launcher.forms import input_image, unset_if_zero
 from . import types as t
 from .widgets import start, words
 
@@ -20,6 +23,12 @@ def parse_strengths(text: str) -> tuple[float, ...]:
     except ValueError:
         raise ValueError(f"strengths {text!r}: write numbers separated by commas, e.g. 0.6, 0.8, 1.0") from None
     return values or (1.0,)
+
+
+def start_image_path(name: str) -> Path:
+    """The Samples node's start image, a file under ComfyUI's input directory, as an absolute path."""
+    import folder_paths
+    return input_image(folder_paths.get_input_directory(), name, "start_image")
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -69,28 +78,41 @@ class SamplesNode(io.ComfyNode):
                 io.Float.Input("host_timeout_s", default=start("samples.host_timeout_s"), min=1.0, max=86400.0,
                                step=60.0, optional=True, tooltip="render_on host ComfyUI: how long the run waits for "
                                "this ComfyUI's samples before it renders them itself (seconds)"),
+                io.Int.Input("frames", default=start("samples.frames"), min=1, max=1024, optional=True,
+                             tooltip="Video models: each sample is a clip of this many frames (Wan, HunyuanVideo: "
+                             "4k+1; LTX-Video, Cosmos: 8k+1; 17 suits both), an animated WebP. Image models: ignored"),
+                io.Float.Input("fps", default=start("samples.fps", off=0), min=0.0, max=240.0, step=1.0,
+                               optional=True, tooltip="Video models: the clips' frames per second (0: the model's "
+                               "frame rate, e.g. Wan 16, LTX-Video 25)"),
+                io.String.Input("start_image", default="", optional=True, tooltip="Image-to-video models: the image "
+                                "the clips start from, a file under ComfyUI's input directory (e.g. start.png). "
+                                "Empty: the first frame of the dataset's first clip (wan_flf2v: its first and last)"),
             ],
             outputs=[t.Samples.Output(display_name="samples")],
         )
 
     @classmethod
-    def validate_inputs(cls, prompts=None, strengths=None):
+    def validate_inputs(cls, prompts=None, strengths=None, start_image=None):
         try:
             if prompts is not None:
                 parse_prompts(prompts)
             if strengths is not None:
                 parse_strengths(strengths)
+            if start_image and start_image.strip():
+                start_image_path(start_image)
         except ValueError as e:
             return str(e)
         return True
 
     @classmethod
-    def execute(cls, prompts, render_on=None, strengths=None, **keys) -> io.NodeOutput:
-        # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s: as named
+    def execute(cls, prompts, render_on=None, strengths=None, fps=None, start_image=None, **keys) -> io.NodeOutput:
+        # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s, frames:
+        # as named
         render = RENDER_ON[render_on] if render_on is not None else None
+        start_file = str(start_image_path(start_image)) if start_image and start_image.strip() else None
         return io.NodeOutput(RunPatch.of({**keys, "prompts": parse_prompts(prompts), "render": render,
-                                          "strengths": parse_strengths(strengths) if strengths is not None else None},
-                                         "samples"))
+                                          "strengths": parse_strengths(strengths) if strengths is not None else None,
+                                          "fps": unset_if_zero(fps), "start_image": start_file}, "samples"))
 
 
 class EpochSamplesNode(io.ComfyNode):
@@ -105,8 +127,8 @@ class EpochSamplesNode(io.ComfyNode):
             # and still runs them
             is_deprecated=True,
             description="Renders a run's [samples] prompts with one epoch LoRA through ComfyUI's sampler (queued "
-                        "by PipeTrain for runs whose Samples node renders on this ComfyUI); the PNGs land beside "
-                        "the LoRA and the run announces them.",
+                        "by PipeTrain for runs whose Samples node renders on this ComfyUI); the PNGs (video models: "
+                        "WebP clips) land beside the LoRA and the run announces them.",
             inputs=[
                 io.String.Input("run_id", default="", tooltip="Run id (folder under output/pipetrain)"),
                 io.String.Input("request", default="", tooltip="The sample request: the epoch LoRA's name "

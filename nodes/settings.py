@@ -7,10 +7,11 @@ from comfy_api.latest import io
 from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
 from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, loss_patch, memory_patch,
-                              unset_if_zero)
+                              preservation_patch, unset_if_zero)
 from . import types as t
 from .widgets import choices, start, words
-from .parallelism import ParallelismNode, hostfile_path, parse_batches, parse_gpu_ids, parse_split  # noqa: F401
+from .parallelism import (ParallelismNode, batch_list_inputs, hostfile_path, parse_batches,  # noqa: F401
+                          parse_gpu_ids, parse_split)
 
 
 ADAPTER_TYPES = (*choices("adapter.type"), FULL_FINETUNE)   # full: no [adapter] table, every weight trains
@@ -75,12 +76,32 @@ class AdapterNode(io.ComfyNode):
                 io.Float.Input("ema_decay", default=start("ema_decay"), min=0.5, max=0.99999, step=0.0001,
                                round=1e-5, optional=True, tooltip="With ema: the share of the average each step "
                                "keeps; it follows about the last 1 / (1 - decay) steps (0.999: 1000)"),
+                io.Boolean.Input("diff_output_preservation", default=start("diff_output_preservation"), optional=True,
+                                 tooltip="Differential output preservation (ai-toolkit's): for each caption with the "
+                                 "trigger word swapped for the class, the trained model should predict what the base "
+                                 "model does, so the class keeps its look; each step computes three rows per sample"),
+                io.String.Input("trigger_word", default=start("trigger_word", off=""), optional=True,
+                                tooltip="With diff_output_preservation: the word your captions name the subject with "
+                                "(e.g. sks)"),
+                io.String.Input("diff_output_preservation_class", default=start("diff_output_preservation_class"),
+                                optional=True, tooltip="With diff_output_preservation: what replaces the trigger word "
+                                "(the subject's class, e.g. person, dog)"),
+                io.Float.Input("diff_output_preservation_multiplier",
+                               default=start("diff_output_preservation_multiplier"), min=0.0, max=100.0, step=0.05,
+                               optional=True, tooltip="With diff_output_preservation: the weight of its loss against "
+                               "the training loss"),
             ],
             outputs=[t.Adapter.Output(display_name="adapter")],
         )
 
     @classmethod
-    def validate_inputs(cls, type=None, decompose_factor=None, dora=None, dropout=None):  # noqa: A002
+    def validate_inputs(cls, type=None, decompose_factor=None, dora=None, dropout=None,  # noqa: A002
+                        diff_output_preservation=None, trigger_word=None):
+        if diff_output_preservation and type == FULL_FINETUNE:
+            return ("diff_output_preservation's target is the model without its adapter, and full has none: pick an "
+                    "adapter type, or turn diff_output_preservation off")
+        if diff_output_preservation and not (trigger_word or "").strip():
+            return "diff_output_preservation: give trigger_word, the word your captions name the subject with"
         if dora and type not in (None, "lora"):
             return "dora decomposes a LoRA: set type to lora, or turn dora off"
         if dropout and type == "oft":
@@ -95,7 +116,7 @@ class AdapterNode(io.ComfyNode):
     def execute(cls, rank, alpha, dropout, target_modules, type=start("adapter.type"),  # noqa: A002
                 decompose_factor=start("adapter.decompose_factor"), dora=start("adapter.dora"), dtype=DEFAULT,
                 init_from_existing="none", save_dtype=DEFAULT, ema=start("ema"),
-                ema_decay=start("ema_decay")) -> io.NodeOutput:
+                ema_decay=start("ema_decay"), **preservation) -> io.NodeOutput:
         # dora off leaves the key out (its default), so other types' tables carry no LoRA-only key
         patch = adapter_patch(dict(type=type, rank=rank, alpha=alpha, dropout=dropout, dora=dora or None,
                                    target_modules=words(target_modules), decompose_factor=decompose_factor,
@@ -103,7 +124,7 @@ class AdapterNode(io.ComfyNode):
                                    init_from_existing=lora_path(init_from_existing)))
         run = {"save_dtype": None if save_dtype == DEFAULT else save_dtype, "ema": ema or None,
                "ema_decay": ema_decay if ema else None}   # off: both keys left out
-        return io.NodeOutput(patch | RunPatch.of(run))
+        return io.NodeOutput(patch | RunPatch.of(run) | preservation_patch(**preservation))
 
 
 OPTIMIZERS = [start("optimizer.type"), "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy",
@@ -243,6 +264,7 @@ class ScheduleNode(io.ComfyNode):
                 io.Int.Input("eval_image_micro_batch_size_per_gpu",
                              default=start("eval_image_micro_batch_size_per_gpu"), min=0, max=256, optional=True, tooltip="Video models: the eval micro batch of images "
                              "(0: the eval micro batch)"),
+                *batch_list_inputs("eval_"),
                 io.Boolean.Input("enable_wandb", default=False, optional=True, tooltip="Also log the run's "
                                  "scalars to Weights & Biases (needs wandb installed and logged in on this machine: "
                                  "`wandb login`); TensorBoard logs either way"),
@@ -255,19 +277,26 @@ class ScheduleNode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, save_every_n_epochs=None, save_every_n_steps=None, save_every_n_examples=None):
+    def validate_inputs(cls, save_every_n_epochs=None, save_every_n_steps=None, save_every_n_examples=None,
+                        eval_micro_batch_size_by_resolution=None, eval_image_micro_batch_size_by_resolution=None):
         if save_every_n_epochs == 0 and save_every_n_steps == 0 and not save_every_n_examples:
             return "nothing would be saved: set save_every_n_epochs or save_every_n_steps"
+        try:
+            parse_batches(eval_micro_batch_size_by_resolution or "", "eval_micro_batch_size_by_resolution")
+            parse_batches(eval_image_micro_batch_size_by_resolution or "", "eval_image_micro_batch_size_by_resolution")
+        except ValueError as e:
+            return str(e)
         return True
 
     @classmethod
     def execute(cls, enable_wandb=False, wandb_tracker_name="", wandb_run_name="", **keys) -> io.NodeOutput:
         # the widgets are the run keys; 0 leaves an optional one out (its default: off)
         counts = {k: unset_if_zero(v) for k, v in keys.items() if k in UNSET_BY_ZERO}
+        lists = {k: parse_batches(v, k) for k, v in keys.items() if k.endswith("_by_resolution")}
         # the API key is never a widget (a workflow file would carry it): wandb's own login holds it
         monitoring = {"monitoring": {"enable_wandb": True, "wandb_tracker_name": wandb_tracker_name.strip() or None,
                                      "wandb_run_name": wandb_run_name.strip() or None}} if enable_wandb else {}
-        return io.NodeOutput(RunPatch.of({**keys, **counts, **monitoring}))
+        return io.NodeOutput(RunPatch.of({**keys, **counts, **lists, **monitoring}))
 
 
 # optional counts whose 0 means "off" (the key left out)

@@ -60,8 +60,8 @@ class TrainNode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="PipeTrainTrain", display_name="PipeTrain Train", category=t.CATEGORY, is_output_node=True,
-            description="Validate the run, write its folder and start training in a detached process; returns in "
-                        "seconds and the queue stays free. Watch it in the PipeTrain panel.",
+            description="Validate the run, plan its GPU memory, write its folder and start training in a detached "
+                        "process; returns in seconds and the queue stays free. Watch it in the PipeTrain panel.",
             inputs=[
                 t.Dataset.Input("dataset", tooltip="Dataset (from PipeTrain Dataset or Cache)"),
                 t.Model.Input("model", tooltip="Model files (from PipeTrain Model)"),
@@ -104,5 +104,5 @@ class TrainNode(io.ComfyNode):
             raise ValueError(str(e)) from None
         elapsed = time.monotonic() - start
         where = get_launcher().where(run_id)   # GPUs and the ComfyUI that trains; nodes (no_ssh: their commands)
-        text = f"started run {run_id} in {elapsed:.2f} s {where}"
+        text = f"started run {run_id} in {elapsed:.2f} s {where}\n{get_launcher().queue_plan(run_id)}"
         return io.NodeOutput(RunHandle(run_id), ui=ui.PreviewText(text))

@@ -10,6 +10,31 @@ from pipetrain.backend.models.checkpointing import apply_checkpointing
 from pipetrain.backend.train.pipeline import sendable
 
 
+def small_flux_adapter(depth: int = 2, single_blocks: int = 2):
+    """A narrow Flux (float64, random weights) behind a FluxAdapter, built in memory."""
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    import comfy.ops
+    from comfy.ldm.flux.model import Flux
+
+    from pipetrain.backend.models.flux import FluxAdapter
+
+    torch.manual_seed(0)
+    dm = Flux(operations=comfy.ops.disable_weight_init, in_channels=16, out_channels=16, vec_in_dim=32,
+              context_in_dim=48, hidden_size=64, mlp_ratio=4.0, num_heads=4, depth=depth,
+              depth_single_blocks=single_blocks, axes_dim=[4, 6, 6], theta=10000, patch_size=2, qkv_bias=True,
+              guidance_embed=True)
+    dm = dm.double()
+    for p in dm.parameters():
+        torch.nn.init.normal_(p, std=0.08)
+    adapter = FluxAdapter(ModelConfig(type="flux", diffusion_model="unused", vae="unused", guidance=3.5))
+    adapter.dtype = torch.float64
+    adapter.use_model(Patcher(dm))
+    return adapter
+
+
 def checkpointed_layers(adapter, mode, fraction: float = 1.0):
     """The adapter's layers under activation checkpointing ``mode``, applied as the engine applies it."""
     layers = adapter.to_layers()

@@ -245,6 +245,10 @@ def _widget_inputs(spec: dict) -> list[tuple[str, bool]]:
     return out
 
 
+# nodes the frontend keeps out of the prompt it queues (its "virtual" nodes)
+FRONTEND_ONLY = {"Note", "MarkdownNote"}
+
+
 def workflow_to_prompt(workflow: dict, object_info: dict, widgets: dict | None = None,
                        replace_types: dict | None = None) -> dict:
     """The ``/prompt`` graph the ComfyUI frontend would queue for ``workflow`` (UI format).
@@ -256,7 +260,7 @@ def workflow_to_prompt(workflow: dict, object_info: dict, widgets: dict | None =
     links = {link[0]: link for link in workflow["links"]}
     prompt = {}
     for node in workflow["nodes"]:
-        if node.get("mode", 0) in (2, 4):        # muted or bypassed
+        if node.get("mode", 0) in (2, 4) or node["type"] in FRONTEND_ONLY:   # muted, bypassed, or a note
             continue
         kind = node["type"]
         spec = object_info[kind]

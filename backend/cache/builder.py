@@ -117,12 +117,29 @@ def control_pixels(control: str, more: tuple[str, ...], bucket) -> torch.Tensor 
 
 
 def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
-    control = control_pixels(entry.control, entry.more_controls, bucket)
+    if entry.control and len(bucket) == 3 and adapter.video_control:
+        control = _control_video(Path(entry.control), bucket, adapter.framerate)
+    else:
+        control = control_pixels(entry.control, entry.more_controls, bucket)
     out = adapter.encode_conditioning(vae, media, control)
     if set(out) != set(adapter.conditioning_fields):
         raise RuntimeError(f"{type(adapter).__name__}.encode_conditioning returned {sorted(out)}, "
                            f"expected {list(adapter.conditioning_fields)}")
     return out
+
+
+def _control_video(path: Path, bucket, framerate) -> torch.Tensor:
+    """A clip's control, its frames taken as the clip's are (resampled, cropped to the bucket) up to the bucket's
+    length; a shorter control video gives its own frames only, a control image one frame (ComfyUI's control
+    nodes fill the frames a control lacks with their own default)."""
+    from ..data import load_pixels
+    from ..data.video import frames_at_rate, load_video, probe_video
+
+    info = probe_video(path)
+    if info is None:
+        return load_pixels(path, bucket[:2])[None]
+    count = min(bucket[2], frames_at_rate(info.frames, info.fps, framerate))
+    return load_video(path, (*bucket[:2], count), framerate)
 
 
 def encode_text(adapter, clip, work: TextWork) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from .patch import widget
 from .sections import ClusterConfig, EvalDatasetConfig, MonitoringConfig, OptimizerConfig, SamplesConfig
 
 EMA_DECAY = 0.999   # the average follows about the last 1 / (1 - decay) = 1000 steps
+PRESERVATION_CLASS = "person"   # ai-toolkit's default diff_output_preservation_class
 
 
 @dataclass
@@ -45,6 +46,11 @@ class RunConfig:
     eval_before_first_step: bool = True
     eval_micro_batch_size_per_gpu: Optional[int] = None   # default micro_batch_size_per_gpu
     eval_image_micro_batch_size_per_gpu: Optional[int] = None   # default eval_micro_batch_size_per_gpu
+    # the eval batches per bucket size, as the two training lists above (diffusion-pipe writes them as the eval keys
+    # themselves); left out, eval batches as training does (diffusion-pipe's default: the eval micro batch is the
+    # training one, lists included)
+    eval_micro_batch_size_by_resolution: Optional[list[list[int]]] = None
+    eval_image_micro_batch_size_by_resolution: Optional[list[list[int]]] = None
     eval_gradient_accumulation_steps: int = 1
     uncond_fraction: float = 0.0                 # caption dropout: train with the empty caption this often
     # the loss on the model's own target (models/losses.py); left out: mse, or diffusion-pipe's choice by key
@@ -74,6 +80,13 @@ class RunConfig:
     ema: bool = False
     # the share of the average each optimizer step keeps; left out: EMA_DECAY
     ema_decay: Optional[float] = field(default=None, metadata=widget(EMA_DECAY))
+    # differential output preservation (ai-toolkit's keys, train/preservation.py): the base model's prediction for
+    # each caption with trigger_word swapped for the class is the target of the adapted model's on that caption;
+    # the multiplier weighs that loss (left out: 1.0), the class left out is 'person'
+    diff_output_preservation: bool = False
+    diff_output_preservation_multiplier: Optional[float] = field(default=None, metadata=widget(1.0))
+    diff_output_preservation_class: Optional[str] = field(default=None, metadata=widget(PRESERVATION_CLASS))
+    trigger_word: Optional[str] = None           # the word of the captions that names what the LoRA learns
     caching_batch_size: int = 1
     steps_per_print: int = 1
     seed: int = 42
@@ -111,6 +124,7 @@ class RunConfig:
         if not 0 <= self.uncond_fraction < 1:
             raise ConfigError(f"got {self.uncond_fraction}; must be in [0, 1)", file=file, key="uncond_fraction")
         check_loss(self, file)
+        check_preservation(self, file)
         names = [e.name for e in self.eval_datasets]
         if len(set(names)) != len(names):
             raise ConfigError(f"got names {names}; each eval dataset needs its own name", file=file,
@@ -140,7 +154,8 @@ class RunConfig:
                 raise ConfigError("the budget is applied by torch.compile's partitioner: set compile = true, or leave "
                                   "activation_memory_budget out (activation_checkpointing saves memory without "
                                   "compile)", file=file, key="activation_memory_budget")
-        for key in ("micro_batch_size_by_resolution", "image_micro_batch_size_by_resolution"):
+        for key in ("micro_batch_size_by_resolution", "image_micro_batch_size_by_resolution",
+                    "eval_micro_batch_size_by_resolution", "eval_image_micro_batch_size_by_resolution"):
             pairs = getattr(self, key)
             if pairs is not None and (not pairs or any(len(p) != 2 or p[0] < 64 or p[1] < 1 for p in pairs)):
                 raise ConfigError(f"got {pairs}; give [[resolution, batch], ...] with resolutions from 64 and "
@@ -172,6 +187,17 @@ class RunConfig:
     def average_decay(self) -> float:
         """``ema_decay``, or its default where the file leaves it out."""
         return EMA_DECAY if self.ema_decay is None else self.ema_decay
+
+    @property
+    def preservation_class(self) -> str:
+        """``diff_output_preservation_class``, or its default where the file leaves it out."""
+        return self.diff_output_preservation_class or PRESERVATION_CLASS
+
+    @property
+    def preservation_multiplier(self) -> float:
+        """``diff_output_preservation_multiplier``, or 1.0 where the file leaves it out."""
+        m = self.diff_output_preservation_multiplier
+        return 1.0 if m is None else m
 
     @property
     def loss_kind(self) -> str:
@@ -233,8 +259,11 @@ class RunConfig:
         cluster = self.cluster
         if cluster is not None and cluster.hostfile:
             cluster = dataclasses.replace(cluster, hostfile=str(r(cluster.hostfile)))
+        samples = self.samples
+        if samples is not None and samples.start_image:
+            samples = dataclasses.replace(samples, start_image=str(r(samples.start_image)))
         return replace(self, output_dir=str(r(self.output_dir)), dataset=str(r(self.dataset)), model=model,
-                       adapter=adapter, cluster=cluster, eval_datasets=evals,
+                       adapter=adapter, cluster=cluster, eval_datasets=evals, samples=samples,
                        lora_dir=str(r(self.lora_dir)) if self.lora_dir else None)
 
     def check_world_size(self, world_size: int) -> None:
@@ -265,6 +294,33 @@ def check_loss(cfg: RunConfig, file) -> None:
     if not 0 <= cfg.noise_offset <= 1:
         raise ConfigError(f"got {cfg.noise_offset}; must be in [0, 1] (0: off; 0.05 to 0.1 are usual)", file=file,
                           key="noise_offset")
+
+
+def check_preservation(cfg: RunConfig, file) -> None:
+    """diff_output_preservation and the keys that go with it."""
+    m = cfg.diff_output_preservation_multiplier
+    if m is not None and not 0 <= m < float("inf"):
+        raise ConfigError(f"got {m}; must be 0 or more (1.0: the preservation loss weighs as much as the training "
+                          "loss)", file=file, key="diff_output_preservation_multiplier")
+    if not cfg.diff_output_preservation:
+        for key in ("diff_output_preservation_multiplier", "diff_output_preservation_class", "trigger_word"):
+            if getattr(cfg, key) is not None:
+                raise ConfigError(f"{key} is read by differential output preservation only: set "
+                                  "diff_output_preservation = true too, or leave it out", file=file, key=key)
+        return
+    trigger = (cfg.trigger_word or "").strip()
+    if not trigger:
+        raise ConfigError("differential output preservation swaps the trigger word of each caption for its class: "
+                          "set trigger_word to the word your captions name the subject with, e.g. 'sks'", file=file,
+                          key="trigger_word")
+    cls = cfg.diff_output_preservation_class
+    if cls is not None and (not cls.strip() or cls.strip() == trigger):
+        raise ConfigError(f"got {cls!r}; give the class the trigger word's subject belongs to, e.g. 'person' or "
+                          "'dog' (other than the trigger word)", file=file, key="diff_output_preservation_class")
+    if cfg.adapter is None:
+        raise ConfigError("the preservation target is the model without its adapter, and a full fine-tune (no "
+                          "[adapter] table) has none: add an [adapter] table, or set diff_output_preservation = "
+                          "false", file=file, key="diff_output_preservation")
 
 
 def _named_evals(data: dict) -> dict:

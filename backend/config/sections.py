@@ -50,6 +50,7 @@ class OptimizerConfig:
 
 
 MAX_STRENGTHS = 6
+MAX_SAMPLE_FRAMES = 1024
 _WANDB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -91,6 +92,13 @@ class SamplesConfig:
     host_timeout_s: float = 900.0        # render = "host": how long the run waits; then it renders them itself
     # each prompt at each LoRA strength (the panel shows epoch x strength x prompt); a full fine-tune: [1.0]
     strengths: list[float] = field(default_factory=lambda: [1.0])
+    # video models: each sample is a clip of this many frames (4k + 1 for Wan / HunyuanVideo, 8k + 1 for LTX-Video /
+    # Cosmos: 17 is both), saved as an animated WebP at fps (None: the model's frame rate); image models: a still
+    frames: int = 17
+    fps: Optional[float] = None
+    # image-to-video models: the image the clips start from (relative to this file); None: the first frame of the
+    # dataset's first clip (wan_flf2v: its first and last frames)
+    start_image: Optional[str] = None
 
     def validate(self, file):
         if self.host_timeout_s <= 0:
@@ -107,6 +115,12 @@ class SamplesConfig:
                               "most 2, e.g. [0.6, 0.8, 1.0]", file=file, key="samples.strengths")
         if len(set(self.strengths)) != len(self.strengths):
             raise ConfigError(f"got {self.strengths}; each strength once", file=file, key="samples.strengths")
+        if not 1 <= self.frames <= MAX_SAMPLE_FRAMES:
+            raise ConfigError(f"got {self.frames}; a clip of 1 to {MAX_SAMPLE_FRAMES} frames, e.g. 17",
+                              file=file, key="samples.frames")
+        if self.fps is not None and not 0 < self.fps <= 240:
+            raise ConfigError(f"got {self.fps}; frames per second above 0 and at most 240 (or leave it out: the "
+                              "model's frame rate)", file=file, key="samples.fps")
 
 
 @dataclass

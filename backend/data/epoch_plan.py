@@ -42,8 +42,21 @@ def micro_batch_for(cfg, bucket: Bucket) -> int:
 
 def batches_by_resolution(cfg) -> dict[str, list]:
     """A RunConfig's lists: images take image_micro_batch_size_by_resolution, else the general one."""
-    general = cfg.micro_batch_size_by_resolution
-    image = cfg.image_micro_batch_size_by_resolution or (None if cfg.image_micro_batch_size_per_gpu else general)
+    return _lists(cfg.micro_batch_size_by_resolution, cfg.image_micro_batch_size_by_resolution,
+                  cfg.image_micro_batch_size_per_gpu)
+
+
+def eval_batches_by_resolution(cfg) -> dict[str, list]:
+    """The eval lists, diffusion-pipe's defaults: the eval list, else (no eval batch given at all) the training
+    list; images take the eval image list, else the eval one (not the training image list)."""
+    general = cfg.eval_micro_batch_size_by_resolution or (
+        None if cfg.eval_micro_batch_size_per_gpu else cfg.micro_batch_size_by_resolution)
+    return _lists(general, cfg.eval_image_micro_batch_size_by_resolution, cfg.eval_image_micro_batch_size_per_gpu)
+
+
+def _lists(general, image, image_batch) -> dict[str, list]:
+    """The image list is its own, else (no image batch given as one integer either) the general one."""
+    image = image or (None if image_batch else general)
     return {k: v for k, v in (("clip", general), ("image", image)) if v}
 
 

@@ -282,9 +282,11 @@ def check_control_paths(ds, adapter, label: str) -> None:
     needs = getattr(adapter, "needs_control", False)
     for d in ds.directory:
         if needs and d.control_path is None:
-            raise DatasetError(f"{label}: [[directory]] {d.path!r} has no control_path; {adapter.arch} is an edit "
-                               "model and trains on (control image, target image) pairs: set control_path to the "
-                               "folder of control images named like the training files")
+            what = "control videos (or images, for stills)" if getattr(adapter, "video_control", False) \
+                else "control images"
+            raise DatasetError(f"{label}: [[directory]] {d.path!r} has no control_path; {adapter.arch} trains on "
+                               f"(control, target) pairs: set control_path to the folder of {what} named like the "
+                               "training files")
         if not needs and d.control_path is not None:
             raise DatasetError(f"{label}: [[directory]] {d.path!r} sets control_path, but {adapter.arch} is not an "
                                "edit model; remove control_path or choose an edit model type")

@@ -50,9 +50,13 @@ class ModelAdapter(ABC):
     #                                            after the text fields (encode_conditioning makes them)
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
     max_controls: int = 1                    # edit models: how many control folders control_path may list
+    video_control: bool = False              # control models (Wan VACE): a clip's control is a video, read up to
+    #                                          the clip's frame bucket (or an image: one frame)
     caption_sees_control: bool = False       # edit models whose text encoder reads the control image with the
     #                                          caption (encode_caption_with_image); cached per caption and image
     memory_format: torch.memory_format = torch.contiguous_format  # how the engine stores 4-D weights in training
+    samples_first: bool = True               # every adapted layer's input has the samples on its first dimension
+    #                                          (outermost where flattened): diff_output_preservation relies on it
 
     @classmethod
     def check_config(cls, cfg: ModelConfig, file) -> None:
@@ -117,7 +121,7 @@ class ModelAdapter(ABC):
         """Edit and i2v models: the ``conditioning_fields`` of one sample (no batch dimension), from the same
         pixels its latent was encoded from (``media``: an image [1, H, W, 3] or a clip's frames [F, H, W, 3])
         and its paired control images at the same bucket ([N, H, W, 3], one per folder of control_path, or None
-        without one)."""
+        without one; with ``video_control`` a clip's control video [F', H, W, 3], F' <= F)."""
         raise ModelError(f"{self.arch} declares conditioning_fields but does not encode them")
 
     @abstractmethod
@@ -210,6 +214,11 @@ class ModelAdapter(ABC):
         objective = self.objective()
         return self.criterion(pred, objective.target(latents, noise, t), objective.loss_weights(t), loss_mask(labels))
 
+    def preservation_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """diff_output_preservation (train/preservation.py): the adapted prediction against the base model's on the
+        same input, by the run's loss_type, unweighted: both are predictions of the same target."""
+        return self.criterion(pred, target)
+
     def probe_latent(self, generator: torch.Generator, size: tuple[int, int] = (8, 8)) -> torch.Tensor:
         """A random clean latent [1, C, H, W] (video models: [1, C, T, H, W]) for checks."""
         import comfy.latent_formats
@@ -225,10 +234,23 @@ class ModelAdapter(ABC):
             extra["pooled_output"] = text["pooled"][None]
         return [[text[self.text_fields[0]][None], extra]]
 
-    def empty_latent(self, width: int, height: int) -> torch.Tensor:
+    def empty_latent(self, width: int, height: int, frames: int = 1) -> torch.Tensor:
+        """ComfyUI's empty latent of a sample (video models: a clip of ``frames`` frames; image models: a still)."""
         import comfy.latent_formats
         channels = getattr(comfy.latent_formats, self.latent_format)().latent_channels
         return torch.zeros(1, channels, height // 8, width // 8)
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a ``frames``-frame clip (the VAE's causal first frame, then ``frame_multiple`` a latent)."""
+        return (frames - 1) // self.frame_multiple + 1
+
+    takes_start_image: bool = False          # i2v models: samples start from an image ([samples] start_image)
+
+    def start_conditioning(self, vae, positive: list, negative: list, width: int, height: int, frames: int,
+                           images: list[torch.Tensor]) -> tuple[list, list, dict]:
+        """i2v models: (positive, negative, latent) as the ComfyUI node this model samples with builds them from
+        ``images`` (the start image [1, H, W, 3]; wan_flf2v: also the end image)."""
+        raise NotImplementedError(f"{self.arch} samples without a start image")
 
     def reference_forward(self, x_t, t, text: list[torch.Tensor]) -> torch.Tensor:
         """ComfyUI's own forward of the diffusion model on the same inputs the layers see (for tests)."""
@@ -269,6 +291,9 @@ class GivenFirstFrame:
         mask = loss_mask(labels)   # [B, 1, 1, H, W]: the same weights on every frame
         return self.criterion(pred[:, :, 1:], target[:, :, 1:], objective.loss_weights(t),
                               None if mask is None else mask.expand(-1, -1, pred.shape[2], -1, -1)[:, :, 1:])
+
+    def preservation_loss(self, pred, target):
+        return self.criterion(pred[:, :, 1:], target[:, :, 1:])   # the given frame, as in ``loss``
 
     def probe_text(self, generator):
         """The caption's tensors, then a given first frame (for ``check_lora`` and the parity check)."""

@@ -184,6 +184,7 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
     spec = COSMOS1_SPEC
     latent_format = "Cosmos1CV8x8x8"
     lora_block_prefixes = ("blocks",)
+    samples_first = False   # GeneralDIT's blocks hold the tokens as (T, H, W, B, D): the samples come last
     text_fields = ("cond",)
     framerate = COSMOS1_FPS
     frame_multiple = 8          # clips of 8k + 1 frames (the tokenizer's causal 8x temporal compression)
@@ -208,8 +209,8 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
         layers.append(Cosmos1Output(dm, self.dtype))
         return layers
 
-    def empty_latent(self, width, height):   # one frame: epoch samples are stills
-        return torch.zeros(1, 16, 1, height // 8, width // 8)
+    def empty_latent(self, width, height, frames=1):
+        return torch.zeros(1, 16, self.latent_frames(frames), height // 8, width // 8)
 
     def probe_latent(self, generator, size=(8, 8)):
         return torch.randn(1, 16, 2, *size, generator=generator)

@@ -176,6 +176,7 @@ class HiDreamAdapter(ModelAdapter):
     spec = HIDREAM_SPEC
     latent_format = "Flux"
     lora_block_prefixes = ("double_stream_blocks", "single_stream_blocks")
+    samples_first = False   # the routed experts' linears see the tokens each expert picked, from any sample
     text_fields = ("t5", "llama", "pooled")
 
     def encode_caption(self, clip, caption):

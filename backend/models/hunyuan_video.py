@@ -299,9 +299,9 @@ class HunyuanAdapter(ModelAdapter):
         import comfy.latent_formats
         return getattr(comfy.latent_formats, self.latent_format)().latent_channels
 
-    def empty_latent(self, width, height):
-        frames = (1,) if self.video else ()
-        return torch.zeros(1, self.channels, *frames, height // self.vae_scale, width // self.vae_scale)
+    def empty_latent(self, width, height, frames=1):
+        time = (self.latent_frames(frames),) if self.video else ()
+        return torch.zeros(1, self.channels, *time, height // self.vae_scale, width // self.vae_scale)
 
     def probe_latent(self, generator, size=(8, 8)):
         frames = (2,) if self.video else ()

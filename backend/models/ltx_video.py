@@ -281,8 +281,8 @@ class LTXVideoAdapter(VideoLatents, ModelAdapter):
         layers.append(LTXOutput(dm, self.dtype))
         return layers
 
-    def empty_latent(self, width, height):
-        return torch.zeros(1, 128, 1, height // 32, width // 32)   # one frame: epoch samples are stills
+    def empty_latent(self, width, height, frames=1):
+        return torch.zeros(1, 128, self.latent_frames(frames), height // 32, width // 32)
 
     def probe_latent(self, generator, size=(8, 8)):
         return torch.randn(1, 128, 2, *size, generator=generator)
@@ -314,3 +314,12 @@ class LTXVideoI2VAdapter(GivenFirstFrame, LTXVideoAdapter):
         x = torch.cat([first.to(x_t.dtype), x_t[:, :, 1:]], dim=2)
         timestep = first_frame_token_timesteps(self.objective().model_timestep(t), x.shape)[..., None]
         return self._comfy_forward(x, timestep, cond, lengths)
+
+    takes_start_image = True
+
+    def start_conditioning(self, vae, positive, negative, width, height, frames, images):
+        """ComfyUI's LTXVImgToVideo at strength 1: the start image's latent as the first latent frame, which the
+        latent's noise mask keeps."""
+        from comfy_extras.nodes_lt import LTXVImgToVideo
+
+        return tuple(LTXVImgToVideo.execute(positive, negative, images[0], vae, width, height, frames, 1, 1.0).result)

@@ -21,6 +21,8 @@ ADAPTERS: dict[str, str] = {
     "hunyuan_image_21": ".hunyuan_video:HunyuanImage21Adapter",
     "wan_i2v": ".wan:WanI2VAdapter",
     "wan_flf2v": ".wan:WanFLF2VAdapter",
+    "wan_vace": ".wan_control:WanVaceAdapter",
+    "wan_fun_control": ".wan_control:WanFunControlAdapter",
     "wan22_5b": ".wan22:Wan22Adapter",
     "wan22_5b_i2v": ".wan22:Wan22I2VAdapter",
     "qwen_image": ".qwen_image:QwenImageAdapter",

@@ -117,6 +117,15 @@ class WanInput(TupleLayer):
         self.objective, self.dtype, self.conditioning = objective, dtype, conditioning
 
     def run(self, latents, noise, t, context, *conditioning):
+        return self.carried(*self.embed(latents, noise, t, context, *conditioning))
+
+    @staticmethod
+    def carried(x, e0, e, context, freqs, grid, size):
+        """What the blocks receive: the tokens with a graph, the frozen tensors hidden (``carry``)."""
+        return with_grad(x), hide(e0), hide(e), hide(context), hide(freqs.float()), grid, size
+
+    def embed(self, latents, noise, t, context, *conditioning):
+        """The embedded tokens, modulations, text, RoPE table, grid and sizes, none of them hidden yet."""
         import comfy.ldm.common_dit
         from comfy.ldm.wan.model import sinusoidal_embedding_1d
 
@@ -145,8 +154,7 @@ class WanInput(TupleLayer):
             if self.img_emb is not None:
                 context = torch.cat([self.img_emb(clip), context], dim=1)
             image_tokens = clip.shape[-2]
-        size = sizes(frames, h, w, image_tokens)
-        return with_grad(x), hide(e0), hide(e), hide(context), hide(freqs.float()), grid, size
+        return x, e0, e, context, freqs, grid, sizes(frames, h, w, image_tokens)
 
 
 def first_frame_mask(frames: int, like: torch.Tensor) -> torch.Tensor:
@@ -209,8 +217,9 @@ class WanAdapter(VideoLatents, ModelAdapter):
         layers.append(WanOutput(dm, self.dtype))
         return layers
 
-    def empty_latent(self, width, height):   # one frame: epoch samples are stills
-        return torch.zeros(1, self.latent_channels, 1, height // self.vae_scale, width // self.vae_scale)
+    def empty_latent(self, width, height, frames=1):
+        return torch.zeros(1, self.latent_channels, self.latent_frames(frames), height // self.vae_scale,
+                           width // self.vae_scale)
 
     def probe_latent(self, generator, size=(8, 8)):
         return torch.randn(1, self.latent_channels, 2, *size, generator=generator)
@@ -256,6 +265,7 @@ class WanI2VAdapter(WanAdapter):
         return path
 
     given_last_frame = False    # wan_flf2v: the clip's last frame is given too
+    concat_channels = 20        # mask 4 + image latent 16
 
     def encode_conditioning(self, vae, media, control):
         import comfy.latent_formats
@@ -282,14 +292,36 @@ class WanI2VAdapter(WanAdapter):
 
     def encode_clip_vision(self, image: torch.Tensor) -> torch.Tensor:
         """The penultimate hidden states [257, 1280] ComfyUI's CLIPVisionEncode (crop 'none') gives."""
+        return self.clip_vision_output(image)["penultimate_hidden_states"][0].float().cpu()
+
+    def clip_vision_output(self, image: torch.Tensor):
+        """ComfyUI's CLIPVisionEncode (crop 'none') of ``image`` [1, H, W, 3]: its CLIP_VISION_OUTPUT."""
         from .loading import load_clip_vision
         if self._clip_vision is None:
             self._clip_vision = load_clip_vision(self._clip_vision_file())
-        return self._clip_vision.encode_image(image, crop=False)["penultimate_hidden_states"][0].float().cpu()
+        return self._clip_vision.encode_image(image, crop=False)
+
+    takes_start_image = True
+
+    def start_conditioning(self, vae, positive, negative, width, height, frames, images):
+        """ComfyUI's WanImageToVideo (wan_flf2v: WanFirstLastFrameToVideo, the second image the end frame), with
+        CLIPVisionEncode's output of each image where [model] clip_vision names a file."""
+        from comfy_extras.nodes_wan import WanFirstLastFrameToVideo, WanImageToVideo
+
+        vision = [self.clip_vision_output(i) for i in images] if self.cfg.clip_vision else [None] * len(images)
+        if self.given_last_frame:
+            start, end = (images + [None])[:2]
+            out = WanFirstLastFrameToVideo.execute(positive, negative, vae, width, height, frames, 1, start_image=start,
+                                                   end_image=end, clip_vision_start_image=vision[0],
+                                                   clip_vision_end_image=(vision + [None])[1])
+        else:
+            out = WanImageToVideo.execute(positive, negative, vae, width, height, frames, 1, start_image=images[0],
+                                          clip_vision_output=vision[0])
+        return tuple(out.result)
 
     def probe_text(self, generator):
         b, t, h, w = 1, 2, 8, 8
-        concat = torch.randn(b, 20, t, h, w, generator=generator)
+        concat = torch.randn(b, self.concat_channels, t, h, w, generator=generator)
         out = [*super().probe_text(generator), concat]
         if "clip_fea" in self.conditioning_fields:
             tokens = CLIP_VISION_TOKENS * (2 if self.given_last_frame else 1)

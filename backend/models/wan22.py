@@ -57,3 +57,13 @@ class Wan22I2VAdapter(GivenFirstFrame, Wan22Adapter):
         x = torch.cat([first.to(x_t.dtype), x_t[:, :, 1:]], dim=2)
         timestep = self.objective().model_timestep(t)[:, None] * first_frame_mask(x.shape[2], t)
         return self.diffusion_model(x.to(self.dtype), timestep, context.to(self.dtype))
+
+    takes_start_image = True
+
+    def start_conditioning(self, vae, positive, negative, width, height, frames, images):
+        """ComfyUI's Wan22ImageToVideoLatent: the start image's latent as the first latent frame, kept by the
+        latent's noise mask; the prompts' conditioning unchanged."""
+        from comfy_extras.nodes_wan import Wan22ImageToVideoLatent
+
+        (latent,) = Wan22ImageToVideoLatent.execute(vae, width, height, frames, 1, start_image=images[0]).result
+        return positive, negative, latent

@@ -79,6 +79,10 @@ def prepare_cache(cfg: RunConfig, adapter, topology: Topology, reporter: RunRepo
     entries = manifests.pop(None)
     every = entries + [e for es in manifests.values() for e in es]
     uncond_text, extra = empty_captions(adapter, entries, store) if cfg.uncond_fraction > 0 else (None, {})
+    preservation_text = None
+    if cfg.diff_output_preservation:
+        preservation_text, work = preservation_captions(cfg, adapter, entries, store, reporter if rank == 0 else None)
+        extra = extra | work
 
     def progress(kind, done, total):
         if rank == 0:
@@ -93,13 +97,37 @@ def prepare_cache(cfg: RunConfig, adapter, topology: Topology, reporter: RunRepo
         reporter.event("cached", latents_encoded=total_lat, texts_encoded=total_txt, entries=len(entries),
                        eval_entries={name: len(es) for name, es in manifests.items()})
         log.info("cache ready: %d entries (%d latents and %d captions encoded now)", len(entries), total_lat, total_txt)
-    return CachedData(store, entries, manifests, uncond_text)
+    return CachedData(store, entries, manifests, uncond_text, preservation_text)
 
 
 def empty_captions(adapter, entries, store: CacheStore) -> tuple[dict[str, str], dict[str, TextWork]]:
     """Caption dropout: each training caption's key -> the key of the empty caption that replaces it (one for
     every sample, or one per control image and bucket where the text encoder reads that image too), and the
     encoding work for those keys."""
+    return replaced_captions(adapter, entries, store, lambda caption: "")
+
+
+def preservation_captions(cfg: RunConfig, adapter, entries, store: CacheStore,
+                          reporter: RunReporter | None) -> tuple[dict[str, str], dict[str, TextWork]]:
+    """diff_output_preservation: each training caption's key -> the key of the caption with the trigger word
+    swapped for the class (its own cache key: another trigger word or class is another caption), and the encoding
+    work for those keys; ``reporter`` (rank 0's) warns of captions without the trigger word, whose preservation
+    caption is the training caption itself."""
+    from .preservation import has_trigger, preservation_caption
+
+    trigger, cls = cfg.trigger_word.strip(), cfg.preservation_class.strip()
+    without = sorted({e.path for e in entries if not has_trigger(e.caption, trigger)})
+    if without and reporter is not None:
+        message = (f"diff_output_preservation: {len(without)} captions do not contain the trigger word {trigger!r}; "
+                   "their preservation caption is the caption itself, which holds those samples to the base model")
+        reporter.event("warning", message=message, files=without[:20])
+        log.warning(message)
+    return replaced_captions(adapter, entries, store, lambda caption: preservation_caption(caption, trigger, cls))
+
+
+def replaced_captions(adapter, entries, store: CacheStore, replace) -> tuple[dict[str, str], dict[str, TextWork]]:
+    """Each training caption's key -> the key of ``replace(caption)`` (read with the same control image where the
+    text encoder reads one), and the encoding work for those keys."""
     te_fps = [store.fingerprint(p) for p in adapter.model_files()["text_encoders"]]
     digests, swap, work = {}, {}, {}
     for e in entries:
@@ -107,7 +135,8 @@ def empty_captions(adapter, entries, store: CacheStore) -> tuple[dict[str, str],
             if c not in digests:
                 digests[c] = file_digest(Path(c))
         more = [digests[c] for c in e.more_controls] if adapter.caption_sees_control else []
-        key = text_key("", te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket, more))
+        caption = replace(e.caption)
+        key = text_key(caption, te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket, more))
         swap[e.text] = key
-        work[key] = TextWork("", e.control, e.bucket, e.more_controls)
+        work[key] = TextWork(caption, e.control, e.bucket, e.more_controls)
     return swap, work

@@ -25,7 +25,8 @@ from .events import RunReporter
 from .feed import MicroBatchFeed
 from .parts import CachedData, EngineParts, GradNorm, Topology
 from .pipeline import StagedModule, stage_bounds
-from .reg_loss import SplitLoss
+from .preservation import PreservationLoss
+from .reg_loss import SplitLoss, StepSums
 from .schedule import lr_multiplier
 from .swap import enable_block_swap
 
@@ -100,9 +101,9 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
         adapter.compile(layers, memory_budget=cfg.activation_memory_budget, cuda_graphs=cuda_graphs_allowed(cfg))
     costs = [adapter.layer_cost(layer) for layer in layers]
     adapter.use_loss(Loss.from_config(cfg))
-    split_loss = SplitLoss(adapter.loss) if any(e.is_reg for e in data.entries) else None   # is_reg directories
+    loss_fn, loss_sums = training_loss(cfg, adapter, data)
     module = StagedModule(layers, costs, cfg.pipeline_stages, cfg.partition_method, cfg.partition_split,
-                          loss_fn=split_loss or adapter.loss)
+                          loss_fn=loss_fn)
     swapper = enable_block_swap(module, cfg.blocks_to_swap, distributed.device(), cfg.file)
     swapped = distributed.all_gather_object(len(swapper.slots) if swapper else 0)
     plan = plan_epochs(cfg, data.entries, topology, reporter)
@@ -126,8 +127,9 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     clear_trained_grads_only(engine, params)
     grad_norm = record_grad_norm(engine, params, cfg.gradient_clipping)
     feed = MicroBatchFeed(adapter, data.store, cfg.seed, topology.dp_rank, topology.dp_world, data.uncond_text,
-                          cfg.uncond_fraction, distributed.device(), reg_labels=split_loss is not None,
-                          noise_offset=cfg.noise_offset, masks=any(e.mask for e in data.entries))
+                          cfg.uncond_fraction, distributed.device(), reg_labels=any(e.is_reg for e in data.entries),
+                          noise_offset=cfg.noise_offset, masks=any(e.mask for e in data.entries),
+                          preservation_text=data.preservation_text if cfg.diff_output_preservation else None)
     parts = EngineParts(
         engine=engine, plan=plan, feed=feed, swapper=swapper, grad_norm=grad_norm, global_batch=global_batch,
         total_steps=total_steps,
@@ -135,7 +137,7 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
         eval_every_steps=every_n_steps(cfg.eval_every_n_steps, cfg.eval_every_n_examples, global_batch),
         eval_sets=build_eval_sets(cfg, adapter, data, topology, reporter),
         ema=WeightAverage(engine.module, cfg.average_decay) if cfg.ema else None,   # the weights as they start
-        split_loss=split_loss)
+        loss_sums=loss_sums, preservation=cfg.diff_output_preservation)
     if topology.is_main:
         bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
         reporter.event(
@@ -143,6 +145,19 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
             trainable_params=sum(p.numel() for p in params), steps_per_epoch=plan.steps_per_epoch(),
             total_steps=total_steps, blocks_swapped=swapped[::topology.dp_world])
     return parts
+
+
+def training_loss(cfg: RunConfig, adapter, data: CachedData):
+    """The last stage's loss function, and the step's loss sums it keeps (None: only the loss): each kind's loss
+    apart with is_reg directories (``SplitLoss``), and diff_output_preservation's added (``PreservationLoss``)."""
+    reg = any(e.is_reg for e in data.entries)
+    if not (reg or cfg.diff_output_preservation):
+        return adapter.loss, None
+    sums = StepSums()
+    loss_fn = SplitLoss(adapter.loss, sums) if reg else adapter.loss
+    if cfg.diff_output_preservation:
+        loss_fn = PreservationLoss(loss_fn, adapter.preservation_loss, cfg.preservation_multiplier, sums)
+    return loss_fn, sums
 
 
 def record_grad_norm(engine, params: list[torch.Tensor], gradient_clipping: float) -> GradNorm:

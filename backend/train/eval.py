@@ -18,6 +18,7 @@ import torch
 
 from ..config import RunConfig
 from ..data import EpochPlan
+from ..data.epoch_plan import eval_batches_by_resolution
 from ..errors import DatasetError
 from . import distributed
 from .events import RunReporter
@@ -58,10 +59,11 @@ def build_eval_sets(cfg: RunConfig, adapter, data: CachedData, topology: Topolog
         try:
             plan = EpochPlan(entries, [e.num_repeats for e in entries], micro, cfg.eval_gradient_accumulation_steps,
                              topology.dp_rank, topology.dp_world, cfg.seed,
-                             image_micro_batch_size=cfg.eval_image_micro_batch_size_per_gpu or micro)
+                             image_micro_batch_size=cfg.eval_image_micro_batch_size_per_gpu or micro,
+                             by_resolution=eval_batches_by_resolution(cfg))
         except DatasetError as e:
-            raise DatasetError(f"eval dataset {name!r}: {e} (eval_micro_batch_size_per_gpu and "
-                               "eval_gradient_accumulation_steps set the eval batch)") from None
+            raise DatasetError(f"eval dataset {name!r}: {e} (eval_micro_batch_size_per_gpu, its per-resolution "
+                               "list and eval_gradient_accumulation_steps set the eval batch)") from None
         if topology.is_main:
             for message in plan.warnings():
                 reporter.event("warning", message=f"eval dataset {name!r}: {message}")

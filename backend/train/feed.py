@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..cache import CacheStore
+from .preservation import PARTS
 
 
 def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
@@ -30,7 +31,7 @@ class MicroBatchFeed:
     def __init__(self, adapter, store: CacheStore, seed: int, dp_rank: int, dp_world: int,
                  uncond_text: dict[str, str] | None = None, uncond_fraction: float = 0.0,
                  device: torch.device | None = None, reg_labels: bool = False, noise_offset: float = 0.0,
-                 masks: bool = False):
+                 masks: bool = False, preservation_text: dict[str, str] | None = None):
         self.adapter = adapter
         self.device = device if device is not None and device.type == "cuda" else None   # None: host tensors
         self.store = store
@@ -43,6 +44,8 @@ class MicroBatchFeed:
         self.reg_labels = reg_labels            # the labels end with which samples are regularisation ones
         self.noise_offset = noise_offset
         self.masks = masks                      # the labels carry each sample's loss mask (all ones without one)
+        # diff_output_preservation: text key -> its preservation caption's; the inputs get the preservation rows
+        self.preservation_text = preservation_text
         self._pool: ThreadPoolExecutor | None = None
         self._prefetched = None                 # ((epoch, step, micro_batches), Future) of the next step
 
@@ -75,7 +78,11 @@ class MicroBatchFeed:
         conditioning = [torch.stack([p[name] for p in payloads]) for name in self.adapter.conditioning_fields]
         first = (micro * self.dp_world + self.dp_rank) * len(entries)
         keys = [self._text_key(e, epoch, step, first + i) for i, e in enumerate(entries)]
-        text = self.adapter.collate_text([self.store.get("text", k) for k in keys])
+        texts = [self.store.get("text", k) for k in keys]
+        if self.preservation_text is not None:   # preservation.py: [training | preservation | preservation] rows
+            kept = [self.store.get("text", self.preservation_text[e.text]) for e in entries]
+            texts += kept + kept
+        text = self.adapter.collate_text(texts)
         drawn = [self._noise_and_t(lat, epoch, step, first + i, e) for i, (lat, e) in enumerate(zip(latents, entries))]
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
@@ -84,7 +91,10 @@ class MicroBatchFeed:
             labels += (torch.stack([p["mask"] if "mask" in p else _no_mask(p["latent"]) for p in payloads]),)
         if self.reg_labels:   # for the loss logged per kind (reg_loss.py)
             labels += (torch.tensor([e.is_reg for e in entries], dtype=torch.bool),)
-        batch = (latents, noise, t, *text, *conditioning), labels
+        inputs = (latents, noise, t)
+        if self.preservation_text is not None:   # the same noisy latent in each part; the labels are the training rows'
+            inputs, conditioning = ([torch.cat([x] * PARTS) for x in xs] for xs in (inputs, conditioning))
+        batch = (*inputs, *text, *conditioning), labels
         return _map_tensors(batch, torch.Tensor.pin_memory) if self.device is not None else batch
 
     def step_iter(self, micro_batches, epoch: int, step: int):

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
-from .. import run_control
+from .. import lora, run_control
 from ..optim import prodigy_d
 from . import distributed
 from .control import Control, ControlFlags
 from .eval import eval_due, evaluate
 from .events import RunReporter
 from .parts import RunState
+from .preservation import PARTS
 from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
 from .schedule import set_base_lr
@@ -135,10 +137,11 @@ def run_loop(t: Trainer) -> None:
         torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
         if profiler:
             profiler.before_step(state.global_step + 1)
-        loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
+        with lora.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: the target rows
+            loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
         if parts.ema is not None:   # train_batch ended with the optimizer step
             parts.ema.update()
-        reg_sums = parts.split_loss.step_sums(t.topology.world, control.device) if parts.split_loss else None
+        reg_sums = parts.loss_sums.step_sums(t.topology.world, control.device) if parts.loss_sums else None
         following = state.step_in_epoch + 1
         if reads_data and following < steps_per_epoch and state.global_step + 1 < state.total_steps:
             feed.prefetch(batches[following], state.epoch, following)

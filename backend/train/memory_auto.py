@@ -38,12 +38,16 @@ def largest_entry(data: CachedData):
 
 
 def planning_inputs(cfg: RunConfig, data: CachedData, entry):
-    """A micro-batch of ``entry`` repeated to the run's micro-batch size, as the feed builds one (``feed.py``)."""
+    """A micro-batch of ``entry`` repeated to the rows of the run's micro-batch size, as the feed builds one
+    (``feed.py``)."""
     from ..data.epoch_plan import micro_batch_for
 
     payload = data.store.get("latents", entry.latent)
     latent = payload["latent"].float()
-    batch = micro_batch_for(cfg, entry.bucket)
+    from .preservation import PARTS
+
+    # diff_output_preservation: the pipeline carries each sample's two preservation rows too
+    batch = micro_batch_for(cfg, entry.bucket) * (PARTS if cfg.diff_output_preservation else 1)
 
     def inputs_of(adapter):
         latents = latent.expand(batch, *latent.shape).contiguous()

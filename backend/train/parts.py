@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..cache.manifest import CacheEntry
     from ..data import EpochPlan
     from .ema import WeightAverage
-    from .reg_loss import SplitLoss
+    from .reg_loss import StepSums
     from .eval import EvalSet
     from .feed import MicroBatchFeed
     from .swap import BlockSwapper
@@ -50,6 +50,8 @@ class CachedData:
     entries: list[CacheEntry]                    # the train dataset's
     eval_entries: dict[str, list[CacheEntry]]    # each eval dataset's, by name
     uncond_text: dict[str, str] | None = None    # caption dropout: a caption's text key -> the empty caption's
+    # diff_output_preservation: a caption's text key -> the key of the caption with the trigger word swapped
+    preservation_text: dict[str, str] | None = None
 
 
 @dataclass
@@ -73,7 +75,9 @@ class EngineParts:
     eval_every_steps: int | None
     eval_sets: list[EvalSet] = field(default_factory=list)
     ema: WeightAverage | None = None  # ``ema = true``: this stage's moving average of the trained weights
-    split_loss: SplitLoss | None = None   # is_reg directories: the loss function, keeping each kind's loss
+    # is_reg directories, diff_output_preservation: the step's loss sums per kind, which the loss functions keep
+    loss_sums: StepSums | None = None
+    preservation: bool = False        # diff_output_preservation: the steps run under ``lora.base_rows``
 
 
 @dataclass

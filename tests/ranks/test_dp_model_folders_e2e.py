@@ -1,8 +1,16 @@
-"""A diffusion-pipe Flux config as dp requires it (``diffusers_path``: a Diffusers pipeline folder) trains here: 2
-ranks as a 2-stage pipeline read the folder's transformer, VAE and text encoders through ComfyUI's converters, and
-the LoRA loads in ComfyUI with ComfyUI's keys."""
+"""diffusion-pipe configs whose models are its folders train here, 2 ranks as a 2-stage pipeline, and each LoRA
+loads in ComfyUI with ComfyUI's keys:
+- Flux as dp requires it (``diffusers_path``: a Diffusers pipeline folder's transformer, VAE and text encoders, read
+  through ComfyUI's converters);
+- Wan from its official checkpoint folder (``ckpt_path``: the transformer shard and ``Wan2.1_VAE.pth``, with
+  ``llm_path`` for the T5, as dp's Wan table);
+- Flux Kontext as dp declares it (``type = 'flux'``, the Flux folder for the VAE and text encoders, the Kontext file
+  as ``transformer_path``, and a dataset with ``control_path``)."""
+import shutil
+from pathlib import Path
+
 import pytest
-from conftest import check_epoch_loras, train
+from conftest import add_control_images, check_epoch_loras, train
 from dp_files import DP_AR_BUCKETS, DP_MONITORING
 
 from pipetrain.backend.demo import make_dataset
@@ -20,10 +28,8 @@ save_every_n_epochs = 1
 seed = 7
 
 [model]
-type = 'flux'
-diffusers_path = 'FLUX-tiny'
+{model}
 dtype = 'float32'
-flux_shift = true
 
 [adapter]
 type = 'lora'
@@ -33,17 +39,61 @@ rank = 4
 type = 'adamw'
 lr = 2e-3
 """
+# examples/dataset.toml's buckets at the tiny models' size; the images in dataset/ (conftest's control images)
+DATASET = DP_AR_BUCKETS.replace("[512]", "[64]") + "num_ar_buckets = 3\n[[directory]]\npath = 'dataset'\n" \
+    "num_repeats = 1\n"
+
+
+def _run(root: Path, model: str, images: int = 4, controls: bool = False):
+    make_dataset(root / "dataset", images)
+    (root / "dataset.toml").write_text(DATASET)
+    (root / "run.toml").write_text(MAIN.format(model=model) + DP_MONITORING)
+    if controls:
+        add_control_images(root / "run.toml")
+    run = train(root / "run.toml", ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.status()["state"] == "finished"
+    assert run.events("cached")[0]["latents_encoded"] == images
+    return run
 
 
 def test_a_dp_flux_config_with_diffusers_path_trains_and_its_lora_loads_in_comfyui(flux_diffusers_folder,
                                                                                      tmp_path):
     (tmp_path / "FLUX-tiny").symlink_to(flux_diffusers_folder)   # dp's relative path, resolved from the TOML
-    make_dataset(tmp_path / "images", 4)
-    (tmp_path / "dataset.toml").write_text(DP_AR_BUCKETS.replace("[512]", "[64]") + "num_ar_buckets = 3\n"
-                                           "[[directory]]\npath = 'images'\nnum_repeats = 1\n")
-    (tmp_path / "run.toml").write_text(MAIN + DP_MONITORING)
-    run = train(tmp_path / "run.toml", ranks=2)
-    assert run.returncode == 0, run.output[-4000:]
-    assert run.status()["state"] == "finished"
-    assert run.events("cached")[0]["latents_encoded"] == 4
+    run = _run(tmp_path, "type = 'flux'\ndiffusers_path = 'FLUX-tiny'\nflux_shift = true")
     check_epoch_loras(run, tmp_path / "run.toml", keys=13)   # every adapted linear of 1 double + 1 single block
+
+
+def test_a_dp_wan_config_with_ckpt_path_trains_and_its_lora_loads_in_comfyui(model_files, tmp_path):
+    """The official folder's layout: the transformer's safetensors and the VAE as a .pth (the tiny Wan's weights,
+    whose keys are the official ones)."""
+    import torch
+
+    from pipetrain.backend.models.loading import _load_state_dict
+    files = model_files("wan")
+    folder = tmp_path / "Wan2.1-T2V-1.3B"
+    folder.mkdir()
+    shutil.copy(files.diffusion_model, folder / "diffusion_pytorch_model.safetensors")
+    torch.save(_load_state_dict(files.vae)[0], folder / "Wan2.1_VAE.pth")
+    run = _run(tmp_path, f"type = 'wan'\nckpt_path = 'Wan2.1-T2V-1.3B'\nllm_path = '{files.text_encoders[0]}'",
+               images=2)
+    assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]
+    check_epoch_loras(run, tmp_path / "run.toml", keys=20)   # 10 adapted linears in each of 2 blocks
+
+
+def test_a_dp_kontext_config_trains_flux_kontext_and_its_lora_loads_in_comfyui(flux_diffusers_folder, model_files,
+                                                                                 tmp_path):
+    """dp's Flux Kontext table (the Flux folder, the Kontext file; Flux's micro file stands in for it: a Kontext
+    file has Flux dev's layout) with control images: an edit run, each latent cached with its reference."""
+    from pipetrain.backend.cache import CacheStore
+    from pipetrain.backend.cache.manifest import CacheManifest
+    kontext = model_files("flux", "micro").diffusion_model
+    model = f"type = 'flux'\ndiffusers_path = '{flux_diffusers_folder}'\ntransformer_path = '{kontext}'"
+    run = _run(tmp_path, model, controls=True)
+    cache = tmp_path / "output" / "cache"
+    (manifest,) = cache.glob("manifests/flux_kontext-*")   # trained as Flux Kontext
+    store = CacheStore(cache)
+    for entry in CacheManifest.load(manifest).entries:
+        payload = store.get("latents", entry.latent)
+        assert payload["reference"].shape == payload["latent"].shape
+    check_epoch_loras(run, tmp_path / "run.toml", keys=26)   # 2 double blocks x 10 + 2 single blocks x 3

@@ -409,3 +409,25 @@ def test_resumable_as_the_backend_resumes_past_a_dangling_latest(tmp_path):
     (ckpts / "step00000003").mkdir()
     (ckpts / "step00000003" / "pipetrain.json").write_text("{}")
     assert summarize(dirs, "run-k", False)["resumable"]
+
+
+def test_an_auto_run_that_cannot_fit_is_refused_at_queue_time_and_leaves_no_run(tiny_flux_files, make_run, launcher,
+                                                                               tmp_path):
+    """The Train node's path: ``start`` plans the run before its processes start; nothing fits a thousandth of a
+    GiB, so nothing is launched and no run folder is left; a roomy limit starts and shows the plan."""
+    from pipetrain.backend.config import load_run_config
+
+    cfg = load_run_config(make_run(tiny_flux_files, images=2))
+    files = cfg.model
+    spec = TrainSpec(DatasetSpec((folder_patch(cfg.dataset_config.directory[0].path),)),
+                     model_patch("flux", files.diffusion_model, files.vae, tuple(files.text_encoder_files)),
+                     memory=RunPatch.of({"memory": "auto", "memory_limit_gib": 0.001}))
+    la = launcher(lora_root=tmp_path / "loras")
+    with pytest.raises(LauncherError, match="pipeline_stages"):
+        la.start(spec, "too big")
+    assert la.dirs.ids() == []
+    roomy = TrainSpec(spec.dataset, spec.model, memory=RunPatch.of({"memory": "auto", "memory_limit_gib": 80}))
+    run_id = la.start(roomy, "fits")
+    la.kill(run_id)
+    assert "memory = 'auto' chooses" in la.queue_plan(run_id)
+    assert "memory = 'auto' chooses" in json.loads((la.dirs.path(run_id) / "launcher.json").read_text())["memory_plan"]

@@ -24,9 +24,9 @@ EXPECTED = {
                "qwen_image_edit_plus": "fails"},
     # blocks take no transformer_options (nor attention overrides) before 0.3.6x
     "0.3.52": {**_BEFORE_FLUX2, "hunyuan_image_21": "lacks",
-               **dict.fromkeys(("sd3", "wan", "wan_i2v", "wan_flf2v", "wan22_5b", "wan22_5b_i2v", "qwen_image",
-                                "qwen_image_edit", "qwen_image_edit_plus", "cosmos_predict2", "cosmos", "hidream", "omnigen2", "ltx_video",
-                                "ltx_video_i2v"),
+               **dict.fromkeys(("sd3", "wan", "wan_i2v", "wan_flf2v", "wan_vace", "wan_fun_control", "wan22_5b",
+                                "wan22_5b_i2v", "qwen_image", "qwen_image_edit", "qwen_image_edit_plus",
+                                "cosmos_predict2", "cosmos", "hidream", "omnigen2", "ltx_video", "ltx_video_i2v"),
                                "fails")},
 }
 needs_comfyui = pytest.mark.skipif(not COMFYUIS, reason="no other ComfyUI beside the pinned one: run scripts/setup.sh")

@@ -48,3 +48,28 @@ def test_samples_at_several_lora_strengths_form_the_panels_grid(micro_flux_files
     [lora] = saved_loras(run.run_dir)
     assert sorted((s["strength"], s["prompt_index"]) for s in lora["samples"]) == [(0.5, 0), (0.5, 1), (1.0, 0),
                                                                                    (1.0, 1)]
+
+
+def test_a_video_models_samples_are_clips_of_the_asked_frames(model_files, tmp_path):
+    """Wan (t2v) on clips: each epoch sample is an animated WebP of [samples] frames at its fps, rendered through
+    ComfyUI's sampler and Wan VAE, named as the stills are."""
+    from media import make_video_dataset
+    from pipetrain.backend.demo import write_configs
+
+    root = tmp_path / "job"
+    make_video_dataset(root / "dataset")
+    samples = {"prompts": ["a red square moving"], "seed": 3, "width": 64, "height": 64, "steps": 2, "frames": 9,
+               "fps": 8.0}
+    config = write_configs(root, model_files("wan"), stages=2, epochs=1, model={"type": "wan"}, samples=samples)
+    with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
+        f.write("frame_buckets = [1, 9]\n")
+    run = train(config, ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    [announced] = run.events("sample_saved")
+    [lora] = run.loras()
+    assert announced["path"] == str(lora.with_suffix("")) + "-sample00.webp"
+    with Image.open(announced["path"]) as clip:
+        assert (clip.format, clip.n_frames, clip.size) == ("WEBP", 9, (64, 64))
+        clip.seek(8)
+        clip.load()
+        assert clip.info["duration"] == 125

@@ -25,6 +25,8 @@ SETUP = dict(stages=2, epochs=2, checkpoint_every_n_epochs=1, lr_scheduler="cosi
 # One run folder, killed again at the next point by each resume. The comment says what the kill leaves.
 KILLS = [
     ("", "lora-written:1"),               # epoch 1's LoRA as a .tmp file, no checkpoint: starts over
+    ("resume", "lora-renamed:1"),         # epoch 1's LoRA in place, no checkpoint: starts over, rewrites it in place
+    ("resume", "checkpoint-written:1"),   # step 4 written into its partial folder, not renamed: starts over
     ("resume", "checkpoint-latest:1"),    # step 4 and `latest` in place, nothing else done
     ("resume", "checkpoint-renamed:1"),   # step 8 in place, `latest` still names step 4: epoch 2 again
     ("resume", "checkpoint-aside:1"),     # the first step 8 moved aside, its replacement complete but not in place

@@ -111,7 +111,9 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
                                    flux_shift=True, guidance=4.0, v_pred=True, min_t=0.1, max_t=0.9,
                                    min_snr_gamma=0.0, debiased_estimation_loss=False).result[0]
     adapter = settings.AdapterNode.execute(8, 0.0, 0.0, "", dtype="bfloat16", init_from_existing="start.safetensors",
-                                           save_dtype="float16").result[0]
+                                           save_dtype="float16", diff_output_preservation=True, trigger_word="sks",
+                                           diff_output_preservation_class="dog",
+                                           diff_output_preservation_multiplier=0.5).result[0]
     optimizer = settings.OptimizerNode.execute("adamw", 1e-4, 0.9, 0.99, 0.01, 1e-8, beta2_half_life=50.0,
                                                gradient_clipping=0.5, loss_type="huber", huber_delta=0.3,
                                                smooth_l1_beta=0.7, noise_offset=0.05).result[0]
@@ -120,7 +122,9 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
                                              max_steps=30, save_every_n_examples=16, eval_every_n_examples=8,
                                              eval_before_first_step=False, eval_micro_batch_size_per_gpu=2,
                                              eval_gradient_accumulation_steps=3, steps_per_print=5,
-                                             eval_image_micro_batch_size_per_gpu=6).result[0]
+                                             eval_image_micro_batch_size_per_gpu=6,
+                                             eval_micro_batch_size_by_resolution="512:2, 1024:1",
+                                             eval_image_micro_batch_size_by_resolution="512:6").result[0]
     parallelism = settings.ParallelismNode.execute(2, 2, 1, 1, "", partition_method="manual",
                                                    partition_split="3", image_micro_batch_size_per_gpu=4).result[0]
     memory = settings.MemoryNode.execute(True, 0, compile=True, compile_cuda_graphs=False).result[0]
@@ -136,6 +140,8 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
     assert (cfg.adapter.dtype, cfg.adapter.init_from_existing, cfg.save_dtype) == (
         "bfloat16", str(tmp_path / "loras" / "start.safetensors"), "float16")
     assert (cfg.optimizer.beta2_half_life, cfg.gradient_clipping) == (50.0, 0.5)
+    assert (cfg.diff_output_preservation, cfg.trigger_word, cfg.preservation_class, cfg.preservation_multiplier) == (
+        True, "sks", "dog", 0.5)
     # the loss widgets: huber with its delta (smooth_l1_beta's widget belongs to another loss), the noise offset
     assert (cfg.loss_kind, cfg.huber_delta, cfg.smooth_l1_beta, cfg.noise_offset) == ("huber", 0.3, None, 0.05)
     assert (m.min_t, m.max_t, m.min_snr_gamma, m.debiased_estimation_loss) == (0.1, 0.9, None, False)
@@ -144,6 +150,8 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
         30, 16, 8, False, 2, 3, 5)
     assert (cfg.partition_method, cfg.partition_split, cfg.compile_cuda_graphs) == ("manual", [3], False)
     assert (cfg.image_micro_batch_size_per_gpu, cfg.eval_image_micro_batch_size_per_gpu) == (4, 6)
+    assert (cfg.eval_micro_batch_size_by_resolution, cfg.eval_image_micro_batch_size_by_resolution) == (
+        [[512, 2], [1024, 1]], [[512, 6]])
     assert (cfg.samples.render, cfg.samples.host_timeout_s, cfg.caching_batch_size) == ("host", 60.0, 4)
     ds = cfg.dataset_config
     d = ds.directory[0]

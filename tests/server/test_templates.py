@@ -45,3 +45,15 @@ def test_template_has_a_thumbnail(name):
     # ComfyUI's frontend (1.32) shows a custom node's template with /api/workflow_templates/<folder>/<name>.jpg
     with Image.open(REPO / "example_workflows" / f"{name}.jpg") as image:
         assert image.format == "JPEG" and image.width >= 200 and image.height >= 120, image
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_template_says_what_to_do_in_a_note(name):
+    """ComfyUI's template browser shows a custom node's template by file name only: a note on the canvas says what
+    to pick and what happens when queued."""
+    notes = [n for n in load_example(name)["nodes"] if n["type"] == "MarkdownNote"]
+    assert len(notes) == 1, name
+    text = notes[0]["widgets_values"][0]
+    must = {"train_a_lora": ["**Dataset**", "**Model**", "Queue", "models/loras/pipetrain/", "test_an_epoch_lora"],
+            "test_an_epoch_lora": ["**Load Epoch LoRA**", "newest", "strength"]}[name]
+    assert all(word in text for word in must), text

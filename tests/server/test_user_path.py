@@ -215,6 +215,7 @@ async def drive(u: User) -> dict:
         out["train_outputs"] = hist["outputs"]
         train_text = hist["outputs"]["9"]["text"][0]
         assert train_text.startswith("started run my_lora-"), train_text
+        assert "memory plan: " in train_text and " per stage at " in train_text, train_text   # planned at queue time
         u.run_id = train_text.split()[2]
         # the run on the canvas: the Train and Run Status nodes follow it live
         out["canvas_live"] = await page.wait_for(canvas_js(9, "training · step"), 240,

@@ -81,13 +81,21 @@ class FakeRun:
         self.event({"type": "sample_saved", "epoch": epoch, "step": step, "path": str(png), "prompt": "a red square"})
 
     def samples(self, epoch: int, step: int, strengths: list[float], prompts: list[str]) -> None:
-        """PNGs beside the epoch's LoRA, announced as the backend does (``sampling.EpochSamples.announce``)."""
+        """PNGs beside the epoch's LoRA, announced as the backend does (``sampling.EpochSamples.announce``); the
+        first strength's are a video model's clips (animated WebP, ``sample_clips.save_clip``)."""
+        import torch
         from PIL import Image
+
+        from pipetrain.backend.sample_clips import save_clip
 
         for w in strengths:
             for i, prompt in enumerate(prompts):
-                png = self.dir / f"{RUN_ID}-epoch{epoch:04d}-sample{i:02d}-x{w:.2f}.png"
-                Image.new("RGB", (32, 32), (int(255 * w / 2), 40 * i, 90)).save(png)
+                clip = w == strengths[0]
+                png = self.dir / f"{RUN_ID}-epoch{epoch:04d}-sample{i:02d}-x{w:.2f}.{'webp' if clip else 'png'}"
+                if clip:
+                    save_clip(torch.linspace(0, 1, 3)[:, None, None, None].expand(3, 32, 32, 3), png, fps=4)
+                else:
+                    Image.new("RGB", (32, 32), (int(255 * w / 2), 40 * i, 90)).save(png)
                 self.event({"type": "sample_saved", "epoch": epoch, "step": step, "path": str(png),
                             "prompt": prompt, "prompt_index": i, "strength": w})
 

@@ -5,8 +5,10 @@ The TOML below is ours: it copies only the *key structure* of diffusion-pipe's `
 paths pointed at the shared tiny model files. Nothing is fetched. Each either loads (through the same checks as
 a run: ``preflight.load_run``) with the meaning it has in diffusion-pipe, or is refused naming the key and what
 to do (model folders ComfyUI has no converter for: their single files; ``size_buckets`` and masks, item 3; models
-the pinned ComfyUI lacks). The folders that load (Flux / SD3 / SDXL Diffusers folders, Wan's checkpoint folder) are
-read from real tiny folders in ``test_dp_model_folders.py``.
+the pinned ComfyUI lacks). The folders that load (Flux / SD3 Diffusers folders, Chroma's Flux folder, Wan's checkpoint
+folder) are read from real tiny folders in ``test_dp_model_folders.py``, SDXL / SD1.5 UNet folders at their published
+sizes on the meta device in ``test_dp_unet_folders.py``; ``tests/ranks/test_dp_model_folders_e2e.py`` trains from
+the Flux, Wan and Kontext ones.
 """
 from pathlib import Path
 
@@ -161,8 +163,7 @@ REFUSED = [
     ("ltx-video", _table("ltx-video", "diffusers_path=/models/LTX-Video",
                          "single_file_path=/models/ltx-video-2b-v0.9.1.safetensors"), "model.diffusers_path",
      _FOLDER_FIX),
-    ("chroma", _table("chroma", "diffusers_path=/models/FLUX.1-dev",
-                      "transformer_path=/models/chroma-unlocked-v10.safetensors", extra=FP8),
+    ("chroma without its transformer", _table("chroma", "diffusers_path=/models/FLUX.1-dev", extra=FP8),
      "model.diffusers_path", _FOLDER_FIX),
     ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
                        "llama3_path=/models/Meta-Llama-3.1-8B-Instruct"), "model.diffusers_path", _FOLDER_FIX),
@@ -175,6 +176,10 @@ REFUSED = [
     ("anima", _table("anima", "transformer_path=/models/anima-preview.safetensors",
                      "vae_path=/models/qwen_image_vae.safetensors", "llm_path=/models/qwen_3_06b_base.safetensors",
                      extra="llm_adapter_lr = 0"), "model.type", "newer"),
+    # the models diffusion-pipe runs on a newer ComfyUI than the pinned one
+    *((dp_type, _table(dp_type, f"diffusion_model=/models/{dp_type}.safetensors", "vae=/models/vae.safetensors"),
+       "model.type", "newer")
+      for dp_type in ("ltx2", "ideogram4", "krea2", "minimax_h3")),
     ("ernie_image", _table("ernie_image", "diffusion_model=/models/ernie-image.safetensors",
                            "vae=/models/flux2-vae.safetensors",
                            extra="text_encoders = [{path = '/models/ministral-3-3b.safetensors', type = 'flux2'}]"),
@@ -373,22 +378,87 @@ def test_loss_and_timestep_keys_load_with_diffusion_pipes_meaning(tmp_path):
     assert "  model.min_t: DIFFERENT: every flow model" in report(path)[0]
 
 
-@pytest.mark.parametrize("case, extra", [
-    ("flux", "transformer_dtype = 'float8'\nflux_shift = true"),
-    ("flux kontext", "transformer_path = '{dm}'"),   # Kontext's transformer file over the folder's
-])
-def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diffusers_folder, case, extra):
-    """docs/supported_models.md's Flux tables: diffusers_path (a Diffusers folder, here the tiny one) is read
-    through ComfyUI's converters; a transformer_path overrides its transformer."""
-    model = _table("flux", f"diffusers_path={flux_diffusers_folder}", extra=extra)
-    path = _write(tmp_path, MAIN + _model("flux_kontext", model) + ADAPTER + OPTIMIZER + MONITORING,
+FOLDER_TABLES = [   # (case, dp type, the type here, the tiny transformer file's arch or None: the folder's, extra)
+    ("flux", "flux", "flux", None, "transformer_dtype = 'float8'\nflux_shift = true"),
+    ("flux kontext", "flux", "flux_kontext", "flux_kontext", ""),   # Kontext's file over the folder's transformer
+    # Chroma: the Flux folder's VAE and T5 (not its CLIP-L), the Chroma file's transformer
+    ("chroma", "chroma", "chroma", "chroma", FP8 + "\nflux_shift = true"),
+]
+
+
+@pytest.mark.parametrize("case, dp_type, ours, arch, extra", FOLDER_TABLES, ids=[c[0] for c in FOLDER_TABLES])
+def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diffusers_folder, case, dp_type, ours,
+                                                             arch, extra):
+    """docs/supported_models.md's Flux, Flux Kontext and Chroma tables: diffusers_path (a Diffusers folder, here the
+    tiny one) is read through ComfyUI's converters; a transformer_path overrides its transformer."""
+    from pipetrain.backend.models.tiny import cached_model_files
+    model = _table(dp_type, f"diffusers_path={flux_diffusers_folder}", *(["transformer_path"] if arch else []),
+                   extra=extra)
+    path = _write(tmp_path, MAIN + _model(arch or "flux", model) + ADAPTER + OPTIMIZER + MONITORING,
                   DATASETS["kontext" if case == "flux kontext" else "dataset"])
     cfg = load_run(path)
-    from pipetrain.backend.models.tiny import cached_model_files
-    kontext = case == "flux kontext"
-    dm = cached_model_files("flux_kontext").diffusion_model if kontext else flux_diffusers_folder / "transformer"
-    assert cfg.model.type == ("flux_kontext" if kontext else "flux")
+    dm = cached_model_files(arch).diffusion_model if arch else flux_diffusers_folder / "transformer"
+    assert cfg.model.type == ours
     assert (Path(cfg.model.diffusion_model), Path(cfg.model.vae)) == (dm, flux_diffusers_folder / "vae")
-    assert [Path(p).name for p in cfg.model.text_encoder_files] == ["text_encoder", "text_encoder_2"]
+    assert [Path(p).name for p in cfg.model.text_encoder_files] == (
+        ["text_encoder_2"] if ours == "chroma" else ["text_encoder", "text_encoder_2"])
     text, ok = report(path)
-    assert ok and "model.diffusers_path: a Diffusers pipeline folder" in text
+    assert ok and "model.diffusers_path: a " in text and "REFUSED" not in text, text
+
+
+def _folders(root: Path) -> None:
+    """The layouts of an SD1.5 / SDXL Diffusers pipeline folder and Wan's official checkpoint folder (one small
+    tensor a component: check-config reads the layout, not the weights)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    for pipeline, subs in (("pipeline", ("unet", "vae", "text_encoder", "text_encoder_2", "Wan2.1-T2V-1.3B")),
+                           ("sd3", ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"))):
+        for sub in subs:
+            (root / pipeline / sub).mkdir(parents=True)
+            save_file({"w": torch.zeros(2)}, str(root / pipeline / sub / "model.safetensors"))
+        (root / pipeline / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline"}))
+    torch.save({"w": torch.zeros(2)}, root / "pipeline" / "Wan2.1-T2V-1.3B" / "Wan2.1_VAE.pth")
+
+
+NEW_SOURCES = [   # (case, [model] lines ({folder}: the tiny Flux folder), dataset, what check-config says, the type)
+    ("eval lists", _table("hunyuan-video", *FILES, "llm_path", "clip_path"), "dataset",
+     ["  eval_micro_batch_size_per_gpu: a per-resolution list, read into eval_micro_batch_size_by_resolution",
+      "  image_eval_micro_batch_size_per_gpu: a per-resolution list, read into "
+      "eval_image_micro_batch_size_by_resolution"], "hunyuan_video"),
+    ("wan ckpt_path", _table("wan", "ckpt_path=pipeline/Wan2.1-T2V-1.3B", "llm_path"), "dataset",
+     ["  model.ckpt_path: Wan's official checkpoint folder: its transformer shards and VAE .pth"], "wan"),
+    ("chroma", _table("chroma", "diffusers_path={folder}", "transformer_path", extra=FP8), "dataset",
+     ["  model.diffusers_path: a Flux Diffusers pipeline folder lending its vae and t5xxl text encoder",
+      "  model.transformer_path: read as diffusion_model"], "chroma"),
+    ("flux kontext", _table("flux", "diffusers_path={folder}", "transformer_path"), "kontext",
+     ["  model.diffusers_path: a Diffusers pipeline folder", "(diffusion-pipe's 'flux' with control images"],
+     "flux_kontext"),
+    ("sdxl checkpoint_path", _table("sdxl", "checkpoint_path=pipeline"), "dataset",
+     ["  model.checkpoint_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sdxl"),
+    ("sd3 diffusers_path", _table("sd3", "diffusers_path=sd3"), "dataset",
+     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sd3"),
+    ("sd15 diffusers_path", _table("sd15", "diffusers_path=pipeline"), "dataset",
+     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sd15"),
+]
+
+
+@pytest.mark.parametrize("case, model, dataset, lines, ours", NEW_SOURCES, ids=[c[0] for c in NEW_SOURCES])
+def test_check_config_reports_the_new_sources(tmp_path, flux_diffusers_folder, capsys, case, model, dataset, lines,
+                                              ours):
+    """python -m pipetrain check-config on dp configs with the sources read since: eval per-resolution lists, Wan's
+    ckpt_path, Chroma's Flux folder + transformer file, Kontext's folder + file + control images, SDXL / SD1.5
+    Diffusers folders. Each says what it reads, nothing is refused, and the pair loads as the type it trains."""
+    _folders(tmp_path)
+    arch = {"hunyuan_video": "hunyuan_video", "wan": "wan", "chroma": "chroma", "flux_kontext": "flux"}.get(ours)
+    run = MAIN.replace("eval_micro_batch_size_per_gpu = 1", "eval_micro_batch_size_per_gpu = [[512, 2], [1024, 1]]\n"
+                       "image_eval_micro_batch_size_per_gpu = [[512, 4]]") if case == "eval lists" else MAIN
+    path = _write(tmp_path, run + _model(arch, model.replace("{folder}", str(flux_diffusers_folder))) + ADAPTER +
+                  OPTIMIZER + MONITORING, DATASETS[dataset])
+    assert cli_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for line in lines:
+        assert line in out, (line, out)
+    assert "REFUSED" not in out and "unknown key" not in out
+    assert f"Loads: trains model type '{ours}'" in out

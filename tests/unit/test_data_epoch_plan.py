@@ -168,3 +168,36 @@ def test_per_resolution_batches_follow_the_nearest_resolution_of_each_bucket(tmp
     assert plan.steps_per_epoch() == 8 // 4 + 3 // 1 + 0        # the two 832x640 fill no batch of 4
     sizes = sorted(len(step[0]) for step in plan.epoch(1))
     assert sizes == [1, 1, 1, 4, 4]
+
+
+@pytest.mark.parametrize("keys, expected", [
+    # diffusion-pipe's eval lists: images take the image list, clips the eval one
+    ({"eval_micro_batch_size_per_gpu": [[512, 2], [1024, 1]],
+      "image_eval_micro_batch_size_per_gpu": [[512, 4], [1024, 2]]}, {(512, 512): 4, (1024, 1024): 2,
+                                                                       (512, 512, 9): 2, (1024, 1024, 9): 1}),
+    # no eval key: eval batches as training does, its list included (diffusion-pipe's default)
+    ({"micro_batch_size_per_gpu": [[512, 3], [1024, 1]]}, {(512, 512): 3, (1024, 1024): 1, (512, 512, 9): 3}),
+    # an eval integer overrides the training list; the eval image list still decides for images
+    ({"micro_batch_size_per_gpu": [[512, 3], [1024, 1]], "eval_micro_batch_size_per_gpu": 2,
+      "eval_image_micro_batch_size_per_gpu": [[512, 5]]}, {(512, 512): 5, (1024, 1024): 5, (512, 512, 9): 2,
+                                                           (1024, 1024, 9): 2}),
+])
+def test_eval_batches_follow_diffusion_pipes_per_resolution_eval_lists(tmp_path, keys, expected):
+    """The eval keys take the per-resolution list form too, and the eval plans (``build_eval_sets``) batch each
+    bucket by them."""
+    from types import SimpleNamespace
+
+    from pipetrain.backend.config import RunConfig
+    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.train.eval import build_eval_sets
+
+    cfg = from_dict(RunConfig, {"output_dir": str(tmp_path), "dataset": "d.toml", **keys,
+                                "model": {"type": "wan", "diffusion_model": "a", "vae": "b"}}, file=None)
+    entries = [SimpleNamespace(bucket=bucket, num_repeats=1, latent=f"{i}", text="t")
+               for bucket in expected for i in range(20)]
+    data = SimpleNamespace(eval_entries={"held_out": entries}, store=None)
+    topology = SimpleNamespace(dp_rank=0, dp_world=1, is_main=False)
+    (eval_set,) = build_eval_sets(cfg, SimpleNamespace(objective=lambda: None), data, topology, None)
+    assert {bucket: eval_set.plan.micro_batch_size_of(bucket) for bucket in expected} == expected
+    assert sorted(len(step[0]) for step in eval_set.plan.epoch(0)) == sorted(
+        size for bucket, size in expected.items() for _ in range(20 // size))

@@ -94,7 +94,8 @@ def test_sdxl_checkpoint_folder_reads_its_unet(tmp_path):
 
 @pytest.mark.parametrize("model, key, fix", [
     ("type = 'qwen_image'\ndiffusers_path = 'FLUX.1-dev'\n", "model.diffusers_path", "transformer_path"),
-    ("type = 'chroma'\ndiffusers_path = 'FLUX.1-dev'\n", "model.diffusers_path", "diffusion_model ="),
+    ("type = 'chroma'\ndiffusers_path = 'FLUX.1-dev'\n", "model.diffusers_path",
+     "transformer_path = '<chroma-unlocked-v50.safetensors>'"),   # a Flux folder has no Chroma transformer
     ("type = 'flux'\ndiffusers_path = 'nowhere'\n", "model.diffusers_path", "folder not found"),
     ("type = 'flux'\ndiffusers_path = 'FLUX.1-dev/vae'\n", "model.diffusers_path", "model_index.json"),
     ("type = 'hunyuan-video'\nckpt_path = 'FLUX.1-dev'\n", "model.ckpt_path", "transformer_path"),
@@ -115,6 +116,39 @@ def test_wan_checkpoint_folder_gives_its_transformer_shards_and_vae(tmp_path):
                                            "llm_path = '/m/umt5_xxl_fp16.safetensors'\n"))
     cfg.check_model_paths()
     assert (cfg.model.diffusion_model, cfg.model.vae) == ("Wan2.1-T2V-1.3B", "Wan2.1-T2V-1.3B/Wan2.1_VAE.pth")
+
+
+def test_chromas_table_takes_the_flux_folders_vae_and_t5_through_comfyuis_loaders(flux_diffusers_folder,
+                                                                                   model_files, tmp_path):
+    """diffusion-pipe's Chroma table: diffusers_path (a Flux pipeline folder) lends the VAE and the T5 (not CLIP-L:
+    Chroma reads T5 alone), transformer_path is the Chroma file. Both folders load through ComfyUI's own
+    converters with the folder's weights, and the Chroma model runs on the folder T5's embedding."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipetrain.backend.models.registry import adapter_class
+    (tmp_path / "FLUX.1-dev").symlink_to(flux_diffusers_folder)
+    files = model_files("chroma")
+    path = _write(tmp_path, f"type = 'chroma'\ndiffusers_path = 'FLUX.1-dev'\n"
+                            f"transformer_path = '{files.diffusion_model}'\ndtype = 'float32'\n")
+    cfg = load_run_config(path)
+    cfg.check_model_paths()
+    assert (cfg.model.diffusion_model, cfg.model.vae) == (str(files.diffusion_model), "FLUX.1-dev/vae")
+    assert cfg.model.text_encoder_files == ["FLUX.1-dev/text_encoder_2"]
+    text, ok = report(path)
+    assert ok and "model.diffusers_path: a Flux Diffusers pipeline folder lending its vae and t5xxl" in text, text
+    adapter = adapter_class("chroma")(cfg.model, cfg.resolve)
+    assert adapter.load_vae().latent_channels == 16
+    clip = adapter.load_text_encoders()
+    folder_t5 = load_file(str(flux_diffusers_folder / "text_encoder_2" / "model.safetensors"))
+    (shared,) = [v for k, v in clip.cond_stage_model.state_dict().items() if k.endswith("shared.weight")]
+    assert torch.equal(shared.float(), folder_t5["shared.weight"].float())   # the folder's T5, weight for weight
+    cond = clip.encode_from_tokens(clip.tokenize("a red circle"))
+    dm = adapter.load_diffusion_model().model.diffusion_model
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = dm(x, torch.tensor([0.5]), cond, torch.tensor([0.0]))
+    assert out.shape == x.shape and torch.isfinite(out).all() and out.abs().mean() > 0
 
 
 # --- shards and the cache ------------------------------------------------------------------------------------

@@ -2,32 +2,15 @@
 finite differences of ComfyUI's forward (which itself cannot run backward: in-place residuals)."""
 import pytest
 import torch
-from layer_checks import (Patcher, every_boundary_is_a_stage_boundary, give_lora_b_values,
-                          lora_gradients_match_finite_differences, run_layers)
+from layer_checks import (every_boundary_is_a_stage_boundary, give_lora_b_values,
+                          lora_gradients_match_finite_differences, run_layers, small_flux_adapter)
 
 from pipetrain.backend import lora
-from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
 
 
 @pytest.fixture
 def small_flux():
-    ensure_comfyui()
-    import comfy.ops
-    from comfy.ldm.flux.model import Flux
-    from pipetrain.backend.models.flux import FluxAdapter
-
-    torch.manual_seed(0)
-    dm = Flux(operations=comfy.ops.disable_weight_init, in_channels=16, out_channels=16, vec_in_dim=32,
-              context_in_dim=48, hidden_size=64, mlp_ratio=4.0, num_heads=4, depth=2, depth_single_blocks=2,
-              axes_dim=[4, 6, 6], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
-    dm = dm.double()
-    for p in dm.parameters():
-        torch.nn.init.normal_(p, std=0.08)
-    adapter = FluxAdapter(ModelConfig(type="flux", diffusion_model="unused", vae="unused", guidance=3.5))
-    adapter.dtype = torch.float64
-    adapter.use_model(Patcher(dm))
-    return adapter
+    return small_flux_adapter()
 
 
 def _inputs():

@@ -132,3 +132,95 @@ def test_memory_limit_out_of_range_is_refused_naming_the_key(value, tiny_flux_fi
     config = make_run(tiny_flux_files, images=2, memory_limit_gib=value)
     with pytest.raises(ConfigError, match="memory_limit_gib"):
         load_run_config(config)
+
+
+def test_a_plan_is_traced_once_per_model_and_size(tiny_flux_files, make_run, tmp_path, monkeypatch):
+    """The queue-time plan memoises the traced footprints: the second plan of the same run does not trace; a
+    different size traces again."""
+    from pipetrain.backend import memory_plan_config as mpc
+    from pipetrain.backend.config import load_run_config
+
+    cfg = load_run_config(make_run(tiny_flux_files, images=2))
+    memo = tmp_path / "memo"
+    first = mpc.plan_config(cfg, 80 * mp.GIB, memo=memo)
+    assert len(list(memo.glob("*.json"))) == 1
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again although the memo holds this model and size")
+    monkeypatch.setattr(mp, "trace_run", no_trace)
+    again = mpc.plan_config(cfg, 80 * mp.GIB, memo=memo)
+    assert again.configured[1] == first.configured[1] and again.auto == first.auto
+    with pytest.raises(AssertionError, match="traced again"):
+        mpc.plan_config(cfg, 80 * mp.GIB, width=cfg.dataset_config.resolutions[0] * 2, memo=memo)
+
+
+def test_the_largest_bucket_counts_size_buckets_and_frames(tiny_flux_files, make_run):
+    import dataclasses
+
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.memory_plan_config import largest_probe
+
+    cfg = load_run_config(make_run(tiny_flux_files, images=2))
+    object.__setattr__(cfg, "_dataset", dataclasses.replace(cfg.dataset_config, resolutions=[256],
+                                                            size_buckets=[[512, 128], [320, 320]]))
+    probe = largest_probe(cfg)
+    assert (probe.width, probe.height, probe.frames) == (320, 320, 1)   # the largest area, not the longest side
+
+
+def test_a_queued_auto_run_that_nothing_fits_is_refused_before_it_starts(tiny_flux_files, make_run, tmp_path):
+    """The launcher's queue-time plan: ``auto`` under a limit nothing fits is refused naming what to change;
+    under a roomy limit the node is told what ``auto`` chooses; a manual run is told its peak."""
+    from pipetrain.launcher.queue_plan import plan_queued_run
+
+    tight = make_run(tiny_flux_files, images=2, name="tight", memory="auto", memory_limit_gib=0.001)
+    plan = plan_queued_run(tight, (0,), tmp_path)
+    assert plan.refusal and "pipeline_stages" in plan.refusal and "memory = 'auto'" in plan.refusal
+    roomy = plan_queued_run(make_run(tiny_flux_files, images=2, name="roomy", memory="auto", memory_limit_gib=80),
+                            (0,), tmp_path)
+    assert roomy.refusal is None and "memory = 'auto' chooses no activation checkpointing" in roomy.text
+    manual = plan_queued_run(make_run(tiny_flux_files, images=2, name="manual", memory_limit_gib=0.001),
+                             (0,), tmp_path)
+    assert manual.refusal is None and "likely out of memory as configured" in manual.text
+
+
+def test_doctor_prints_a_configs_memory_plan(tiny_flux_files, make_run):
+    config = make_run(tiny_flux_files, images=2, memory_limit_gib=80)
+    out = subprocess.run([sys.executable, "-m", "pipetrain", "doctor", "--model-type", "flux", "--config", str(config)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"memory plan of {config}:" in out.stdout and "stage 0:" in out.stdout
+    assert "memory = 'auto' on 80.0 GiB" in out.stdout
+
+
+def test_a_run_nothing_fits_is_told_the_smallest_change_that_would():
+    """Between what two stages and what one stage need, the refusal names pipeline_stages = 2 (not 3), and float8
+    weights when they alone fit; a config already in float8 is not told to use float8."""
+    from types import SimpleNamespace
+
+    fps = _footprints(blocks=6, weights=200 * MIB)
+    cfg = SimpleNamespace(adapter=None, optimizer=SimpleNamespace(type="adamw"), gradient_accumulation_steps=1,
+                          pipeline_stages=1, fp8_compute=False,
+                          model=SimpleNamespace(dtype="bfloat16", diffusion_model_dtype=None))
+    last = mp.MemorySettings(True, 1.0, 0)
+    one = max(st.gpu for st in mp.estimate(fps, last, mp.training_of(cfg)))
+    two = max(st.gpu for st in mp.estimate(fps, last, mp.Training(state_bytes_per_param=16, stages=2)))
+    gpu = int((one + two) / 2 / mp.HEADROOM)
+    assert mp.choose(fps, mp.training_of(cfg), gpu, whole_gpu=False) is None
+    text = mp.does_not_fit(cfg, fps, gpu, whole_gpu=False)
+    assert "The smallest change that fits: " in text and "pipeline_stages = 2 on 2 GPUs" in text, text
+    assert "pipeline_stages = 3" not in text
+    fp8_fits = mp.choose(fps, mp.Training(state_bytes_per_param=16, fp8_weights=True), gpu, whole_gpu=False)
+    assert ("diffusion_model_dtype = 'float8_e4m3fn'" in text) == (fp8_fits is not None)
+    cfg.model.diffusion_model_dtype = "float8_e4m3fn"
+    assert "diffusion_model_dtype" not in mp.does_not_fit(cfg, fps, gpu, whole_gpu=False).split("fits:")[-1]
+
+
+def test_the_plan_carries_the_preservation_rows(tiny_flux_files, make_run):
+    """diff_output_preservation triples each micro-batch's rows in the pipeline: the queue-time plan traces them."""
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.memory_plan_config import largest_probe
+
+    plain = largest_probe(load_run_config(make_run(tiny_flux_files, images=2, name="plain")))
+    dop = largest_probe(load_run_config(make_run(tiny_flux_files, images=2, name="dop", diff_output_preservation=True,
+                                                 trigger_word="sks")))
+    assert dop.batch == 3 * plain.batch

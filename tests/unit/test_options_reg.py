@@ -90,10 +90,10 @@ def test_the_split_loss_returns_the_batch_loss_and_sums_each_kind():
     loss.backward()
     assert pred.grad is not None
     # per sample: 1, 2, 4.5 -> reg 1 + 4.5 over 2, training 2 over 1
-    assert split.sums.tolist() == pytest.approx([5.5, 2.0, 2.0, 1.0])
+    assert split.sums.tolist() == pytest.approx([5.5, 2.0, 2.0, 1.0, 0.0, 0.0])   # no preservation loss
     split(pred[:1], (target[:1], target[:1], target[:1], torch.tensor([False])))   # a micro batch of one
     sums = split.step_sums(world=1, device=torch.device("cpu"))
-    assert sums.tolist() == pytest.approx([5.5, 2.0, 3.0, 2.0]) and split.sums is None
+    assert sums.tolist() == pytest.approx([5.5, 2.0, 3.0, 2.0, 0.0, 0.0]) and split.sums is None
     assert group_losses(sums) == {"reg_samples": 2, "loss_reg": 2.75, "loss_main": 1.5}
     # an eval batch (no mask) passes through without counting; a step of one kind reports that kind alone
     assert split(pred, (target,)).item() == pytest.approx(_mse(pred, (target,)).item()) and split.sums is None

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The memory plan of a run as it is queued (``backend/memory_plan_config.py``), for the Train node.
+
+The plan is computed in this process, before the run's processes start: a ``memory = "auto"`` run that nothing
+fits is refused here with the smallest change that would fit, instead of minutes later in its log; any other run
+shows its planned peak per stage and, where it exceeds the GPU, what ``auto`` would choose. The trace runs in the
+ComfyUI process while the Train node executes (ComfyUI runs one node at a time, and the trace only swaps
+attention for a stand-in during its own forward); the footprints are memoised beside the runs, so queueing the
+same model and size again costs nothing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..backend.errors import PipeTrainError
+
+log = logging.getLogger(__name__)
+MEMO_FOLDER = ".memory_plans"
+
+
+@dataclass(frozen=True)
+class QueuePlan:
+    text: str              # one line for the Train node
+    refusal: str | None    # set for an 'auto' run that no setting fits
+
+
+def gpu_total(cfg, devices: tuple[int, ...] | None) -> tuple[int | None, bool]:
+    """Bytes to plan for: memory_limit_gib, else the smallest of ``devices`` (None where they are not this
+    machine's or there is no CUDA)."""
+    from ..backend.memory_plan import GIB
+
+    if cfg.memory_limit_gib is not None:
+        return int(cfg.memory_limit_gib * GIB), False
+    import torch
+    if devices is None or not torch.cuda.is_available():
+        return None, True
+    count = torch.cuda.device_count()
+    sizes = [torch.cuda.get_device_properties(d).total_memory for d in devices if 0 <= d < count]
+    return (min(sizes), True) if sizes else (None, True)
+
+
+def plan_queued_run(run_toml: Path, devices: tuple[int, ...] | None, runs_root: Path) -> QueuePlan:
+    """The plan of the run written at ``run_toml``; a model the trace cannot run is reported, not refused (the
+    run then trains with its config's own settings, as ``memory = 'auto'`` does after a failed trace)."""
+    from ..backend.config import load_run_config
+    from ..backend.memory_plan_config import plan_config
+
+    cfg = load_run_config(run_toml)
+    start = time.monotonic()
+    try:
+        plan = plan_config(cfg, *gpu_total(cfg, devices), memo=runs_root / MEMO_FOLDER)
+    except PipeTrainError as e:
+        return QueuePlan(f"memory plan: not made ({e})", None)
+    except Exception as e:  # noqa: BLE001  (model code the trace cannot run must not block the run)
+        log.warning("memory plan at queue time failed", exc_info=True)
+        return QueuePlan(f"memory plan: this model could not be traced ({type(e).__name__})", None)
+    took = f" (planned in {time.monotonic() - start:.1f} s)"
+    if cfg.memory == "auto" and plan.gpu_total is not None:
+        if plan.auto is None:
+            return QueuePlan(plan.summary(), f"memory = 'auto': {plan.refusal}")
+        return QueuePlan(f"memory = 'auto' chooses {plan.auto[0].describe()}: "
+                         f"{max(st.gpu for st in plan.auto[1]) / 2**30:.1f} GiB per stage of "
+                         f"{plan.gpu_total / 2**30:.1f} GiB at {plan.probe.describe()}" + took, None)
+    return QueuePlan(plan.summary() + took, None)

@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Video models' epoch samples: the i2v conditioning handed to ComfyUI's sampler carries the VAE encoding of the
+start image (the given one, else the dataset clip's first frame), clips are written as animated WebP, and bad
+clip lengths and start images are refused naming the key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipetrain.backend.errors import ConfigError
+
+
+def _picture(path: Path, rgb, size=(80, 64)) -> Path:
+    pixels = np.zeros((size[1], size[0], 3), np.uint8)
+    pixels[:, :] = rgb
+    pixels[8:40, 10:30] = (255 - rgb[0], 40, 200)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def _clip(path: Path, colours) -> Path:
+    frames = [Image.fromarray(np.full((64, 64, 3), c, np.uint8)) for c in colours]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=62, lossless=True)
+    return path
+
+
+def _render_capturing(config: Path, monkeypatch, tmp_path):
+    """``render`` with ComfyUI's sampler replaced by one that records what it is handed (and the LoRA left out:
+    the base model samples); returns the calls, the written files and the run's VAE."""
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    import comfy.sample
+
+    from pipetrain.backend import sampling
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.models.registry import adapter_class
+
+    calls = []
+
+    def fake_sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent, **kw):
+        calls.append({"positive": positive, "negative": negative, "latent": latent, **kw})
+        return latent + noise   # frames that differ (WebP stores a repeated frame as a longer one)
+
+    monkeypatch.setattr(comfy.sample, "sample", fake_sample)
+    monkeypatch.setattr(sampling, "_with_lora", lambda patcher, path, strength=1.0: patcher)
+    cfg = load_run_config(config)
+    paths = sampling.render(cfg, tmp_path / "run-epoch0001.safetensors")
+    vae = adapter_class(cfg.model.type)(cfg.model, cfg.resolve).load_vae()
+    return calls, paths, vae
+
+
+def _encoded(vae, image: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return vae.encode(image).float()
+
+
+def test_wan_i2v_samples_carry_the_start_images_latent(model_files, make_run, monkeypatch, tmp_path):
+    files = model_files("wan_i2v")
+    start = _picture(tmp_path / "start.png", (30, 160, 90))
+    config = make_run(files, images=1, model={"type": "wan_i2v"}, samples={
+        "prompts": ["a fox"], "width": 64, "height": 64, "steps": 1, "frames": 5, "start_image": str(start)})
+    calls, paths, vae = _render_capturing(config, monkeypatch, tmp_path)
+    from pipetrain.backend.data import load_pixels
+
+    [call] = calls
+    concat = call["positive"][0][1]["concat_latent_image"].float()
+    assert concat.shape[2] == 2                                           # 5 frames: 2 latent frames
+    direct = _encoded(vae, load_pixels(start, (64, 64))[None])          # the image alone (the VAE is causal)
+    torch.testing.assert_close(concat[:, :, :1], direct[:, :, :1], rtol=1e-4, atol=1e-5)
+    assert call["negative"][0][1]["concat_latent_image"] is call["positive"][0][1]["concat_latent_image"]
+    mask = call["positive"][0][1]["concat_mask"]
+    assert mask[:, :, 0].max() == 0 and mask[:, :, 1].min() == 1        # the first latent frame given
+    [path] = paths
+    with Image.open(path) as clip:
+        assert (path.suffix, clip.format, clip.n_frames, clip.size) == (".webp", "WEBP", 5, (64, 64))
+
+
+@pytest.mark.parametrize("arch,latent_frames", [("ltx_video_i2v", 2), ("wan22_5b_i2v", 3)])
+def test_i2v_samples_start_from_the_datasets_first_clip_frame(arch, latent_frames, model_files, make_run, monkeypatch,
+                                                              tmp_path):
+    """No start_image: the first frame of the dataset's first clip (by name), read from the file; LTX-Video's
+    LTXVImgToVideo and Wan 2.2's Wan22ImageToVideoLatent put its latent in the sampled latent's first frame and mask
+    it from the noise."""
+    config = make_run(model_files(arch), images=1, model={"type": arch}, samples={
+        "prompts": ["a fox"], "width": 64, "height": 64, "steps": 1, "frames": 9})
+    dataset = config.parent / "dataset"
+    _clip(dataset / "b_clip.webp", [(200, 30, 30)] * 9)
+    _clip(dataset / "a_clip.webp", [(20, 90, 220)] + [(240, 240, 10)] * 8)
+    calls, paths, vae = _render_capturing(config, monkeypatch, tmp_path)
+
+    [call] = calls
+    first = torch.zeros(1, 64, 64, 3)
+    first[..., :] = torch.tensor([20, 90, 220]) / 255.0
+    latent = call["latent"]
+    assert latent.shape[2] == latent_frames                              # 9 frames: 8k + 1 or 4k + 1
+    torch.testing.assert_close(latent[:, :, :1].float(), _encoded(vae, first)[:, :, :1], rtol=1e-4, atol=1e-5)
+    other = _encoded(vae, torch.full((1, 64, 64, 3), 240 / 255.0))
+    assert (latent[:, :, :1].float() - other[:, :, :1]).abs().max() > 1e-3   # not just any frame
+    assert call["noise_mask"][:, :, 0].max() == 0 and call["noise_mask"][:, :, 1].min() == 1
+    with Image.open(paths[0]) as clip:
+        assert clip.n_frames == 9
+
+
+def test_a_clip_is_an_animated_webp_at_the_frame_rate(tmp_path):
+    from pipetrain.backend.sample_clips import save_clip
+
+    pixels = torch.linspace(0, 1, 5)[:, None, None, None].expand(5, 32, 48, 3)
+    save_clip(pixels, tmp_path / "c.webp", fps=8)
+    with Image.open(tmp_path / "c.webp") as clip:
+        clip.seek(4)
+        clip.load()
+        assert (clip.n_frames, clip.size, clip.info["duration"]) == (5, (48, 32), 125)
+        assert np.asarray(clip.convert("RGB")).mean() > 240                 # the last frame is the white one
+
+
+def _load(files, make_run, name="job", **samples):
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.sample_clips import check_samples
+
+    model = {"type": samples.pop("type", "wan_i2v")}
+    config = make_run(files, images=1, name=name, model=model, samples={"prompts": ["x"], **samples})
+    cfg = load_run_config(config)
+    check_samples(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("start,message", [("missing.png", "is not a file"), ("notes.txt", "not a readable image"),
+                                           ("folder", "is not a file")])
+def test_bad_start_images_are_refused_naming_the_key(start, message, model_files, make_run, tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "notes.txt").write_text("not an image")
+    with pytest.raises(ConfigError, match=f"samples.start_image.*{message}"):
+        _load(model_files("wan_i2v"), make_run, start_image=str(tmp_path / start))
+
+
+def test_start_image_and_frames_against_the_model_type(model_files, make_run, tmp_path):
+    start = _picture(tmp_path / "start.png", (1, 2, 3))
+    with pytest.raises(ConfigError, match="samples.start_image.*only the image-to-video types.*wan_i2v"):
+        _load(model_files("wan"), make_run, name="t2v", type="wan", start_image=str(start))
+    with pytest.raises(ConfigError, match=r"samples.frames.*4k \+ 1 frames long, e.g. 9 or 13"):
+        _load(model_files("wan_i2v"), make_run, name="odd", frames=10)
+    with pytest.raises(ConfigError, match=r"samples.frames.*8k \+ 1.*e.g. 9 or 17"):
+        _load(model_files("ltx_video_i2v"), make_run, name="ltx", type="ltx_video_i2v", frames=13)
+    cfg = _load(model_files("wan_i2v"), make_run, name="ok", start_image="../start.png", frames=9)
+    assert cfg.with_absolute_paths().samples.start_image == str(start)   # the run folder's copy still finds it
+
+
+def test_the_samples_nodes_start_image_stays_in_comfyuis_input_folder(monkeypatch, tmp_path):
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    import folder_paths
+
+    from pipetrain.nodes.samples import SamplesNode, start_image_path
+
+    inputs = tmp_path / "input"
+    (inputs / "sub").mkdir(parents=True)
+    _picture(inputs / "sub" / "start.png", (5, 6, 7))
+    _picture(tmp_path / "outside.png", (5, 6, 7))
+    (inputs / "escape.png").symlink_to(tmp_path / "outside.png")
+    (inputs / "text.png").write_text("no image")
+    monkeypatch.setattr(folder_paths, "get_input_directory", lambda: str(inputs))
+    assert start_image_path("sub/start.png") == inputs / "sub" / "start.png"
+    for bad, message in [("../outside.png", "without .."), (str(tmp_path / "outside.png"), "absolute path"),
+                         ("escape.png", "leads out"), ("nothing.png", "is not a file"),
+                         ("text.png", "not a readable image")]:
+        assert message in SamplesNode.validate_inputs(start_image=bad), bad
+    patch = SamplesNode.execute("a fox", start_image="sub/start.png", frames=33, fps=0.0).result[0]
+    assert (patch.get("samples.start_image"), patch.get("samples.frames"), patch.get("samples.fps")) == (
+        str(inputs / "sub" / "start.png"), 33, None)
+
+
+def test_first_last_frame_samples_take_the_clips_first_and_last_frames(model_files, make_run, monkeypatch, tmp_path):
+    """wan_flf2v without a start image: WanFirstLastFrameToVideo gets the dataset clip's first and last frames (the
+    mask keeps both; the last latent frame is not that of grey frames)."""
+    config = make_run(model_files("wan_flf2v"), images=1, model={"type": "wan_flf2v"}, samples={
+        "prompts": ["a fox"], "width": 64, "height": 64, "steps": 1, "frames": 5})
+    _clip(config.parent / "dataset" / "clip.webp", [(20, 90, 220)] + [(128, 128, 128)] * 3 + [(250, 20, 20)])
+    calls, _, vae = _render_capturing(config, monkeypatch, tmp_path)
+
+    [call] = calls
+    cond = call["positive"][0][1]
+    first = torch.zeros(1, 64, 64, 3)
+    first[..., :] = torch.tensor([20, 90, 220]) / 255.0
+    torch.testing.assert_close(cond["concat_latent_image"][:, :, :1].float(), _encoded(vae, first)[:, :, :1],
+                               rtol=1e-4, atol=1e-5)
+    last = torch.zeros(1, 64, 64, 3)
+    last[..., :] = torch.tensor([250, 20, 20]) / 255.0
+    grey = torch.full((3, 64, 64, 3), 0.5)
+    both = _encoded(vae, torch.cat([first, grey, last]))                 # the node's clip, encoded here
+    grey_end = _encoded(vae, torch.cat([first, grey, torch.full((1, 64, 64, 3), 0.5)]))
+    concat = cond["concat_latent_image"].float()
+    torch.testing.assert_close(concat, both, rtol=1e-4, atol=1e-5)
+    assert (concat - grey_end).abs().max() > 1e-4                         # the last frame is in it
+    mask = cond["concat_mask"]   # [1, 4, latent frames, h, w]: 0 where a frame is given
+    assert mask[0, :, 0].max() == 0 and mask[0, 3, -1].max() == 0 and mask[0, :3, -1].min() == 1
