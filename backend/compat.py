@@ -42,7 +42,7 @@ RUN = {
 TYPE_ALIASES = {"hunyuan-video": "hunyuan_video", "ltx-video": "ltx_video", "lumina_2": "lumina2",
                 "hunyuan_image": "hunyuan_image_21"}
 # diffusion-pipe declares an edit model as its base type plus a dataset with control images (control_path)
-EDIT_TYPES = {"flux": "flux_kontext", "qwen_image": "qwen_image_edit"}
+EDIT_TYPES = {"flux": "flux_kontext", "qwen_image": "qwen_image_edit", "flux2": "flux2_edit"}
 # diffusion-pipe's other names for our keys: its single-file keys (ComfyUI files), and transformer_dtype (its
 # name for diffusion_model_dtype on its older models)
 MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "transformer_dtype": "diffusion_model_dtype"}
@@ -208,7 +208,7 @@ def _first_frame_conditioning(data: dict, file, prefix: str) -> None:
 
 def edit_type(model_type: str, has_control: bool) -> str:
     """The model type a run trains: diffusion-pipe's ``flux`` / ``qwen_image`` with control images in the
-    dataset (``control_path``) is Flux Kontext / Qwen-Image-Edit."""
+    dataset (``control_path``) is Flux Kontext / Qwen-Image-Edit; its ``flux2`` with them is Flux 2 edit."""
     return EDIT_TYPES.get(model_type, model_type) if has_control else model_type
 
 

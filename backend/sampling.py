@@ -178,47 +178,51 @@ class EpochSamples:
         log.warning("%s", message)
 
 
-def _text(adapter, store: CacheStore, prompt: str, state: dict, control: Path | None = None,
+def _text(adapter, store: CacheStore, prompt: str, state: dict, controls: tuple[Path, ...] = (),
           size: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
     """A prompt's embedding from the content-addressed cache, encoded (and stored) when missing; models whose
-    text encoder reads the control image read ``control`` at the sample ``size`` with it."""
+    text encoder reads the control images read ``controls`` at the sample ``size`` with it."""
     files = adapter.model_files()["text_encoders"]
-    seen = caption_image(adapter, file_digest(control) if control else None, size)
+    control, *more = controls or (None,)
+    seen = caption_image(adapter, file_digest(control) if control else None, size, [file_digest(p) for p in more])
     key = text_key(prompt, [store.fingerprint(p) for p in files], adapter.arch, seen)
     if not store.has("text", key):
         if "clip" not in state:
             state["clip"] = adapter.load_text_encoders()
-        store.put("text", key, encode_text(adapter, state["clip"], TextWork(prompt, str(control or ""), size)))
+        work = TextWork(prompt, str(control or ""), size, tuple(map(str, more)))
+        store.put("text", key, encode_text(adapter, state["clip"], work))
     return store.get("text", key)
 
 
-def _conditioning(adapter, text: dict[str, torch.Tensor], guidance: float, reference=None) -> list:
-    """ComfyUI's CONDITIONING; an edit model's also carries the reference latent, as ComfyUI's ReferenceLatent
-    node adds it."""
+def _conditioning(adapter, text: dict[str, torch.Tensor], guidance: float, references=()) -> list:
+    """ComfyUI's CONDITIONING; an edit model's also carries the reference latents, as ComfyUI's ReferenceLatent
+    node (one a node, chained) and TextEncodeQwenImageEditPlus add them."""
     cond = adapter.sample_conditioning(text, guidance)
-    if reference is not None:
-        cond = [[c, {**extra, "reference_latents": [reference]}] for c, extra in cond]
+    if references:
+        cond = [[c, {**extra, "reference_latents": list(references)}] for c, extra in cond]
     return cond
 
 
-def sample_control(cfg: RunConfig) -> Path:
-    """Edit models' samples edit the dataset's first control image (sorted by file name)."""
+def sample_control(cfg: RunConfig) -> tuple[Path, ...]:
+    """Edit models' samples edit the control image(s) of the dataset's first sample (sorted by the first control
+    image's file name)."""
     from .data import scan_dataset
 
-    controls = sorted(item.control for item in scan_dataset(cfg.dataset_config).items if item.control is not None)
+    controls = sorted(item.controls for item in scan_dataset(cfg.dataset_config).items if item.controls)
     if not controls:
         raise ConfigError("an edit model's samples need a control image: the dataset has none (control_path)",
                           file=cfg.file, key="samples")
     return controls[0]
 
 
-def sample_reference(cfg: RunConfig, vae, control: Path) -> torch.Tensor:
-    """``control`` at the sample size, VAE-encoded as ComfyUI's VAEEncode gives it (the model scales it)."""
+def sample_reference(cfg: RunConfig, vae, controls: tuple[Path, ...]) -> list[torch.Tensor]:
+    """Each of ``controls`` at the sample size, VAE-encoded as ComfyUI's VAEEncode gives it (the model scales
+    it)."""
     from .data import load_pixels
 
     s = cfg.samples
     with torch.no_grad():
-        return vae.encode(load_pixels(control, (s.width, s.height))[None]).float().cpu()
+        return [vae.encode(load_pixels(c, (s.width, s.height))[None]).float().cpu() for c in controls]
 
 
 def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
@@ -237,10 +241,10 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
                           file=cfg.file, key="samples.sampler")
     adapter = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
     store, state = CacheStore(cache_folder(cfg.resolve(cfg.output_dir))), {}
-    # control-video models (Wan VACE, Fun-Control) sample a still without their control: the reference latent
-    # is an edit model's conditioning
-    control = sample_control(cfg) if adapter.needs_control and not adapter.video_control else None
-    texts = [_text(adapter, store, p, state, control, (s.width, s.height)) for p in [*s.prompts, s.negative_prompt]]
+    # control-video models (Wan VACE, Fun-Control) sample a still without their control: the reference latents
+    # are edit models' conditioning
+    controls = sample_control(cfg) if adapter.needs_control and not adapter.video_control else ()
+    texts = [_text(adapter, store, p, state, controls, (s.width, s.height)) for p in [*s.prompts, s.negative_prompt]]
     state.clear()
     if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model
         adapter = adapter_class(cfg.model.type)(dataclasses.replace(cfg.model, diffusion_model=str(lora_path)),
@@ -250,15 +254,15 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
         base = adapter.load_diffusion_model()
         models = [_with_lora(base, lora_path, strength) for strength in s.strengths]
     vae = adapter.load_vae()
-    reference = sample_reference(cfg, vae, control) if control else None
+    references = sample_reference(cfg, vae, controls)
     video = sample_clips.is_video(adapter)
     frames = s.frames if video else 1
     starts = sample_clips.start_images(cfg, adapter) if adapter.takes_start_image else None
     paths = sample_paths(lora_path, len(s.prompts), s.strengths if cfg.adapter is not None else (1.0,),
                          ".webp" if video else ".png")
-    negative = _conditioning(adapter, texts[-1], s.guidance, reference)
+    negative = _conditioning(adapter, texts[-1], s.guidance, references)
     with torch.no_grad():
-        prompts = [_prepared(adapter, vae, _conditioning(adapter, text, s.guidance, reference), negative, s, frames,
+        prompts = [_prepared(adapter, vae, _conditioning(adapter, text, s.guidance, references), negative, s, frames,
                              starts) for text in texts[:-1]]
     jobs = [(model, prompt) for model in models for prompt in prompts]
     for (model, (positive, unwanted, latent)), path in zip(jobs, paths):

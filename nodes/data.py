@@ -81,9 +81,11 @@ def dataset_input_error(folder=None, resolutions=None, caption_extension=None, f
             check_caption_extension(caption_extension, "the Dataset node", "caption_extension")
         if folder is not None:
             check_dataset_folder(dataset_folder(folder), caption_extension or ".txt")
-        if control_folder and control_folder.strip() and not dataset_folder(control_folder).is_dir():
-            return (f"control_folder {control_folder!r}: {dataset_folder(control_folder)} is not a folder; pick "
-                    "the folder of control images under ComfyUI's input directory or type an absolute path")
+        for control in words(control_folder):
+            if not dataset_folder(control).is_dir():
+                return (f"control_folder {control!r}: {dataset_folder(control)} is not a folder; pick the folder of "
+                        "control images under ComfyUI's input directory or type an absolute path (several: "
+                        "separated by commas)")
         if resolutions is not None:
             parse_resolutions(resolutions)
         if frame_buckets is not None:
@@ -142,9 +144,11 @@ class DatasetNode(io.ComfyNode):
                                "dropout: train this fraction of samples with the empty caption (the run uses the "
                                "training dataset's value; an eval dataset's is ignored)"),
                 io.String.Input("control_folder", optional=True, default="", tooltip="Edit models (Flux Kontext, "
-                                "Qwen-Image-Edit): the folder of control images, each named like its training "
-                                "image (a.png <-> a.jpg); under ComfyUI's input directory or an absolute path. "
-                                "Leave empty for other models"),
+                                "Qwen-Image-Edit, Flux 2 edit): the folder of control images, each named like its "
+                                "training image (a.png <-> a.jpg); under ComfyUI's input directory or an absolute "
+                                "path. Several folders separated by commas give each image several references "
+                                "(qwen_image_edit_plus: up to 3; flux2_edit), in that order. Leave empty for other "
+                                "models"),
                 t.Dataset.Input("previous", optional=True, tooltip="Another PipeTrain Dataset to add this folder to"),
                 io.Boolean.Input("skip_empty_caption", optional=True, default=start("skip_empty_caption", DATASET),
                                  tooltip="Leave out images without a caption (else they train with an empty one)"),
@@ -200,7 +204,8 @@ class DatasetNode(io.ComfyNode):
             raise ValueError(error)
         res = parse_resolutions(resolutions)
         ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
-        control = str(dataset_folder(control_folder)) if control_folder.strip() else None
+        controls = tuple(str(dataset_folder(c)) for c in words(control_folder))   # several: a list in the file
+        control = None if not controls else controls[0] if len(controls) == 1 else controls
         # caption_prefix, shuffle_tags, cache_shuffle_num, skip_empty_caption, cache_shuffle_delimiter: as named
         directory = RunPatch.of({**directory_keys, "path": str(dataset_folder(folder)), "num_repeats": num_repeats,
                                  "resolutions": res, "caption_extension": ext,

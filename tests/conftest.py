@@ -182,17 +182,22 @@ def check_epoch_loras(run: Run, config: Path, keys: int, last_only: bool = False
         assert check.lora_effect > MIN_EFFECT
 
 
-def add_control_images(config: Path) -> Path:
+def add_control_images(config: Path, folders: int = 1) -> Path:
     """An edit run's control images: each dataset picture in grey, paired by file stem in ``controls/`` beside
-    the dataset (named in its [[directory]] table); returns the run's folder."""
+    the dataset (named in its [[directory]] table); with ``folders`` > 1 also mirrored copies in ``controls2/``,
+    ... (control_path then lists the folders in order). Returns the run's folder."""
     from PIL import Image, ImageOps
 
     root = config.parent
-    (root / "controls").mkdir()
-    for image in sorted((root / "dataset").glob("*.png")):
-        ImageOps.grayscale(Image.open(image)).convert("RGB").save(root / "controls" / f"{image.stem}.jpg")
+    names = ["controls"] + [f"controls{k}" for k in range(2, folders + 1)]
+    for k, name in enumerate(names):
+        (root / name).mkdir()
+        for image in sorted((root / "dataset").glob("*.png")):
+            picture = ImageOps.grayscale(Image.open(image)).convert("RGB")
+            (ImageOps.mirror(picture) if k % 2 else picture.rotate(90 * k)).save(root / name / f"{image.stem}.jpg")
+    paths = [str(root / name) for name in names]
     with open(root / "dataset.toml", "a") as f:   # lands in the [[directory]] table
-        f.write(f'control_path = "{root / "controls"}"\n')
+        f.write(f"control_path = {json.dumps(paths[0] if folders == 1 else paths)}\n")
     return root
 
 

@@ -26,6 +26,7 @@ class TextWork:
     control: str = ""
     bucket: tuple = ()
     lyrics: str = ""     # audio models: encoded with the caption (TextEncodeAceStepAudio's tags + lyrics)
+    more_controls: tuple[str, ...] = ()
 
 
 def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, dict]:
@@ -35,7 +36,7 @@ def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, di
         if e.latent not in latents and e.latent not in stored_latents:
             latents[e.latent] = e
         if e.text not in texts and e.text not in stored_texts:
-            texts[e.text] = TextWork(e.caption, e.control, e.bucket, e.lyrics)
+            texts[e.text] = TextWork(e.caption, e.control, e.bucket, e.lyrics, e.more_controls)
     return latents, texts
 
 
@@ -114,15 +115,20 @@ def latent_mask(path: Path, bucket, latent: torch.Tensor) -> torch.Tensor:
     return weights.reshape((1,) * (latent.ndim - 2) + tuple(latent.shape[-2:])).to(torch.float32)
 
 
-def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
+def control_pixels(control: str, more: tuple[str, ...], bucket) -> torch.Tensor | None:
+    """A sample's control images at its bucket, [N, H, W, 3] in control_path's order, or None without any."""
     from ..data import load_pixels
 
-    if not entry.control:
-        control = None
-    elif len(bucket) == 3 and adapter.video_control:
+    if not control:
+        return None
+    return torch.stack([load_pixels(Path(p), bucket[:2]) for p in (control, *more)])
+
+
+def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
+    if entry.control and len(bucket) == 3 and adapter.video_control:
         control = _control_video(Path(entry.control), bucket, adapter.framerate)
     else:
-        control = load_pixels(Path(entry.control), bucket[:2])[None]
+        control = control_pixels(entry.control, entry.more_controls, bucket)
     out = adapter.encode_conditioning(vae, media, control)
     if set(out) != set(adapter.conditioning_fields):
         raise RuntimeError(f"{type(adapter).__name__}.encode_conditioning returned {sorted(out)}, "
@@ -145,11 +151,9 @@ def _control_video(path: Path, bucket, framerate) -> torch.Tensor:
 
 
 def encode_text(adapter, clip, work: TextWork) -> dict[str, torch.Tensor]:
-    from ..data import load_pixels
-
     with torch.no_grad():
         if adapter.caption_sees_control and work.control:
-            image = load_pixels(Path(work.control), work.bucket[:2])[None]
+            image = control_pixels(work.control, work.more_controls, work.bucket)
             return adapter.encode_caption_with_image(clip, work.caption, image)
         if getattr(adapter, "audio", False):
             return adapter.encode_song(clip, work.caption, work.lyrics)

@@ -86,9 +86,10 @@ def text_key(caption: str, te_fingerprints: list[str], arch: str, image: dict | 
                  **extra})
 
 
-def caption_image(adapter, control_digest: str | None, bucket) -> dict | None:
-    """For models whose text encoder reads the control image with the caption: the image's digest and the
-    bucket it is cropped to (the embedding depends on both); None for every other model or sample."""
+def caption_image(adapter, control_digest: str | None, bucket, more_digests=()) -> dict | None:
+    """For models whose text encoder reads the control image(s) with the caption: the images' digests and the
+    bucket they are cropped to (the embedding depends on both); None for every other model or sample."""
     if not (adapter.caption_sees_control and control_digest):
         return None
-    return {"control": control_digest, "bucket": list(bucket[:2])}
+    more = {"more_controls": list(more_digests)} if more_digests else {}
+    return {"control": control_digest, "bucket": list(bucket[:2]), **more}

@@ -24,6 +24,7 @@ class CacheEntry:
     latent: str
     text: str
     control: str = ""     # edit models: the paired control image
+    more_controls: tuple[str, ...] = ()   # multi-reference edit models: the further control images, in order
     is_reg: bool = False  # a regularisation image (an is_reg directory's)
     mask: str = ""        # masked training: the mask image, stored with the latent (its digest in the latent key)
     lyrics: str = ""      # audio models: the song's lyrics, encoded with the caption (in the text key)
@@ -47,7 +48,8 @@ class CacheManifest:
         except FileNotFoundError:
             raise CacheError(f"no cache manifest at {path}: --trust-cache needs a previous cache run; "
                              "run without it once") from None
-        entries = [CacheEntry(**{**e, "bucket": tuple(e["bucket"])}) for e in data["entries"]]
+        entries = [CacheEntry(**{**e, "bucket": tuple(e["bucket"]), "more_controls": tuple(e.get("more_controls", ()))})
+                   for e in data["entries"]]
         return cls(arch=data["arch"], entries=entries)
 
 
@@ -71,24 +73,28 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
     entries = []
     for s in samples:
         path = s.item.path
-        control, mask = s.item.control, s.item.mask
-        for p in (path, control, mask):
+        control, mask, more = s.item.control, s.item.mask, s.item.more_controls
+        for p in (path, control, mask, *more):
             if p is not None and p not in digests:
                 digests[p] = file_digest(p)
         text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
         audio = getattr(adapter, "audio", False)
         preprocess = AUDIO_PREPROCESS_VERSION if audio else \
             PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS
+        more_digests = [digests[p] for p in more]
+        # the further controls' digests only where there are some: single-control keys stay as they were
         conditioning = {"fields": list(adapter.conditioning_fields), "control": digests[control] if control else None,
+                        **({"more_controls": more_digests} if more else {}),
                         **cond_models} if adapter.conditioning_fields else None
         entries.append(CacheEntry(
             path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
             latent=latent_key(digests[path], s.bucket, preprocess, vae_fp, adapter.arch, adapter.latent_format, conditioning,
                               mask=digests[mask] if mask else None),
-            text=text_key(text, te_fps, adapter.arch, caption_image(adapter, digests.get(control), s.bucket),
+            text=text_key(text, te_fps, adapter.arch,
+                          caption_image(adapter, digests.get(control), s.bucket, more_digests),
                           lyrics=s.item.lyrics if audio else None),
-            control=str(control) if control else "", is_reg=s.item.is_reg, mask=str(mask) if mask else "",
-            lyrics=s.item.lyrics if audio else ""))
+            control=str(control) if control else "", more_controls=tuple(map(str, more)), is_reg=s.item.is_reg,
+            mask=str(mask) if mask else "", lyrics=s.item.lyrics if audio else ""))
     return entries
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from .. import compat
 from ..errors import ConfigError
@@ -23,7 +23,9 @@ class DirectoryConfig:
     cache_shuffle_delimiter: Optional[str] = None
     skip_empty_caption: Optional[bool] = None
     frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
-    control_path: Optional[str] = None          # edit models: control images paired by file stem
+    # edit models: control images paired by file stem; a list of folders gives each image several (Qwen-Image-Edit
+    # 2509, Flux 2 edit: one reference each, in the list's order; ai-toolkit's list form of the key)
+    control_path: Union[str, list[str], None] = None
     # masked training (diffusion-pipe's keys): a mask image per training image (same file stem), its red channel
     # the loss weight of each pixel (white 1, black 0); default_mask_file for images without one
     mask_path: Optional[str] = None
@@ -43,8 +45,16 @@ class DirectoryConfig:
         if self.frame_buckets is not None:
             check_frame_buckets(self.frame_buckets, file, "directory.frame_buckets")
         check_caption_extension(self.caption_extension, file, "directory.caption_extension")
+        if isinstance(self.control_path, list) and not self.control_path:
+            raise ConfigError("an empty list: give a folder of control images (or several in a list), or remove the "
+                              "key", file=file, key="directory.control_path")
         if self.resolutions is not None:
             check_resolutions(self.resolutions, file, "directory.resolutions")
+
+
+def control_folders(d: DirectoryConfig) -> list[str]:
+    """``control_path`` as a list: [] when unset, one entry for a single folder."""
+    return [] if d.control_path is None else [d.control_path] if isinstance(d.control_path, str) else d.control_path
 
 
 def check_size_buckets(buckets: list, file) -> None:
@@ -146,8 +156,9 @@ class DatasetConfig:
     def directory_path(self, d: DirectoryConfig) -> Path:
         return self._relative(d.path)
 
-    def control_path(self, d: DirectoryConfig) -> Path | None:
-        return None if d.control_path is None else self._relative(d.control_path)
+    def control_paths(self, d: DirectoryConfig) -> list[Path]:
+        """The directory's control folders, in order (none, one, or several for multi-reference edit models)."""
+        return [self._relative(p) for p in control_folders(d)]
 
     def mask_path(self, d: DirectoryConfig) -> Path | None:
         return None if d.mask_path is None else self._relative(d.mask_path)

@@ -22,10 +22,15 @@ class MediaItem:
     fps: float = 0.0      # a video's source frame rate
     frame_buckets: tuple[int, ...] = (1,)  # its directory's frame buckets (video models)
     control: Path | None = None  # edit models: the paired control image (same stem, the directory's control_path)
+    more_controls: tuple[Path, ...] = ()  # multi-reference edit models: the images of the further control folders
     mask: Path | None = None     # masked training: its mask image (same stem in mask_path, or default_mask_file)
     is_reg: bool = False  # from an is_reg directory: a regularisation image
     seconds: float = 0.0  # an audio file's duration (audio models)
     lyrics: str = ""      # an audio file's lyrics (its .lyrics.txt; audio models)
+
+    @property
+    def controls(self) -> tuple[Path, ...]:
+        return () if self.control is None else (self.control, *self.more_controls)
 
 
 @dataclass(frozen=True)

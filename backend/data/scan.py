@@ -37,7 +37,7 @@ class ScanResult:
 @dataclass
 class _DirectoryScan:
     path: Path
-    control: Path | None = None
+    controls: tuple[Path, ...] = ()
     items: list[MediaItem] = field(default_factory=list)
     missing_captions: list[Path] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)
@@ -143,7 +143,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     resolutions = tuple(directory.resolutions or cfg.resolutions)
     num_repeats = directory.num_repeats if directory.num_repeats is not None else cfg.num_repeats
     captions = cfg.caption_options(directory)
-    scan = _DirectoryScan(path, control=_control_dir(cfg, directory))
+    scan = _DirectoryScan(path, controls=_control_dirs(cfg, directory))
     files = _candidate_files(path, caption_extension)
     frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
     probed = _probed(pool, _probe_media if videos else _probe_size, caption_extension, files)
@@ -167,7 +167,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
         scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
                                     num_repeats=num_repeats, resolutions=resolutions, captions=captions,
                                     frame_buckets=frame_buckets, is_reg=directory.is_reg, **video))
-    if scan.control is not None:
+    if scan.controls:
         _pair_controls(scan, caption_extension)
     _pair_masks(scan, cfg, directory, caption_extension)
     return scan
@@ -196,32 +196,41 @@ def _pair_masks(scan: _DirectoryScan, cfg: DatasetConfig, directory: DirectoryCo
                   for item in scan.items]
 
 
-def _control_dir(cfg: DatasetConfig, directory: DirectoryConfig) -> Path | None:
-    control = cfg.control_path(directory)
-    if control is not None and not control.is_dir():
-        raise DatasetError(f"control image directory not found: {control} (key 'directory.control_path' = "
-                           f"{directory.control_path!r} for directory {directory.path!r}); fix the path or create it")
-    return None if control is None else Path(os.path.abspath(control))
+def _control_dirs(cfg: DatasetConfig, directory: DirectoryConfig) -> tuple[Path, ...]:
+    out = []
+    for control in cfg.control_paths(directory):
+        if not control.is_dir():
+            raise DatasetError(f"control image directory not found: {control} (key 'directory.control_path' = "
+                               f"{directory.control_path!r} for directory {directory.path!r}); fix the path or create "
+                               "it")
+        out.append(Path(os.path.abspath(control)))
+    return tuple(out)
 
 
 def _pair_controls(scan: _DirectoryScan, caption_extension: str) -> None:
-    """Give every item its control image (same file stem in the control directory); any file on either side
+    """Give every item its control image from each control directory (same file stem); any file on either side
     without a partner fails the scan with the full list, before anything is encoded."""
-    controls: dict[str, list[Path]] = {}
-    for p in _candidate_files(scan.control, caption_extension):
-        controls.setdefault(p.stem, []).append(p)
     stems = {item.path.stem for item in scan.items}
-    problems = [f"{item.path}: no control image named {item.path.stem}.* in {scan.control}"
-                for item in scan.items if item.path.stem not in controls]
-    problems += [f"{files[0]}: no training file named {stem}.* in {scan.path}"
-                 for stem, files in sorted(controls.items()) if stem not in stems]
-    problems += [f"{scan.control}: several control images for {stem}: {', '.join(p.name for p in files)}"
-                 for stem, files in sorted(controls.items()) if len(files) > 1]
+    paired, problems = [], []
+    for folder in scan.controls:
+        controls: dict[str, list[Path]] = {}
+        for p in _candidate_files(folder, caption_extension):
+            controls.setdefault(p.stem, []).append(p)
+        problems += [f"{item.path}: no control image named {item.path.stem}.* in {folder}"
+                     for item in scan.items if item.path.stem not in controls]
+        problems += [f"{files[0]}: no training file named {stem}.* in {scan.path}"
+                     for stem, files in sorted(controls.items()) if stem not in stems]
+        problems += [f"{folder}: several control images for {stem}: {', '.join(p.name for p in files)}"
+                     for stem, files in sorted(controls.items()) if len(files) > 1]
+        paired.append(controls)
     if problems:
         raise DatasetError(f"{len(problems)} unpaired file(s) between {scan.path} and its control_path:"
                            f"{_listing(problems)}\nEach training file needs exactly one control image with the same "
-                           "name (any image extension) and vice versa; add, rename or remove these files.")
-    scan.items = [dataclasses.replace(item, control=controls[item.path.stem][0]) for item in scan.items]
+                           "name (any image extension) in each control folder and vice versa; add, rename or remove "
+                           "these files.")
+    scan.items = [dataclasses.replace(item, control=paired[0][item.path.stem][0],
+                                      more_controls=tuple(c[item.path.stem][0] for c in paired[1:]))
+                  for item in scan.items]
 
 
 def _listing(lines) -> str:
@@ -281,3 +290,24 @@ def check_control_paths(ds, adapter, label: str) -> None:
         if not needs and d.control_path is not None:
             raise DatasetError(f"{label}: [[directory]] {d.path!r} sets control_path, but {adapter.arch} is not an "
                                "edit model; remove control_path or choose an edit model type")
+    _check_control_counts(ds, adapter, label)
+
+
+def _check_control_counts(ds, adapter, label: str) -> None:
+    """How many control folders a directory may list: the model's ``max_controls``, and (where several are
+    allowed) the same number in every directory, since a micro-batch stacks its samples' reference latents."""
+    from ..config.dataset import control_folders
+
+    limit = getattr(adapter, "max_controls", 1)
+    counts = {len(control_folders(d)) for d in ds.directory if d.control_path is not None}
+    for d in ds.directory:
+        n = len(control_folders(d))
+        if n > limit:
+            single = "a single folder" if limit == 1 else f"at most {limit} folders"
+            raise DatasetError(f"{label}: [[directory]] {d.path!r} lists {n} control folders in control_path; "
+                               f"{adapter.arch} takes {single}" + (
+                                   " (for several control images a sample, use qwen_image_edit_plus or flux2_edit)"
+                                   if limit == 1 else ""))
+    if len(counts) > 1:
+        raise DatasetError(f"{label}: the directories list different numbers of control folders in control_path "
+                           f"({sorted(counts)}); give every [[directory]] the same number")

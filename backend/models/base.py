@@ -49,6 +49,7 @@ class ModelAdapter(ABC):
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
+    max_controls: int = 1                    # edit models: how many control folders control_path may list
     video_control: bool = False              # control models (Wan VACE): a clip's control is a video, read up to
     #                                          the clip's frame bucket (or an image: one frame)
     caption_sees_control: bool = False       # edit models whose text encoder reads the control image with the
@@ -119,8 +120,8 @@ class ModelAdapter(ABC):
     def encode_conditioning(self, vae, media: torch.Tensor, control: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Edit and i2v models: the ``conditioning_fields`` of one sample (no batch dimension), from the same
         pixels its latent was encoded from (``media``: an image [1, H, W, 3] or a clip's frames [F, H, W, 3])
-        and its paired control image at the same bucket ([1, H, W, 3], or None without a control_path; with
-        ``video_control`` a clip's control video [F', H, W, 3], F' <= F)."""
+        and its paired control images at the same bucket ([N, H, W, 3], one per folder of control_path, or None
+        without one; with ``video_control`` a clip's control video [F', H, W, 3], F' <= F)."""
         raise ModelError(f"{self.arch} declares conditioning_fields but does not encode them")
 
     @abstractmethod
@@ -128,8 +129,8 @@ class ModelAdapter(ABC):
         """One caption -> the tensors named in ``text_fields`` (no batch dimension)."""
 
     def encode_caption_with_image(self, clip, caption: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``caption_sees_control`` models: one caption read together with its control image ([1, H, W, 3] at
-        the sample's bucket) -> the tensors named in ``text_fields``."""
+        """``caption_sees_control`` models: one caption read together with its control images ([N, H, W, 3] at
+        the sample's bucket, in control_path's order) -> the tensors named in ``text_fields``."""
         raise ModelError(f"{self.arch} declares caption_sees_control but does not encode captions with images")
 
     def collate_text(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

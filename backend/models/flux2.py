@@ -60,10 +60,6 @@ def flux2_config(size: str) -> dict:
     return dict(FLUX2_DEV if size == "full" else FLUX2_TINY)
 
 
-
-
-
-
 FLUX2_SPEC = ArchSpec(
     title="Flux 2 dev", comfy_configs=("Flux2",), unet_config=flux2_config, build=build_flux,
     detected_sizes=("full",), text_encoders=("mistral3_24b",),
@@ -110,11 +106,16 @@ class Flux2Input(TupleLayer):
         self.objective, self.dtype, self.guidance = objective, dtype, guidance
 
     def run(self, latents, noise, t, context):
+        x = self.objective.noisy(latents, noise, t).to(self.dtype)
+        img, img_ids = self._process_img(x)
+        return self.embed(x, img, img_ids, t, context)
+
+    def embed(self, x, img, img_ids, t, context):
+        """The first stage's outputs for the noisy latent ``x`` as image tokens ``img`` at positions ``img_ids``
+        (Flux 2 edit appends its reference images' tokens to both)."""
         from comfy.ldm.flux.layers import timestep_embedding
 
         dtype = self.dtype
-        x = self.objective.noisy(latents, noise, t).to(dtype)
-        img, img_ids = self._process_img(x)
         pe = self.pe_embedder(torch.cat((text_ids(context, img_ids.shape[-1]), img_ids), dim=1))
         img = self.img_in(img)
         vec = self.time_in(timestep_embedding(self.objective.model_timestep(t), 256).to(dtype))
@@ -191,6 +192,11 @@ class Flux2Adapter(ModelAdapter):
         layers += [Flux2Single(b, self.dtype) for b in dm.single_blocks]
         layers.append(Flux2Output(dm, self.dtype))
         return layers
+
+    def sample_conditioning(self, text, guidance):
+        """No pooled vector: ComfyUI's Flux 2 text encoding gives ``pooled_output`` None, and ``model_base.Flux``
+        reads the key (without it sampling fails)."""
+        return [[text["mistral"][None], {"guidance": guidance, "pooled_output": None}]]
 
     def empty_latent(self, width, height):
         return torch.zeros(1, 128, height // 16, width // 16)

@@ -158,9 +158,11 @@ def probe_inputs(adapter, width: int, height: int, frames: int = 1, batch: int =
     x0 = torch.randn(shape, generator=g)
     noise = torch.randn(x0.shape, generator=g)
     t = torch.tensor([0.6])
-    # edit references and i2v conditioning are latent-shaped: they take the training latent's size
-    probe = adapter.probe_latent(g, (8, 8)).shape
-    text = [torch.randn(*x.shape[:2], *(b if a == p else a for a, p, b in zip(x.shape[2:], probe[2:], x0.shape[2:])),
-                        generator=g) if x.ndim == x0.ndim >= 4 else x for x in adapter.probe_text(g)]
+    # edit references and i2v conditioning are latent-shaped (or a stack of latents [B, N, ...]: several
+    # references): they take the training latent's size
+    probe, k = adapter.probe_latent(g, (8, 8)).shape, x0.ndim - 2
+    text = [torch.randn(*x.shape[:-k], *(b if a == p else a for a, p, b in zip(x.shape[-k:], probe[2:], x0.shape[2:])),
+                        generator=g) if x0.ndim >= 4 and x.ndim in (x0.ndim, x0.ndim + 1) else x
+            for x in adapter.probe_text(g)]
     one = (x0, noise, t, *text)
     return tuple(x.repeat(batch, *(1,) * (x.ndim - 1)).to(device) for x in one)

@@ -26,12 +26,19 @@ Qwen-Image-Edit is the same network with the control image's latent appended as 
 caption, the edit system prompt, and the image (cropped to the sample's bucket) scaled to 384x384 pixels'
 area for Qwen2.5-VL's vision tower. Samples read their prompts with the same image they edit.
 
+Qwen-Image-Edit-2509 (``qwen_image_edit_plus``) takes up to three control images a sample, as
+``TextEncodeQwenImageEditPlus`` takes image1..image3: control_path lists one folder per image; their latents are
+reference tokens at RoPE index 1, 2, 3 (cached together as ``references`` [N, 16, 1, h, w]), and the caption is read
+with every image ("Picture 1: ... Picture 2: ..." before it). ComfyUI's node encodes the reference latents at about
+1024x1024 pixels' area; here each is encoded at the sample's bucket, as diffusion-pipe resizes control images.
+
 LoRA goes on every linear of the transformer blocks (both streams' q/k/v/out, MLPs and modulations) except the
 last block's text queries and outputs (``attn.add_q_proj``, ``attn.to_add_out``, ``txt_mlp``), whose result
 ComfyUI's forward discards.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -89,6 +96,9 @@ QWEN_IMAGE_EDIT_SPEC = ArchSpec(
     detected_sizes=("full",), text_encoders=("qwen25_7b",), clip_type="QWEN_IMAGE", vae="wan21",
     example_file="qwen_image_edit_bf16.safetensors", accepts=_edit_files_look_like_qwen_image,
     text_encoders_read_images=True)
+QWEN_IMAGE_EDIT_PLUS_SPEC = dataclasses.replace(QWEN_IMAGE_EDIT_SPEC, title="Qwen-Image-Edit-2509",
+                                                example_file="qwen_image_edit_2509_bf16.safetensors")
+PLUS_IMAGES = 3             # TextEncodeQwenImageEditPlus's image1..image3
 
 
 def attention_options(key_mask: torch.Tensor | None) -> dict:
@@ -261,13 +271,16 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return clip.tokenize(prompt, images=list(images), llama_template=template)
 
     def encode_caption_with_image(self, clip, caption, image):
+        """Each control image ([N, H, W, 3]) scaled to the vision tower's area, as the edit node scales each input."""
         import comfy.utils
 
-        samples = image.movedim(-1, 1)
-        scale = math.sqrt(VISION_PIXELS / (samples.shape[2] * samples.shape[3]))
-        vision = comfy.utils.common_upscale(samples, round(samples.shape[3] * scale), round(samples.shape[2] * scale),
-                                            "area", "disabled").movedim(1, -1)
-        out = clip.encode_from_tokens(self.tokenize(clip, caption, [vision[..., :3]]), return_dict=True)
+        vision = []
+        for samples in image.movedim(-1, 1).split(1):
+            scale = math.sqrt(VISION_PIXELS / (samples.shape[2] * samples.shape[3]))
+            vision.append(comfy.utils.common_upscale(samples, round(samples.shape[3] * scale),
+                                                     round(samples.shape[2] * scale), "area", "disabled")
+                          .movedim(1, -1)[..., :3])
+        out = clip.encode_from_tokens(self.tokenize(clip, caption, vision), return_dict=True)
         return {"context": out["cond"][0].float().cpu()}
 
     def probe_text(self, generator):
@@ -276,3 +289,32 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def comfy_kwargs(self, extra, i):
         (reference,) = extra
         return {"ref_latents": [reference[i:i + 1].to(self.dtype)]}
+
+
+class QwenPlusInput(QwenInput):
+    def run(self, latents, noise, t, context, text_lengths, references):
+        return super().run(latents, noise, t, context, text_lengths, *references.unbind(1))
+
+
+class QwenImageEditPlusAdapter(QwenImageEditAdapter):
+    """Qwen-Image-Edit-2509: up to three control images a sample (one folder each in control_path), each a
+    reference latent (RoPE index 1, 2, 3) and each read by the text encoder ("Picture k: " before the caption)."""
+    arch = "qwen_image_edit_plus"
+    spec = QWEN_IMAGE_EDIT_PLUS_SPEC
+    conditioning_fields = ("references",)
+    max_controls = PLUS_IMAGES
+
+    def encode_conditioning(self, vae, media, control):
+        return {"references": self._encode_one_frame(vae, control)}   # [N, 16, 1, h, w]
+
+    def to_layers(self):
+        layers = super().to_layers()
+        layers[0] = QwenPlusInput(self.diffusion_model, self.objective(), self.dtype)
+        return layers
+
+    def probe_text(self, generator):
+        return [*QwenImageAdapter.probe_text(self, generator), torch.randn(1, 2, 16, 1, 8, 8, generator=generator)]
+
+    def comfy_kwargs(self, extra, i):
+        (references,) = extra
+        return {"ref_latents": [r.to(self.dtype) for r in references[i:i + 1].unbind(1)]}

@@ -139,10 +139,12 @@ def replaced_captions(adapter, entries, store: CacheStore, replace) -> tuple[dic
     te_fps = [store.fingerprint(p) for p in adapter.model_files()["text_encoders"]]
     digests, swap, work = {}, {}, {}
     for e in entries:
-        if adapter.caption_sees_control and e.control and e.control not in digests:
-            digests[e.control] = file_digest(Path(e.control))
+        for c in (e.control, *e.more_controls) if adapter.caption_sees_control and e.control else ():
+            if c not in digests:
+                digests[c] = file_digest(Path(c))
+        more = [digests[c] for c in e.more_controls] if adapter.caption_sees_control else []
         caption = replace(e.caption)
-        key = text_key(caption, te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket))
+        key = text_key(caption, te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket, more))
         swap[e.text] = key
-        work[key] = TextWork(caption, e.control, e.bucket)
+        work[key] = TextWork(caption, e.control, e.bucket, e.more_controls)
     return swap, work

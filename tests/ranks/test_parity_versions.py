@@ -15,17 +15,19 @@ from pipetrain.backend.models.registry import ADAPTERS
 COMFYUIS = other_comfyuis()
 
 # model type -> verdict where it is not "passes" (the README's compatibility table, and why)
-_BEFORE_FLUX2 = {"flux2": "lacks", "hunyuan_video_15": "lacks", "z_image": "lacks",
+_BEFORE_FLUX2 = {"flux2": "lacks", "flux2_edit": "lacks", "hunyuan_video_15": "lacks", "z_image": "lacks",
                  "lumina2": "fails",           # NextDiT takes no rope_theta yet
                  "hunyuan_video": "fails"}     # HunyuanVideoParams lacks the newer fields
 EXPECTED = {
     "0.3.64": {**_BEFORE_FLUX2, "hunyuan_image_21": "fails",
-               "qwen_image": "fails", "qwen_image_edit": "fails"},   # RoPE in another layout
+               "qwen_image": "fails", "qwen_image_edit": "fails",     # RoPE in another layout
+               "qwen_image_edit_plus": "fails"},
     # blocks take no transformer_options (nor attention overrides) before 0.3.6x
     "0.3.52": {**_BEFORE_FLUX2, "hunyuan_image_21": "lacks",
                **dict.fromkeys(("sd3", "wan", "wan_i2v", "wan_flf2v", "wan_vace", "wan_fun_control", "wan22_5b",
-                                "wan22_5b_i2v", "qwen_image", "qwen_image_edit", "cosmos_predict2", "cosmos", "hidream",
-                                "omnigen2", "ltx_video", "ltx_video_i2v", "ace_step"),
+                                "wan22_5b_i2v", "qwen_image", "qwen_image_edit", "qwen_image_edit_plus",
+                                "cosmos_predict2", "cosmos", "hidream", "omnigen2", "ltx_video", "ltx_video_i2v",
+                                "ace_step"),
                                "fails")},
 }
 needs_comfyui = pytest.mark.skipif(not COMFYUIS, reason="no other ComfyUI beside the pinned one: run scripts/setup.sh")

@@ -2,7 +2,8 @@
 2-stage pipeline -> epoch LoRAs loaded by ComfyUI's LoraLoaderModelOnly, reproducing the training-side output.
 
 Flux 2: Mistral text (tekken tokenizer from the file) left-padded to 512 tokens, 128-channel latents of its VAE.
-Kontext: an edit dataset whose control images (control_path) become reference latents the network attends to;
+Kontext (and Flux 2 edit, with two control folders): an edit dataset whose control images (control_path) become
+reference latents the network attends to;
 ComfyUI's side of the check gets them as its ``ref_latents``."""
 import pytest
 import torch
@@ -65,5 +66,37 @@ def test_flux_kontext_with_control_images_to_comfyui_lora(model_files, make_run)
     before = Image.open(first).copy()
     control = sorted((root / "controls").glob("*.jpg"))[0]
     Image.new("RGB", (64, 64), (0, 0, 255)).save(control)           # another reference picture
+    after = Image.open(sampling.render(cfg, run.loras()[0])[0])
+    assert ImageChops.difference(before.convert("RGB"), after.convert("RGB")).getbbox() is not None
+
+
+def test_flux2_edit_with_two_reference_folders_to_comfyui_lora(model_files, make_run):
+    """Flux 2 with reference images: two control folders (control_path as a list) give each picture two reference
+    latents, stacked per micro-batch of 2; ComfyUI's side of the check gets them as its ``ref_latents``, and epoch
+    samples edit the first picture's two control images."""
+    from PIL import Image, ImageChops
+
+    from pipetrain.backend import sampling
+    from pipetrain.backend.config import SamplesConfig
+
+    config = make_run(model_files("flux2"), images=4, stages=2, epochs=1, model={"type": "flux2_edit"},
+                      micro_batch_size_per_gpu=2, optimizer={"lr": 2e-2})
+    root = add_control_images(config, folders=2)
+    run = train(config, ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.status()["state"] == "finished"
+    cache = root / "output" / "cache"
+    store = CacheStore(cache)
+    for entry in CacheManifest.load(next(cache.glob("manifests/flux2_edit-*"))).entries:
+        payload = store.get("latents", entry.latent)
+        assert payload["references"].shape == (2, *payload["latent"].shape)   # both at the picture's bucket
+        assert not torch.equal(payload["references"][0], payload["references"][1])
+    check_epoch_loras(run, config, keys=20)
+
+    cfg = load_run_config(config)
+    cfg.samples = SamplesConfig(prompts=["a red circle"], width=64, height=64, steps=2, cfg=1.0)
+    before = Image.open(sampling.render(cfg, run.loras()[0])[0]).copy()
+    second = sorted((root / "controls2").glob("*.jpg"))[0]
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(second)            # the second reference of the sampled picture
     after = Image.open(sampling.render(cfg, run.loras()[0])[0])
     assert ImageChops.difference(before.convert("RGB"), after.convert("RGB")).getbbox() is not None

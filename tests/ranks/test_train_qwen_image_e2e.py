@@ -1,6 +1,6 @@
 """Qwen-Image and Qwen-Image-Edit end to end on the CPU: generated dataset (Edit: with a control_path folder of
 paired control images) -> cache (Qwen-Image's Wan 2.1-class VAE on one-frame latents, Qwen2.5-VL-7B text,
-Edit's reference latents) -> 2 DeepSpeed ranks as a 2-stage pipeline -> epoch LoRAs loaded by ComfyUI's
+Edit's reference latents; Edit-2509: two control folders) -> 2 DeepSpeed ranks as a 2-stage pipeline -> epoch LoRAs loaded by ComfyUI's
 LoraLoaderModelOnly, reproducing the training-side output (Edit: with the reference latents as ComfyUI's
 ``ref_latents``)."""
 import pytest
@@ -45,3 +45,23 @@ def test_qwen_image_edit_with_control_images_to_comfyui_lora(model_files, make_r
         payload = store.get("latents", entry.latent)
         assert payload["reference"].shape == payload["latent"].shape   # the control image at the same bucket
         assert store.get("text", entry.text)["context"].shape[0] > 100  # the caption was read with the image
+
+
+def test_qwen_image_edit_plus_with_two_control_folders_to_comfyui_lora(model_files, make_run):
+    """Qwen-Image-Edit-2509: two control folders (control_path as a list): two reference latents a picture, and
+    each caption read with both images ("Picture 1", "Picture 2"; ~1 min a caption on a CPU core)."""
+    config = make_run(model_files("qwen_image_edit_plus"), images=3, stages=2, epochs=2,
+                      model={"type": "qwen_image_edit_plus"},
+                      optimizer={"lr": 1e-2})      # 6 steps: enough for a visible LoRA at this rate
+    root = add_control_images(config, folders=2)
+    run = train(config, ranks=2)
+    _check(config, run, last_only=True)
+    cache = root / "output" / "cache"
+    store = CacheStore(cache)
+    one_image = None
+    for entry in CacheManifest.load(next(cache.glob("manifests/qwen_image_edit_plus-*"))).entries:
+        payload = store.get("latents", entry.latent)
+        assert payload["references"].shape == (2, *payload["latent"].shape)   # both at the picture's bucket
+        assert len(entry.more_controls) == 1 and "controls2" in entry.more_controls[0]
+        one_image = one_image or store.get("text", entry.text)["context"].shape[0]
+    assert one_image > 200       # two images' vision tokens in the sequence (one image: > 100)

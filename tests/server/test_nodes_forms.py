@@ -182,6 +182,11 @@ def test_the_dataset_node_pairs_control_images_for_edit_models(forms, tmp_path):
     cfg = load_run_config(write_config(TrainSpec(paired, kontext), tmp_path / "run", output_dir=tmp_path / "out",
                                        run_name="r", lora_dir=None))
     assert cfg.dataset_config.directory[0].control_path == str(tmp_path / "controls")
+    # several folders, comma-separated: a list in the dataset file, refused by a single-reference edit model
+    two = _dataset(data, tmp_path / "pictures", control_folder=f"{tmp_path / 'controls'}, {tmp_path / 'controls'}")
+    with pytest.raises(DatasetError, match="lists 2 control folders in control_path; flux_kontext takes a single"):
+        write_config(TrainSpec(two, kontext), tmp_path / "run2", output_dir=tmp_path / "out", run_name="r2",
+                     lora_dir=None)
 
     with pytest.raises(DatasetError, match="has no control_path"):      # an edit model without control images
         check_spec(TrainSpec(_dataset(data, tmp_path / "pictures"), kontext))

@@ -110,3 +110,46 @@ def test_caption_dropout_keeps_the_control_image_where_the_text_encoder_reads_it
                 swap[e.text]: e.control for e in entries} and len(work) == len({e.control for e in entries}) == 2
         else:       # one empty caption for every sample
             assert len(work) == 1
+
+
+def test_several_control_folders_pair_in_order_and_each_image_is_in_the_keys(tmp_path, micro_flux_files):
+    """control_path as a list (Qwen-Image-Edit-2509, Flux 2 edit): one image from each folder, in the list's
+    order; a missing partner in any folder is listed; each image's bytes are in the latent and caption keys."""
+    directory = _edit_folder(tmp_path)
+    (tmp_path / "second").mkdir()
+    for n in ("a", "b"):
+        write_image(tmp_path / "second" / f"{n}.png", (32, 32))
+    directory.control_path = [str(tmp_path / "controls"), str(tmp_path / "second")]
+    cfg = dataset(directory, resolutions=[64])
+    items = scan_dataset(cfg).items
+    assert [tuple(p.name for p in i.controls) for i in items] == [("a.jpg", "a.png"), ("b.jpg", "b.png")]
+    assert [i.more_controls[0].parent.name for i in items] == ["second", "second"]
+
+    files = {"vae": [micro_flux_files.vae], "text_encoders": micro_flux_files.text_encoders}
+    adapter = _Adapter(caption_sees_control=True)
+
+    def keys():
+        entries = build_entries(build_samples(cfg, scan_dataset(cfg).items), adapter, files)
+        return {e.path.rsplit("/", 1)[-1]: (e.latent, e.text, e.more_controls) for e in entries}
+
+    before = keys()
+    assert before["a.png"][2] == (str(tmp_path / "second" / "a.png"),)
+    write_image(tmp_path / "second" / "a.png", (33, 32))         # only the second control image of a changes
+    after = keys()
+    assert after["a.png"][0] != before["a.png"][0]                # the latent key (the references)
+    assert after["a.png"][1] != before["a.png"][1] and after["b.png"] == before["b.png"]
+
+    (tmp_path / "second" / "b.png").unlink()
+    with pytest.raises(DatasetError, match="b.png: no control image named b.* in .*second"):
+        scan_dataset(cfg)
+
+
+def test_a_list_of_control_folders_loads_from_toml_and_an_empty_one_is_refused(tmp_path):
+    _edit_folder(tmp_path)
+    (tmp_path / "dataset.toml").write_text('resolutions = [64]\n[[directory]]\npath = "targets"\n'
+                                           'control_path = ["controls", "controls"]\n')
+    cfg = load_dataset_config(tmp_path / "dataset.toml")
+    assert cfg.control_paths(cfg.directory[0]) == [tmp_path / "controls"] * 2
+    (tmp_path / "empty.toml").write_text('[[directory]]\npath = "targets"\ncontrol_path = []\n')
+    with pytest.raises(ConfigError, match="directory.control_path"):
+        load_dataset_config(tmp_path / "empty.toml")
