@@ -222,7 +222,18 @@ def _finished(t: Trainer, bar) -> None:
         state.last_saved_epoch = last_epoch
         t.render_samples(path, last_epoch)
     t.save_checkpoint()
+    peaks = _peak_memory_per_rank()
     if t.topology.is_main:
         t.run_dir.clear_stop()   # asked for too late: the run had finished
-        t.reporter.event("done", step=state.global_step, epoch=last_epoch)
+        t.reporter.event("done", step=state.global_step, epoch=last_epoch,
+                         **({"peak_mem_gib_per_rank": peaks} if peaks else {}))
         t.reporter.update(state="finished", stop_after_epoch=None)
+
+
+def _peak_memory_per_rank() -> list[float] | None:
+    """Every rank's peak GPU memory (GiB), in global rank order; the step events carry rank 0's only, and with
+    pipeline stages the others differ (stage 0 keeps the most micro-batches in flight). One gather, at the end.
+    None on CPU ranks."""
+    cuda = torch.cuda.is_available()
+    peaks = distributed.all_gather_object(round(torch.cuda.max_memory_allocated() / 2 ** 30, 3) if cuda else None)
+    return peaks if cuda else None
