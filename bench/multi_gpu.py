@@ -30,6 +30,7 @@ With p = 1 the ideal is d (linear data-parallel scaling), so efficiency is the s
 Each case runs in a child process of its own (its own session: a timeout kills it with every rank it started); a
 failed case keeps the end of its log and the rest go on. Results go to ``multi_gpu.json`` and ``multi_gpu.md`` under
 ``--out`` after every case (two files: the GPU machine brings back at most eight); logs stay under ``--work``.
+``--merge A.json B.json --out DIR`` joins the reports of several calls on one machine and recomputes the efficiencies.
 
 ``--device cpu --size micro`` runs the same code paths with gloo ranks on the micro Flux at 64^2
 (``tests/ranks/test_bench_multi_gpu.py``): the figures mean nothing there, the arithmetic and the JSON are checked.
@@ -39,12 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -120,8 +123,8 @@ def scaling(cases: dict) -> dict:
         c = r["case"]
         if c["stages"] * c["data_parallel"] == 1:
             continue
-        single = next((o["samples_per_s"] for o in timed.values() if o["case"] == {**c, "stages": 1, "data_parallel": 1}),
-                      None)
+        one_gpu = {**c, "stages": 1, "data_parallel": 1}
+        single = next((o["samples_per_s"] for o in timed.values() if o["case"] == one_gpu), None)
         if single:
             out[name] = efficiency(r["samples_per_s"], single, c["stages"], c["gradient_accumulation"],
                                    c["data_parallel"])
@@ -211,12 +214,17 @@ def free_disk_for(root: Path, keep: str) -> list[str]:
 def run_timed(job: Job, args, root: Path) -> dict:
     case = job.case
     freed = free_disk_for(root, f"{case.arch}-full") if job.heavy else []
-    files = write_models(case, root, args.size)
+    # in a process of its own: the weights are drawn on a GPU, whose memory this process should not keep while the
+    # ranks train
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        files = pool.submit(write_models, case, root, args.size).result()
     small = args.size != "full"   # a smoke test of the code path: small pictures and short clips
     resolution = args.resolution if small else None
     frames = args.frames if small and case.frames > 1 else None
+    # stopped once training ends (the memory event), before the final saves: a full fine-tune's would write
+    # its whole model and a checkpoint with the optimizer states (hundreds of GB for Flux 2)
     result = run_ours(job.name, case, files, root, job.steps or args.steps, job.warmup or args.warmup,
-                      resolution=resolution, frames=frames)
+                      stop_after="memory", resolution=resolution, frames=frames)
     return {"case": asdict(case), **result, **({"freed": freed} if freed else {})}
 
 
@@ -278,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--equiv-lr", type=float, default=0.5)
     p.add_argument("--budget-s", type=float, default=540, help="start no case once less is left than its estimate")
     p.add_argument("--case-timeout-s", type=float, default=560)
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="no runs: merge these reports (later cases win) into --out, with the scaling recomputed "
+                        "(several calls on one warm machine: the same GPUs)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -287,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         args.gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     if args.child:
         return child(args)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     return run_all(args)
 
 
@@ -295,8 +308,10 @@ def run_all(args) -> int:
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    cuda = args.device == "cuda"
     report = {"gpus": args.gpus, "device": args.device, "size": args.size, "budget_s": args.budget_s,
-              "gpu_names": gpu_names(args.device), "cases": {}}
+              "gpu_names": nvidia_smi("--query-gpu=name", "--format=csv,noheader").splitlines() if cuda else [],
+              "gpu_links": nvidia_smi("topo", "-m") if cuda else "", "cases": {}}
     names = [n for n in args.cases.split(",") if n]
     for job, skip in plan(args.gpus, names, [h for h in args.heavy.split(",") if h]):
         left = args.budget_s - (time.monotonic() - started)
@@ -314,11 +329,24 @@ def run_all(args) -> int:
     return 0
 
 
-def gpu_names(device: str) -> list[str]:
-    if device != "cuda":
-        return []
-    import torch
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+def merge(files: list[str], out: Path) -> int:
+    reports = [json.loads(Path(f).read_text()) for f in files]
+    report = {**reports[-1], "merged_from": files, "cases": {k: v for r in reports for k, v in r["cases"].items()},
+              "wall_s": sum(r.get("wall_s", 0) for r in reports), "budget_s": sum(r["budget_s"] for r in reports)}
+    report["scaling"] = scaling(report["cases"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "multi_gpu.json").write_text(json.dumps(report, indent=1))
+    (out / "multi_gpu.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def nvidia_smi(*args: str) -> str:
+    """nvidia-smi's answer ('' without it): this process keeps off the GPUs its cases measure."""
+    try:
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 def _f(x, pattern: str = "{:.2f}") -> str:
@@ -330,35 +358,37 @@ def markdown(report: dict) -> str:
     names = ", ".join(sorted(set(report["gpu_names"]))) or report["device"]
     lines = [f"{report['gpus']} x {names}; wall {report.get('wall_s', 0):.0f} s of a {report['budget_s']:.0f} s budget",
              "", "| case | GPUs | samples/s | step s | peak GiB per GPU | status |", "|---|---|---|---|---|---|"]
-    equivalences = []
     for name, r in report["cases"].items():
-        if "tolerance" in r:
-            equivalences.append((name, r))
         peaks = r.get("peak_gib_per_rank")
-        if r.get("skipped"):
-            status = f"skipped: {r['skipped']}"
-        elif "tolerance" in r:
-            status = "equal within tolerance" if r["passed"] else "NOT equal, or a run failed (see the JSON)"
-        else:
-            status = r.get("error") or ("ok" if r.get("rc") == 0 else f"failed (rc {r.get('rc')}; see the JSON)")
-        lines.append(f"| {name} | {r['gpus']} | {_f(r.get('samples_per_s'))} | {_f(r.get('step_s'))} | "
-                     f"{' / '.join(f'{g:.1f}' for g in peaks) if peaks else _f(r.get('peak_gib'), '{:.1f}')} | {status} |")
+        memory = " / ".join(f"{g:.1f}" for g in peaks) if peaks else _f(r.get("peak_gib") or None, "{:.1f}")
+        lines.append(f"| {name} | {r['gpus']} | {_f(r.get('samples_per_s'))} | {_f(r.get('step_s'))} | {memory} | "
+                     f"{_status(r)} |")
+    equivalences = {name: r for name, r in report["cases"].items() if "tolerance" in r}
     if equivalences:
-        lines += ["", "| equivalence | loss max abs | loss max rel | LoRA max abs | LoRA max rel (of the tensor's max) | "
-                  "tolerance (loss / LoRA rel) | verdict |", "|---|---|---|---|---|---|---|"]
-        for name, r in equivalences:
-            t = r["tolerance"]
-            lines.append(f"| {name} | {_f(r.get('loss_max_abs'), '{:.2e}')} | {_f(r.get('loss_max_rel'), '{:.2e}')} | "
-                         f"{_f(r.get('lora_max_abs'), '{:.2e}')} | {_f(r.get('lora_max_rel'), '{:.2e}')} | "
-                         f"{t['loss_rel']:g} / {t['lora_rel']:g} ({t['dtype']}) | {'pass' if r['passed'] else 'FAIL'} |")
+        lines += ["", "| equivalence | loss max abs | loss max rel | LoRA max abs | LoRA max rel (of the tensor's "
+                  "max) | tolerance (loss / LoRA rel) | verdict |", "|---|---|---|---|---|---|---|"]
+        for name, r in equivalences.items():
+            t, e = r["tolerance"], "{:.2e}"
+            lines.append(f"| {name} | {_f(r.get('loss_max_abs'), e)} | {_f(r.get('loss_max_rel'), e)} | "
+                         f"{_f(r.get('lora_max_abs'), e)} | {_f(r.get('lora_max_rel'), e)} | "
+                         f"{t['loss_rel']:g} / {t['lora_rel']:g} ({t['dtype']}) | "
+                         f"{'pass' if r['passed'] else 'FAIL'} |")
     if report.get("scaling"):
         lines += ["", "| case | GPUs | speed-up over 1 GPU | bubble bound m/(m+p-1) | ideal speed-up | efficiency "
                   f"(target {EFFICIENCY_TARGET:.0%}) |", "|---|---|---|---|---|---|"]
         for name, e in report["scaling"].items():
+            verdict = "met" if e["target_met"] else "missed"
             lines.append(f"| {name} | {e['gpus']} | {e['speedup']:.2f}x | {e['bubble_bound']:.0%} | "
-                         f"{e['ideal_speedup']:.2f}x | {e['efficiency']:.0%} {'(met)' if e['target_met'] else '(missed)'} |")
+                         f"{e['ideal_speedup']:.2f}x | {e['efficiency']:.0%} ({verdict}) |")
     return "\n".join(lines) + "\n"
 
+
+def _status(r: dict) -> str:
+    if r.get("skipped"):
+        return f"skipped: {r['skipped']}"
+    if "tolerance" in r:
+        return "equal within tolerance" if r["passed"] else "NOT equal, or a run failed (see the JSON)"
+    return r.get("error") or ("ok" if r.get("rc") == 0 else f"failed (rc {r.get('rc')}; see the JSON)")
 
 if __name__ == "__main__":
     raise SystemExit(main())

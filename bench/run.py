@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import statistics
@@ -194,17 +195,19 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
 
 
 def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, profile: Path | None = None,
-             timeout_s: float | None = None, **overrides) -> dict:
+             timeout_s: float | None = None, stop_after: str | None = None, **overrides) -> dict:
     """The case through ``pipetrain train`` under DeepSpeed's launcher (``stages x data_parallel`` ranks); with
     ``profile``, the PROFILED_STEPS steps after warm-up are also recorded there with torch.profiler and as many
     after them sampled on the host (``PIPETRAIN_PROFILE``), all left out of the timing. ``peak_gib`` is rank 0's
-    peak (the first stage's), ``peak_gib_per_rank`` every rank's (on GPUs)."""
+    peak (the first stage's), ``peak_gib_per_rank`` every rank's (the ``memory`` event, GPUs only); ``stop_after``:
+    see ``train_run``."""
     from pipetrain.backend.train.profiling import ENV, recorded_steps
 
     config = write_config(name, case, files, root, steps, **overrides)
     log = root / f"{name}.log"
     env = {ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {}
-    rc, events = train_run(config, case.stages * case.data_parallel, log, env=env, timeout_s=timeout_s)
+    rc, events = train_run(config, case.stages * case.data_parallel, log, env=env, timeout_s=timeout_s,
+                           stop_after=stop_after)
     steps_ = [e for e in events if e["type"] == "step"][warmup:]
     profiled = [{k: e[k] for k in ("wall_ms_per_step", "kernel_busy_ms_per_step", "gpu_busy", "host_ms_per_step")
                  if k in e}
@@ -215,35 +218,44 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
         return {"rc": rc, "log": str(log), "log_tail": log.read_text(errors="replace")[-3000:]}
     samples = case.batch * case.gradient_accumulation * case.data_parallel
     step_time = statistics.median(e["step_time_s"] for e in steps_)
-    done = next((e for e in events if e["type"] == "done"), {})
+    memory = next((e for e in events if e["type"] == "memory"), {})
     return {"rc": rc, "samples_per_s": samples / step_time, "step_s": step_time,
             "peak_gib": max(e.get("peak_mem_gib", 0) for e in steps_), "steps_measured": len(steps_),
-            **({"peak_gib_per_rank": done["peak_mem_gib_per_rank"]} if "peak_mem_gib_per_rank" in done else {}),
+            **({"peak_gib_per_rank": memory["peak_mem_gib_per_rank"]} if memory else {}),
             **({"profile": profiled[0]} if profiled else {})}
 
 
 def train_run(config: Path, ranks: int, log: Path, env: dict | None = None, timeout_s: float | None = None,
-              run_name: str = "bench") -> tuple[int, list[dict]]:
+              stop_after: str | None = None, run_name: str = "bench") -> tuple[int, list[dict]]:
     """``pipetrain train CONFIG`` on ``ranks`` ranks under DeepSpeed's launcher, its output in ``log``; returns the
-    exit status (124 when killed at ``timeout_s``, with every rank: they share the launcher's session) and the
-    events of the run ``run_name`` in the config's ``output`` folder."""
+    exit status and the events of the run ``run_name`` in the config's ``output`` folder. Every rank shares the
+    launcher's session and goes with it: at ``timeout_s`` (status 124), or once an event of type ``stop_after`` is
+    written (status 0: what was to be measured is in)."""
     from pipetrain.backend.commands import deepspeed_command
     from pipetrain.backend.rundir import RunDir
 
+    events_file = RunDir(config.parent / "output" / run_name).events_file
+
+    def events() -> list[dict]:
+        lines = events_file.read_text().splitlines() if events_file.exists() else []
+        return [json.loads(x) for x in lines if x.strip()]
+
     cmd = deepspeed_command("train", config, ranks, ["--no-progress"])
+    deadline = time.monotonic() + timeout_s if timeout_s else math.inf
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            f.write(f"\n[bench] killed after {timeout_s:.0f} s\n")
-            rc = 124
-    events_file = RunDir(config.parent / "output" / run_name).events_file
-    events = [json.loads(x) for x in events_file.read_text().splitlines() if x.strip()] if events_file.exists() else []
-    return rc, events
+        while (rc := proc.poll()) is None:
+            stop = bool(stop_after) and any(e["type"] == stop_after for e in events())
+            if stop or time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                f.write(f"\n[bench] stopped at the {stop_after} event\n" if stop else
+                        f"\n[bench] killed after {timeout_s:.0f} s\n")
+                rc = 0 if stop else 124
+                break
+            time.sleep(1.0)
+    return rc, events()
 
 
 # PyAV: ComfyUI's comfy_api imports it (and names two of its submodules) when TrainLoraNode's module loads

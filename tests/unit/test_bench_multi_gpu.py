@@ -100,3 +100,17 @@ def test_heavy_cases_free_the_other_full_size_models_only(tmp_path):
     assert sorted(mg.free_disk_for(tmp_path, "wan-full")) == ["flux-full", "flux-full.json", "flux2-full",
                                                              "flux2-full.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flux-micro", "flux2-1024-fullft-8stages-ga8", "wan-full"]
+
+
+def test_reports_of_several_calls_merge_into_one_with_the_efficiencies_recomputed(tmp_path):
+    from dataclasses import asdict
+
+    def report(name, case, sps):
+        return {"gpus": 2, "device": "cuda", "size": "full", "budget_s": 520, "gpu_names": ["H100"], "wall_s": 500,
+                "cases": {name: {"gpus": case.stages, "case": asdict(case), "samples_per_s": sps, "rc": 0}}}
+    (tmp_path / "a.json").write_text(json.dumps(report("flux-1024-1stage-ga16", mg.flux(1, 16), 2.0)))
+    (tmp_path / "b.json").write_text(json.dumps(report("flux-1024-2stages-ga16", mg.flux(2, 16), 3.4)))
+    assert mg.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "multi_gpu.json").read_text())
+    assert set(merged["cases"]) == {"flux-1024-1stage-ga16", "flux-1024-2stages-ga16"} and merged["wall_s"] == 1000
+    assert merged["scaling"]["flux-1024-2stages-ga16"]["efficiency"] == pytest.approx(1.7 / (2 * 16 / 17))
