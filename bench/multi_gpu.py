@@ -33,7 +33,7 @@ failed case keeps the end of its log and the rest go on. Results go to ``multi_g
 ``--merge A.json B.json --out DIR`` joins the reports of several calls on one machine and recomputes the efficiencies.
 
 ``--device cpu --size micro`` runs the same code paths with gloo ranks on the micro Flux at 64^2
-(``tests/ranks/test_bench_multi_gpu.py``): the figures mean nothing there, the arithmetic and the JSON are checked.
+(``tests/ranks/test_bench_multi_gpu_runs.py``): the figures mean nothing there, the arithmetic and the JSON are checked.
 """
 from __future__ import annotations
 
@@ -87,8 +87,9 @@ def jobs(gpus: int) -> list[Job]:
             Job(f"flux2-1024-fullft-{flux2_stages}stages-ga8", max(4, flux2_stages), 480, heavy="flux2", steps=4,
                 warmup=1, case=Case("flux2", 1024, 1, checkpointing=True, stages=flux2_stages,
                                     gradient_accumulation=8, full_finetune=True)),
-            Job(f"wan14b-720x1280x81-{wan_stages}stages-ga{2 * wan_stages}", wan_stages, 540, heavy="wan14b",
-                steps=3, warmup=1, case=Case("wan", 960, 1, checkpointing=True, frames=81, stages=wan_stages,
+            # about 50 s of one GPU a sample (75,600 tokens): two steps, the second timed
+            Job(f"wan14b-720x1280x81-{wan_stages}stages-ga{2 * wan_stages}", wan_stages, 500, heavy="wan14b",
+                steps=2, warmup=1, case=Case("wan", 960, 1, checkpointing=True, frames=81, stages=wan_stages,
                                              gradient_accumulation=2 * wan_stages))]
 
 
@@ -264,8 +265,10 @@ def run_job(job: Job, args, timeout_s: float) -> dict:
     if rc == 0 and result_file.exists():
         return json.loads(result_file.read_text())
     why = f"timed out after {timeout_s:.0f} s" if rc == 124 else f"exited with {rc}"
+    runs = sorted((p for p in work.glob(f"{job.name}*.log") if p != log), key=lambda p: p.stat().st_mtime)
     return {"rc": rc, "error": why, "wall_s": round(time.monotonic() - started, 1),
-            "log_tail": log.read_text(errors="replace")[-3000:]}
+            "log_tail": log.read_text(errors="replace")[-3000:],   # the case's own process: a traceback
+            **({"run_log_tail": runs[-1].read_text(errors="replace")[-3000:]} if runs else {})}   # where it hung
 
 
 def main(argv: list[str] | None = None) -> int:

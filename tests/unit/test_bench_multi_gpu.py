@@ -1,4 +1,4 @@
-"""bench/multi_gpu.py's arithmetic and planning (the runs themselves: tests/ranks/test_bench_multi_gpu.py)."""
+"""bench/multi_gpu.py's arithmetic and planning (the runs themselves: tests/ranks/test_bench_multi_gpu_runs.py)."""
 import json
 import math
 
