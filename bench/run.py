@@ -271,6 +271,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except (psutil.NoSuchProcess, ProcessLookupError):
             pass
     proc.wait()
+    psutil.wait_procs(tree, timeout=60)   # gone, and their GPU memory with them, before the next run starts
 
 
 # PyAV: ComfyUI's comfy_api imports it (and names two of its submodules) when TrainLoraNode's module loads

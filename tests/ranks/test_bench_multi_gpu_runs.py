@@ -67,3 +67,20 @@ def test_two_stages_on_two_gpus_equal_one_stage_and_each_rank_reports_its_peak(t
     peaks = report["cases"]["flux-1024-2stages-ga8"]["peak_gib_per_rank"]
     assert len(peaks) == 2 and all(p > 0 for p in peaks)
     assert len(report["cases"]["flux-1024-1stage-ga8"]["peak_gib_per_rank"]) == 1
+
+
+@pytest.mark.slow
+def test_a_timed_run_stops_at_the_event_asked_for_with_every_rank(tmp_path, micro_flux_files):
+    """``train_run(stop_after=...)``: the harness stops each run at its ``memory`` event (GPUs only) to skip the final
+    saves; here at ``engine``, on two pipeline ranks of a run that would otherwise train 50 epochs."""
+    from pipetrain.backend.demo import make_dataset, write_configs
+    from pipetrain.bench.run import train_run
+
+    make_dataset(tmp_path / "dataset", 4)
+    config = write_configs(tmp_path, micro_flux_files, stages=2, epochs=50, run_name="bench")
+    rc, events = train_run(config, 2, tmp_path / "run.log", stop_after="engine", timeout_s=900)
+    assert rc == 0 and any(e["type"] == "engine" for e in events)
+    assert not any(e["type"] == "done" for e in events)
+    assert "[bench] stopped at the engine event" in (tmp_path / "run.log").read_text()
+    leftover = subprocess.run(["pgrep", "-f", str(config)], capture_output=True, text=True)
+    assert leftover.stdout == ""
