@@ -14,8 +14,9 @@ GPUs than N is recorded as skipped; none starts once less of ``--budget-s`` is l
    rounding is 2^-8 = 0.4%: a different reduction order in attention's backward or in the gradient all-reduce moves
    a few of them); on CPU ranks in float32 the CPU test's 1e-5 and 1e-4.
 2. Speed, Flux-dev 1024^2 (the real config, random weights, as ``bench/run.py`` builds it; micro-batch 1, no
-   checkpointing): 1, 2 and 4 pipeline stages at gradient accumulation 8 and 16, data parallel on 2, 4 and 8 GPUs,
-   and 2 stages x 2 data-parallel ranks (diffusion-pipe#330's layout). ``samples/s`` is the median step's.
+   checkpointing, eager: compiling would cost every rank a minute of the budget): 1, 2 and 4 pipeline stages at
+   gradient accumulation 8 and 16, data parallel on 2, 4 and 8 GPUs, and 2 stages x 2 data-parallel ranks
+   (diffusion-pipe#330's layout). ``samples/s`` is the median step's after ``--warmup`` (default 8 steps, 2 warm-up).
 3. With ``--heavy``: ``flux2`` a full fine-tune of Flux 2 dev (32B, every block checkpointed, AdamW) over all N GPUs
    as stages (N >= 4); ``wan14b`` a Wan 2.1 14B LoRA at 720p x 81 frames (960^2 clips: the same area) over
    min(N, 4) stages, every block checkpointed: samples/s and each GPU's peak memory.
@@ -282,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=9, help="video cases' clip length with --size other than full")
     p.add_argument("--cases", default="", help="comma-separated case names (default: every case but the heavy)")
     p.add_argument("--heavy", default="", help="also run these heavy cases: flux2, wan14b")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--equiv-size", default="micro")
     p.add_argument("--equiv-steps", type=int, default=3)
     p.add_argument("--equiv-lr", type=float, default=0.5)
