@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # a case's child process gets them again
+    args.work = str(Path(args.work).resolve())   # the trainer runs in its config's folder: paths must be absolute
     if args.gpus is None:
         import torch
         args.gpus = torch.cuda.device_count() if args.device == "cuda" else 2
