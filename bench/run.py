@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -53,6 +54,9 @@ class Case:
     lora_dtype: str | None = None     # [adapter] dtype; None: PipeTrain's default (float32 weights and AdamW states)
     memory_budget: float | None = None  # with compile: activation_memory_budget
     fp8_compute: bool = False         # frozen base linears multiply in FP8 (bench/fp8_gate.py: its quality gate)
+    data_parallel: int = 1            # ranks per stage: the run takes stages x data_parallel GPUs
+    full_finetune: bool = False       # no [adapter] table: every diffusion-model weight trains
+    optimizer: str = "adamw"
 
 
 def _wan_1_3b() -> dict:
@@ -163,7 +167,7 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
 
     folder = root / name
     resolution, frames = resolution or case.resolution, frames or case.frames
-    count = max(8, case.batch * case.gradient_accumulation)
+    count = max(8, case.batch * case.gradient_accumulation * case.data_parallel)
     if frames > 1:
         write_clips(folder / "dataset", count, frames, adapter_class(case.arch).framerate, resolution)
     else:
@@ -181,30 +185,28 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
            **({"fp8_compute": True} if case.fp8_compute else {}),
            "model": {"type": case.arch, "diffusion_model": files["diffusion_model"], "vae": files["vae"],
                      "text_encoders": files["text_encoders"], "dtype": "bfloat16"},
-           "adapter": {"rank": 32, "alpha": 32.0, **({"dtype": case.lora_dtype} if case.lora_dtype else {})},
-           "optimizer": {"type": "adamw", "lr": 1e-4}}
+           "optimizer": {"type": case.optimizer, "lr": 1e-4}}
+    if not case.full_finetune:
+        run["adapter"] = {"rank": 32, "alpha": 32.0, **({"dtype": case.lora_dtype} if case.lora_dtype else {})}
     (folder / "dataset.toml").write_text(tomli_w.dumps(dataset))
     (folder / "run.toml").write_text(tomli_w.dumps(run))
     return folder / "run.toml"
 
 
 def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, profile: Path | None = None,
-             **overrides) -> dict:
-    """The case through ``pipetrain train`` under DeepSpeed's launcher; with ``profile``, the PROFILED_STEPS steps
-    after warm-up are also recorded there with torch.profiler and as many after them sampled on the host
-    (``PIPETRAIN_PROFILE``), all left out of the timing."""
-    from pipetrain.backend.commands import deepspeed_command
-    from pipetrain.backend.rundir import RunDir
+             timeout_s: float | None = None, stop_after: str | None = None, **overrides) -> dict:
+    """The case through ``pipetrain train`` under DeepSpeed's launcher (``stages x data_parallel`` ranks); with
+    ``profile``, the PROFILED_STEPS steps after warm-up are also recorded there with torch.profiler and as many
+    after them sampled on the host (``PIPETRAIN_PROFILE``), all left out of the timing. ``peak_gib`` is rank 0's
+    peak (the first stage's), ``peak_gib_per_rank`` every rank's (the ``memory`` event, GPUs only); ``stop_after``:
+    see ``train_run``."""
     from pipetrain.backend.train.profiling import ENV, recorded_steps
 
     config = write_config(name, case, files, root, steps, **overrides)
-    cmd = deepspeed_command("train", config, case.stages, ["--no-progress"])
     log = root / f"{name}.log"
-    with open(log, "w") as f:
-        env = {**os.environ, **({ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {})}
-        rc = subprocess.run(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    events_file = RunDir(config.parent / "output" / "bench").events_file
-    events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
+    env = {ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {}
+    rc, events = train_run(config, case.stages * case.data_parallel, log, env=env, timeout_s=timeout_s,
+                           stop_after=stop_after)
     steps_ = [e for e in events if e["type"] == "step"][warmup:]
     profiled = [{k: e[k] for k in ("wall_ms_per_step", "kernel_busy_ms_per_step", "gpu_busy", "host_ms_per_step")
                  if k in e}
@@ -213,11 +215,63 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
         steps_ = steps_[recorded_steps(PROFILED_STEPS):]
     if rc != 0 or not steps_:   # the tail comes back from the GPU machine where the log does not
         return {"rc": rc, "log": str(log), "log_tail": log.read_text(errors="replace")[-3000:]}
-    samples = case.batch * case.gradient_accumulation
+    samples = case.batch * case.gradient_accumulation * case.data_parallel
     step_time = statistics.median(e["step_time_s"] for e in steps_)
+    memory = next((e for e in events if e["type"] == "memory"), {})
     return {"rc": rc, "samples_per_s": samples / step_time, "step_s": step_time,
             "peak_gib": max(e.get("peak_mem_gib", 0) for e in steps_), "steps_measured": len(steps_),
+            **({"peak_gib_per_rank": memory["peak_mem_gib_per_rank"]} if memory else {}),
             **({"profile": profiled[0]} if profiled else {})}
+
+
+def train_run(config: Path, ranks: int, log: Path, env: dict | None = None, timeout_s: float | None = None,
+              stop_after: str | None = None, run_name: str = "bench") -> tuple[int, list[dict]]:
+    """``pipetrain train CONFIG`` on ``ranks`` ranks under DeepSpeed's launcher, its output in ``log``; returns the
+    exit status and the events of the run ``run_name`` in the config's ``output`` folder. The launcher and its
+    ranks are killed at ``timeout_s`` (status 124), or once an event of type ``stop_after`` is written (status 0:
+    what was to be measured is in). They stay in the caller's process group, so whoever kills that group (the
+    multi-GPU harness at a case's timeout) takes them too."""
+    from pipetrain.backend.commands import deepspeed_command
+    from pipetrain.backend.rundir import RunDir
+
+    events_file = RunDir(config.parent / "output" / run_name).events_file
+
+    def events() -> list[dict]:
+        lines = events_file.read_text().splitlines() if events_file.exists() else []
+        return [json.loads(x) for x in lines if x.strip()]
+
+    cmd = deepspeed_command("train", config, ranks, ["--no-progress"])
+    deadline = time.monotonic() + timeout_s if timeout_s else math.inf
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+        while (rc := proc.poll()) is None:
+            stop = bool(stop_after) and any(e["type"] == stop_after for e in events())
+            if stop or time.monotonic() > deadline:
+                kill_tree(proc)
+                f.write(f"\n[bench] stopped at the {stop_after} event\n" if stop else
+                        f"\n[bench] killed after {timeout_s:.0f} s\n")
+                rc = 0 if stop else 124
+                break
+            time.sleep(1.0)
+    return rc, events()
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a process and every process under it (DeepSpeed's launcher, its per-node launcher and the ranks)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in [*tree, proc]:
+        try:
+            p.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    proc.wait()
+    psutil.wait_procs(tree, timeout=60)   # gone, and their GPU memory with them, before the next run starts
 
 
 # PyAV: ComfyUI's comfy_api imports it (and names two of its submodules) when TrainLoraNode's module loads

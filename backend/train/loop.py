@@ -219,6 +219,7 @@ def _finished(t: Trainer, bar) -> None:
     state = t.state
     if bar is not None:
         bar.close()
+    _report_peak_memory(t)
     last_epoch = state.epoch - 1 if state.step_in_epoch == 0 else state.epoch
     if state.last_saved_epoch != last_epoch and state.global_step > 0:
         path = t.save_lora(last_epoch)
@@ -229,3 +230,15 @@ def _finished(t: Trainer, bar) -> None:
         t.run_dir.clear_stop()   # asked for too late: the run had finished
         t.reporter.event("done", step=state.global_step, epoch=last_epoch)
         t.reporter.update(state="finished", stop_after_epoch=None)
+
+
+
+def _report_peak_memory(t: Trainer) -> None:
+    """A ``memory`` event with every rank's peak GPU memory (GiB, global rank order) as training ends, before the
+    final saves: the step events carry rank 0's only, and pipeline stages differ (stage 0 keeps the most
+    micro-batches in flight). One gather; nothing on CPU ranks."""
+    if not torch.cuda.is_available():
+        return
+    peaks = distributed.all_gather_object(round(torch.cuda.max_memory_allocated() / 2 ** 30, 3))
+    if t.topology.is_main:
+        t.reporter.event("memory", step=t.state.global_step, peak_mem_gib_per_rank=peaks)
