@@ -22,6 +22,16 @@ KEY_PREFIX = "diffusion_model."
 LoRASpec = AdapterSpec   # the name every caller knew before there were other kinds
 
 
+def inject_configured(cfg, diffusion_model: nn.Module, block_prefixes) -> list[str]:
+    """A run config's ``[adapter]`` injected into ``diffusion_model`` (its weights in ``[adapter] dtype``, float32
+    by default); the adapted modules' names. What the trainer and the memory plan both put on the model."""
+    from .models.base import DTYPES
+
+    a = cfg.adapter
+    spec = spec_from_config(a, seed=cfg.seed, dtype=DTYPES[a.dtype] if a.dtype else torch.float32)
+    return inject(diffusion_model, spec, block_prefixes, a.target_modules)
+
+
 def spec_from_config(adapter, seed: int = 0, dtype: torch.dtype | None = None) -> AdapterSpec:
     """The ``[adapter]`` table (``config.AdapterConfig``) as a spec."""
     alpha = adapter.alpha if adapter.alpha is not None else ADAPTERS[adapter.type].default_alpha(adapter.rank)

@@ -200,8 +200,6 @@ def apply(cfg, settings: MemorySettings):
 def trace_run(cfg, inputs_of) -> list[LayerFootprint]:
     """The footprints of ``cfg``'s model with its adapter (or trained whole), traced on ``inputs_of(adapter)``:
     a micro-batch on the CPU (``meta_trace.probe_inputs``, or one built from the cache)."""
-    import torch
-
     from . import lora
     from .models.base import DTYPES
     from .models.loading import build_meta_model
@@ -215,9 +213,7 @@ def trace_run(cfg, inputs_of) -> list[LayerFootprint]:
     if cfg.adapter is None:
         dm.requires_grad_(True)
     else:
-        lora_dtype = DTYPES[cfg.adapter.dtype] if cfg.adapter.dtype else torch.float32
-        lora.inject(dm, lora.spec_from_config(cfg.adapter, seed=cfg.seed, dtype=lora_dtype),
-                    adapter.lora_block_prefixes, cfg.adapter.target_modules)
+        lora.inject_configured(cfg, dm, adapter.lora_block_prefixes)
     layers = adapter.to_layers()
     return trace_layers(layers, to_meta_where_large(inputs_of(adapter)))
 

@@ -10,7 +10,6 @@ from .. import lora
 from ..adapters import ADAPTERS
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..models.base import DTYPES
 from ..models.checkpointing import apply_checkpointing, selective_advice
 from ..models.losses import Loss
 from ..models import fp8
@@ -50,8 +49,7 @@ def attach_lora(cfg: RunConfig, diffusion_model, block_prefixes, reporter: RunRe
         from .saving import full_finetune
         full_finetune(diffusion_model, cfg.file)
         return []
-    spec = lora.spec_from_config(a, seed=cfg.seed, dtype=DTYPES[a.dtype] if a.dtype else torch.float32)
-    names = lora.inject(diffusion_model, spec, block_prefixes, a.target_modules)
+    names = lora.inject_configured(cfg, diffusion_model, block_prefixes)
     if a.init_from_existing:
         load_existing(cfg, diffusion_model, names, reporter)
     return names
