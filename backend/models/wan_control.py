@@ -4,19 +4,22 @@ by ComfyUI's own nodes (``comfy_extras.nodes_wan``) on the control files the dat
 the clips by file stem (a control video, or image, per clip or still), cached with the latent. A clip's control
 video is read up to the clip's length (``cache.builder._control_video``); the nodes fill what it lacks.
 
-- ``wan_vace`` (ComfyUI's ``WAN21_Vace``, ``VaceWanModel``): ``WanVaceToVideo`` at strength 1, without mask or
-  reference image, encodes the control twice (the inactive and reactive halves, 32 channels) and gives a 64-channel
-  mask (all ones without a mask); ``WAN21_Vace.extra_conds`` turns both into ``vace_context`` (the latents scaled as
-  the model's inputs, then the mask: 96 channels), which is what is cached. The network is Wan's blocks plus the
-  VACE blocks: after main block i, VACE block ``vace_layers_mapping[i]`` reads the control tokens and the patch
-  embedding of the noisy input, and its skip output is added to the hidden state (``VaceWanModel.forward_orig``).
-  LoRA goes on the main blocks (as on Wan): the VACE path depends on frozen weights only, so its tokens and the
-  embedded input travel hidden (``carry.hide``) and need no gradient.
+- ``wan_vace`` (ComfyUI's ``WAN21_Vace``, ``VaceWanModel``): ``WanVaceToVideo`` at strength 1 encodes the
+  control twice (the inactive and reactive halves under the mask, 32 channels) and gives a 64-channel mask (all
+  ones without the dataset's ``control_mask_path``; a ``reference_path`` image adds its latent frame in front,
+  its mask zero); ``WAN21_Vace.extra_conds`` turns both into ``vace_context`` (the latents scaled as the model's
+  inputs, then the mask: 96 channels), which is what is cached. The network is Wan's blocks plus the VACE blocks:
+  after main block i, VACE block ``vace_layers_mapping[i]`` reads the control tokens and the patch embedding of
+  the noisy input, and its skip output is added to the hidden state (``VaceWanModel.forward_orig``). The
+  reference frame is in the noisy input, as ComfyUI samples the node's longer latent, and out of the prediction
+  the loss sees (``TrimVideoLatent``). LoRA goes on the main blocks (as on Wan): the VACE path depends on frozen
+  weights only, so its tokens and the embedded input travel hidden (``carry.hide``) and need no gradient.
 - ``wan_fun_control`` (ComfyUI's ``WAN21_FunControl2V``: Wan 2.1 i2v with 48 input channels): ``WanFunControlToVideo``
   with the control video and the clip's first frame as ``start_image`` gives 32 channels (the control's latent,
   then the first frame's latent followed by zero frames), concatenated to the noisy latent after
   ``WAN21.concat_cond``'s scaling; with ``[model] clip_vision`` the first frame's CLIP-vision tokens too, as
-  ``wan_i2v`` takes them. Clips only (the first frame is given).
+  ``wan_i2v`` takes them. Clips only (the first frame is given), unless ``[model] control_start_image = false``:
+  the node without a start image (those 16 channels zero), and stills train too.
 """
 from __future__ import annotations
 
