@@ -176,6 +176,12 @@ class DatasetNode(io.ComfyNode):
                                 "ComfyUI's input directory or an absolute path. Empty: the whole image trains"),
                 io.String.Input("default_mask_file", optional=True, default="", tooltip="Masked training: the mask "
                                 "for images without one in mask_folder (empty: those train whole)"),
+                io.String.Input("control_mask_folder", optional=True, default="", tooltip="Wan VACE: a folder of "
+                                "control masks (videos or images) named like the training files; white marks the "
+                                "region to generate (WanVaceToVideo's control_masks). Empty: no mask"),
+                io.String.Input("reference", optional=True, default="", tooltip="Wan VACE: the reference image "
+                                "(WanVaceToVideo's reference_image): a folder of images named like the training "
+                                "files, or one image for every file of this folder. Empty: none"),
                 io.String.Input("ar_buckets", optional=True, default="", tooltip="With enable_ar_bucket: exactly these "
                                 "aspect ratios instead of min_ar..max_ar, comma separated ratios or WxH sizes (e.g. "
                                 "0.75, 1.0, 1216x832); empty: num_ar_buckets spaced ones"),
@@ -197,7 +203,8 @@ class DatasetNode(io.ComfyNode):
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
                 caption_extension, frame_buckets=None, uncond_fraction=None, control_folder="", previous=None,
                 on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None, ar_buckets="",
-                size_buckets="", mask_folder="", default_mask_file="", **directory_keys) -> io.NodeOutput:
+                size_buckets="", mask_folder="", default_mask_file="", control_mask_folder="", reference="",
+                **directory_keys) -> io.NodeOutput:
         frame_buckets = frame_buckets or ", ".join(map(str, start("frame_buckets", DATASET)))
         error = dataset_input_error(folder, resolutions, caption_extension, frame_buckets, control_folder)
         if error:
@@ -213,7 +220,10 @@ class DatasetNode(io.ComfyNode):
                                  "is_reg": is_reg or None,   # off: the key left out
                                  "mask_path": str(dataset_folder(mask_folder)) if mask_folder.strip() else None,
                                  "default_mask_file": str(dataset_folder(default_mask_file))
-                                 if default_mask_file.strip() else None})
+                                 if default_mask_file.strip() else None,
+                                 "control_mask_path": str(dataset_folder(control_mask_folder))
+                                 if control_mask_folder.strip() else None,
+                                 "reference_path": str(dataset_folder(reference)) if reference.strip() else None})
         shared = RunPatch.of(dict(resolutions=res, enable_ar_bucket=enable_ar_bucket, min_ar=min_ar, max_ar=max_ar,
                                   num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable, reg_ratio=reg_ratio,
                                   ar_buckets=parse_ar_buckets(ar_buckets), size_buckets=parse_size_buckets(size_buckets)))
@@ -393,6 +403,9 @@ class ModelNode(io.ComfyNode):
                                "SNR (min-SNR weighting; 5 is usual; 0: off)"),
                 io.Boolean.Input("debiased_estimation_loss", default=start("model.debiased_estimation_loss"),
                                  optional=True, tooltip="SDXL: weigh each sample's loss by 1 / sqrt(SNR)"),
+                io.Boolean.Input("control_start_image", default=True, optional=True, tooltip="Wan Fun-Control: "
+                                 "the clip's first frame is the start image with the control (off: the control "
+                                 "alone, as WanFunControlToVideo without a start image; stills can train then)"),
             ],
             outputs=[t.Model.Output(display_name="model")],
         )
@@ -407,7 +420,8 @@ class ModelNode(io.ComfyNode):
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
                 compute_dtype, text_encoder_3=NONE, text_encoder_4=NONE, model_type=AUTO, clip_vision=NONE,
-                min_t=None, max_t=None, merge_lora=NONE, shift=None, min_snr_gamma=None, **keys) -> io.NodeOutput:
+                min_t=None, max_t=None, merge_lora=NONE, shift=None, min_snr_gamma=None, control_start_image=True,
+                **keys) -> io.NodeOutput:
         import folder_paths
         min_t = start("model.min_t") if min_t is None else min_t
         max_t = start("model.max_t") if max_t is None else max_t
@@ -426,6 +440,7 @@ class ModelNode(io.ComfyNode):
                              else weight_dtype, "clip_vision": vision, "min_t": min_t, "max_t": max_t,
                              "shift": shift or None,   # 0: the model's own shift
                              "min_snr_gamma": min_snr_gamma or None,   # 0: off
+                             "control_start_image": None if control_start_image in (None, True) else False,
                              "merge_adapters": [] if merge_lora in (NONE, None)
                              else [folder_paths.get_full_path_or_raise("loras", merge_lora)]}, "model")
         model_type = patch.get("model.type")

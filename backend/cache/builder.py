@@ -129,7 +129,14 @@ def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) 
         control = _control_video(Path(entry.control), bucket, adapter.framerate)
     else:
         control = control_pixels(entry.control, entry.more_controls, bucket)
-    out = adapter.encode_conditioning(vae, media, control)
+    # wan_vace's control mask (read as the control is) and reference image, passed only where the dataset has them
+    vace = {}
+    if entry.control_mask:
+        vace["control_mask"] = (_control_video(Path(entry.control_mask), bucket, adapter.framerate)
+                                if len(bucket) == 3 else control_pixels(entry.control_mask, (), bucket))
+    if entry.reference:
+        vace["reference"] = control_pixels(entry.reference, (), bucket)
+    out = adapter.encode_conditioning(vae, media, control, **vace)
     if set(out) != set(adapter.conditioning_fields):
         raise RuntimeError(f"{type(adapter).__name__}.encode_conditioning returned {sorted(out)}, "
                            f"expected {list(adapter.conditioning_fields)}")

@@ -27,6 +27,8 @@ class CacheEntry:
     more_controls: tuple[str, ...] = ()   # multi-reference edit models: the further control images, in order
     is_reg: bool = False  # a regularisation image (an is_reg directory's)
     mask: str = ""        # masked training: the mask image, stored with the latent (its digest in the latent key)
+    control_mask: str = ""   # wan_vace: the control mask (its digest in the latent key)
+    reference: str = ""      # wan_vace: the reference image (its digest in the latent key)
     lyrics: str = ""      # audio models: the song's lyrics, encoded with the caption (in the text key)
 
 
@@ -74,7 +76,8 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
     for s in samples:
         path = s.item.path
         control, mask, more = s.item.control, s.item.mask, s.item.more_controls
-        for p in (path, control, mask, *more):
+        vace = {k: getattr(s.item, k) for k in ("control_mask", "reference") if getattr(s.item, k) is not None}
+        for p in (path, control, mask, *more, *vace.values()):
             if p is not None and p not in digests:
                 digests[p] = file_digest(p)
         text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
@@ -85,6 +88,7 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
         # the further controls' digests only where there are some: single-control keys stay as they were
         conditioning = {"fields": list(adapter.conditioning_fields), "control": digests[control] if control else None,
                         **({"more_controls": more_digests} if more else {}),
+                        **{k: digests[p] for k, p in vace.items()}, **getattr(adapter, "conditioning_options", dict)(),
                         **cond_models} if adapter.conditioning_fields else None
         entries.append(CacheEntry(
             path=str(path), bucket=tuple(s.bucket), caption=text, num_repeats=s.item.num_repeats,
@@ -94,7 +98,8 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
                           caption_image(adapter, digests.get(control), s.bucket, more_digests),
                           lyrics=s.item.lyrics if audio else None),
             control=str(control) if control else "", more_controls=tuple(map(str, more)), is_reg=s.item.is_reg,
-            mask=str(mask) if mask else "", lyrics=s.item.lyrics if audio else ""))
+            mask=str(mask) if mask else "", **{k: str(p) for k, p in vace.items()},
+            lyrics=s.item.lyrics if audio else ""))
     return entries
 
 

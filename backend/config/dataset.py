@@ -30,6 +30,10 @@ class DirectoryConfig:
     # the loss weight of each pixel (white 1, black 0); default_mask_file for images without one
     mask_path: Optional[str] = None
     default_mask_file: Optional[str] = None
+    # wan_vace: WanVaceToVideo's control_masks (a folder of mask videos / images paired by stem, white = the
+    # region to generate) and reference_image (a folder of images paired by stem, or one image for every file)
+    control_mask_path: Optional[str] = None
+    reference_path: Optional[str] = None
     # regularisation (prior-preservation) images: drawn into each epoch at the dataset's reg_ratio, their loss
     # logged apart (train/loss_reg); ai-toolkit's key
     is_reg: bool = False
@@ -148,7 +152,8 @@ class DatasetConfig:
 
     def with_absolute_paths(self) -> "DatasetConfig":
         dirs = [dataclasses.replace(d, path=str(self.directory_path(d).resolve()),
-                                    **{k: str(getattr(self, k)(d).resolve()) for k in ("mask_path", "default_mask_file")
+                                    **{k: str(getattr(self, k)(d).resolve()) for k in (
+                                        "mask_path", "default_mask_file", "control_mask_path", "reference_path")
                                        if getattr(d, k) is not None})
                 for d in self.directory]
         return replace(self, directory=dirs)
@@ -165,6 +170,12 @@ class DatasetConfig:
 
     def default_mask_file(self, d: DirectoryConfig) -> Path | None:
         return None if d.default_mask_file is None else self._relative(d.default_mask_file)
+
+    def control_mask_path(self, d: DirectoryConfig) -> Path | None:
+        return None if d.control_mask_path is None else self._relative(d.control_mask_path)
+
+    def reference_path(self, d: DirectoryConfig) -> Path | None:
+        return None if d.reference_path is None else self._relative(d.reference_path)
 
     def _relative(self, path: str) -> Path:
         p = Path(path).expanduser()

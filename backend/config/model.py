@@ -51,6 +51,9 @@ class ModelConfig:
     min_snr_gamma: Optional[float] = None     # SDXL: per-sample weight min(SNR, gamma) / SNR (diffusion-pipe's)
     debiased_estimation_loss: bool = False    # SDXL: per-sample weight 1 / sqrt(SNR) (diffusion-pipe's)
     clip_vision: Optional[str] = None   # Wan 2.1 i2v: the CLIP-vision file (clip_vision_h.safetensors)
+    # wan_fun_control: WanFunControlToVideo's start_image = the clip's first frame (true, the default), or none
+    # (false: the control alone conditions, as the node runs without a start image; stills can train then)
+    control_start_image: Optional[bool] = None
     merge_adapters: list[str] = field(default_factory=list)   # LoRAs merged into the base weights before training
 
     UNSUPPORTED = compat.MODEL

@@ -24,6 +24,8 @@ class MediaItem:
     control: Path | None = None  # edit models: the paired control image (same stem, the directory's control_path)
     more_controls: tuple[Path, ...] = ()  # multi-reference edit models: the images of the further control folders
     mask: Path | None = None     # masked training: its mask image (same stem in mask_path, or default_mask_file)
+    control_mask: Path | None = None   # wan_vace: its control mask (control_mask_path)
+    reference: Path | None = None      # wan_vace: its reference image (reference_path)
     is_reg: bool = False  # from an is_reg directory: a regularisation image
     seconds: float = 0.0  # an audio file's duration (audio models)
     lyrics: str = ""      # an audio file's lyrics (its .lyrics.txt; audio models)

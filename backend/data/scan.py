@@ -170,7 +170,41 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     if scan.controls:
         _pair_controls(scan, caption_extension)
     _pair_masks(scan, cfg, directory, caption_extension)
+    _pair_vace(scan, cfg, directory, caption_extension)
     return scan
+
+
+def _pair_vace(scan: _DirectoryScan, cfg: DatasetConfig, directory: DirectoryConfig, caption_extension: str) -> None:
+    """wan_vace: each item's control mask (``control_mask_path``, a folder paired by stem) and reference image
+    (``reference_path``: a folder paired by stem, or one image file for every item of the directory)."""
+    found = {}
+    for key, path in (("control_mask_path", cfg.control_mask_path(directory)),
+                      ("reference_path", cfg.reference_path(directory))):
+        if path is None:
+            continue
+        path = Path(os.path.abspath(path))
+        if path.is_file() and key == "reference_path":
+            found[key] = {item.path.stem: path for item in scan.items}
+            continue
+        if not path.is_dir():
+            raise DatasetError(f"{key} not found: {path} (key 'directory.{key}' = {getattr(directory, key)!r} for "
+                               f"directory {directory.path!r}); give a folder" +
+                               (" or one image file" if key == "reference_path" else "") + " that exists")
+        files: dict[str, list[Path]] = {}
+        for p in _candidate_files(path, caption_extension):
+            files.setdefault(p.stem, []).append(p)
+        problems = [f"{item.path}: no file named {item.path.stem}.* in {path}" for item in scan.items
+                    if item.path.stem not in files]
+        problems += [f"{path}: several files for {stem}: {', '.join(p.name for p in ps)}"
+                     for stem, ps in sorted(files.items()) if len(ps) > 1]
+        if problems:
+            raise DatasetError(f"{len(problems)} problem(s) pairing {scan.path} with its {key}:{_listing(problems)}\n"
+                               "Each training file needs exactly one file of the same name (any extension) there.")
+        found[key] = {stem: ps[0] for stem, ps in files.items()}
+    if found:
+        scan.items = [dataclasses.replace(item, control_mask=found.get("control_mask_path", {}).get(item.path.stem),
+                                          reference=found.get("reference_path", {}).get(item.path.stem))
+                      for item in scan.items]
 
 
 def _pair_masks(scan: _DirectoryScan, cfg: DatasetConfig, directory: DirectoryConfig, caption_extension: str) -> None:
@@ -287,10 +321,18 @@ def check_control_paths(ds, adapter, label: str) -> None:
             raise DatasetError(f"{label}: [[directory]] {d.path!r} has no control_path; {adapter.arch} trains on "
                                f"(control, target) pairs: set control_path to the folder of {what} named like the "
                                "training files")
+        for key, node_input in (("control_mask_path", "control_masks"), ("reference_path", "reference_image")):
+            if getattr(d, key) is not None and not getattr(adapter, "vace_inputs", False):
+                raise DatasetError(f"{label}: [[directory]] {d.path!r} sets {key}, which only wan_vace takes "
+                                   f"(WanVaceToVideo's {node_input}); remove {key} or choose type = 'wan_vace'")
         if not needs and d.control_path is not None:
             raise DatasetError(f"{label}: [[directory]] {d.path!r} sets control_path, but {adapter.arch} is not an "
                                "edit model; remove control_path or choose an edit model type")
     _check_control_counts(ds, adapter, label)
+    references = {d.reference_path is not None for d in ds.directory}
+    if len(references) > 1:   # a reference adds a latent frame: micro-batches stack the same frame count
+        raise DatasetError(f"{label}: some directories set reference_path and others do not; a reference image adds "
+                           "a latent frame, so give every [[directory]] a reference_path or none")
 
 
 def _check_control_counts(ds, adapter, label: str) -> None:

@@ -45,6 +45,8 @@ class ModelAdapter(ABC):
     compiles_checkpoints: bool = True        # compile = true puts each block's checkpoint (and its policy) inside
                                              # the compiled graph
     takes_clip_vision: bool = False          # [model] clip_vision names a CLIP-vision file it encodes (Wan 2.1 i2v)
+    takes_control_start_image: bool = False  # [model] control_start_image switches its start image (Fun-Control)
+    vace_inputs: bool = False                # [[directory]] control_mask_path / reference_path (Wan VACE)
     parity_dtype: torch.dtype = torch.float64   # the parity check's dtype (parity.py): what remains is rounding
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)
@@ -72,6 +74,9 @@ class ModelAdapter(ABC):
         if cfg.clip_vision is not None and not cls.takes_clip_vision:
             raise ConfigError(f"a {cfg.type} model takes no CLIP-vision file (Wan 2.1 i2v and flf2v do); "
                               "remove the key", file=file, key="model.clip_vision")
+        if cfg.control_start_image is not None and not cls.takes_control_start_image:
+            raise ConfigError(f"a {cfg.type} model has no start-image switch (wan_fun_control has); remove the key",
+                              file=file, key="model.control_start_image")
         allowed = cls.spec.accepted_text_encoder_types()
         for i, declared in cfg.declared_text_encoder_types():
             if declared.lower() not in allowed:
@@ -204,6 +209,16 @@ class ModelAdapter(ABC):
     def layer_cost(self, layer: nn.Module) -> float:
         """Relative compute of a layer, for balancing pipeline stages (override per family)."""
         return float(getattr(layer, "cost", 0.05))
+
+    def conditioning_options(self) -> dict:
+        """Settings the cached conditioning depends on beyond its files (they enter its cache key); {}: none."""
+        return {}
+
+    def extra_noise_shape(self, payload: dict) -> tuple[int, ...] | None:
+        """The shape of further noise a sample's first layer takes after its conditioning (VACE: the noise of the
+        reference image's latent frame), drawn by the feed (``train/feed.py``) from the sample's own seed; None:
+        none."""
+        return None
 
     def use_loss(self, loss) -> None:
         """Compare prediction and target with ``loss`` (``losses.Loss``: the run's loss_type) from now on."""

@@ -37,9 +37,12 @@ class EvalFeed(MicroBatchFeed):
     def _text_key(self, entry, epoch, step, position):
         return entry.text
 
-    def _noise_and_t(self, latent, epoch, step, position, entry=None):
+    def _seed(self, epoch, step, position, entry):
         digest = hashlib.sha256(f"pipetrain-eval:{self.seed}:{entry.latent}:{entry.text}".encode()).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    def _noise_and_t(self, latent, epoch, step, position, entry=None):
+        g = torch.Generator().manual_seed(self._seed(epoch, step, position, entry))
         noise = torch.randn(latent.shape, generator=g)
         return noise, self.objective.quantile_t(self.quantile, self.seq_len(latent))
 

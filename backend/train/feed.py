@@ -22,6 +22,9 @@ from ..cache import CacheStore
 from .preservation import PARTS
 
 
+EXTRA_NOISE_SEED = 0x5EED   # xor-ed into a sample's seed: its further noise, apart from its latent's noise and t
+
+
 def sample_seed(seed: int, epoch: int, step: int, position: int) -> int:
     digest = hashlib.sha256(f"{seed}:{epoch}:{step}:{position}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -56,8 +59,11 @@ class MicroBatchFeed:
             return self.uncond_text[entry.text]
         return entry.text
 
+    def _seed(self, epoch: int, step: int, position: int, entry) -> int:
+        return sample_seed(self.seed, epoch, step, position)
+
     def _noise_and_t(self, latent: torch.Tensor, epoch: int, step: int, position: int, entry=None):
-        g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, step, position))
+        g = torch.Generator().manual_seed(self._seed(epoch, step, position, entry))
         noise = torch.randn(latent.shape, generator=g)
         t = self.objective.sample_t(1, self.seq_len(latent), g)
         if self.noise_offset:
@@ -87,6 +93,13 @@ class MicroBatchFeed:
         noise = torch.stack([n for n, _ in drawn])
         t = torch.cat([t for _, t in drawn])
         labels = (latents, noise, t)
+        extra_noise = getattr(self.adapter, "extra_noise_shape", None)
+        shapes = [extra_noise(p) if extra_noise else None for p in payloads]
+        if shapes[0] is not None:   # the first layer's further noise (VACE's reference frame): a seed of its own
+            conditioning.append(torch.stack([
+                torch.randn(shape, generator=torch.Generator().manual_seed(
+                    self._seed(epoch, step, first + i, e) ^ EXTRA_NOISE_SEED))
+                for i, (shape, e) in enumerate(zip(shapes, entries))]))
         if self.masks:   # masked training: weights on the latent grid, broadcast over channels (and frames)
             labels += (torch.stack([p["mask"] if "mask" in p else _no_mask(p["latent"]) for p in payloads]),)
         if self.reg_labels:   # for the loss logged per kind (reg_loss.py)

@@ -26,6 +26,7 @@ WIDGET_NAMES = {
     "activation_checkpointing_fraction": "checkpoint_fraction", "activation_memory_budget": "memory_budget",
     "eval_datasets": "eval_dataset", "dataset.directory": "folder", "dataset.path": "folder",
     "dataset.control_path": "control_folder", "dataset.mask_path": "mask_folder",
+    "dataset.control_mask_path": "control_mask_folder", "dataset.reference_path": "reference",
 }
 
 
