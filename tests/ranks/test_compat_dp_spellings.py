@@ -90,7 +90,8 @@ def test_model_folders_are_refused_naming_the_single_files_to_use(tmp_path, key)
     assert f"key 'model.{key}'" in message and "transformer_path" in message and "text_encoders =" in message
 
 
-@pytest.mark.parametrize("dp_type, edit", [("flux", "flux_kontext"), ("qwen_image", "qwen_image_edit")])
+@pytest.mark.parametrize("dp_type, edit", [("flux", "flux_kontext"), ("qwen_image", "qwen_image_edit"),
+                                           ("flux2", "flux2_edit")])
 def test_an_edit_model_is_its_base_type_plus_control_images(tmp_path, dp_type, edit):
     """diffusion-pipe's Flux Kontext / Qwen-Image-Edit: ``type = 'flux'`` / ``'qwen_image'`` and a dataset with
     control_path; without control images the base model trains as before."""
@@ -103,11 +104,11 @@ def test_an_edit_model_is_its_base_type_plus_control_images(tmp_path, dp_type, e
 
 
 def test_control_images_on_a_model_that_takes_none_are_refused_before_caching(tmp_path):
-    """diffusion-pipe trains Flux 2 edits from control_path; here flux2 is not an edit model: refused up front."""
+    """Wan 2.1 text-to-video takes no control images (its control models are their own types): refused up front."""
     from pipetrain.backend.errors import DatasetError
     from pipetrain.backend.preflight import load_run
 
-    path = _write(tmp_path, MODEL.format(type="flux2", encoders=""), dataset=DATASET + "control_path = 'control'\n")
+    path = _write(tmp_path, MODEL.format(type="wan", encoders=""), dataset=DATASET + "control_path = 'control'\n")
     with pytest.raises(DatasetError, match="not an edit model"):
         load_run(path)
 
