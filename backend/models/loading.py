@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..model_folders import weight_files
+from ..model_folders import is_wan_vae_folder, read_config, wan_vae_state_dict, weight_files
 from ..patches_comfyui import detection_from_config, narrowed_class
 from ..runtime import ensure_comfyui
 from .registry import ADAPTERS, arch_spec, arch_specs
@@ -352,6 +352,8 @@ def load_vae(path, *, arch: str | None = None):
     path = _require_file(path)
     read_header(path)
     sd, metadata = _load_state_dict(path)
+    if path.is_dir() and is_wan_vae_folder(read_config(path)):
+        sd = wan_vae_state_dict(sd)   # ComfyUI reads only the original Wan VAE's key names
     import comfy.sd
     try:
         with _narrowed_vae_class(metadata):
