@@ -199,17 +199,20 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
     import comfy.sd
     options = {} if dtype is None else {"dtype": dtype}
     if path.is_dir():   # ComfyUI's loader for a state dict converts Diffusers keys (``comfy_layout``)
-        patcher = comfy.sd.load_diffusion_model_state_dict(_load_state_dict(path)[0], model_options=options)
+        sd = _load_state_dict(path)[0]
+        load = lambda: comfy.sd.load_diffusion_model_state_dict(sd, model_options=options)  # noqa: E731
+    else:
+        load = lambda: comfy.sd.load_diffusion_model(str(path), model_options=options)  # noqa: E731
+    if META_UNET not in metadata:
+        patcher = load()
         if patcher is None:
             raise _undetected(path, shapes)
         return patcher
-    if META_UNET not in metadata:
-        return comfy.sd.load_diffusion_model(str(path), model_options=options)
-    unet_config = json.loads(metadata[META_UNET])
+    unet_config = json.loads(metadata[META_UNET])   # a tiny file, also as a folder's shard
     try:
         with detection_from_config(unet_config, model_config(found, unet_config)), \
                 arch_spec(found).built_in(unet_config):
-            patcher = comfy.sd.load_diffusion_model(str(path), model_options=options)
+            patcher = load()
     except Exception as exc:
         raise ModelError(f"{path}: cannot build the {found} model from its '{META_UNET}' metadata ({exc})") from exc
     missing = sorted(k for k in set(patcher.model.diffusion_model.state_dict()) - set(shapes)
