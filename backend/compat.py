@@ -141,7 +141,6 @@ DIRECTORY = {
 
 OPTIMIZER_NOT_SUPPORTED = {
     "offload": "CPU-offloaded AdamW is not supported; use 'adamw8bit' to save optimizer memory",
-    "automagic": "diffusion-pipe's own optimizer; use 'Prodigy' for an adaptive learning rate",
     "genericoptim": "diffusion-pipe's own optimizer; any pytorch_optimizer class works by name (e.g. 'Prodigy', "
                     "'CAME', 'ADOPT')",
 }

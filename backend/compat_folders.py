@@ -23,9 +23,15 @@ HINT = (f"{SINGLE_FILES_HINT} (diffusion-pipe's transformer_path, vae_path and l
 # Model types whose Diffusers pipeline folder ComfyUI 0.3.75 loads whole: the transformer / UNet through
 # comfy.model_detection's Diffusers conversions (Flux, SD3 MMDiT, SDXL / SD1.x UNet), the VAE through
 # comfy.sd.VAE's Diffusers VAE conversion, and their CLIP / T5 text encoders, whose Hugging Face keys are ComfyUI's.
-# Others, e.g. Qwen-Image (its VAE and Qwen2.5-VL keys), HiDream, OmniGen2, LTX-Video, AuraFlow (Pile-T5), are
-# read from single files only.
-DIFFUSERS_TYPES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15")
+# Qwen-Image's transformer keys are ComfyUI's own; its VAE (diffusers' Wan-architecture AutoencoderKLQwenImage)
+# and its Qwen2.5-VL text encoder are renamed to ComfyUI's keys first (``model_folders.wan_vae_state_dict`` /
+# ``qwen_vl_state_dict``). diffusion-pipe's Qwen-Image-Edit table names the Qwen-Image folder plus the Edit
+# transformer file (transformer_path). Others, e.g. HiDream, OmniGen2, LTX-Video, AuraFlow (Pile-T5), are read
+# from single files only.
+QWEN_TYPES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
+DIFFUSERS_TYPES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", *QWEN_TYPES)
+# the model_index.json class a type's own pipeline folder has (checked where the folder gives the transformer)
+PIPELINE_CLASS_PREFIX = {t: "QwenImage" for t in QWEN_TYPES}
 # Model types that take only some parts of another model's Diffusers folder: diffusion-pipe's Chroma table names a
 # Flux pipeline folder (diffusers_path) for its VAE and its T5, and the Chroma transformer as transformer_path
 # (Chroma has no Diffusers folder of its own; it reads no CLIP). type -> (its text-encoder kinds, as
@@ -54,6 +60,10 @@ def describe(key: str, model_type) -> str:
     if model_type in BORROWERS:
         return (f"a Flux Diffusers pipeline folder lending its vae and {' and '.join(BORROWERS[model_type][0])} text "
                 "encoder folders, converted by ComfyUI's own loaders (the diffusion model comes from transformer_path)")
+    if model_type in QWEN_TYPES:
+        return ("a Diffusers Qwen-Image pipeline folder: its transformer (ComfyUI's keys), vae (diffusers' "
+                "AutoencoderKLQwenImage, renamed to the Wan VAE keys ComfyUI loads) and Qwen2.5-VL text_encoder "
+                "(renamed to ComfyUI's keys) where the table names no single file for them")
     return ("a Diffusers pipeline folder: its transformer/unet, vae and text encoders where the table names no "
             "single file for them, converted by ComfyUI's own loaders")
 
@@ -108,12 +118,30 @@ def _diffusers(data: dict, key: str, file, prefix: str) -> None:
     except ValueError as exc:
         raise ConfigError(f"{exc}; give the pipeline folder (with model_index.json), or {HINT}", file=file,
                           key=_key(prefix, key)) from None
+    _check_pipeline_class(data, model_type, folder, file, _key(prefix, key))
     join = lambda sub: str(Path(value) / sub)  # noqa: E731  (relative stays relative to the TOML file)
     encoders = parts["text_encoders"]
     if model_type in BORROWERS:
         encoders = _borrowed(data, model_type, folder, encoders, file, _key(prefix, key))
     _fill(data, {"diffusion_model": join(parts["diffusion_model"]), "vae": join(parts["vae"]),
                  "text_encoders": [join(sub) for sub in encoders]})
+
+
+def _check_pipeline_class(data: dict, model_type: str, folder: Path, file, key: str) -> None:
+    """Another model's folder would give a transformer of the wrong architecture: refuse it, naming the key that
+    gives the right one."""
+    import json
+    want = PIPELINE_CLASS_PREFIX.get(model_type)
+    if want is None or data.get("diffusion_model"):
+        return
+    try:
+        found = str(json.loads((folder / "model_index.json").read_text()).get("_class_name", ""))
+    except (OSError, ValueError, AttributeError):
+        found = ""
+    if not found.startswith(want):
+        raise ConfigError(f"{folder} is a {found or 'unknown'} folder, not a {want}*Pipeline one: give the "
+                          f"{model_type} pipeline folder, or its transformer file as transformer_path = "
+                          "'<file>.safetensors' (ComfyUI's models/diffusion_models)", file=file, key=key)
 
 
 def _borrowed(data: dict, model_type: str, folder: Path, encoders: list[str], file, key: str) -> list[str]:

@@ -81,10 +81,13 @@ def pipeline_components(folder: Path) -> dict[str, object]:
 
 
 # Hugging Face text-encoder configs -> the text-encoder kind (``models/encoders.py``) ComfyUI loads their keys as:
-# CLIP and T5, whose Hugging Face keys are ComfyUI's own (its CLIP and T5 modules use the same names). Other
-# encoders (Qwen2.5-VL, Llama, Gemma, ...) keep keys ComfyUI does not read from a folder: their single files.
+# CLIP and T5, whose Hugging Face keys are ComfyUI's own (its CLIP and T5 modules use the same names), and
+# Qwen2.5-VL (Qwen-Image's), whose keys ``qwen_vl_state_dict`` renames. Other encoders (Llama, Gemma, ...) keep
+# keys ComfyUI does not read from a folder: their single files.
 CLIP_WIDTHS = {768: "clip_l", 1024: "clip_h", 1280: "clip_g"}
 T5_TYPES = {"t5": "t5xxl", "umt5": "umt5xxl"}
+QWEN_VL_TYPES = ("qwen2_5_vl",)
+QWEN_VL_3B_WIDTH = 2048   # Qwen2.5-VL-3B's language model (OmniGen2's); every other width reads as the 7B's kind
 
 
 def text_encoder_kind(config: dict) -> str | None:
@@ -92,6 +95,87 @@ def text_encoder_kind(config: dict) -> str | None:
     model_type = config.get("model_type", "")
     if model_type in ("clip_text_model", "clip"):
         return CLIP_WIDTHS.get(config.get("hidden_size", (config.get("text_config") or {}).get("hidden_size")))
+    if model_type in QWEN_VL_TYPES:
+        return "qwen25_3b" if text_config(config).get("hidden_size") == QWEN_VL_3B_WIDTH else "qwen25_7b"
     if model_type == "t5" and not str(config.get("feed_forward_proj", "")).startswith("gated"):
         return None   # T5 v1.0 (ReLU): Cosmos' encoder, only from ComfyUI's single file
     return T5_TYPES.get(model_type)
+
+
+# --- Diffusers' Wan 2.1 / Qwen-Image VAE (AutoencoderKLQwenImage) -> the original Wan VAE keys ComfyUI loads ---
+# The two name the same modules differently: diffusers nests each decoder stage as up_blocks.i.resnets.j and
+# .upsamplers.0 where the original keeps one flat list (upsamples.n: per stage num_res_blocks + 1 residual blocks,
+# then the stage's resampler, the last stage has none); its encoder list (down_blocks.n) is flat in both. A
+# residual block's layers are the original's Sequential positions: RMS norm 0, SiLU 1, conv 2, norm 3, SiLU 4,
+# dropout 5, conv 6; its 1x1 shortcut is "shortcut". The middle is [resnet, attention, resnet] in the original.
+WAN_VAE_CLASSES = ("AutoencoderKLQwenImage",)
+_RESNET_PARTS = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
+                 "conv_shortcut": "shortcut"}
+_WAN_VAE_TOP = {"quant_conv": "conv1", "post_quant_conv": "conv2", "conv_in": "conv1", "conv_out": "head.2",
+                "norm_out": "head.0"}
+
+
+def is_wan_vae_folder(config: dict) -> bool:
+    """Whether a ``vae/`` folder's config is diffusers' Wan-architecture VAE (Qwen-Image's)."""
+    return config.get("_class_name") in WAN_VAE_CLASSES
+
+
+def _resnet_part(rest: str) -> str:
+    first, _, tail = rest.partition(".")
+    return f"{_RESNET_PARTS.get(first, first)}.{tail}"
+
+
+def wan_vae_key(key: str, resnets_per_stage: int) -> str:
+    """One diffusers Wan VAE key in the original Wan VAE's naming (``resnets_per_stage``: num_res_blocks + 1)."""
+    parts = key.split(".")
+    if parts[0] in ("quant_conv", "post_quant_conv"):
+        return ".".join([_WAN_VAE_TOP[parts[0]], *parts[1:]])
+    coder, name, rest = parts[0], parts[1], ".".join(parts[2:])
+    if name in ("conv_in", "conv_out", "norm_out"):
+        return f"{coder}.{_WAN_VAE_TOP[name]}.{rest}"
+    if name == "mid_block":   # mid_block.resnets.0 / attentions.0 / resnets.1 -> middle.0 / 1 / 2
+        kind, index, tail = rest.split(".", 2)
+        if kind == "attentions":
+            return f"{coder}.middle.1.{tail}"
+        return f"{coder}.middle.{2 * int(index)}.{_resnet_part(tail)}"
+    if name == "down_blocks":
+        index, tail = rest.split(".", 1)
+        return f"{coder}.downsamples.{index}.{_resnet_part(tail)}"
+    if name == "up_blocks":
+        stage, kind, index, tail = rest.split(".", 3)
+        position = int(stage) * (resnets_per_stage + 1)
+        if kind == "upsamplers":
+            return f"{coder}.upsamples.{position + resnets_per_stage}.{tail}"
+        return f"{coder}.upsamples.{position + int(index)}.{_resnet_part(tail)}"
+    raise ValueError(f"not a diffusers Wan VAE key: {key!r}")
+
+
+def wan_vae_state_dict(sd: dict) -> dict:
+    """A diffusers Wan VAE state dict in the original Wan VAE's naming (ComfyUI's ``comfy.ldm.wan.vae``)."""
+    resnets = 1 + max((int(k.split(".")[4]) for k in sd if k.startswith("decoder.up_blocks.0.resnets.")),
+                      default=2)
+    return {wan_vae_key(k, resnets): v for k, v in sd.items()}
+
+
+def text_config(config: dict) -> dict:
+    """A Hugging Face config's language-model numbers: transformers 4.5x+ nest a VL model's under ``text_config``
+    (earlier ones keep them at the top level)."""
+    return {**config, **(config.get("text_config") or {})}
+
+
+# --- Hugging Face Qwen2.5-VL -> ComfyUI's Qwen25_7BVLI ----------------------------------------------------------
+# ComfyUI names the language model model.* and the vision tower visual.*, as transformers < 4.52 saved them;
+# later transformers save model.language_model.* and model.visual.*. The module names below those prefixes are
+# the same in both (ComfyUI's vision blocks, merger and Llama layers use Hugging Face's names). lm_head (the
+# vocabulary projection) is never run for an embedding, and ComfyUI's module has none.
+QWEN_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def qwen_vl_state_dict(sd: dict) -> dict:
+    """A Hugging Face Qwen2.5-VL state dict (either layout) in ComfyUI's key names, without lm_head."""
+    def renamed(key: str) -> str:
+        for old, new in QWEN_VL_PREFIXES:
+            if key.startswith(old):
+                return new + key[len(old):]
+        return key
+    return {renamed(k): v for k, v in sd.items() if not k.startswith("lm_head.")}

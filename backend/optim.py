@@ -9,6 +9,7 @@ constructor, so any option the class takes can be set from the config.
 | AdamW8bitKahan   | optim_kahan.AdamW8bitKahan (see below)  | bitsandbytes       |
 | adamw_optimi     | optimi.AdamW (Kahan summation for bf16) | torch-optimi       |
 | stableadamw      | optimi.StableAdamW                      | torch-optimi       |
+| automagic        | optim_automagic.Automagic (per-element learning rates) | torch |
 | anything else    | that class of pytorch_optimizer (Prodigy, CAME, ADOPT, ...) | pytorch-optimizer |
 
 ``pytorch_optimizer`` is diffusion-pipe's own fallback, so a diffusion-pipe config naming one of its
@@ -39,6 +40,7 @@ BUILTIN = {
     "adamw8bitkahan": (f"{__package__}.optim_kahan", "AdamW8bitKahan"),
     "adamw_optimi": ("optimi", "AdamW"),
     "stableadamw": ("optimi", "StableAdamW"),
+    "automagic": (f"{__package__}.optim_automagic", "Automagic"),
 }
 PIP_NAMES = {"bitsandbytes": "bitsandbytes", "optimi": "torch-optimi", "pytorch_optimizer": "pytorch-optimizer"}
 

@@ -127,11 +127,12 @@ class AdapterNode(io.ComfyNode):
         return io.NodeOutput(patch | RunPatch.of(run) | preservation_patch(**preservation))
 
 
-OPTIMIZERS = [start("optimizer.type"), "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "Prodigy",
-                    "CAME",
+OPTIMIZERS = [start("optimizer.type"), "adamw8bit", "AdamW8bitKahan", "adamw_optimi", "stableadamw", "sgd", "automagic",
+              "Prodigy", "CAME",
               "ADOPT",
               "ScheduleFreeAdamW", "Lion"]
 NO_BETAS = {"sgd"}
+BETA2_ONLY = {"automagic"}   # Adafactor-style second moment only; its eps is its own (1e-30, 1e-3) pair
 
 
 def _hashable(value):
@@ -164,7 +165,8 @@ class OptimizerNode(io.ComfyNode):
                                tooltip="Optimizer algorithm: adamw "
                                "(torch), adamw8bit (bitsandbytes), AdamW8bitKahan (8-bit AdamW with Kahan-compensated "
                                "bfloat16 weights: a full fine-tune or bfloat16 adapters), adamw_optimi / stableadamw "
-                               "(torch-optimi), sgd, or a pytorch_optimizer class (Prodigy: set lr 1)"),
+                               "(torch-optimi), sgd, automagic (diffusion-pipe's per-element learning rates; "
+                               "min_lr, max_lr, lr_bump in extra_args), or a pytorch_optimizer class (Prodigy: set lr 1)"),
                 io.Float.Input("lr", default=start("optimizer.lr"), min=1e-8, max=1.0, step=1e-5, round=1e-8,
                                tooltip="Peak learning rate"),
                 io.Float.Input("beta1", default=start("optimizer.betas")[0], min=0.0, max=0.9999, step=0.001,
@@ -216,7 +218,8 @@ class OptimizerNode(io.ComfyNode):
     def execute(cls, type, lr, beta1, beta2, weight_decay, eps, extra_args="",  # noqa: A002
                 beta2_half_life=0.0,
                 gradient_clipping=start("gradient_clipping"), **loss) -> io.NodeOutput:
-        betas = {"betas": (beta1, beta2), "eps": eps} if type not in NO_BETAS else {}
+        betas = {"betas": (beta1, beta2), "eps": eps} if type not in NO_BETAS | BETA2_ONLY else {}
+        betas = {"beta2": beta2} if type in BETA2_ONLY else betas
         keys = {"type": type, "lr": lr, "weight_decay": weight_decay, **betas, **dict(parse_kwargs(extra_args)),
                 "beta2_half_life": unset_if_zero(beta2_half_life)}
         # loss_type, huber_delta, smooth_l1_beta, noise_offset: run keys (launcher/forms.loss_patch)

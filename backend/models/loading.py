@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..model_folders import weight_files
+from ..model_folders import is_wan_vae_folder, read_config, wan_vae_state_dict, weight_files
 from ..patches_comfyui import detection_from_config, narrowed_class
 from ..runtime import ensure_comfyui
 from .registry import ADAPTERS, arch_spec, arch_specs
@@ -199,17 +199,20 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
     import comfy.sd
     options = {} if dtype is None else {"dtype": dtype}
     if path.is_dir():   # ComfyUI's loader for a state dict converts Diffusers keys (``comfy_layout``)
-        patcher = comfy.sd.load_diffusion_model_state_dict(_load_state_dict(path)[0], model_options=options)
+        sd = _load_state_dict(path)[0]
+        load = lambda: comfy.sd.load_diffusion_model_state_dict(sd, model_options=options)  # noqa: E731
+    else:
+        load = lambda: comfy.sd.load_diffusion_model(str(path), model_options=options)  # noqa: E731
+    if META_UNET not in metadata:
+        patcher = load()
         if patcher is None:
             raise _undetected(path, shapes)
         return patcher
-    if META_UNET not in metadata:
-        return comfy.sd.load_diffusion_model(str(path), model_options=options)
-    unet_config = json.loads(metadata[META_UNET])
+    unet_config = json.loads(metadata[META_UNET])   # a tiny file, also as a folder's shard
     try:
         with detection_from_config(unet_config, model_config(found, unet_config)), \
                 arch_spec(found).built_in(unet_config):
-            patcher = comfy.sd.load_diffusion_model(str(path), model_options=options)
+            patcher = load()
     except Exception as exc:
         raise ModelError(f"{path}: cannot build the {found} model from its '{META_UNET}' metadata ({exc})") from exc
     missing = sorted(k for k in set(patcher.model.diffusion_model.state_dict()) - set(shapes)
@@ -352,6 +355,8 @@ def load_vae(path, *, arch: str | None = None):
     path = _require_file(path)
     read_header(path)
     sd, metadata = _load_state_dict(path)
+    if path.is_dir() and is_wan_vae_folder(read_config(path)):
+        sd = wan_vae_state_dict(sd)   # ComfyUI reads only the original Wan VAE's key names
     import comfy.sd
     try:
         with _narrowed_vae_class(metadata):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..model_folders import read_config, text_encoder_kind
+from ..model_folders import qwen_vl_state_dict, read_config, text_config, text_encoder_kind
 from ..patches_comfyui import text_encoder_kinds
 from ..runtime import ensure_comfyui
 from .encoders import TEXT_ENCODERS, UMT5_MARKER
@@ -100,7 +100,7 @@ def _given_kind(path: Path, shapes: dict, metadata: dict, arch: str) -> tuple[st
             need = " + ".join(_te_title(k) for k in arch_spec(arch).text_encoders)
             raise ModelError(
                 f"{path}: ComfyUI reads no {config.get('model_type') or 'unknown'} text encoder from a Hugging Face "
-                f"folder (only CLIP and T5); give {arch}'s text encoders ({need}) as ComfyUI's single files "
+                f"folder (only CLIP, T5 and Qwen2.5-VL); give {arch}'s text encoders ({need}) as ComfyUI's single files "
                 "(models/text_encoders) in text_encoders, or diffusion-pipe's llm_path / text_encoder_path")
         return kind, _sized_config(kind, config)
     if META_TE in metadata:
@@ -112,6 +112,7 @@ def _given_kind(path: Path, shapes: dict, metadata: dict, arch: str) -> tuple[st
 # module has one, which these models never read (they take CLIP-L's pooled output unprojected)
 FOLDER_OPTIONAL = {"clip_l": ("text_projection.weight",)}
 CLIP_KINDS = ("clip_l", "clip_g", "clip_h")
+QWEN_VL_KINDS = ("qwen25_7b", "qwen25_3b")
 
 
 def _folder_keys(kind: str, sd: dict) -> dict:
@@ -119,6 +120,8 @@ def _folder_keys(kind: str, sd: dict) -> dict:
     its ``text_model.`` prefix (earlier versions, and the published folders, keep it)."""
     if kind in CLIP_KINDS and not any(k.startswith("text_model.") for k in sd):
         return {k if k.startswith("text_projection") else f"text_model.{k}": v for k, v in sd.items()}
+    if kind in QWEN_VL_KINDS:
+        return qwen_vl_state_dict(sd)
     return sd
 
 
@@ -127,7 +130,7 @@ def _sized_config(kind: str, hf_config: dict) -> dict:
     stay ComfyUI's (Hugging Face names T5's tanh GELU ``gelu_new``, ComfyUI ``gelu_pytorch_tanh``)."""
     from .tiny import text_encoder_config
     config = text_encoder_config(kind, "full")
-    return {**config, **{k: v for k, v in hf_config.items()
+    return {**config, **{k: v for k, v in text_config(hf_config).items()
                          if k in config and isinstance(v, (int, float)) and not isinstance(v, bool)}}
 
 
@@ -159,7 +162,8 @@ def _load_given_text_encoders(paths: list[Path], given: list[tuple[str, dict | N
         raise ModelError(f"{', '.join(map(str, paths))}: ComfyUI could not load these text encoders ({exc})") from exc
     for path, kind, sd in zip(paths, kinds, state_dicts):
         missing = loaded[id(sd)][0]
-        reads_images = arch_spec(arch).text_encoders_read_images or whole  # then no part may be left out
+        # then no part may be left out; a model that reads captions alone never runs a VL encoder's vision tower
+        reads_images = arch_spec(arch).text_encoders_read_images or (whole and not TEXT_ENCODERS[kind].tiny_omits)
         omitted = () if reads_images else tuple(name + "." for name in TEXT_ENCODERS[kind].tiny_omits)
         missing = [k for k in missing if not k.startswith(omitted)] if omitted else missing
         if path.is_dir():

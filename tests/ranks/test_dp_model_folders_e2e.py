@@ -5,7 +5,9 @@ loads in ComfyUI with ComfyUI's keys:
 - Wan from its official checkpoint folder (``ckpt_path``: the transformer shard and ``Wan2.1_VAE.pth``, with
   ``llm_path`` for the T5, as dp's Wan table);
 - Flux Kontext as dp declares it (``type = 'flux'``, the Flux folder for the VAE and text encoders, the Kontext file
-  as ``transformer_path``, and a dataset with ``control_path``)."""
+  as ``transformer_path``, and a dataset with ``control_path``);
+- Qwen-Image as dp's qwen_image_24gb_vram example (``diffusers_path``: a Diffusers Qwen-Image folder, its VAE and
+  Qwen2.5-VL renamed to ComfyUI's keys) with its ``automagic`` optimizer."""
 import shutil
 from pathlib import Path
 
@@ -44,10 +46,12 @@ DATASET = DP_AR_BUCKETS.replace("[512]", "[64]") + "num_ar_buckets = 3\n[[direct
     "num_repeats = 1\n"
 
 
-def _run(root: Path, model: str, images: int = 4, controls: bool = False):
+def _run(root: Path, model: str, images: int = 4, controls: bool = False, optimizer: str = ""):
     make_dataset(root / "dataset", images)
     (root / "dataset.toml").write_text(DATASET)
-    (root / "run.toml").write_text(MAIN.format(model=model) + DP_MONITORING)
+    main = MAIN.format(model=model)
+    main = main[:main.index("[optimizer]")] + optimizer if optimizer else main
+    (root / "run.toml").write_text(main + DP_MONITORING)
     if controls:
         add_control_images(root / "run.toml")
     run = train(root / "run.toml", ranks=2)
@@ -97,3 +101,41 @@ def test_a_dp_kontext_config_trains_flux_kontext_and_its_lora_loads_in_comfyui(f
         payload = store.get("latents", entry.latent)
         assert payload["reference"].shape == payload["latent"].shape
     check_epoch_loras(run, tmp_path / "run.toml", keys=26)   # 2 double blocks x 10 + 2 single blocks x 3
+
+
+def _qwen_image_folder(files, folder: Path) -> Path:
+    """A Diffusers Qwen-Image pipeline folder from the tiny Qwen-Image: the transformer file as is (its keys are
+    ComfyUI's), a tiny diffusers AutoencoderKLQwenImage and the tiny Qwen2.5-VL under transformers 5's names with
+    a Hugging Face config.json (its sizes: ComfyUI reads them from there)."""
+    import json
+
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+    from safetensors.torch import save_file
+
+    from pipetrain.backend.models.encoders import TEXT_ENCODERS
+    from pipetrain.backend.models.loading import _load_state_dict
+    (folder / "transformer").mkdir(parents=True)
+    shutil.copy(files.diffusion_model, folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    torch.manual_seed(0)
+    AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                           temperal_downsample=[False, True, True]).save_pretrained(folder / "vae")
+    te = {k.replace("model.", "model.language_model.", 1): v.contiguous()
+          for k, v in _load_state_dict(files.text_encoders[0])[0].items()}
+    (folder / "text_encoder").mkdir()
+    save_file(te, str(folder / "text_encoder" / "model.safetensors"))
+    sizes = TEXT_ENCODERS["qwen25_7b"].tiny
+    (folder / "text_encoder" / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2_5_vl", "text_config": {**sizes, "model_type": "qwen2_5_vl_text"}}))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    return folder
+
+
+def test_a_dp_qwen_image_config_with_diffusers_path_and_automagic_trains_and_its_lora_loads_in_comfyui(
+        model_files, tmp_path):
+    _qwen_image_folder(model_files("qwen_image"), tmp_path / "Qwen-Image")
+    # the example's optimizer; a start rate (and its ceiling) the tiny run's two steps move the LoRA visibly with
+    run = _run(tmp_path, "type = 'qwen_image'\ndiffusers_path = 'Qwen-Image'",
+               optimizer="[optimizer]\ntype = 'automagic'\nlr = 1e-2\nmax_lr = 2e-2\nweight_decay = 0.01\n")
+    check_epoch_loras(run, tmp_path / "run.toml", keys=24)   # 14 adapted linears + 10 in the last block (its text
+    # queries, attention output and MLP feed nothing)

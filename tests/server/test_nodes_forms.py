@@ -142,6 +142,11 @@ def test_node_option_errors_are_caught_when_queued(forms, tmp_path):
                                          extra_args="momentum = 0.9").result[0]
     dataset = _dataset(data, tmp_path / "train")
     check_spec(TrainSpec(dataset, model, optimizer=sgd))   # sgd gets no betas / eps
+    magic = settings.OptimizerNode.execute(type="automagic", lr=1e-5, beta1=0.9, beta2=0.98, weight_decay=0.01,
+                                           eps=1e-8, extra_args="max_lr = 1e-4").result[0]
+    check_spec(TrainSpec(dataset, model, optimizer=magic))   # automagic gets beta2 alone, its eps is a pair
+    assert (magic.get("optimizer.beta2"), magic.get("optimizer.betas"), magic.get("optimizer.max_lr")) == (
+        0.98, None, 1e-4)
     bad = settings.OptimizerNode.execute(type="adamw", lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
                                          extra_args="d_coef = 2").result[0]
     with pytest.raises(ConfigError, match="d_coef"):

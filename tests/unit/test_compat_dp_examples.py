@@ -6,7 +6,8 @@ paths pointed at the shared tiny model files. Nothing is fetched. Each either lo
 a run: ``preflight.load_run``) with the meaning it has in diffusion-pipe, or is refused naming the key and what
 to do (model folders ComfyUI has no converter for: their single files; ``size_buckets`` and masks, item 3; models
 the pinned ComfyUI lacks). The folders that load (Flux / SD3 Diffusers folders, Chroma's Flux folder, Wan's checkpoint
-folder) are read from real tiny folders in ``test_dp_model_folders.py``, SDXL / SD1.5 UNet folders at their published
+folder) are read from real tiny folders in ``test_dp_model_folders.py`` (Qwen-Image's in
+``test_qwen_image_folders.py``), SDXL / SD1.5 UNet folders at their published
 sizes on the meta device in ``test_dp_unet_folders.py``; ``tests/ranks/test_dp_model_folders_e2e.py`` trains from
 the Flux, Wan and Kontext ones.
 """
@@ -168,11 +169,6 @@ REFUSED = [
     ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
                        "llama3_path=/models/Meta-Llama-3.1-8B-Instruct"), "model.diffusers_path", _FOLDER_FIX),
     ("omnigen2", _table("omnigen2", "diffusers_path=/models/OmniGen2"), "model.diffusers_path", _FOLDER_FIX),
-    ("qwen_image (diffusers)", _table("qwen_image", "diffusers_path=/models/Qwen-Image"), "model.diffusers_path",
-     _FOLDER_FIX),
-    ("qwen_image_edit", _table("qwen_image", "diffusers_path=/models/Qwen-Image",
-                               "transformer_path=/models/qwen_image_edit_bf16.safetensors"), "model.diffusers_path",
-     _FOLDER_FIX),
     ("anima", _table("anima", "transformer_path=/models/anima-preview.safetensors",
                      "vae_path=/models/qwen_image_vae.safetensors", "llm_path=/models/qwen_3_06b_base.safetensors",
                      extra="llm_adapter_lr = 0"), "model.type", "newer"),
@@ -267,15 +263,61 @@ timestep_sample_method = 'logit_normal'
     assert cfg.optimizer.type == "AdamW8bitKahan" and "stabilize" not in cfg.optimizer.kwargs()
 
 
-def test_qwen_image_24gb_example_is_refused_for_its_folder_and_its_optimizer(tmp_path):
+def _qwen_image_folder(root: Path) -> Path:
+    """A Diffusers Qwen-Image pipeline folder's layout, one small tensor a component (the config reads no weights;
+    ``test_qwen_image_folders.py`` loads real tiny ones)."""
+    import json
+
+    from safetensors.torch import save_file
+    import torch
+    folder = root / "Qwen-Image"
+    for sub in ("transformer", "vae", "text_encoder"):
+        (folder / sub).mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, str(folder / sub / "model.safetensors"))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    return folder
+
+
+QWEN_24GB_OPTIMIZER = "[optimizer]\ntype = 'automagic'\nweight_decay = 0.01\n"
+
+
+def test_qwen_image_24gb_example_loads_its_folder_and_its_optimizer(tmp_path):
+    from pipetrain.backend.optim import resolve_optimizer
+    from pipetrain.backend.optim_automagic import Automagic
     run = MAIN.replace("video_clip_mode = 'single_beginning'\n", "") + "blocks_to_swap = 8\n"
-    model = _table("qwen_image", "diffusers_path=/models/Qwen-Image", extra=FP8)
-    optimizer = "[optimizer]\ntype = 'automagic'\nweight_decay = 0.01\n"
-    path = _write(tmp_path, run + _model(None, model) + ADAPTER + optimizer)
-    assert "key 'model.diffusers_path'" in _refusal(path)
+    _qwen_image_folder(tmp_path)
+    model = _table("qwen_image", "diffusers_path=Qwen-Image", extra=FP8)
+    path = _write(tmp_path, run + _model(None, model) + ADAPTER + QWEN_24GB_OPTIMIZER)
+    cfg = load_run(path)
+    assert cfg.model.type == "qwen_image" and cfg.blocks_to_swap == 8
+    assert (cfg.model.diffusion_model, cfg.model.vae) == ("Qwen-Image/transformer", "Qwen-Image/vae")
+    assert [Path(p).name for p in cfg.model.text_encoder_files] == ["text_encoder"]
+    klass, kwargs = resolve_optimizer(cfg)
+    assert klass is Automagic and kwargs["weight_decay"] == 0.01
     text, ok = report(path)
-    assert not ok
-    assert "model.diffusers_path: REFUSED" in text and "optimizer.type: read as is" in text
+    assert ok, text
+    assert "model.diffusers_path: a Diffusers Qwen-Image pipeline folder" in text and "REFUSED" not in text
+    assert "optimizer.type: read as is" in text
+
+
+def test_qwen_image_edit_table_takes_the_folder_and_its_edit_transformer(tmp_path):
+    """diffusion-pipe's Qwen-Image-Edit: ``type = 'qwen_image'``, the Qwen-Image folder, the Edit transformer as
+    transformer_path and a dataset with control images."""
+    _qwen_image_folder(tmp_path)
+    edit = tmp_path / "qwen_image_edit_bf16.safetensors"
+    edit.write_bytes(b"")
+    model = _table("qwen_image", "diffusers_path=Qwen-Image", f"transformer_path={edit}")
+    cfg = load_run(_write(tmp_path, MAIN + _model(None, model) + ADAPTER + OPTIMIZER, DATASETS["kontext"]))
+    assert cfg.model.type == "qwen_image_edit" and cfg.model.diffusion_model == str(edit)
+    assert cfg.model.vae == "Qwen-Image/vae"
+
+
+def test_a_qwen_type_refuses_another_models_folder_for_its_transformer(tmp_path):
+    folder = _qwen_image_folder(tmp_path)
+    (folder / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    message = _refusal(_write(tmp_path, MAIN + _model(None, _table("qwen_image", "diffusers_path=Qwen-Image")) +
+                              ADAPTER + OPTIMIZER))
+    assert "key 'model.diffusers_path'" in message and "FluxPipeline" in message and "transformer_path" in message
 
 
 @pytest.mark.parametrize("dataset_lines, key", [

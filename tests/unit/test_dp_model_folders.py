@@ -324,10 +324,10 @@ def test_a_text_encoder_folder_comfyui_reads_no_folder_of_is_refused_naming_the_
     from pipetrain.backend.models.loading import load_text_encoders
     folder = tmp_path / "text_encoder"
     _save(folder / "model.safetensors", {"model.embed_tokens.weight": torch.zeros(4, 2)})
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
     with pytest.raises(ModelError) as err:
-        load_text_encoders([folder], "qwen_image", None)
-    assert "qwen2_5_vl" in str(err.value) and "single files" in str(err.value) and "Qwen2.5-VL-7B" in str(err.value)
+        load_text_encoders([folder], "lumina2", None)
+    assert "gemma2" in str(err.value) and "single files" in str(err.value) and "Gemma-2-2B" in str(err.value)
 
 
 def test_a_full_fine_tune_of_a_folder_saves_a_comfyui_single_file(model_files, tmp_path):

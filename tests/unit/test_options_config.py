@@ -156,7 +156,7 @@ def test_the_flux_example_shows_every_option():
     (("cache_text_embeddings = true", "cache_text_embeddings = false"), "model.cache_text_embeddings", "cached"),
     (("rank = 32", "rank = 32\nexclude_modules = ['x']"), "adapter.exclude_modules", "target_modules"),
     (("type = 'lora'", "type = 'lokr'\nrank_dropout = 0.1"), "adapter.rank_dropout", "use dropout"),
-    (("type = 'adamw_optimi'", "type = 'automagic'"), "optimizer.type", "Prodigy"),
+    (("type = 'adamw_optimi'", "type = 'offload'"), "optimizer.type", "adamw8bit"),
     (("eps = 1e-8", "eps = 1e-8\ngradient_release = true"), "optimizer.gradient_release", "not implemented"),
 ])
 def test_known_unsupported_keys_name_the_key_and_the_fix(dp, edit, key, reason):
