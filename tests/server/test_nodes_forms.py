@@ -97,6 +97,9 @@ def test_every_node_option_reaches_the_run_config(forms, tmp_path, monkeypatch):
 
         def where(self, run_id):
             return "on GPU(s) [0]"
+
+        def queue_plan(self, run_id):
+            return "memory plan: (not made here)"
     monkeypatch.setattr(host, "get_launcher", lambda: FakeLauncher())
     memory = settings.MemoryNode.execute(activation_checkpointing=True, blocks_to_swap=0,
                                          offload_activations=True).result[0]
