@@ -189,7 +189,7 @@ def _text(adapter, store: CacheStore, prompt: str, state: dict, controls: tuple[
     if not store.has("text", key):
         if "clip" not in state:
             state["clip"] = adapter.load_text_encoders()
-        work = TextWork(prompt, str(control or ""), size, tuple(map(str, more)))
+        work = TextWork(prompt, str(control or ""), size, more_controls=tuple(map(str, more)))
         store.put("text", key, encode_text(adapter, state["clip"], work))
     return store.get("text", key)
 

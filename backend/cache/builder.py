@@ -5,7 +5,7 @@ import gc
 import logging
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,8 +25,9 @@ class TextWork:
     caption: str
     control: str = ""
     bucket: tuple = ()
-    lyrics: str = ""     # audio models: encoded with the caption (TextEncodeAceStepAudio's tags + lyrics)
-    more_controls: tuple[str, ...] = ()
+    # keyword-only: callers name them, so a field added later cannot take another's place
+    lyrics: str = field(default="", kw_only=True)   # audio models: encoded with the caption (tags + lyrics)
+    more_controls: tuple[str, ...] = field(default=(), kw_only=True)   # edit models: the further control images
 
 
 def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, dict]:
@@ -36,7 +37,7 @@ def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, di
         if e.latent not in latents and e.latent not in stored_latents:
             latents[e.latent] = e
         if e.text not in texts and e.text not in stored_texts:
-            texts[e.text] = TextWork(e.caption, e.control, e.bucket, e.lyrics, e.more_controls)
+            texts[e.text] = TextWork(e.caption, e.control, e.bucket, lyrics=e.lyrics, more_controls=e.more_controls)
     return latents, texts
 
 

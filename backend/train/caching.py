@@ -146,5 +146,5 @@ def replaced_captions(adapter, entries, store: CacheStore, replace) -> tuple[dic
         caption = replace(e.caption)
         key = text_key(caption, te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket, more))
         swap[e.text] = key
-        work[key] = TextWork(caption, e.control, e.bucket, e.more_controls)
+        work[key] = TextWork(caption, e.control, e.bucket, more_controls=e.more_controls)
     return swap, work
