@@ -148,7 +148,12 @@ def estimate(footprints: list[LayerFootprint], settings: MemorySettings, trainin
     return out
 
 
-def _gib(n: int) -> str:
+def peak(stages: list[StageEstimate]) -> int:
+    """The largest stage's GPU bytes: what must fit."""
+    return max(st.gpu for st in stages)
+
+
+def gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if abs(n) >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
@@ -174,7 +179,7 @@ def choose(footprints: list[LayerFootprint], training: Training, gpu_total: int,
         candidates += [MemorySettings(True, 1.0, n) for n in range(1, max(blocks - 1, 0))]
     for settings in candidates:
         stages = estimate(footprints, settings, training, bounds)
-        if max(st.gpu for st in stages) <= limit:
+        if peak(stages) <= limit:
             return settings, stages
     return None
 
@@ -237,9 +242,9 @@ def does_not_fit(cfg, footprints: list[LayerFootprint], gpu_total: int, whole_gp
     weights, or the fewest pipeline stages) where one does."""
     training = training_of(cfg)
     last = MemorySettings(True, 1.0, max(sum(fp.checkpointable for fp in footprints) // training.stages - 2, 0))
-    need = max(st.gpu for st in estimate(footprints, last, training))
+    need = peak(estimate(footprints, last, training))
     text = (f"even with every block checkpointed and {last.blocks_to_swap} blocks swapped to CPU memory a stage "
-            f"needs about {_gib(need)}, and {_gib(usable_bytes(gpu_total, whole_gpu))} of {_gib(gpu_total)} can be "
+            f"needs about {gib(need)}, and {gib(usable_bytes(gpu_total, whole_gpu))} of {gib(gpu_total)} can be "
             "planned")
     fixes = smallest_changes(cfg, footprints, training, gpu_total, whole_gpu)
     if fixes:
@@ -261,11 +266,11 @@ def smallest_changes(cfg, footprints: list[LayerFootprint], training: Training, 
         fp8 = choose(footprints, dataclasses.replace(training, fp8_weights=True), gpu_total, whole_gpu)
         if fp8:
             fixes.append(f"diffusion_model_dtype = 'float8_e4m3fn' ({fp8[0].describe()}, "
-                         f"{_gib(max(st.gpu for st in fp8[1]))} per stage)")
+                         f"{gib(peak(fp8[1]))} per stage)")
     for stages in range(training.stages + 1, min(MAX_STAGES, len(footprints)) + 1):
         more = choose(footprints, dataclasses.replace(training, stages=stages), gpu_total, whole_gpu)
         if more:
             fixes.append(f"pipeline_stages = {stages} on {stages} GPUs ({more[0].describe()}, "
-                         f"{_gib(max(st.gpu for st in more[1]))} per stage)")
+                         f"{gib(peak(more[1]))} per stage)")
             break
     return fixes

@@ -6,17 +6,21 @@ from __future__ import annotations
 from . import memory_plan as mp
 
 
-def gpu_total(cfg, gpu_gib: float | None = None) -> tuple[int | None, bool]:
+def gpu_total(cfg, gpu_gib: float | None = None, devices=None) -> tuple[int | None, bool]:
     """The bytes to plan for and whether they are a whole GPU: ``gpu_gib``, the config's memory_limit_gib, the
-    smallest GPU this process sees, or (None, True)."""
+    smallest of ``devices`` (default: every GPU this process sees; indices it does not see are skipped), or
+    (None, True) where none is left."""
     if gpu_gib is not None:
         return int(gpu_gib * mp.GIB), True
     if cfg.memory_limit_gib is not None:
         return int(cfg.memory_limit_gib * mp.GIB), False
     import torch
-    if torch.cuda.is_available():
-        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())), True
-    return None, True
+    if not torch.cuda.is_available():
+        return None, True
+    count = torch.cuda.device_count()
+    sizes = [torch.cuda.get_device_properties(d).total_memory for d in (range(count) if devices is None else devices)
+             if 0 <= d < count]
+    return (min(sizes), True) if sizes else (None, True)
 
 
 def main(config: str, resolution: int | None, frames: int | None, gpu_gib: float | None) -> int:

@@ -47,7 +47,7 @@ class ConfigPlan:
     refusal: str | None            # why nothing fits, with the changes that would help
 
     def peak(self) -> int:
-        return max(st.gpu for st in self.configured[1])
+        return mp.peak(self.configured[1])
 
     def lines(self) -> list[str]:
         out = [f"{self.model_type} at {self.probe.describe()}, {self.stages} stage(s)",
@@ -62,11 +62,11 @@ class ConfigPlan:
 
     def summary(self) -> str:
         """One line for a node: the configured peak, and whether it fits the GPU."""
-        text = f"memory plan: {mp._gib(self.peak())} per stage at {self.probe.describe()}"
+        text = f"memory plan: {mp.gib(self.peak())} per stage at {self.probe.describe()}"
         if self.gpu_total is None:
             return text
         usable = mp.usable_bytes(self.gpu_total, self.whole_gpu)
-        text += f" ({mp._gib(self.gpu_total)} GPU)"
+        text += f" ({mp.gib(self.gpu_total)} GPU)"
         if self.peak() > usable:
             text += "; likely out of memory as configured: " + (
                 f"memory = 'auto' would choose {self.auto[0].describe()}" if self.auto else self.refusal)

@@ -27,31 +27,20 @@ class QueuePlan:
     refusal: str | None    # set for an 'auto' run that no setting fits
 
 
-def gpu_total(cfg, devices: tuple[int, ...] | None) -> tuple[int | None, bool]:
-    """Bytes to plan for: memory_limit_gib, else the smallest of ``devices`` (None where they are not this
-    machine's or there is no CUDA)."""
-    from ..backend.memory_plan import GIB
-
-    if cfg.memory_limit_gib is not None:
-        return int(cfg.memory_limit_gib * GIB), False
-    import torch
-    if devices is None or not torch.cuda.is_available():
-        return None, True
-    count = torch.cuda.device_count()
-    sizes = [torch.cuda.get_device_properties(d).total_memory for d in devices if 0 <= d < count]
-    return (min(sizes), True) if sizes else (None, True)
-
-
 def plan_queued_run(run_toml: Path, devices: tuple[int, ...] | None, runs_root: Path) -> QueuePlan:
     """The plan of the run written at ``run_toml``; a model the trace cannot run is reported, not refused (the
     run then trains with its config's own settings, as ``memory = 'auto'`` does after a failed trace)."""
+    from ..backend import memory_plan as mp
     from ..backend.config import load_run_config
+    from ..backend.memory_plan_cli import gpu_total
     from ..backend.memory_plan_config import plan_config
 
     cfg = load_run_config(run_toml)
     start = time.monotonic()
     try:
-        plan = plan_config(cfg, *gpu_total(cfg, devices), memo=runs_root / MEMO_FOLDER)
+        # a cluster's GPUs (devices None) are not this machine's: only memory_limit_gib is known for them
+        plan = plan_config(cfg, *gpu_total(cfg, devices=() if devices is None else devices),
+                           memo=runs_root / MEMO_FOLDER)
     except PipeTrainError as e:
         return QueuePlan(f"memory plan: not made ({e})", None)
     except Exception as e:  # noqa: BLE001  (model code the trace cannot run must not block the run)
@@ -61,7 +50,6 @@ def plan_queued_run(run_toml: Path, devices: tuple[int, ...] | None, runs_root: 
     if cfg.memory == "auto" and plan.gpu_total is not None:
         if plan.auto is None:
             return QueuePlan(plan.summary(), f"memory = 'auto': {plan.refusal}")
-        return QueuePlan(f"memory = 'auto' chooses {plan.auto[0].describe()}: "
-                         f"{max(st.gpu for st in plan.auto[1]) / 2**30:.1f} GiB per stage of "
-                         f"{plan.gpu_total / 2**30:.1f} GiB at {plan.probe.describe()}" + took, None)
+        return QueuePlan(f"memory = 'auto' chooses {plan.auto[0].describe()}: {mp.gib(mp.peak(plan.auto[1]))} per "
+                         f"stage of {mp.gib(plan.gpu_total)} at {plan.probe.describe()}" + took, None)
     return QueuePlan(plan.summary() + took, None)
