@@ -323,8 +323,10 @@ def check_control_paths(ds, adapter, label: str) -> None:
                                "training files")
         for key, node_input in (("control_mask_path", "control_masks"), ("reference_path", "reference_image")):
             if getattr(d, key) is not None and not getattr(adapter, "vace_inputs", False):
-                raise DatasetError(f"{label}: [[directory]] {d.path!r} sets {key}, which only wan_vace takes "
-                                   f"(WanVaceToVideo's {node_input}); remove {key} or choose type = 'wan_vace'")
+                from ..models.registry import types_with   # on the error path only: imports every adapter class
+                takers = " or ".join(repr(t) for t in types_with("vace_inputs"))
+                raise DatasetError(f"{label}: [[directory]] {d.path!r} sets {key}, which only {takers} takes "
+                                   f"(WanVaceToVideo's {node_input}); remove {key} or choose type = {takers}")
         if not needs and d.control_path is not None:
             raise DatasetError(f"{label}: [[directory]] {d.path!r} sets control_path, but {adapter.arch} is not an "
                                "edit model; remove control_path or choose an edit model type")

@@ -86,5 +86,11 @@ def arch_spec(model_type: str):
     return adapter_class(model_type).spec
 
 
+def types_with(fact: str) -> list[str]:
+    """The supported model types whose adapter class sets ``fact`` (e.g. ``vace_inputs``), for messages that must
+    name them without the caller spelling a type."""
+    return sorted(t for t in ADAPTERS if getattr(adapter_class(t), fact, False))
+
+
 def arch_specs() -> dict:
     return {name: arch_spec(name) for name in ADAPTERS}

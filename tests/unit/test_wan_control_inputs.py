@@ -189,7 +189,7 @@ def test_the_keys_are_refused_where_they_do_nothing(tmp_path):
             type="wan_fun_control", diffusion_model="x", vae="x", control_start_image=False, clip_vision="c"), "f")
     for key in ("control_mask_path", "reference_path"):
         ds = DatasetConfig(directory=[DirectoryConfig(path="a", control_path="c", **{key: "m"})])
-        with pytest.raises(DatasetError, match=key):
+        with pytest.raises(DatasetError, match=f"{key}, which only 'wan_vace' takes.*choose type = 'wan_vace'"):
             check_control_paths(ds, adapter_class("wan_fun_control"), "dataset")
         check_control_paths(ds, adapter_class("wan_vace"), "dataset")   # VACE takes it
     ds = DatasetConfig(directory=[DirectoryConfig(path="a", control_path="c", reference_path="r"),
