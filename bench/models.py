@@ -99,9 +99,11 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     from pipetrain.backend import lora
     from pipetrain.backend.models.checkpointing import apply_checkpointing
 
+    cuda = device == "cuda"
     gc.collect()                          # the previous model's weights must be gone before the peak is reset
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.monotonic()
     adapter = build(arch, device, torch.bfloat16, args.size)
     dm = adapter.diffusion_model
@@ -119,11 +121,12 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
                      args.channels_last)
     built_s = time.monotonic() - t0
     times, losses = [], []
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for step in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        sync()
         s = time.perf_counter()
         loss = _step(layers, inputs, adapter, opt)
-        torch.cuda.synchronize()
+        sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - s)
         losses.append(float(loss))
@@ -131,7 +134,7 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     profiled = profile_steps(arch, lambda: _step(layers, inputs, adapter, opt), Path(args.out)) if args.profile else {}
     return {**profiled, "arch": arch, "params_b": round(params_b, 2), "lora_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
             "latent": list(inputs[0].shape), "step_s": round(step_s, 4), "samples_per_s": round(args.batch / step_s, 3),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "build_s": round(built_s, 1),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None, "build_s": round(built_s, 1),
             "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses))}
 
 
@@ -164,18 +167,20 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, results = time.monotonic(), {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU: a smoke test of the code paths (--size tiny)
     for arch in args.archs.split(","):
         if time.monotonic() - start > args.deadline_s:
             results[arch] = {"skipped": "deadline"}
             continue
         try:
-            results[arch] = measure(arch, args)
+            results[arch] = measure(arch, args, device)
         except Exception as e:  # noqa: BLE001  (one model's failure must not hide the others)
             results[arch] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "peak_gib": round(
-                torch.cuda.max_memory_allocated() / 2**30, 1)}
+                torch.cuda.max_memory_allocated() / 2**30, 1) if device == "cuda" else None}
         print(json.dumps(results[arch]), flush=True)
         (out / "models.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
