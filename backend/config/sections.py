@@ -73,6 +73,9 @@ class MonitoringConfig:
                               key="monitoring.wandb_api_key")
 
 
+SAMPLE_FILES = ("start_image", "end_image")   # [samples] keys naming a file relative to the run config
+
+
 @dataclass
 class SamplesConfig:
     """Images rendered with ComfyUI's own sampler and each freshly saved epoch LoRA."""
@@ -99,6 +102,9 @@ class SamplesConfig:
     # image-to-video models: the image the clips start from (relative to this file); None: the first frame of the
     # dataset's first clip (wan_flf2v: its first and last frames)
     start_image: Optional[str] = None
+    # wan_flf2v: the image the clips end on (relative to this file); None: the start image's clip's last frame
+    # (with start_image: the end left free)
+    end_image: Optional[str] = None
 
     def validate(self, file):
         if self.host_timeout_s <= 0:
