@@ -37,6 +37,21 @@ def image_problem(path: Path) -> str | None:
     return None
 
 
+def media_problem(path: Path) -> str | None:
+    """Why ``path`` is neither a readable image nor a readable video (PyAV, or an animated WebP), or None."""
+    from .data.video import probe_video
+    from .errors import DatasetError
+
+    problem = image_problem(path)
+    if problem is None or not path.is_file():
+        return problem
+    try:
+        readable = probe_video(path) is not None
+    except DatasetError:
+        readable = False
+    return None if readable else f"{path} is not a readable video or image"
+
+
 def check_samples(cfg: RunConfig) -> None:
     """``[samples]`` against the model type: a clip length the VAE can compress, a start image only for i2v types
     (not for wan_fun_control without its start image), an end image only for wan_flf2v, each a readable image
@@ -61,20 +76,24 @@ def check_samples(cfg: RunConfig) -> None:
     if s.end_image is not None:
         _check_image(cfg, "end_image", getattr(adapter, "given_last_frame", False), "given_last_frame",
                      "an end image; only the first-last-frame types")
+    if s.control_video is not None:
+        _check_image(cfg, "control_video", adapter.video_control, "video_control",
+                     "a control video; only the control-video types", media_problem)
 
 
-def _check_image(cfg: RunConfig, key: str, taken: bool, fact: str, takers: str) -> None:
-    """``[samples] key`` names a readable image, and the model type takes one (its adapter's ``fact``; ``takers``:
-    what it lacks and which types have it, in words)."""
+def _check_image(cfg: RunConfig, key: str, taken: bool, fact: str, takers: str, problem=image_problem) -> None:
+    """``[samples] key`` names a readable image (``problem``: or what else it checks), and the model type takes
+    one (its adapter's ``fact``; ``takers``: what it lacks and which types have it, in words)."""
     from .models.registry import ADAPTERS, adapter_class
 
     if not taken:
         types = sorted(name for name in ADAPTERS if getattr(adapter_class(name), fact, False))
         raise ConfigError(f"a {cfg.model.type} model samples without {takers} take one ({', '.join(types)}): leave "
                           f"samples.{key} out", file=cfg.file, key=f"samples.{key}")
-    problem = image_problem(cfg.resolve(getattr(cfg.samples, key)))
-    if problem:
-        raise ConfigError(f"{problem}; name an image file (relative to the run config, or absolute)", file=cfg.file,
+    why = problem(cfg.resolve(getattr(cfg.samples, key)))
+    if why:
+        kind = "an image" if problem is image_problem else "a video or image"
+        raise ConfigError(f"{why}; name {kind} file (relative to the run config, or absolute)", file=cfg.file,
                           key=f"samples.{key}")
 
 

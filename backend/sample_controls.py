@@ -6,8 +6,10 @@ read as training reads them (``cache.builder.control_inputs``) at the sample's s
 video cropped to the size and cut to ``[samples] frames`` (a shorter one, or an image, is filled by the node as in
 training); wan_vace adds the item's control mask and reference image where the dataset has them; wan_fun_control
 (``[model] control_start_image``, the default) its start image: ``[samples] start_image``, else the item's first
-frame. ComfyUI's WanVaceToVideo / WanFunControlToVideo build the conditioning (the adapter's
-``control_conditioning``, which training's ``encode_conditioning`` goes through too).
+frame. ``[samples] control_video`` replaces the control alone: the item's mask, drawn for its own control, is
+left out (generate everywhere); its reference image and first frame stay. ComfyUI's WanVaceToVideo /
+WanFunControlToVideo build the conditioning (the adapter's ``control_conditioning``, which training's
+``encode_conditioning`` goes through too).
 """
 from __future__ import annotations
 
@@ -34,9 +36,15 @@ def control_inputs(cfg: RunConfig, adapter) -> dict[str, torch.Tensor]:
     model takes them, ``control_mask``, ``reference`` [1, H, W, 3] and ``start_image`` [1, H, W, 3]."""
     from .cache.builder import control_inputs as read_controls
 
+    from .sample_clips import check_samples
+
     s, item = cfg.samples, control_item(cfg)
-    vace = (item.control_mask, item.reference) if adapter.vace_inputs else (None, None)
-    control, more = read_controls(adapter, (s.width, s.height, s.frames), str(item.control), (),
+    if s.control_video is not None:
+        check_samples(cfg)   # the file may have changed since the run was queued
+    control = cfg.resolve(s.control_video) if s.control_video is not None else item.control
+    mask = item.control_mask if s.control_video is None else None
+    vace = (mask, item.reference) if adapter.vace_inputs else (None, None)
+    control, more = read_controls(adapter, (s.width, s.height, s.frames), str(control), (),
                                   *(str(p) if p else None for p in vace))
     inputs = {"control": control, **more}
     if adapter.takes_control_start_image and adapter.start_image:

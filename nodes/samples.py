@@ -25,16 +25,16 @@ def parse_strengths(text: str) -> tuple[float, ...]:
     return values or (1.0,)
 
 
-def input_image_path(name: str, widget: str) -> Path:
-    """The Samples node's start or end image (``widget``), a file under ComfyUI's input directory, as an absolute
-    path."""
+def input_image_path(name: str, widget: str, video: bool = False) -> Path:
+    """The Samples node's start or end image (``widget``; ``video``: a video or an image, the control video), a
+    file under ComfyUI's input directory, as an absolute path."""
     import folder_paths
-    return input_image(folder_paths.get_input_directory(), name, widget)
+    return input_image(folder_paths.get_input_directory(), name, widget, video)
 
 
-def _image_file(name: str | None, widget: str) -> str | None:
-    """The absolute path of an image widget's file, or None where the widget is empty."""
-    return str(input_image_path(name, widget)) if name and name.strip() else None
+def _image_file(name: str | None, widget: str, video: bool = False) -> str | None:
+    """The absolute path of an image (``video``: or video) widget's file, or None where the widget is empty."""
+    return str(input_image_path(name, widget, video)) if name and name.strip() else None
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -97,12 +97,16 @@ class SamplesNode(io.ComfyNode):
                 io.String.Input("end_image", default="", optional=True, tooltip="First-last-frame models "
                                 "(wan_flf2v): the image the clips end on, a file under ComfyUI's input directory. "
                                 "Empty: the last frame of the dataset's first clip, or none when start_image is set"),
+                io.String.Input("control_video", default="", optional=True, tooltip="Control-video models "
+                                "(wan_vace, wan_fun_control): the control video (or image) the clips render with, "
+                                "a file under ComfyUI's input directory (e.g. pose.mp4). Empty: the control of the "
+                                "dataset's first controlled clip (with its VACE mask)"),
             ],
             outputs=[t.Samples.Output(display_name="samples")],
         )
 
     @classmethod
-    def validate_inputs(cls, prompts=None, strengths=None, start_image=None, end_image=None):
+    def validate_inputs(cls, prompts=None, strengths=None, start_image=None, end_image=None, control_video=None):
         try:
             if prompts is not None:
                 parse_prompts(prompts)
@@ -110,13 +114,14 @@ class SamplesNode(io.ComfyNode):
                 parse_strengths(strengths)
             _image_file(start_image, "start_image")
             _image_file(end_image, "end_image")
+            _image_file(control_video, "control_video", video=True)
         except ValueError as e:
             return str(e)
         return True
 
     @classmethod
     def execute(cls, prompts, render_on=None, strengths=None, fps=None, start_image=None, end_image=None,
-                **keys) -> io.NodeOutput:
+                control_video=None, **keys) -> io.NodeOutput:
         # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s, frames:
         # as named
         render = RENDER_ON[render_on] if render_on is not None else None
@@ -124,7 +129,9 @@ class SamplesNode(io.ComfyNode):
                                           "strengths": parse_strengths(strengths) if strengths is not None else None,
                                           "fps": unset_if_zero(fps),
                                           "start_image": _image_file(start_image, "start_image"),
-                                          "end_image": _image_file(end_image, "end_image")}, "samples"))
+                                          "end_image": _image_file(end_image, "end_image"),
+                                          "control_video": _image_file(control_video, "control_video", video=True)},
+                                         "samples"))
 
 
 class EpochSamplesNode(io.ComfyNode):

@@ -73,7 +73,7 @@ class MonitoringConfig:
                               key="monitoring.wandb_api_key")
 
 
-SAMPLE_FILES = ("start_image", "end_image")   # [samples] keys naming a file relative to the run config
+SAMPLE_FILES = ("start_image", "end_image", "control_video")   # [samples] keys naming a file relative to the run config
 
 
 @dataclass
@@ -105,6 +105,9 @@ class SamplesConfig:
     # wan_flf2v: the image the clips end on (relative to this file); None: the start image's clip's last frame
     # (with start_image: the end left free)
     end_image: Optional[str] = None
+    # control-video models (wan_vace, wan_fun_control): the control video (or image) the clips render with, in place
+    # of the dataset's first control clip (relative to this file)
+    control_video: Optional[str] = None
 
     def validate(self, file):
         if self.host_timeout_s <= 0:

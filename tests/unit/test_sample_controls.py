@@ -166,3 +166,77 @@ def test_control_samples_render_through_comfyuis_model(arch, model_files, make_r
     [path] = sampling.render(cfg, tmp_path / "run-epoch0002.safetensors")
     with Image.open(path) as clip:
         assert np.abs(np.asarray(clip.convert("RGB"), dtype=np.float32) - first).max() > 1
+
+
+OTHER = [(120, 40, 200), (40, 200, 120), (200, 120, 40), (60, 60, 180), (180, 60, 60)] * 2   # the first 5 taken
+
+
+@pytest.mark.parametrize("arch", ["wan_vace", "wan_fun_control"])
+def test_samples_control_video_replaces_the_datasets(arch, model_files, make_run, monkeypatch, tmp_path):
+    """[samples] control_video is the control the clips render with (wan_vace: the item's mask, drawn for its own
+    control, left out: the inactive half grey)."""
+    other = webp_clip(tmp_path / "pose.webp", OTHER)
+    masks = {"control_mask_path": {"a_clip.png": _half_mask, "img00.png": _half_mask}} if arch == "wan_vace" else {}
+    config = _controlled_run(model_files(arch), make_run, arch, samples={"control_video": str(other)}, **masks)
+    calls, _, vae = render_capturing(config, monkeypatch, tmp_path)
+
+    cond = calls[0]["positive"][0][1]
+    control = encoded(vae, solid(OTHER[:5]))
+    if arch == "wan_vace":
+        frames = cond["vace_frames"][0].float()
+        torch.testing.assert_close(frames[:, 16:], control, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(frames[:, :16], encoded(vae, torch.full((5, 64, 64, 3), 0.5)), rtol=1e-4,
+                                   atol=1e-5)
+        assert (cond["vace_mask"][0] == 1).all()
+    else:
+        torch.testing.assert_close(cond["concat_latent_image"][:, :16].float(), control, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cond["concat_latent_image"][:, 16:, :1].float(),
+                                   encoded(vae, solid(CLIP[:1]))[:, :, :1], rtol=1e-4, atol=1e-5)
+
+
+def test_control_video_against_the_model_type_and_its_file(model_files, make_run, tmp_path):
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.sample_clips import check_samples
+
+    def load(arch, name, path):
+        config = make_run(model_files(arch), images=1, name=name, model={"type": arch},
+                          samples={"prompts": ["x"], "control_video": path})
+        cfg = load_run_config(config)
+        check_samples(cfg)
+        return cfg
+
+    pose = webp_clip(tmp_path / "pose.webp", OTHER)
+    (tmp_path / "notes.txt").write_text("no video")
+    with pytest.raises(ConfigError, match="samples.control_video.*wan_i2v model samples without a control video.*"
+                                          "wan_fun_control, wan_vace"):
+        load("wan_i2v", "i2v", str(pose))
+    for k, (bad, message) in enumerate([("missing.mp4", "is not a file"), ("notes.txt", "not a readable video")]):
+        with pytest.raises(ConfigError, match=f"samples.control_video.*{message}.*name a video or image file"):
+            load("wan_vace", f"bad{k}", str(tmp_path / bad))
+    still = picture(tmp_path / "pose.png", (5, 6, 7))
+    assert load("wan_vace", "still", str(still)).samples.control_video == str(still)   # an image is a control too
+    cfg = load("wan_fun_control", "ok", "../pose.webp")
+    assert cfg.with_absolute_paths().samples.control_video == str(pose)   # the run folder's copy still finds it
+
+
+def test_the_samples_nodes_control_video_stays_in_comfyuis_input_folder(monkeypatch, tmp_path):
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    import folder_paths
+
+    from pipetrain.nodes.samples import SamplesNode
+
+    inputs = tmp_path / "input"
+    inputs.mkdir()
+    webp_clip(inputs / "pose.webp", OTHER)
+    (inputs / "pose.mp4").write_text("no video")
+    monkeypatch.setattr(folder_paths, "get_input_directory", lambda: str(inputs))
+    assert SamplesNode.validate_inputs(control_video="pose.webp") is True
+    for bad, message in [("../pose.webp", "without .."), ("pose.mp4", "not a readable video or image"),
+                         ("gone.mp4", "is not a file")]:
+        assert f"control_video {bad!r}: " in SamplesNode.validate_inputs(control_video=bad), bad
+        assert message in SamplesNode.validate_inputs(control_video=bad), bad
+    patch = SamplesNode.execute("a fox", control_video="pose.webp").result[0]
+    assert patch.get("samples.control_video") == str(inputs / "pose.webp")
+    assert SamplesNode.execute("a fox", control_video=" ").result[0].get("samples.control_video") is None
