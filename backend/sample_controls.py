@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Epoch samples of control-video models (wan_vace, wan_fun_control): a LoRA trained on (control, clip) pairs is
 only judged by clips rendered with a control, so each sample renders with the control of the dataset's first
-controlled item (by control file name, as edit models' ``sampling.sample_control`` picks theirs). Its files are
+controlled clip (by control file name, as edit models' ``sampling.sample_control`` picks theirs; a still's only
+where the dataset has no clip: its control is one frame, which the node would pad to the clip). Its files are
 read as training reads them (``cache.builder.control_inputs``) at the sample's size and frame count: the control
 video cropped to the size and cut to ``[samples] frames`` (a shorter one, or an image, is filled by the node as in
 training); wan_vace adds the item's control mask and reference image where the dataset has them; wan_fun_control
@@ -21,21 +22,21 @@ from .errors import ConfigError
 
 
 def control_item(cfg: RunConfig) -> MediaItem:
-    """The dataset's controlled item whose control file name sorts first (then its own name)."""
+    """The dataset's controlled clip whose control file name sorts first (then its own name); a still only where
+    the dataset has no clip."""
     from .data import scan_dataset
 
     items = [item for item in scan_dataset(cfg.dataset_config, videos=True).items if item.control is not None]
     if not items:
         raise ConfigError(f"{cfg.model.type} samples render with a control video, and the dataset pairs none with "
                           "its clips: set control_path on its [[directory]] tables", file=cfg.file, key="samples")
-    return min(items, key=lambda item: (item.control, item.path))
+    return min(items, key=lambda item: (item.frames == 1, item.control, item.path))
 
 
 def control_inputs(cfg: RunConfig, adapter) -> dict[str, torch.Tensor]:
     """The keyword inputs of ``adapter.control_conditioning`` for the samples: ``control`` [F, H, W, 3] and, as the
     model takes them, ``control_mask``, ``reference`` [1, H, W, 3] and ``start_image`` [1, H, W, 3]."""
     from .cache.builder import control_inputs as read_controls
-
     from .sample_clips import check_samples
 
     s, item = cfg.samples, control_item(cfg)

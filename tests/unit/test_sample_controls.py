@@ -19,15 +19,15 @@ CONTROL = [(250, 10, 10), (10, 250, 10), (10, 10, 250), (250, 250, 10), (10, 250
 CLIP = [(20, 90, 220)] + [(240, 240, 10)] * 8
 
 
-def _controlled_run(files, make_run, arch, name="job", model=None, samples=None, **folders):
-    """A run whose dataset pairs a clip (a_clip) and an image (img00) with controls (controls/, the clip's a
+def _controlled_run(files, make_run, arch, name="job", model=None, samples=None, clip="a_clip", **folders):
+    """A run whose dataset pairs a clip (``clip``) and an image (img00) with controls (controls/, the clip's a
     9-frame video); ``folders``: further [[directory]] keys -> {file name: writer} in a folder of that name."""
     config = make_run(files, images=1, name=name, model={"type": arch, **(model or {})}, samples={
         "prompts": ["a fox"], "width": 64, "height": 64, "steps": 1, "frames": 5, **(samples or {})})
     root = config.parent
-    webp_clip(root / "dataset" / "a_clip.webp", CLIP)
+    webp_clip(root / "dataset" / f"{clip}.webp", CLIP)
     (root / "controls").mkdir()
-    webp_clip(root / "controls" / "a_clip.webp", CONTROL)
+    webp_clip(root / "controls" / f"{clip}.webp", CONTROL)
     Image.new("RGB", (64, 64), (1, 2, 3)).save(root / "controls" / "img00.png")
     lines = [f'control_path = "{root / "controls"}"']
     for key, written in folders.items():
@@ -48,10 +48,12 @@ def _vace_node(vae, **inputs):
     return positive[0][1], latent, trim
 
 
-def test_vace_samples_carry_the_datasets_control_clip(model_files, make_run, monkeypatch, tmp_path):
+@pytest.mark.parametrize("clip", ["a_clip", "z_clip"])
+def test_vace_samples_carry_the_datasets_control_clip(clip, model_files, make_run, monkeypatch, tmp_path):
     """No mask: the node's reactive half is the control's own latent (its first 5 frames at the sample size), the
-    inactive half grey, the mask all ones; the negative prompt gets the same control."""
-    config = _controlled_run(model_files("wan_vace"), make_run, "wan_vace")
+    inactive half grey, the mask all ones; the negative prompt gets the same control. The clip's control is taken
+    before a still's (img00's control image) that sorts first."""
+    config = _controlled_run(model_files("wan_vace"), make_run, "wan_vace", clip=clip)
     calls, paths, vae = render_capturing(config, monkeypatch, tmp_path)
 
     [call] = calls
