@@ -170,18 +170,29 @@ def usable_bytes(gpu_total: int, whole_gpu: bool = True) -> int:
 def choose(footprints: list[LayerFootprint], training: Training, gpu_total: int, whole_gpu: bool = True,
            bounds: list[int] | None = None) -> tuple[MemorySettings, list[StageEstimate]] | None:
     """The fastest settings whose every stage fits ``gpu_total`` bytes, with their estimates; None when even
-    every block checkpointed and swapped does not fit."""
+    every block checkpointed with its input in CPU memory and swapped does not fit."""
     limit = usable_bytes(gpu_total, whole_gpu)
     blocks = max((sum(footprints[i].checkpointable for i in r) for r in stage_ranges(footprints, training.stages,
                                                                                       bounds)), default=0)
-    candidates = [MemorySettings(mode, frac) for mode, frac in _CHECKPOINTING]
-    if training.can_swap:
-        candidates += [MemorySettings(True, 1.0, n) for n in range(1, max(blocks - 1, 0))]
-    for settings in candidates:
+    for settings in (MemorySettings(mode, frac) for mode, frac in _CHECKPOINTING):
         stages = estimate(footprints, settings, training, bounds)
         if peak(stages) <= limit:
             return settings, stages
-    return None
+    if not training.can_swap:
+        return None
+    # Swapping: the step waits on what crosses to and from CPU memory each step (swapped blocks' weights, and
+    # with 'unsloth' every block's input), so of the settings that fit, the fewest bytes parked there.
+    fitting = []
+    for n in range(1, max(blocks - 1, 0)):
+        for mode in (True, "unsloth"):
+            settings = MemorySettings(mode, 1.0, n)
+            stages = estimate(footprints, settings, training, bounds)
+            if peak(stages) <= limit:
+                fitting.append((sum(st.host for st in stages), n, settings, stages))
+    if not fitting:
+        return None
+    _, _, settings, stages = min(fitting, key=lambda c: c[:2])
+    return settings, stages
 
 
 def report(settings: MemorySettings, stages: list[StageEstimate], gpu_total: int | None = None) -> str:

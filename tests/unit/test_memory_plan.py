@@ -68,6 +68,13 @@ def test_auto_takes_the_fastest_settings_that_fit_and_says_when_none_do():
     settings, _ = mp.choose(fps, training, int((full - 90 * MIB) / mp.HEADROOM), whole_gpu=False)
     assert settings.blocks_to_swap >= 4
     assert mp.choose(fps, mp.Training(can_swap=False), int((full - 90 * MIB) / mp.HEADROOM), whole_gpu=False) is None
+    # below every block but two swapped: the blocks' inputs go to CPU memory as well ('unsloth', as dp's
+    # wan_14b_min_vram example sets), rather than nothing fitting
+    most = mp.MemorySettings(True, 1.0, 6)
+    [swapped] = mp.estimate(fps, most, training)
+    settings, stages = mp.choose(fps, training, int((swapped.gpu - 1) / mp.HEADROOM), whole_gpu=False)
+    assert settings.activation_checkpointing == "unsloth" and settings.blocks_to_swap >= 1
+    assert mp.peak(stages) < swapped.gpu
 
 
 def _trace(files, device):
