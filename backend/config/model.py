@@ -35,8 +35,10 @@ class TextEncoderConfig:
 class ModelConfig:
     type: str
     diffusion_model: str
-    vae: str
-    # file paths, or diffusion-pipe's {path|paths, type} tables (text_encoder_files: the paths in order)
+    # None (left out): the VAE of the diffusion_model file, an all-in-one checkpoint (CheckpointLoaderSimple's)
+    vae: Optional[str] = None
+    # file paths, or diffusion-pipe's {path|paths, type} tables (text_encoder_files: the paths in order); none:
+    # the text encoders of the diffusion_model file, an all-in-one checkpoint
     text_encoders: list[Union[str, TextEncoderConfig]] = field(default_factory=list)
     dtype: Dtype = "bfloat16"
     diffusion_model_dtype: Optional[WeightDtype] = None
@@ -80,7 +82,7 @@ class ModelConfig:
 
     def file_paths(self) -> list[tuple[str, str]]:
         """(key, path) of every model file."""
-        return [("model.diffusion_model", self.diffusion_model), ("model.vae", self.vae)] + [
+        return [("model.diffusion_model", self.diffusion_model)] + ([("model.vae", self.vae)] if self.vae else []) + [
             (f"model.text_encoders[{i}]", p) for i, p in enumerate(self.text_encoder_files)] + (
             [("model.clip_vision", self.clip_vision)] if self.clip_vision else []) + [
             (f"model.merge_adapters[{i}]", p) for i, p in enumerate(self.merge_adapters)]

@@ -235,6 +235,42 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
     return files
 
 
+def write_checkpoint(arch: str, path: Path, size: str = "tiny", dtype=torch.float32, seed: int = 0) -> Path:
+    """An all-in-one checkpoint (diffusion model, VAE and text encoders in one file, what CheckpointLoaderSimple
+    reads from models/checkpoints) of the same weights ``write_model_files`` writes for these arguments: those files
+    loaded through ComfyUI and saved by ComfyUI's own ``comfy.sd.save_checkpoint`` (the CheckpointSave node's
+    layout, e.g. ``model.diffusion_model.*``, ``first_stage_model.*`` / ``vae.*``, ``cond_stage_model.*`` /
+    ``text_encoders.*``: the model's ComfyUI config decides). The separate files' metadata travels along, the text
+    encoders' configs by kind (``checkpoint_file.META_TE_CONFIGS``)."""
+    import tempfile
+
+    import comfy.sd
+
+    from .checkpoint_file import META_TE_CONFIGS
+    from .loading import META_TE, META_TE_KIND, load_diffusion_model, load_text_encoders, load_vae, read_header
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        files = write_model_files(arch, Path(tmp), size, dtype, seed)
+        metadata, te_configs = {}, {}
+        for part in (files.diffusion_model, files.vae):
+            metadata.update(read_header(part)[1])
+        for part in files.text_encoders:
+            meta = read_header(part)[1]
+            if META_TE in meta:
+                te_configs[meta[META_TE_KIND]] = json.loads(meta[META_TE])
+        if te_configs:
+            metadata[META_TE_CONFIGS] = json.dumps(te_configs)
+        patcher = load_diffusion_model(files.diffusion_model, dtype, arch=arch)
+        clip = load_text_encoders(files.text_encoders, arch, dtype)
+        out = temp_path_beside(path)
+        comfy.sd.save_checkpoint(str(out), patcher, clip, load_vae(files.vae), metadata=metadata)
+        os.chmod(out, 0o644)   # mkstemp made it private; a model file is an ordinary file
+        os.replace(out, path)
+    return path
+
+
 def write_clip_vision(path: Path, size: str = "tiny", dtype=torch.float32, seed: int = 0) -> int:
     """A CLIP-vision file (ViT-H/14, as Wan 2.1 i2v takes); tiny ones carry their config in the metadata."""
     from ..runtime import locate_comfyui
