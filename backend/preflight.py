@@ -23,10 +23,12 @@ def check_model(model: ModelConfig, file) -> None:
 
 
 def check_run(cfg: RunConfig) -> RunConfig:
+    from . import sample_audio
     from .sample_clips import check_samples
 
     check_model(cfg.model, cfg.file)
     check_samples(cfg)   # clip length and start image against the model type
+    sample_audio.check_samples(cfg)   # lyrics only for audio models
     check_preservation(cfg)
     if cfg.monitoring is not None and cfg.monitoring.enable_wandb:
         import importlib.util

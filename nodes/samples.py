@@ -87,6 +87,12 @@ class SamplesNode(io.ComfyNode):
                 io.String.Input("start_image", default="", optional=True, tooltip="Image-to-video models: the image "
                                 "the clips start from, a file under ComfyUI's input directory (e.g. start.png). "
                                 "Empty: the first frame of the dataset's first clip (wan_flf2v: its first and last)"),
+                io.Float.Input("seconds", default=start("samples.seconds"), min=1.0, max=1000.0, step=1.0,
+                               optional=True, tooltip="Audio models (ACE-Step): each sample is a song this long "
+                               "(EmptyAceStepLatentAudio's seconds), saved as FLAC. Image and video models: ignored"),
+                io.String.Input("lyrics", default=start("samples.lyrics"), multiline=True, optional=True,
+                                tooltip="Audio models (ACE-Step): the lyrics every sample sings, its prompt being the "
+                                "tags (TextEncodeAceStepAudio's lyrics; empty: instrumental)"),
             ],
             outputs=[t.Samples.Output(display_name="samples")],
         )
@@ -106,8 +112,8 @@ class SamplesNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, prompts, render_on=None, strengths=None, fps=None, start_image=None, **keys) -> io.NodeOutput:
-        # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s, frames:
-        # as named
+        # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s, frames,
+        # seconds, lyrics: as named
         render = RENDER_ON[render_on] if render_on is not None else None
         start_file = str(start_image_path(start_image)) if start_image and start_image.strip() else None
         return io.NodeOutput(RunPatch.of({**keys, "prompts": parse_prompts(prompts), "render": render,
@@ -142,5 +148,6 @@ class EpochSamplesNode(io.ComfyNode):
         from ..launcher.comfy import get_launcher
         from ..launcher.samples import fulfil_request
 
-        _, images = fulfil_request(get_launcher().dirs, run_id, request)
-        return io.NodeOutput(images, ui=ui.PreviewImage(images, cls=cls))
+        _, images, songs = fulfil_request(get_launcher().dirs, run_id, request)
+        shown = ui.PreviewAudio(songs, cls=cls) if songs is not None else ui.PreviewImage(images, cls=cls)
+        return io.NodeOutput(images, ui=shown)
