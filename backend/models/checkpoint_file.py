@@ -6,8 +6,9 @@ encoders, as ComfyUI's CheckpointLoaderSimple loads it from models/checkpoints (
 Which keys are the VAE's and which the text encoders' is the model's ComfyUI config (``comfy.supported_models``:
 ``vae_key_prefix``, ``text_encoder_key_prefix``, ``clip_target``), so nothing here names an architecture. The parts
 are built by ComfyUI's own ``comfy.sd.load_state_dict_guess_config`` -- the function CheckpointLoaderSimple runs --
-asked for the VAE or the text encoders only: the diffusion model's tensors are handed to it on the ``meta`` device
-(its detection reads shapes alone), so a 3.5B checkpoint's VAE is read without reading the diffusion model.
+asked for the VAE or the text encoders only: the diffusion model's tensors (ComfyUI's ``unet_prefix_from_state_dict``)
+are handed to it on the ``meta`` device (its detection reads shapes alone), so a 3.5B checkpoint's VAE is read
+without reading the diffusion model.
 
 A tiny checkpoint (``tiny.write_checkpoint``) carries its parts' configs in its metadata as the separate tiny files
 do: the diffusion model's (``pipetrain.unet_config``), the VAE's widths (``pipetrain.vae_kind`` / ``vae_config``) and
@@ -30,18 +31,22 @@ from .registry import arch_spec
 META_TE_CONFIGS = "pipetrain.te_configs"   # a tiny checkpoint's text-encoder configs, {kind: config}
 
 
-def _parts(path: Path, arch: str) -> tuple[dict, dict, object]:
-    """(state dict: the VAE's and text encoders' tensors read, the rest on the meta device; the file's metadata;
-    ComfyUI's model config for the file's diffusion model)."""
+def _parts(path: Path, arch: str, vae: bool) -> tuple[dict, dict, object]:
+    """(state dict: the VAE's (``vae``) or the text encoders' tensors read, the rest on the meta device; the file's
+    metadata; ComfyUI's model config for the file's diffusion model)."""
     from .loading import META_UNET, _meta_state_dict, check_architecture, comfy_layout, model_config, read_header
     check_architecture(path, arch)
     shapes, metadata = read_header(path)
+    import comfy.model_detection as md
     unet_config = (json.loads(metadata[META_UNET]) if META_UNET in metadata
                    else comfy_layout(_meta_state_dict(shapes), metadata)[0])
     config = model_config(arch, unet_config)
-    wanted = tuple(config.vae_key_prefix) + tuple(config.text_encoder_key_prefix)
-    sd = _meta_state_dict({k: s for k, s in shapes.items() if not k.startswith(wanted)})
-    sd.update(_read(path, [k for k in shapes if k.startswith(wanted)]))
+    # ComfyUI takes the VAE by its prefix; the text encoders' keys need not carry text_encoder_key_prefix (SDXL's
+    # process_clip_state_dict reads conditioner.embedders.*): for them every key but the diffusion model's is read
+    unet = md.unet_prefix_from_state_dict(shapes)
+    read = {k for k in shapes if (k.startswith(tuple(config.vae_key_prefix)) if vae else not k.startswith(unet))}
+    sd = _meta_state_dict({k: s for k, s in shapes.items() if k not in read})
+    sd.update(_read(path, sorted(read)))
     return sd, metadata, config
 
 
@@ -90,7 +95,7 @@ def text_encoder_options(metadata: dict, dtype: torch.dtype | None) -> dict:
 def _load(path, arch: str, vae: bool, dtype: torch.dtype | None = None):
     """(the VAE or the CLIP ComfyUI builds from the checkpoint, or None; ComfyUI's model config of the file)."""
     import comfy.sd
-    sd, metadata, config = _parts(Path(path), arch)
+    sd, metadata, config = _parts(Path(path), arch, vae)
     with comfy_reads_checkpoint(path, arch):
         try:
             _, clip, loaded_vae, _ = comfy.sd.load_state_dict_guess_config(
