@@ -15,8 +15,12 @@ from types import SimpleNamespace
 
 import torch
 
+from .runtime import ensure_comfyui
+
 SUFFIX = ".flac"                 # what ComfyUI's SaveAudio writes
-AUDIO_SUFFIXES = (".flac", ".wav", ".mp3", ".ogg", ".opus")
+# an audio sample's suffix -> the type it is served as (the panel's samples route)
+AUDIO_TYPES = {".flac": "audio/flac", ".wav": "audio/wav", ".mp3": "audio/mpeg", ".ogg": "audio/ogg",
+               ".opus": "audio/ogg"}
 
 
 def is_audio(adapter) -> bool:
@@ -25,11 +29,12 @@ def is_audio(adapter) -> bool:
 
 
 def is_audio_file(path) -> bool:
-    return Path(path).suffix.lower() in AUDIO_SUFFIXES
+    return Path(path).suffix.lower() in AUDIO_TYPES
 
 
 def decode(vae, latent: torch.Tensor) -> dict:
     """ComfyUI's ``VAEDecodeAudio`` on a sampled latent: {"waveform": [B, channels, samples], "sample_rate"}."""
+    ensure_comfyui()
     from comfy_extras.nodes_audio import VAEDecodeAudio
 
     return VAEDecodeAudio().decode(vae, {"samples": latent})[0]
@@ -39,6 +44,7 @@ def save(audio: dict, path: Path) -> None:
     """The first song of ``audio`` written to ``path`` by ComfyUI's ``SaveAudio`` code (FLAC through PyAV), which
     names its files itself (``<prefix>_00001_.flac``) in the folder it is given: written beside ``path``, then
     renamed to it."""
+    ensure_comfyui()
     from comfy_extras.nodes_audio import save_audio
 
     path = Path(path)
@@ -51,6 +57,7 @@ def save(audio: dict, path: Path) -> None:
 
 def load(path: Path) -> tuple[torch.Tensor, int]:
     """A sample file read back as ComfyUI's ``LoadAudio`` reads it: waveform [channels, samples], sample rate."""
+    ensure_comfyui()
     from comfy_extras.nodes_audio import load as comfy_load
 
     return comfy_load(str(path))
