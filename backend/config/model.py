@@ -75,6 +75,11 @@ class ModelConfig:
         """The text-encoder paths, diffusion-pipe's ``{path|paths, type}`` tables flattened in order."""
         return [p for te in self.text_encoders for p in ([te] if isinstance(te, str) else te.files)]
 
+    def from_checkpoint(self) -> set[str]:
+        """The roles ("vae", "text_encoders") read from the diffusion_model file, an all-in-one checkpoint, because
+        no file is named for them."""
+        return {role for role, given in (("vae", self.vae), ("text_encoders", self.text_encoder_files)) if not given}
+
     def declared_text_encoder_types(self) -> list[tuple[int, str]]:
         """(index, type) of each text-encoder table that names a ``type``."""
         return [(i, te.type) for i, te in enumerate(self.text_encoders)

@@ -108,10 +108,8 @@ class ModelAdapter(ABC):
 
     # --- caching side -----------------------------------------------------------------------
     def from_checkpoint(self) -> set[str]:
-        """The roles ("vae", "text_encoders") read from the diffusion model file, an all-in-one checkpoint, because
-        the config names no file for them."""
-        return {role for role, given in (("vae", self.cfg.vae), ("text_encoders", self.cfg.text_encoder_files))
-                if not given}
+        """The roles read from the diffusion model file, an all-in-one checkpoint (``ModelConfig.from_checkpoint``)."""
+        return self.cfg.from_checkpoint()
 
     def load_vae(self):
         from .checkpoint_file import load_checkpoint_vae

@@ -31,16 +31,25 @@ from .registry import arch_spec
 META_TE_CONFIGS = "pipetrain.te_configs"   # a tiny checkpoint's text-encoder configs, {kind: config}
 
 
-def _parts(path: Path, arch: str, vae: bool) -> tuple[dict, dict, object]:
-    """(state dict: the VAE's (``vae``) or the text encoders' tensors read, the rest on the meta device; the file's
-    metadata; ComfyUI's model config for the file's diffusion model)."""
+def _header(path, arch: str) -> tuple[dict, dict, object]:
+    """(the file's tensor shapes, its metadata, ComfyUI's model config for its diffusion model); the file must be
+    an ``arch`` model."""
     from .loading import META_UNET, _meta_state_dict, check_architecture, comfy_layout, model_config, read_header
     check_architecture(path, arch)
     shapes, metadata = read_header(path)
-    import comfy.model_detection as md
+    ensure_comfyui()
     unet_config = (json.loads(metadata[META_UNET]) if META_UNET in metadata
                    else comfy_layout(_meta_state_dict(shapes), metadata)[0])
-    config = model_config(arch, unet_config)
+    return shapes, metadata, model_config(arch, unet_config)
+
+
+def _parts(path: Path, arch: str, vae: bool) -> tuple[dict, dict, object]:
+    """(state dict: the VAE's (``vae``) or the text encoders' tensors read, the rest on the meta device; the file's
+    metadata; ComfyUI's model config for the file's diffusion model)."""
+    import comfy.model_detection as md
+
+    from .loading import _meta_state_dict
+    shapes, metadata, config = _header(path, arch)
     # ComfyUI takes the VAE by its prefix; the text encoders' keys need not carry text_encoder_key_prefix (SDXL's
     # process_clip_state_dict reads conditioner.embedders.*): for them every key but the diffusion model's is read
     unet = md.unet_prefix_from_state_dict(shapes)
@@ -125,3 +134,21 @@ def load_checkpoint_text_encoders(path, arch: str, dtype: torch.dtype | None):
         raise ModelError(f"{path}: this file holds no text encoders ComfyUI reads; name the text-encoder files in "
                          "[model] text_encoders (the Model node's text_encoder_1 ...)")
     return clip
+
+
+def check_parts(path, arch: str, roles) -> None:
+    """Before anything loads (the Model node, queue time): the file holds the parts ``roles`` ("vae",
+    "text_encoders") are to be read from, told from its header by ComfyUI's own split of a checkpoint (the model
+    config's VAE prefix and ``process_clip_state_dict``, run on shapes); ``ModelError`` naming the key to set."""
+    import comfy.utils
+
+    from .loading import _meta_state_dict
+    shapes, _, config = _header(path, arch)
+    sd = _meta_state_dict(shapes)
+    if "vae" in roles and not comfy.utils.state_dict_prefix_replace(sd, {k: "" for k in config.vae_key_prefix},
+                                                                       filter_keys=True):
+        raise ModelError(f"{path}: this file holds no VAE (no '{config.vae_key_prefix[0]}*' weights), so the VAE "
+                         "cannot come from it; name the VAE file in [model] vae (the Model node's vae)")
+    if "text_encoders" in roles and not config.process_clip_state_dict(sd):
+        raise ModelError(f"{path}: this file holds no text encoders ComfyUI reads, so they cannot come from it; "
+                         "name their files in [model] text_encoders (the Model node's text_encoder_1 ...)")

@@ -142,3 +142,19 @@ def test_model_node_takes_vae_and_text_encoders_from_the_checkpoint(monkeypatch)
     with pytest.raises(ValueError, match="text_encoder_2 .. 4 to none"):
         data.ModelNode.execute("ace.safetensors", data.FROM_CHECKPOINT, "t5.safetensors", data.FROM_CHECKPOINT,
                                "default", "bfloat16")
+
+
+def test_the_model_node_checks_that_the_file_holds_what_it_is_to_give(files):
+    """Queue time, from the header: the checkpoint passes; a bare diffusion model picked with "(from the
+    checkpoint)" fails naming the key, for the VAE and for the text encoders."""
+    from pipetrain.launcher.forms import model_patch
+    from pipetrain.nodes.data import check_model_patch
+
+    checkpoint, split = files
+    check_model_patch(model_patch("ace_step", str(checkpoint), None))
+    bare = str(split.diffusion_model)
+    with pytest.raises(ValueError, match=r"holds no VAE.*\[model\] vae"):
+        check_model_patch(model_patch("ace_step", bare, None, [str(p) for p in split.text_encoders]))
+    with pytest.raises(ValueError, match=r"holds no text encoders.*\[model\] text_encoders"):
+        check_model_patch(model_patch("ace_step", bare, str(split.vae)))
+    check_model_patch(model_patch("ace_step", bare, str(split.vae), [str(p) for p in split.text_encoders]))

@@ -12,13 +12,18 @@ def test_sdxl_checkpoint_equals_its_separate_files(tmp_path):
     from safetensors import safe_open
 
     from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.errors import ModelError
     from pipetrain.backend.models import tiny
+    from pipetrain.backend.models.checkpoint_file import check_parts
     from pipetrain.backend.models.registry import adapter_class
 
     checkpoint = tiny.write_checkpoint("sdxl", tmp_path / "ckpt" / "sdxl_tiny.safetensors")
     split = tiny.write_model_files("sdxl", tmp_path / "split", "tiny")
     with safe_open(str(checkpoint), framework="pt") as f:
         assert {k.split(".")[0] for k in f.keys()} == {"model", "first_stage_model", "conditioner"}
+    check_parts(checkpoint, "sdxl", {"vae", "text_encoders"})   # told from the header alone
+    with pytest.raises(ModelError, match="holds no text encoders"):
+        check_parts(split.diffusion_model, "sdxl", {"text_encoders"})
     sdxl = adapter_class("sdxl")
     whole = sdxl(ModelConfig(type="sdxl", diffusion_model=str(checkpoint), dtype="float32"))
     separate = sdxl(ModelConfig(type="sdxl", diffusion_model=str(split.diffusion_model), vae=str(split.vae),
