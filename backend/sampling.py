@@ -244,6 +244,7 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     texts = [_text(adapter, store, p, state, controls, (s.width, s.height), lyrics) for p in s.prompts]
     texts.append(_text(adapter, store, s.negative_prompt, state, controls, (s.width, s.height)))
     state.clear()
+    vae = adapter.load_vae()   # the run's (an all-in-one checkpoint's own: a saved full model holds no VAE)
     if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model
         adapter = adapter_class(cfg.model.type)(dataclasses.replace(cfg.model, diffusion_model=str(lora_path)),
                                                 cfg.resolve)
@@ -251,7 +252,6 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     else:
         base = adapter.load_diffusion_model()
         models = [_with_lora(base, lora_path, strength) for strength in s.strengths]
-    vae = adapter.load_vae()
     references = sample_reference(cfg, vae, controls)
     video = sample_clips.is_video(adapter)
     frames = s.frames if video else 1

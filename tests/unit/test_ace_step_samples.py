@@ -103,3 +103,27 @@ def test_samples_node_sets_seconds_and_lyrics():
 
     patch = SamplesNode.execute("rock, guitar\npiano", seconds=45.0, lyrics=LYRICS).result[0]
     assert patch.table()["samples"]["seconds"] == 45.0 and patch.table()["samples"]["lyrics"] == LYRICS
+
+
+def test_a_full_fine_tune_of_a_checkpoint_samples_with_the_checkpoints_vae(tmp_path):
+    """No [adapter]: the samples render with the saved diffusion model, a bare file; the VAE and text encoders stay
+    the checkpoint's (the saved model holds none)."""
+    pytest.importorskip("torchaudio")
+    import shutil
+
+    import tomllib
+
+    from pipetrain.backend import sample_audio, sampling
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.models import tiny
+
+    checkpoint = tiny.write_checkpoint("ace_step", tmp_path / "models" / "ace_step_tiny.safetensors")
+    saved = tiny.write_model_files("ace_step", tmp_path / "split", "tiny").diffusion_model   # as a run saves it
+    config = _run_config(tmp_path, checkpoint, prompts=TAGS[:1])
+    table = tomllib.loads(config.read_text())
+    del table["adapter"]
+    config.write_text(tomli_w.dumps(table))
+    model = shutil.copy(saved, tmp_path / "run-epoch0001.safetensors")
+    (path,) = sampling.render(load_run_config(config), model)
+    waveform, rate = sample_audio.load(path)
+    assert path.name == "run-epoch0001-sample00.flac" and waveform.shape == (2, 21 * 4096)
