@@ -127,3 +127,39 @@ def test_a_full_fine_tune_of_a_checkpoint_samples_with_the_checkpoints_vae(tmp_p
     (path,) = sampling.render(load_run_config(config), model)
     waveform, rate = sample_audio.load(path)
     assert path.name == "run-epoch0001-sample00.flac" and waveform.shape == (2, 21 * 4096)
+
+
+def test_host_rendered_songs_are_previewed_as_audio(tmp_path, monkeypatch):
+    """render_on host ComfyUI: the Epoch Samples node reads the songs back (as LoadAudio) and previews them with
+    ComfyUI's audio preview; its IMAGE output is a placeholder picture."""
+    import math
+    from types import SimpleNamespace
+
+    import folder_paths
+
+    import pipetrain.backend.sampling as sampling
+    import pipetrain.launcher.comfy as comfy_launcher
+    import pipetrain.launcher.samples as samples
+    from pipetrain.backend import sample_audio
+    from pipetrain.nodes.samples import EpochSamplesNode
+
+    t = torch.arange(22050) / 44100
+    paths = []
+    for i, pitch in enumerate((220, 330)):
+        paths.append(tmp_path / f"run-epoch0001-sample{i:02d}.flac")
+        wave = (0.5 * torch.sin(2 * math.pi * pitch * t)).expand(1, 2, -1)
+        sample_audio.save({"waveform": wave, "sample_rate": 44100}, paths[-1])
+    songs = samples.load_songs(paths)
+    assert songs["sample_rate"] == 44100 and songs["waveform"].shape == (2, 2, 22050)
+    torch.testing.assert_close(songs["waveform"][1, 0], 0.5 * torch.sin(2 * math.pi * 330 * t), atol=1e-4, rtol=0)
+    # the request answered by rendering (here: the files above); ComfyUI sets a node's hidden inputs as it runs it
+    monkeypatch.setattr(sampling, "fulfil", lambda request, renderer: paths)
+    monkeypatch.setattr(samples, "request_file", lambda dirs, run_id, request: tmp_path / "request.json")
+    monkeypatch.setattr(comfy_launcher, "get_launcher", lambda: SimpleNamespace(dirs=None))
+    monkeypatch.setattr(EpochSamplesNode, "hidden", SimpleNamespace(prompt=None, extra_pnginfo=None), raising=False)
+    monkeypatch.setattr(folder_paths, "temp_directory", str(tmp_path / "temp"))   # the preview's files
+    out = EpochSamplesNode.execute("run", "run-epoch0001")
+    assert out.result[0].shape == (1, 8, 8, 3)
+    shown = out.ui.as_dict()
+    assert len(shown["audio"]) == 2 and all(a["filename"].endswith(".flac") for a in shown["audio"])
+    assert len(list((tmp_path / "temp").glob("*.flac"))) == 2
