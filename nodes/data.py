@@ -460,13 +460,11 @@ class ModelNode(io.ComfyNode):
 def check_model_patch(patch: RunPatch) -> None:
     """The Model node's keys as ``[model]``, checked by the preflight the launcher and the CLI run."""
     from ..backend.config import ModelConfig
-    from ..backend.models.checkpoint_file import check_parts
-    from ..backend.preflight import check_model
+    from ..backend.preflight import check_checkpoint_parts, check_model
     from ..backend.schema import from_dict
     try:
         cfg = from_dict(ModelConfig, patch.table()["model"], file="the Model node", prefix="model")
         check_model(cfg, "the Model node")
-        if cfg.from_checkpoint():   # "(from the checkpoint)": the file must hold them
-            check_parts(cfg.diffusion_model, cfg.type, cfg.from_checkpoint())
+        check_checkpoint_parts(cfg)   # "(from the checkpoint)": the file must hold them
     except PipeTrainError as e:
         raise ValueError(str(e)) from None
