@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from . import sample_audio, sample_clips, sample_host
+from . import sample_audio, sample_clips, sample_controls, sample_host
 from .cache import CacheStore, file_digest, text_key
 from .cache.builder import TextWork, encode_text
 from .cache.keys import caption_image
@@ -236,9 +236,10 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
                           file=cfg.file, key="samples.sampler")
     adapter = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
     store, state = CacheStore(cache_folder(cfg.resolve(cfg.output_dir))), {}
-    # control-video models (Wan VACE, Fun-Control) sample a still without their control: the reference latents
-    # are edit models' conditioning
+    # edit models' control images become reference latents; control-video models' (Wan VACE, Fun-Control) control
+    # clip goes through their ComfyUI node instead (sample_controls), read first so a missing file fails early
     controls = sample_control(cfg) if adapter.needs_control and not adapter.video_control else ()
+    clip_controls = sample_controls.control_inputs(cfg, adapter) if adapter.video_control else None
     audio = sample_audio.is_audio(adapter)
     lyrics = s.lyrics.strip() if audio else ""   # the negative prompt's tags are sung without lyrics
     texts = [_text(adapter, store, p, state, controls, (s.width, s.height), lyrics) for p in s.prompts]
@@ -255,15 +256,15 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     references = sample_reference(cfg, vae, controls)
     video = sample_clips.is_video(adapter)
     frames = s.frames if video else 1
-    starts = sample_clips.start_images(cfg, adapter) if adapter.takes_start_image else None
+    starts = sample_clips.start_images(cfg, adapter) if adapter.takes_start_image and clip_controls is None else None
     paths = sample_paths(lora_path, len(s.prompts), s.strengths if cfg.adapter is not None else (1.0,),
                          sample_audio.SUFFIX if audio else ".webp" if video else ".png")
     negative = _conditioning(adapter, texts[-1], s.guidance, references)
     with torch.no_grad():
         prompts = [_prepared(adapter, vae, _conditioning(adapter, text, s.guidance, references), negative, s, frames,
-                             starts) for text in texts[:-1]]
+                             starts, clip_controls) for text in texts[:-1]]
     jobs = [(model, prompt) for model in models for prompt in prompts]
-    for (model, (positive, unwanted, latent)), path in zip(jobs, paths):
+    for (model, (positive, unwanted, latent, trim)), path in zip(jobs, paths):
         with torch.no_grad():
             noise = comfy.sample.prepare_noise(latent["samples"], s.seed)
             out = comfy.sample.sample(model, noise, s.steps, s.cfg, s.sampler, s.scheduler, positive, unwanted,
@@ -271,7 +272,7 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
             if audio:
                 sample_audio.save(sample_audio.decode(vae, out), path)   # written beside it, then renamed
                 continue
-            pixels = vae.decode(out)
+            pixels = vae.decode(out[:, :, trim:] if trim else out)   # ComfyUI's TrimVideoLatent
             pixels = pixels.reshape(-1, *pixels.shape[-3:]).clamp(0, 1)   # [frames, H, W, 3]
         tmp = temp_path_beside(path)        # ComfyUI and the run may both render one epoch's samples
         if video:
@@ -282,16 +283,20 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     return paths
 
 
-def _prepared(adapter, vae, positive: list, negative: list, s, frames: int, starts: list | None) -> tuple:
-    """A prompt's (positive, negative, LATENT) for the sampler: an i2v model's as its ComfyUI node builds them from
-    the start image(s), else the empty latent (video models: of a ``frames``-frame clip)."""
+def _prepared(adapter, vae, positive: list, negative: list, s, frames: int, starts: list | None,
+              controls: dict | None = None) -> tuple:
+    """A prompt's (positive, negative, LATENT, latent frames to trim after sampling) for the sampler: a
+    control-video model's as its ComfyUI node builds them from the control clip (``sample_controls``), an i2v
+    model's from the start image(s), else the empty latent (video models: of a ``frames``-frame clip)."""
+    if controls is not None:
+        return adapter.control_conditioning(vae, positive, negative, s.width, s.height, frames, **controls)
     if starts is not None:
-        return adapter.start_conditioning(vae, positive, negative, s.width, s.height, frames, starts)
+        return (*adapter.start_conditioning(vae, positive, negative, s.width, s.height, frames, starts), 0)
     if sample_audio.is_audio(adapter):   # a song of ``seconds``, its empty latent as the model's ComfyUI node makes it
-        return positive, negative, {"samples": adapter.audio_latent(s.seconds)}
+        return positive, negative, {"samples": adapter.audio_latent(s.seconds)}, 0
     video = sample_clips.is_video(adapter)
     latent = adapter.empty_latent(s.width, s.height, frames) if video else adapter.empty_latent(s.width, s.height)
-    return positive, negative, {"samples": latent}
+    return positive, negative, {"samples": latent}, 0
 
 
 def _with_lora(patcher, lora_path: Path, strength: float = 1.0):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..backend.config.patch import RunPatch
 from ..backend.errors import ConfigError
-from ..backend.sample_clips import image_problem
+from ..backend.sample_clips import image_problem, media_problem
 
 FULL_FINETUNE = "full"   # the Adapter node's type without an [adapter] table: every weight trains
 
@@ -83,10 +83,10 @@ def folder_patch(path: str, **keys) -> RunPatch:
     return RunPatch.of({**keys, "path": path})
 
 
-def input_image(root: str | Path, name: str, widget: str) -> Path:
+def input_image(root: str | Path, name: str, widget: str, video: bool = False) -> Path:
     """An image a widget names by its path under ComfyUI's input directory ``root`` (what LoadImage lists), as an
     absolute path: no absolute path, no ``..``, no link leading out of the folder, and a readable image
-    (ValueError naming ``widget`` otherwise)."""
+    (ValueError naming ``widget`` otherwise); ``video``: a readable video or image (a control video)."""
     root = Path(root).resolve()
     relative = Path(name.strip())
     if relative.is_absolute() or ".." in relative.parts:
@@ -95,7 +95,8 @@ def input_image(root: str | Path, name: str, widget: str) -> Path:
     path = (root / relative).resolve()
     if not path.is_relative_to(root):
         raise ValueError(f"{widget} {name!r}: leads out of ComfyUI's input directory")
-    problem = image_problem(path)
+    problem = media_problem(path) if video else image_problem(path)
     if problem:
-        raise ValueError(f"{widget} {name!r}: {problem}; upload the image to ComfyUI's input directory")
+        what = "video or image" if video else "image"
+        raise ValueError(f"{widget} {name!r}: {problem}; upload the {what} to ComfyUI's input directory")
     return path

@@ -25,10 +25,16 @@ def parse_strengths(text: str) -> tuple[float, ...]:
     return values or (1.0,)
 
 
-def start_image_path(name: str) -> Path:
-    """The Samples node's start image, a file under ComfyUI's input directory, as an absolute path."""
+def input_image_path(name: str, widget: str, video: bool = False) -> Path:
+    """The Samples node's start or end image (``widget``; ``video``: a video or an image, the control video), a
+    file under ComfyUI's input directory, as an absolute path."""
     import folder_paths
-    return input_image(folder_paths.get_input_directory(), name, "start_image")
+    return input_image(folder_paths.get_input_directory(), name, widget, video)
+
+
+def _image_file(name: str | None, widget: str, video: bool = False) -> str | None:
+    """The absolute path of an image (``video``: or video) widget's file, or None where the widget is empty."""
+    return str(input_image_path(name, widget, video)) if name and name.strip() else None
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -86,7 +92,15 @@ class SamplesNode(io.ComfyNode):
                                "frame rate, e.g. Wan 16, LTX-Video 25)"),
                 io.String.Input("start_image", default="", optional=True, tooltip="Image-to-video models: the image "
                                 "the clips start from, a file under ComfyUI's input directory (e.g. start.png). "
-                                "Empty: the first frame of the dataset's first clip (wan_flf2v: its first and last)"),
+                                "Empty: the first frame of the dataset's first clip (wan_flf2v: its first and last; "
+                                "wan_fun_control: of the clip its sample control belongs to)"),
+                io.String.Input("end_image", default="", optional=True, tooltip="First-last-frame models "
+                                "(wan_flf2v): the image the clips end on, a file under ComfyUI's input directory. "
+                                "Empty: the last frame of the dataset's first clip, or none when start_image is set"),
+                io.String.Input("control_video", default="", optional=True, tooltip="Control-video models "
+                                "(wan_vace, wan_fun_control): the control video (or image) the clips render with, "
+                                "a file under ComfyUI's input directory (e.g. pose.mp4). Empty: the control of the "
+                                "dataset's first controlled clip (with its VACE mask)"),
                 io.Float.Input("seconds", default=start("samples.seconds"), min=1.0, max=1000.0, step=1.0,
                                optional=True, tooltip="Audio models (ACE-Step): each sample is a song this long "
                                "(EmptyAceStepLatentAudio's seconds), saved as FLAC. Image and video models: ignored"),
@@ -98,27 +112,32 @@ class SamplesNode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, prompts=None, strengths=None, start_image=None):
+    def validate_inputs(cls, prompts=None, strengths=None, start_image=None, end_image=None, control_video=None):
         try:
             if prompts is not None:
                 parse_prompts(prompts)
             if strengths is not None:
                 parse_strengths(strengths)
-            if start_image and start_image.strip():
-                start_image_path(start_image)
+            _image_file(start_image, "start_image")
+            _image_file(end_image, "end_image")
+            _image_file(control_video, "control_video", video=True)
         except ValueError as e:
             return str(e)
         return True
 
     @classmethod
-    def execute(cls, prompts, render_on=None, strengths=None, fps=None, start_image=None, **keys) -> io.NodeOutput:
+    def execute(cls, prompts, render_on=None, strengths=None, fps=None, start_image=None, end_image=None,
+                control_video=None, **keys) -> io.NodeOutput:
         # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s, frames,
         # seconds, lyrics: as named
         render = RENDER_ON[render_on] if render_on is not None else None
-        start_file = str(start_image_path(start_image)) if start_image and start_image.strip() else None
         return io.NodeOutput(RunPatch.of({**keys, "prompts": parse_prompts(prompts), "render": render,
                                           "strengths": parse_strengths(strengths) if strengths is not None else None,
-                                          "fps": unset_if_zero(fps), "start_image": start_file}, "samples"))
+                                          "fps": unset_if_zero(fps),
+                                          "start_image": _image_file(start_image, "start_image"),
+                                          "end_image": _image_file(end_image, "end_image"),
+                                          "control_video": _image_file(control_video, "control_video", video=True)},
+                                         "samples"))
 
 
 class EpochSamplesNode(io.ComfyNode):

@@ -125,18 +125,27 @@ def control_pixels(control: str, more: tuple[str, ...], bucket) -> torch.Tensor 
     return torch.stack([load_pixels(Path(p), bucket[:2]) for p in (control, *more)])
 
 
-def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
-    if entry.control and len(bucket) == 3 and adapter.video_control:
-        control = _control_video(Path(entry.control), bucket, adapter.framerate)
+def control_inputs(adapter, bucket, control: str, more: tuple[str, ...] = (), control_mask: str | None = None,
+                   reference: str | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """A sample's control pixels at ``bucket`` as ``encode_conditioning`` takes them: the control (a control-video
+    model's clip: its control video, ``_control_video``), and wan_vace's control mask (read as the control is) and
+    reference image, keyed only where given. Epoch samples of control-video models read theirs here too."""
+    if control and len(bucket) == 3 and adapter.video_control:
+        pixels = _control_video(Path(control), bucket, adapter.framerate)
     else:
-        control = control_pixels(entry.control, entry.more_controls, bucket)
-    # wan_vace's control mask (read as the control is) and reference image, passed only where the dataset has them
+        pixels = control_pixels(control, more, bucket)
     vace = {}
-    if entry.control_mask:
-        vace["control_mask"] = (_control_video(Path(entry.control_mask), bucket, adapter.framerate)
-                                if len(bucket) == 3 else control_pixels(entry.control_mask, (), bucket))
-    if entry.reference:
-        vace["reference"] = control_pixels(entry.reference, (), bucket)
+    if control_mask:
+        vace["control_mask"] = (_control_video(Path(control_mask), bucket, adapter.framerate)
+                                if len(bucket) == 3 else control_pixels(control_mask, (), bucket))
+    if reference:
+        vace["reference"] = control_pixels(reference, (), bucket)
+    return pixels, vace
+
+
+def _conditioning(adapter, vae, entry: CacheEntry, media: torch.Tensor, bucket) -> dict[str, torch.Tensor]:
+    control, vace = control_inputs(adapter, bucket, entry.control, entry.more_controls, entry.control_mask,
+                                   entry.reference)
     out = adapter.encode_conditioning(vae, media, control, **vace)
     if set(out) != set(adapter.conditioning_fields):
         raise RuntimeError(f"{type(adapter).__name__}.encode_conditioning returned {sorted(out)}, "

@@ -12,7 +12,8 @@ from .common import check_folder, replace
 from .dataset import DatasetConfig
 from .model import AdapterConfig, Dtype, ModelConfig
 from .patch import widget
-from .sections import ClusterConfig, EvalDatasetConfig, MonitoringConfig, OptimizerConfig, SamplesConfig
+from .sections import (SAMPLE_FILES, ClusterConfig, EvalDatasetConfig, MonitoringConfig, OptimizerConfig,
+                       SamplesConfig)
 
 EMA_DECAY = 0.999   # the average follows about the last 1 / (1 - decay) = 1000 steps
 PRESERVATION_CLASS = "person"   # ai-toolkit's default diff_output_preservation_class
@@ -260,8 +261,9 @@ class RunConfig:
         if cluster is not None and cluster.hostfile:
             cluster = dataclasses.replace(cluster, hostfile=str(r(cluster.hostfile)))
         samples = self.samples
-        if samples is not None and samples.start_image:
-            samples = dataclasses.replace(samples, start_image=str(r(samples.start_image)))
+        if samples is not None:
+            samples = dataclasses.replace(samples, **{key: str(r(getattr(samples, key))) for key in SAMPLE_FILES
+                                                      if getattr(samples, key)})
         return replace(self, output_dir=str(r(self.output_dir)), dataset=str(r(self.dataset)), model=model,
                        adapter=adapter, cluster=cluster, eval_datasets=evals, samples=samples,
                        lora_dir=str(r(self.lora_dir)) if self.lora_dir else None)

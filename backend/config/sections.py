@@ -74,6 +74,9 @@ class MonitoringConfig:
                               key="monitoring.wandb_api_key")
 
 
+SAMPLE_FILES = ("start_image", "end_image", "control_video")   # [samples] keys naming a file relative to the run config
+
+
 @dataclass
 class SamplesConfig:
     """Images rendered with ComfyUI's own sampler and each freshly saved epoch LoRA."""
@@ -100,6 +103,12 @@ class SamplesConfig:
     # image-to-video models: the image the clips start from (relative to this file); None: the first frame of the
     # dataset's first clip (wan_flf2v: its first and last frames)
     start_image: Optional[str] = None
+    # wan_flf2v: the image the clips end on (relative to this file); None: the start image's clip's last frame
+    # (with start_image: the end left free)
+    end_image: Optional[str] = None
+    # control-video models (wan_vace, wan_fun_control): the control video (or image) the clips render with, in place
+    # of the dataset's first control clip (relative to this file)
+    control_video: Optional[str] = None
     # audio models (ACE-Step): each sample is a song this many seconds long (as EmptyAceStepLatentAudio's seconds),
     # the prompts are its tags and ``lyrics`` its lyrics (every prompt the same; empty: instrumental)
     seconds: float = 30.0

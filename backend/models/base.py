@@ -280,6 +280,14 @@ class ModelAdapter(ABC):
         ``images`` (the start image [1, H, W, 3]; wan_flf2v: also the end image)."""
         raise NotImplementedError(f"{self.arch} samples without a start image")
 
+    def control_conditioning(self, vae, positive: list, negative: list, width: int, height: int, frames: int,
+                             control: torch.Tensor, **inputs: torch.Tensor) -> tuple[list, list, dict, int]:
+        """Control-video models (``video_control``): (positive, negative, latent, trim) as the ComfyUI node this
+        model samples with builds them from the ``control`` frames [F, H, W, 3] and the further ``inputs`` its
+        training encodes (wan_vace: control_mask, reference; wan_fun_control: start_image); ``trim``: latent frames
+        in front that are no part of the clip (a reference's, dropped after sampling as ComfyUI's TrimVideoLatent)."""
+        raise NotImplementedError(f"{self.arch} samples without a control video")
+
     def reference_forward(self, x_t, t, text: list[torch.Tensor]) -> torch.Tensor:
         """ComfyUI's own forward of the diffusion model on the same inputs the layers see (for tests)."""
         raise NotImplementedError

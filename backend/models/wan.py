@@ -191,6 +191,15 @@ class WanOutput(TupleLayer):
         return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
+def nodes_wan():
+    """ComfyUI's ``comfy_extras.nodes_wan`` (it imports ComfyUI's own ``nodes``, set up first: imported bare, this
+    repository's ``nodes`` package may be found in its place)."""
+    from ..runtime import comfy_nodes
+    comfy_nodes()
+    import comfy_extras.nodes_wan
+    return comfy_extras.nodes_wan
+
+
 class WanAdapter(VideoLatents, ModelAdapter):
     arch = "wan"
     spec = WAN_SPEC
@@ -306,17 +315,17 @@ class WanI2VAdapter(WanAdapter):
     def start_conditioning(self, vae, positive, negative, width, height, frames, images):
         """ComfyUI's WanImageToVideo (wan_flf2v: WanFirstLastFrameToVideo, the second image the end frame), with
         CLIPVisionEncode's output of each image where [model] clip_vision names a file."""
-        from comfy_extras.nodes_wan import WanFirstLastFrameToVideo, WanImageToVideo
-
+        nodes = nodes_wan()
         vision = [self.clip_vision_output(i) for i in images] if self.cfg.clip_vision else [None] * len(images)
         if self.given_last_frame:
             start, end = (images + [None])[:2]
-            out = WanFirstLastFrameToVideo.execute(positive, negative, vae, width, height, frames, 1, start_image=start,
-                                                   end_image=end, clip_vision_start_image=vision[0],
-                                                   clip_vision_end_image=(vision + [None])[1])
+            out = nodes.WanFirstLastFrameToVideo.execute(positive, negative, vae, width, height, frames, 1,
+                                                         start_image=start, end_image=end,
+                                                         clip_vision_start_image=vision[0],
+                                                         clip_vision_end_image=(vision + [None])[1])
         else:
-            out = WanImageToVideo.execute(positive, negative, vae, width, height, frames, 1, start_image=images[0],
-                                          clip_vision_output=vision[0])
+            out = nodes.WanImageToVideo.execute(positive, negative, vae, width, height, frames, 1,
+                                                start_image=images[0], clip_vision_output=vision[0])
         return tuple(out.result)
 
     def probe_text(self, generator):

@@ -18,7 +18,7 @@ import torch
 
 from .base import GivenFirstFrame
 from .spec import ArchSpec
-from .wan import WanAdapter, build_wan, first_frame_mask, wan_config
+from .wan import WanAdapter, build_wan, first_frame_mask, nodes_wan, wan_config
 
 WAN22_FPS = 24
 
@@ -63,7 +63,6 @@ class Wan22I2VAdapter(GivenFirstFrame, Wan22Adapter):
     def start_conditioning(self, vae, positive, negative, width, height, frames, images):
         """ComfyUI's Wan22ImageToVideoLatent: the start image's latent as the first latent frame, kept by the
         latent's noise mask; the prompts' conditioning unchanged."""
-        from comfy_extras.nodes_wan import Wan22ImageToVideoLatent
-
-        (latent,) = Wan22ImageToVideoLatent.execute(vae, width, height, frames, 1, start_image=images[0]).result
+        (latent,) = nodes_wan().Wan22ImageToVideoLatent.execute(vae, width, height, frames, 1,
+                                                                start_image=images[0]).result
         return positive, negative, latent

@@ -29,7 +29,7 @@ from ..errors import ConfigError, ModelError
 from .attention import sdpa_transformer_options
 from .carry import hide, reveal, sizes
 from .spec import ArchSpec, comfy_diffusion_model
-from .wan import WanAdapter, WanBlock, WanI2VAdapter, WanInput, WanOutput, build_wan, wan_config
+from .wan import WanAdapter, WanBlock, WanI2VAdapter, WanInput, WanOutput, build_wan, nodes_wan, wan_config
 
 VACE_STRENGTH = 1.0   # WanVaceToVideo's strength; the skip outputs are scaled by it
 VACE_CHANNELS = 96    # 2 x 16 latent channels + 64 mask channels (the 8 x 8 pixels under a latent cell)
@@ -56,14 +56,6 @@ WAN_FUN_CONTROL_SPEC = ArchSpec(
     title="Wan 2.1 Fun-Control", comfy_configs=("WAN21_FunControl2V",), unet_config=wan_fun_control_config,
     build=build_wan, detected_sizes=("tiny", "full"), text_encoders=("umt5xxl",), clip_type="WAN", vae="wan21",
     example_file="wan2.1_fun_control_1.3B_bf16.safetensors")
-
-
-def _nodes_wan():
-    """ComfyUI's ``comfy_extras.nodes_wan`` (it imports ComfyUI's own ``nodes``, set up first)."""
-    from ..runtime import comfy_nodes
-    comfy_nodes()
-    import comfy_extras.nodes_wan
-    return comfy_extras.nodes_wan
 
 
 def _no_text():
@@ -162,11 +154,18 @@ class WanVaceAdapter(WanAdapter):
         ``control_masks`` (white: generate there); ``reference``: the reference image [1, H, W, 3]."""
         _frames_check(self.arch, media, control)
         frames, height, width = media.shape[:3]
-        masks = None if control_mask is None else control_mask[..., 0]
-        positive = _nodes_wan().WanVaceToVideo.execute(_no_text(), _no_text(), vae, width, height, frames, 1,
-                                                       VACE_STRENGTH, control_video=control, control_masks=masks,
-                                                       reference_image=reference).args[0][0][1]
+        positive = self.control_conditioning(vae, _no_text(), _no_text(), width, height, frames, control,
+                                             control_mask=control_mask, reference=reference)[0][0][1]
         return {"vace_context": vace_context(positive["vace_frames"][0], positive["vace_mask"][0])[0].cpu()}
+
+    def control_conditioning(self, vae, positive, negative, width, height, frames, control, control_mask=None,
+                             reference=None):
+        """ComfyUI's WanVaceToVideo at strength 1 (``control_mask``'s red channel is its control_masks): the
+        conditioning training caches, and samples render with; its trim_latent counts the reference's frame."""
+        masks = None if control_mask is None else control_mask[..., 0]
+        return tuple(nodes_wan().WanVaceToVideo.execute(positive, negative, vae, width, height, frames, 1,
+                                                         VACE_STRENGTH, control_video=control, control_masks=masks,
+                                                         reference_image=reference).result)
 
     def extra_noise_shape(self, payload):
         """The reference frames' noise (``VaceInput``): as many frames as ``vace_context`` has beyond the latent."""
@@ -221,10 +220,22 @@ class WanFunControlAdapter(WanI2VAdapter):
                              "without a start image (stills too), or give clips")
         _frames_check(self.arch, media, control)
         frames, height, width = media.shape[:3]
-        positive = _nodes_wan().WanFunControlToVideo.execute(
-            _no_text(), _no_text(), vae, width, height, frames, 1, start_image=media[:1] if self.start_image else None,
-            control_video=control).args[0][0][1]
+        positive = self._to_video(vae, _no_text(), _no_text(), width, height, frames, control,
+                                  media[:1] if self.start_image else None)[0][0][1]
         out = {"concat": scaled_latents(positive["concat_latent_image"])[0].cpu()}
         if "clip_fea" in self.conditioning_fields:
             out["clip_fea"] = self.encode_clip_vision(media[:1])
         return out
+
+    def control_conditioning(self, vae, positive, negative, width, height, frames, control, start_image=None):
+        """Samples: WanFunControlToVideo as training calls it, with CLIPVisionEncode's output of the start image
+        where [model] clip_vision names a file (training caches those tokens apart); no frames to trim."""
+        vision = self.clip_vision_output(start_image) if start_image is not None and self.cfg.clip_vision else None
+        return (*self._to_video(vae, positive, negative, width, height, frames, control, start_image, vision), 0)
+
+    @staticmethod
+    def _to_video(vae, positive, negative, width, height, frames, control, start_image, vision=None) -> tuple:
+        """ComfyUI's WanFunControlToVideo: (positive, negative, latent)."""
+        return tuple(nodes_wan().WanFunControlToVideo.execute(positive, negative, vae, width, height, frames, 1,
+                                                               start_image=start_image, clip_vision_output=vision,
+                                                               control_video=control).result)

@@ -220,3 +220,18 @@ def test_models_whose_layers_see_the_samples_elsewhere_are_refused(arch):
     check_preservation(from_dict(RunConfig, keys))      # flux: the samples come first
     with pytest.raises(ConfigError, match=f"key 'diff_output_preservation': a {arch} model's adapted layers"):
         check_preservation(from_dict(RunConfig, {**keys, "model": {**BASE["model"], "type": arch}}))
+
+
+def test_compiled_layers_follow_base_rows_in_and_out():
+    """``compile = true``: the rows switch is a module global read inside the compiled forward, so a graph traced
+    without it must not be replayed under it (nor the other way round): Dynamo guards on the global and traces again."""
+    model = _adapted("lora")
+    x = torch.randn(6, 5, 8, dtype=torch.float64)
+    adapted, base = model(x), _base_output(model, x)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+    assert torch.allclose(compiled(x), adapted, rtol=0, atol=1e-12)       # traced without base rows first
+    with lora.base_rows(PARTS):
+        out = compiled(x)
+    assert torch.equal(out[4:], base[4:])
+    assert (out[2:4] - base[2:4]).abs().max() > 1e-3
+    assert torch.allclose(compiled(x), adapted, rtol=0, atol=1e-12)       # and back without them

@@ -39,10 +39,11 @@ def vace():
 
 def _node_conds(vae, frames, **inputs):
     """WanVaceToVideo's output through WAN21_Vace.extra_conds: (vace_context [96, T, h, w], trim_latent)."""
-    from pipetrain.backend.models.wan_control import _nodes_wan, wan_vace_config
+    from pipetrain.backend.models.wan import nodes_wan
+    from pipetrain.backend.models.wan_control import wan_vace_config
 
     text = [[torch.zeros(1, 1, 8), {}]]
-    positive, _, latent, trim = _nodes_wan().WanVaceToVideo.execute(text, text, vae, 48, 32, frames, 1, 1.0,
+    positive, _, latent, trim = nodes_wan().WanVaceToVideo.execute(text, text, vae, 48, 32, frames, 1, 1.0,
                                                                     **inputs).args
     model = comfy_model("wan_vace", {**wan_vace_config("tiny"), "num_layers": 1}, dtype=torch.float32).model
     values = positive[0][1]
@@ -156,14 +157,15 @@ def _fun_control(**cfg):
 
 def test_fun_control_without_a_start_image_is_comfyuis_and_trains_stills(model_files):
     from pipetrain.backend.models import loading
-    from pipetrain.backend.models.wan_control import _nodes_wan, wan_fun_control_config
+    from pipetrain.backend.models.wan import nodes_wan
+    from pipetrain.backend.models.wan_control import wan_fun_control_config
 
     a = _fun_control(control_start_image=False)
     vae = loading.load_vae(model_files("wan").vae)
     clip, control = _frames(0), _frames(1)
     ours = a.encode_conditioning(vae, clip, control)["concat"]
     text = [[torch.zeros(1, 1, 8), {}]]
-    positive, _, latent = _nodes_wan().WanFunControlToVideo.execute(text, text, vae, 48, 32, 9, 1,
+    positive, _, latent = nodes_wan().WanFunControlToVideo.execute(text, text, vae, 48, 32, 9, 1,
                                                                     control_video=control).args
     model = comfy_model("wan_fun_control", {**wan_fun_control_config("tiny"), "num_layers": 1},
                         dtype=torch.float32).model

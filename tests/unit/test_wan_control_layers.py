@@ -107,14 +107,15 @@ def test_vace_conditioning_is_comfyuis(model_files):
     """``vace_context`` = WAN21_Vace.extra_conds of WanVaceToVideo's output (strength 1, no mask): the control's
     inactive / reactive latents scaled, then the all-ones 64-channel mask; another control video changes it."""
     from pipetrain.backend.models import loading
-    from pipetrain.backend.models.wan_control import _nodes_wan, wan_vace_config
+    from pipetrain.backend.models.wan import nodes_wan
+    from pipetrain.backend.models.wan_control import wan_vace_config
 
     a = _adapter("wan_vace")
     vae = loading.load_vae(model_files("wan").vae)
     clip, control = _frames(0), _frames(1)
     ours = a.encode_conditioning(vae, clip, control)["vace_context"]
     text = [[torch.zeros(1, 1, 8), {}]]
-    positive, _, latent, trim = _nodes_wan().WanVaceToVideo.execute(text, text, vae, 48, 32, 9, 1, 1.0,
+    positive, _, latent, trim = nodes_wan().WanVaceToVideo.execute(text, text, vae, 48, 32, 9, 1, 1.0,
                                                                     control_video=control).args
     model = comfy_model("wan_vace", {**wan_vace_config("tiny"), "num_layers": 1}, dtype=torch.float32).model
     values = positive[0][1]
@@ -130,7 +131,8 @@ def test_fun_control_conditioning_is_comfyuis(model_files):
     """``concat`` = WAN21.concat_cond of WanFunControlToVideo's output with the control video and the clip's first
     frame as start image: the control's latent, then the first frame's latent and zeros, both scaled."""
     from pipetrain.backend.models import loading
-    from pipetrain.backend.models.wan_control import _nodes_wan, wan_fun_control_config
+    from pipetrain.backend.models.wan import nodes_wan
+    from pipetrain.backend.models.wan_control import wan_fun_control_config
 
     a = _adapter("wan_fun_control")
     a.conditioning_fields = ("concat",)   # no CLIP-vision file here
@@ -138,7 +140,7 @@ def test_fun_control_conditioning_is_comfyuis(model_files):
     clip, control = _frames(0), _frames(1)
     ours = a.encode_conditioning(vae, clip, control)["concat"]
     text = [[torch.zeros(1, 1, 8), {}]]
-    positive, _, latent = _nodes_wan().WanFunControlToVideo.execute(
+    positive, _, latent = nodes_wan().WanFunControlToVideo.execute(
         text, text, vae, 48, 32, 9, 1, start_image=clip[:1], control_video=control).args
     model = comfy_model("wan_fun_control", {**wan_fun_control_config("tiny"), "num_layers": 1},
                         dtype=torch.float32).model
