@@ -22,11 +22,21 @@ def check_model(model: ModelConfig, file) -> None:
     adapter_class(model.type).check_config(model, file)
 
 
+def check_checkpoint_parts(model: ModelConfig) -> None:
+    """The parts ``[model]`` leaves to its all-in-one checkpoint (no vae, no text encoders) are in the file; a
+    header read (``ModelError`` naming the key to set)."""
+    if model.from_checkpoint():
+        from .models.checkpoint_file import check_parts
+        check_parts(model.diffusion_model, model.type, model.from_checkpoint())
+
+
 def check_run(cfg: RunConfig) -> RunConfig:
+    from . import sample_audio
     from .sample_clips import check_samples
 
     check_model(cfg.model, cfg.file)
     check_samples(cfg)   # clip length and start image against the model type
+    sample_audio.check_samples(cfg)   # lyrics only for audio models
     check_preservation(cfg)
     if cfg.monitoring is not None and cfg.monitoring.enable_wandb:
         import importlib.util

@@ -5,7 +5,8 @@ is untouched and the base model is loaded whole, the way ComfyUI loads it. Who r
 ``[samples] render``: ``"run"``: a separate process started by global rank 0 (``python -m pipetrain sample``);
 ``"host"``: the ComfyUI that started the run, on its own queue (``sample_host.py`` has the request and marker
 files), with the run's own render as the fallback when ComfyUI does not answer within ``host_timeout_s``.
-Either way the PNGs (video models: animated WebP clips, ``sample_clips.py``) land beside the LoRA and are
+Either way the PNGs (video models: animated WebP clips, ``sample_clips.py``; audio models: FLAC songs,
+``sample_audio.py``) land beside the LoRA and are
 announced in events.jsonl (``sample_saved``) and TensorBoard (a clip's first frame).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from . import sample_clips, sample_controls, sample_host
+from . import sample_audio, sample_clips, sample_controls, sample_host
 from .cache import CacheStore, file_digest, text_key
 from .cache.builder import TextWork, encode_text
 from .cache.keys import caption_image
@@ -61,14 +62,6 @@ def render_epoch_samples(cfg: RunConfig, run_dir: RunDir, reporter, is_main: boo
     """Every rank calls this after an epoch LoRA is saved; returns once its samples are announced (global rank 0,
     ``is_main``, renders them or has them rendered; ``stopping``: whether a stop has been asked for)."""
     if cfg.samples is None:
-        return
-    from .models.registry import adapter_class
-    if getattr(adapter_class(cfg.model.type), "audio", False):
-        # epoch samples are pictures rendered through ComfyUI's image path; audio models have none yet
-        if is_main:
-            reporter.event("warning", message=f"epoch {epoch}: no samples for {cfg.model.type} (an audio model; "
-                           "epoch samples are images): skipped. Try the epoch LoRA in ComfyUI's ACE-Step workflow",
-                           epoch=epoch)
         return
     job = EpochSamples(cfg, run_dir, reporter, lora_path, epoch, step, stopping=stopping)
     wait_together(job.poll if is_main and lora_path is not None else None)
@@ -162,7 +155,8 @@ class EpochSamples:
             i, strength = k % len(prompts), sample_strength(png)
             self.reporter.event("sample_saved", epoch=epoch, step=step, path=png, prompt=prompts[i], prompt_index=i,
                                 strength=strength, renderer=marker.get("renderer"))
-            self.reporter.image(f"samples/{i:02d}" + (f"-x{strength:.2f}" if strength != 1.0 else ""), png, step)
+            tag = f"samples/{i:02d}" + (f"-x{strength:.2f}" if strength != 1.0 else "")
+            (self.reporter.audio if sample_audio.is_audio_file(png) else self.reporter.image)(tag, png, step)
 
     def announce_left_over(self) -> None:
         """Samples ComfyUI rendered for an earlier epoch after the run stopped waiting (a stop, then resume)."""
@@ -179,17 +173,18 @@ class EpochSamples:
 
 
 def _text(adapter, store: CacheStore, prompt: str, state: dict, controls: tuple[Path, ...] = (),
-          size: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
+          size: tuple[int, int] = (0, 0), lyrics: str = "") -> dict[str, torch.Tensor]:
     """A prompt's embedding from the content-addressed cache, encoded (and stored) when missing; models whose
-    text encoder reads the control images read ``controls`` at the sample ``size`` with it."""
+    text encoder reads the control images read ``controls`` at the sample ``size`` with it; audio models encode
+    the prompt as tags with ``lyrics``."""
     files = adapter.model_files()["text_encoders"]
     control, *more = controls or (None,)
     seen = caption_image(adapter, file_digest(control) if control else None, size, [file_digest(p) for p in more])
-    key = text_key(prompt, [store.fingerprint(p) for p in files], adapter.arch, seen)
+    key = text_key(prompt, [store.fingerprint(p) for p in files], adapter.arch, seen, lyrics=lyrics)
     if not store.has("text", key):
         if "clip" not in state:
             state["clip"] = adapter.load_text_encoders()
-        work = TextWork(prompt, str(control or ""), size, more_controls=tuple(map(str, more)))
+        work = TextWork(prompt, str(control or ""), size, lyrics=lyrics, more_controls=tuple(map(str, more)))
         store.put("text", key, encode_text(adapter, state["clip"], work))
     return store.get("text", key)
 
@@ -245,8 +240,12 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     # clip goes through their ComfyUI node instead (sample_controls), read first so a missing file fails early
     controls = sample_control(cfg) if adapter.needs_control and not adapter.video_control else ()
     clip_controls = sample_controls.control_inputs(cfg, adapter) if adapter.video_control else None
-    texts = [_text(adapter, store, p, state, controls, (s.width, s.height)) for p in [*s.prompts, s.negative_prompt]]
+    audio = sample_audio.is_audio(adapter)
+    lyrics = s.lyrics.strip() if audio else ""   # the negative prompt's tags are sung without lyrics
+    texts = [_text(adapter, store, p, state, controls, (s.width, s.height), lyrics) for p in s.prompts]
+    texts.append(_text(adapter, store, s.negative_prompt, state, controls, (s.width, s.height)))
     state.clear()
+    vae = adapter.load_vae()   # the run's (an all-in-one checkpoint's own: a saved full model holds no VAE)
     if cfg.adapter is None:   # a full fine-tune saved the whole diffusion model
         adapter = adapter_class(cfg.model.type)(dataclasses.replace(cfg.model, diffusion_model=str(lora_path)),
                                                 cfg.resolve)
@@ -254,13 +253,12 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
     else:
         base = adapter.load_diffusion_model()
         models = [_with_lora(base, lora_path, strength) for strength in s.strengths]
-    vae = adapter.load_vae()
     references = sample_reference(cfg, vae, controls)
     video = sample_clips.is_video(adapter)
     frames = s.frames if video else 1
     starts = sample_clips.start_images(cfg, adapter) if adapter.takes_start_image and clip_controls is None else None
     paths = sample_paths(lora_path, len(s.prompts), s.strengths if cfg.adapter is not None else (1.0,),
-                         ".webp" if video else ".png")
+                         sample_audio.SUFFIX if audio else ".webp" if video else ".png")
     negative = _conditioning(adapter, texts[-1], s.guidance, references)
     with torch.no_grad():
         prompts = [_prepared(adapter, vae, _conditioning(adapter, text, s.guidance, references), negative, s, frames,
@@ -271,6 +269,9 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
             noise = comfy.sample.prepare_noise(latent["samples"], s.seed)
             out = comfy.sample.sample(model, noise, s.steps, s.cfg, s.sampler, s.scheduler, positive, unwanted,
                                       latent["samples"], noise_mask=latent.get("noise_mask"), seed=s.seed)
+            if audio:
+                sample_audio.save(sample_audio.decode(vae, out), path)   # written beside it, then renamed
+                continue
             pixels = vae.decode(out[:, :, trim:] if trim else out)   # ComfyUI's TrimVideoLatent
             pixels = pixels.reshape(-1, *pixels.shape[-3:]).clamp(0, 1)   # [frames, H, W, 3]
         tmp = temp_path_beside(path)        # ComfyUI and the run may both render one epoch's samples
@@ -291,6 +292,8 @@ def _prepared(adapter, vae, positive: list, negative: list, s, frames: int, star
         return adapter.control_conditioning(vae, positive, negative, s.width, s.height, frames, **controls)
     if starts is not None:
         return (*adapter.start_conditioning(vae, positive, negative, s.width, s.height, frames, starts), 0)
+    if sample_audio.is_audio(adapter):   # a song of ``seconds``, its empty latent as the model's ComfyUI node makes it
+        return positive, negative, {"samples": adapter.audio_latent(s.seconds)}, 0
     video = sample_clips.is_video(adapter)
     latent = adapter.empty_latent(s.width, s.height, frames) if video else adapter.empty_latent(s.width, s.height)
     return positive, negative, {"samples": latent}, 0

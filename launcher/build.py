@@ -76,7 +76,7 @@ def check_spec(spec: TrainSpec) -> None:
     m = spec.model
     for key, path in [("diffusion_model", m.get("model.diffusion_model")), ("vae", m.get("model.vae"))] + [
             (f"text_encoders[{i}]", p) for i, p in enumerate(m.get("model.text_encoders", ()))]:
-        if not Path(path).is_file():
+        if path is not None and not Path(path).is_file():   # no vae: the checkpoint's own
             raise ModelError(f"model file {path} ({key}) not found")
     p = spec.parallelism
     world = p.gpus

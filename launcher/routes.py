@@ -20,6 +20,7 @@ from aiohttp import web
 from ..backend import run_control
 from ..backend.errors import PipeTrainError
 from ..backend.rundir import RunIdError
+from ..backend.sample_audio import AUDIO_TYPES
 from .core import Launcher
 from .summaries import sample_file
 
@@ -98,7 +99,10 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
     async def get_sample(request: web.Request) -> web.Response:
         run_id, name = request.match_info["run_id"], request.match_info["name"]
         try:   # only a sample (PNG, or a video model's WebP clip) the run announced (sample_saved), by its file name
-            return web.FileResponse(sample_file(get_launcher().dirs, run_id, name))
+            path = sample_file(get_launcher().dirs, run_id, name)
+            # aiohttp's own table has no audio types (an audio model's FLAC would go out as octet-stream)
+            kind = AUDIO_TYPES.get(path.suffix.lower())
+            return web.FileResponse(path, headers={"Content-Type": kind} if kind else None)
         except RunIdError as e:
             return _error(400, str(e))
         except KeyError:

@@ -43,11 +43,15 @@ def sampling_graph(run_id: str, request: str) -> dict:
 
 
 def fulfil_request(dirs: RunsRoot, run_id: str, request: str):
-    """Render (or read back) a request's samples here; returns (PNG paths, IMAGE tensor [B, H, W, 3])."""
+    """Render (or read back) a request's samples here; returns (sample paths, IMAGE tensor [B, H, W, 3], AUDIO or
+    None). An audio model's songs are the AUDIO ({"waveform": [B, channels, samples], "sample_rate"}), and the IMAGE
+    one black 8x8 picture (the node's IMAGE output holds a tensor)."""
+    from ..backend.sample_audio import is_audio_file
     from ..backend.sampling import fulfil
 
-    pngs = fulfil(request_file(dirs, run_id, request), renderer="comfyui")
-    return pngs, load_images(pngs)
+    paths = fulfil(request_file(dirs, run_id, request), renderer="comfyui")
+    songs = [p for p in paths if is_audio_file(p)]
+    return paths, load_images([p for p in paths if not is_audio_file(p)]), load_songs(songs) if songs else None
 
 
 def load_images(pngs: list[Path]):
@@ -55,8 +59,20 @@ def load_images(pngs: list[Path]):
     import torch
     from PIL import Image
 
+    if not pngs:
+        return torch.zeros(1, 8, 8, 3)
     arrays = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) / 255.0 for p in pngs]
     return torch.from_numpy(np.stack(arrays))
+
+
+def load_songs(paths: list[Path]) -> dict:
+    """Songs of one length (one [samples] seconds) as ComfyUI's AUDIO, read as LoadAudio reads them."""
+    import torch
+
+    from ..backend.sample_audio import load
+
+    songs = [load(p) for p in paths]
+    return {"waveform": torch.stack([w for w, _ in songs]), "sample_rate": songs[0][1]}
 
 
 class SampleHost:

@@ -17,6 +17,8 @@ WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "
 COMPUTE_DTYPES = choices("model.dtype")
 CKPT_PREFIX = "checkpoints/"
 NONE = "none"
+# vae / text_encoder_1: the part comes from the diffusion_model file, an all-in-one checkpoint (models/checkpoints)
+FROM_CHECKPOINT = "(from the checkpoint)"
 
 
 def dataset_folder(folder: str) -> Path:
@@ -355,8 +357,9 @@ class ModelNode(io.ComfyNode):
             inputs=[
                 io.Combo.Input("diffusion_model", options=diffusion_model_options(), tooltip="Diffusion model from "
                                "models/diffusion_models (or a checkpoint from models/checkpoints)"),
-                io.Combo.Input("text_encoder_1", options=tes, tooltip="First text encoder from models/text_encoders "
-                               "(Flux, SDXL, SD3: CLIP-L; Chroma: T5-XXL; Wan: UMT5-XXL)"),
+                io.Combo.Input("text_encoder_1", options=tes + [FROM_CHECKPOINT], tooltip="First text encoder from "
+                               "models/text_encoders (Flux, SDXL, SD3: CLIP-L; Chroma: T5-XXL; Wan: UMT5-XXL); "
+                               f"{FROM_CHECKPOINT}: the checkpoint's own text encoders (the others: none)"),
                 io.Combo.Input("text_encoder_2", options=[NONE] + tes, tooltip="Second text encoder (Flux: T5-XXL; "
                                "SDXL, SD3: CLIP-G)"),
                 io.Combo.Input("text_encoder_3", options=[NONE] + tes, default=NONE, optional=True,
@@ -378,8 +381,9 @@ class ModelNode(io.ComfyNode):
                 io.Combo.Input("merge_lora", options=[NONE] + folder_paths.get_filename_list("loras"), default=NONE,
                                optional=True, tooltip="A LoRA from models/loras baked into the base weights before "
                                "training (e.g. Z-Image Turbo's training adapter)"),
-                io.Combo.Input("vae", options=folder_paths.get_filename_list("vae"), tooltip="VAE from models/vae, "
-                               "used to encode the images into latents"),
+                io.Combo.Input("vae", options=folder_paths.get_filename_list("vae") + [FROM_CHECKPOINT],
+                               tooltip="VAE from models/vae, used to encode the images into latents; "
+                               f"{FROM_CHECKPOINT}: the VAE of an all-in-one checkpoint picked as diffusion_model"),
                 io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default", tooltip="Storage dtype of the "
                                "frozen diffusion-model weights; fp8 halves memory"),
                 io.Combo.Input("compute_dtype", options=COMPUTE_DTYPES, default=start("model.dtype"), tooltip="Dtype "
@@ -430,12 +434,17 @@ class ModelNode(io.ComfyNode):
             raise ValueError(error)
         path = model_path(diffusion_model)
         names = (text_encoder_1, text_encoder_2, text_encoder_3, text_encoder_4)
-        tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in names if n not in (NONE, None)]
+        tes = [folder_paths.get_full_path_or_raise("text_encoders", n) for n in names
+               if n not in (NONE, None, FROM_CHECKPOINT)]
+        if FROM_CHECKPOINT == text_encoder_1 and tes:
+            raise ValueError(f"text_encoder_1 is {FROM_CHECKPOINT!r}: the checkpoint's text encoders are all of them; "
+                             "set text_encoder_2 .. 4 to none")
         vision = (None if clip_vision in (NONE, None)
                   else folder_paths.get_full_path_or_raise("clip_vision", clip_vision))
         # timestep_sample_method, sigmoid_scale, flux_shift, guidance, v_pred, debiased_estimation_loss: the keys
         patch = RunPatch.of({**keys, "type": detect(path, model_type), "diffusion_model": path,
-                             "vae": folder_paths.get_full_path_or_raise("vae", vae), "text_encoders": tes,
+                             "vae": None if vae == FROM_CHECKPOINT else folder_paths.get_full_path_or_raise("vae", vae),
+                             "text_encoders": tes,   # none (from the checkpoint): the key left empty
                              "dtype": compute_dtype, "diffusion_model_dtype": None if weight_dtype == "default"
                              else weight_dtype, "clip_vision": vision, "min_t": min_t, "max_t": max_t,
                              "shift": shift or None,   # 0: the model's own shift
@@ -451,10 +460,11 @@ class ModelNode(io.ComfyNode):
 def check_model_patch(patch: RunPatch) -> None:
     """The Model node's keys as ``[model]``, checked by the preflight the launcher and the CLI run."""
     from ..backend.config import ModelConfig
-    from ..backend.preflight import check_model
+    from ..backend.preflight import check_checkpoint_parts, check_model
     from ..backend.schema import from_dict
     try:
-        check_model(from_dict(ModelConfig, patch.table()["model"], file="the Model node", prefix="model"),
-                    "the Model node")
+        cfg = from_dict(ModelConfig, patch.table()["model"], file="the Model node", prefix="model")
+        check_model(cfg, "the Model node")
+        check_checkpoint_parts(cfg)   # "(from the checkpoint)": the file must hold them
     except PipeTrainError as e:
         raise ValueError(str(e)) from None

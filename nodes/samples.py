@@ -101,6 +101,12 @@ class SamplesNode(io.ComfyNode):
                                 "(wan_vace, wan_fun_control): the control video (or image) the clips render with, "
                                 "a file under ComfyUI's input directory (e.g. pose.mp4). Empty: the control of the "
                                 "dataset's first controlled clip (with its VACE mask)"),
+                io.Float.Input("seconds", default=start("samples.seconds"), min=1.0, max=1000.0, step=1.0,
+                               optional=True, tooltip="Audio models (ACE-Step): each sample is a song this long "
+                               "(EmptyAceStepLatentAudio's seconds), saved as FLAC. Image and video models: ignored"),
+                io.String.Input("lyrics", default=start("samples.lyrics"), multiline=True, optional=True,
+                                tooltip="Audio models (ACE-Step): the lyrics every sample sings, its prompt being the "
+                                "tags (TextEncodeAceStepAudio's lyrics; empty: instrumental)"),
             ],
             outputs=[t.Samples.Output(display_name="samples")],
         )
@@ -122,8 +128,8 @@ class SamplesNode(io.ComfyNode):
     @classmethod
     def execute(cls, prompts, render_on=None, strengths=None, fps=None, start_image=None, end_image=None,
                 control_video=None, **keys) -> io.NodeOutput:
-        # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s, frames:
-        # as named
+        # negative_prompt, seed, width, height, steps, cfg, guidance, sampler, scheduler, host_timeout_s, frames,
+        # seconds, lyrics: as named
         render = RENDER_ON[render_on] if render_on is not None else None
         return io.NodeOutput(RunPatch.of({**keys, "prompts": parse_prompts(prompts), "render": render,
                                           "strengths": parse_strengths(strengths) if strengths is not None else None,
@@ -161,5 +167,6 @@ class EpochSamplesNode(io.ComfyNode):
         from ..launcher.comfy import get_launcher
         from ..launcher.samples import fulfil_request
 
-        _, images = fulfil_request(get_launcher().dirs, run_id, request)
-        return io.NodeOutput(images, ui=ui.PreviewImage(images, cls=cls))
+        _, images, songs = fulfil_request(get_launcher().dirs, run_id, request)
+        shown = ui.PreviewAudio(songs, cls=cls) if songs is not None else ui.PreviewImage(images, cls=cls)
+        return io.NodeOutput(images, ui=shown)

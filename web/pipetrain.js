@@ -25,6 +25,7 @@ const css = `
 .pipetrain-cmd{white-space:pre-wrap;word-break:break-all;background:#1b1b1b;padding:4px;border-radius:4px;font:11px monospace;margin:2px 0 4px;user-select:text}
 .pipetrain-samples{display:flex;flex-wrap:wrap;gap:4px;margin:2px 0 6px}
 .pipetrain-samples img{width:72px;height:72px;object-fit:cover;border-radius:3px;cursor:zoom-in}
+.pipetrain-samples audio{width:220px;height:32px}
 .pipetrain-control{flex-wrap:wrap;justify-content:flex-start;margin-top:4px}
 .pipetrain-control input{width:72px;font-size:11px}
 .pipetrain-strength{min-width:40px;font-size:11px}
@@ -192,6 +193,7 @@ function controls(run) {
 
 // the epoch's sample images (sample_saved events), served by GET /pipetrain/runs/{id}/samples/{name}: one row
 // per LoRA strength, one column per prompt; a click on a row's strength adds a loader at that epoch and strength
+const AUDIO = /\.(flac|wav|mp3|ogg|opus)$/i;   // backend/sample_audio.py's AUDIO_TYPES
 function sampleGrid(runId, epoch, samples, loaders = true) {
   const strengths = [...new Set(samples.map((s) => s.strength ?? 1))].sort((a, b) => a - b);
   const grid = el("div", { class: "pipetrain-grid", "data-epoch": String(epoch) });
@@ -206,6 +208,10 @@ function sampleGrid(runId, epoch, samples, loaders = true) {
     for (const s of cells) {
       const url = api.apiURL(`/pipetrain/runs/${encodeURIComponent(runId)}/samples/${encodeURIComponent(s.name)}`);
       const label = `${s.prompt || s.name} (strength ${w})`;
+      if (AUDIO.test(s.name)) {   // an audio model's song (FLAC): a player, no thumbnail
+        row.append(el("audio", { src: url, title: label, controls: "", preload: "none" }));
+        continue;
+      }
       const img = el("img", { src: url, title: label, alt: label, loading: "lazy" });
       img.onclick = () => window.open(url, "_blank");
       row.append(img);

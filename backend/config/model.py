@@ -35,8 +35,10 @@ class TextEncoderConfig:
 class ModelConfig:
     type: str
     diffusion_model: str
-    vae: str
-    # file paths, or diffusion-pipe's {path|paths, type} tables (text_encoder_files: the paths in order)
+    # None (left out): the VAE of the diffusion_model file, an all-in-one checkpoint (CheckpointLoaderSimple's)
+    vae: Optional[str] = None
+    # file paths, or diffusion-pipe's {path|paths, type} tables (text_encoder_files: the paths in order); none:
+    # the text encoders of the diffusion_model file, an all-in-one checkpoint
     text_encoders: list[Union[str, TextEncoderConfig]] = field(default_factory=list)
     dtype: Dtype = "bfloat16"
     diffusion_model_dtype: Optional[WeightDtype] = None
@@ -73,6 +75,11 @@ class ModelConfig:
         """The text-encoder paths, diffusion-pipe's ``{path|paths, type}`` tables flattened in order."""
         return [p for te in self.text_encoders for p in ([te] if isinstance(te, str) else te.files)]
 
+    def from_checkpoint(self) -> set[str]:
+        """The roles ("vae", "text_encoders") read from the diffusion_model file, an all-in-one checkpoint, because
+        no file is named for them."""
+        return {role for role, given in (("vae", self.vae), ("text_encoders", self.text_encoder_files)) if not given}
+
     def declared_text_encoder_types(self) -> list[tuple[int, str]]:
         """(index, type) of each text-encoder table that names a ``type``."""
         return [(i, te.type) for i, te in enumerate(self.text_encoders)
@@ -80,7 +87,7 @@ class ModelConfig:
 
     def file_paths(self) -> list[tuple[str, str]]:
         """(key, path) of every model file."""
-        return [("model.diffusion_model", self.diffusion_model), ("model.vae", self.vae)] + [
+        return [("model.diffusion_model", self.diffusion_model)] + ([("model.vae", self.vae)] if self.vae else []) + [
             (f"model.text_encoders[{i}]", p) for i, p in enumerate(self.text_encoder_files)] + (
             [("model.clip_vision", self.clip_vision)] if self.clip_vision else []) + [
             (f"model.merge_adapters[{i}]", p) for i, p in enumerate(self.merge_adapters)]

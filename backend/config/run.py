@@ -251,7 +251,7 @@ class RunConfig:
         """A copy whose file paths no longer depend on where the TOML lives (for copies in run folders)."""
         r = self.resolve
         model = dataclasses.replace(self.model, diffusion_model=str(r(self.model.diffusion_model)),
-                                    vae=str(r(self.model.vae)),
+                                    vae=str(r(self.model.vae)) if self.model.vae else None,
                                     text_encoders=[str(r(p)) for p in self.model.text_encoder_files])
         adapter = self.adapter
         if adapter is not None and adapter.init_from_existing:

@@ -51,6 +51,7 @@ class OptimizerConfig:
 
 MAX_STRENGTHS = 6
 MAX_SAMPLE_FRAMES = 1024
+MAX_SAMPLE_SECONDS = 1000.0   # EmptyAceStepLatentAudio's largest
 _WANDB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -108,8 +109,15 @@ class SamplesConfig:
     # control-video models (wan_vace, wan_fun_control): the control video (or image) the clips render with, in place
     # of the dataset's first control clip (relative to this file)
     control_video: Optional[str] = None
+    # audio models (ACE-Step): each sample is a song this many seconds long (as EmptyAceStepLatentAudio's seconds),
+    # the prompts are its tags and ``lyrics`` its lyrics (every prompt the same; empty: instrumental)
+    seconds: float = 30.0
+    lyrics: str = ""
 
     def validate(self, file):
+        if not 1 <= self.seconds <= MAX_SAMPLE_SECONDS:
+            raise ConfigError(f"got {self.seconds}; a song of 1 to {MAX_SAMPLE_SECONDS} seconds, e.g. 30", file=file,
+                              key="samples.seconds")
         if self.host_timeout_s <= 0:
             raise ConfigError(f"got {self.host_timeout_s}; must be > 0", file=file, key="samples.host_timeout_s")
         if not self.prompts:

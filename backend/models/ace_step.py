@@ -219,7 +219,14 @@ class AceStepAdapter(ModelAdapter):
                 AceOutput(dm, self.dtype)]
 
     def sample_conditioning(self, text, guidance):
-        return [[text["cond"][None], {"conditioning_lyrics": text["lyrics"][None]}]]
+        """The CONDITIONING ``TextEncodeAceStepAudio`` outputs for these tags and lyrics (lyrics_strength 1)."""
+        return [[text["cond"][None], {"conditioning_lyrics": text["lyrics"][None], "lyrics_strength": 1.0}]]
+
+    def audio_latent(self, seconds: float) -> torch.Tensor:
+        """The empty latent of a song ``seconds`` long, as ``EmptyAceStepLatentAudio`` makes it (epoch samples)."""
+        from comfy_extras.nodes_ace import EmptyAceStepLatentAudio
+
+        return EmptyAceStepLatentAudio.execute(seconds, 1)[0]["samples"]
 
     def probe_latent(self, generator, size=(8, 8)):
         return torch.randn(1, 8, 16, size[1], generator=generator)

@@ -95,8 +95,11 @@ class ModelAdapter(ABC):
 
     # --- files ------------------------------------------------------------------------------
     def model_files(self) -> dict[str, list[Path]]:
-        files = {"diffusion_model": [self.resolve(self.cfg.diffusion_model)], "vae": [self.resolve(self.cfg.vae)],
-                 "text_encoders": [self.resolve(p) for p in self.cfg.text_encoder_files]}
+        """Each role's files; a role the config names no file for is the diffusion model file, an all-in-one
+        checkpoint (``from_checkpoint``), so the cache keys follow that file."""
+        model = self.resolve(self.cfg.diffusion_model)
+        files = {"diffusion_model": [model], "vae": [self.resolve(self.cfg.vae) if self.cfg.vae else model],
+                 "text_encoders": [self.resolve(p) for p in self.cfg.text_encoder_files] or [model]}
         for role, paths in files.items():
             for p in paths:
                 if not (p.is_file() or p.is_dir()):   # a folder: a Diffusers component (``model_folders``)
@@ -104,12 +107,22 @@ class ModelAdapter(ABC):
         return files
 
     # --- caching side -----------------------------------------------------------------------
+    def from_checkpoint(self) -> set[str]:
+        """The roles read from the diffusion model file, an all-in-one checkpoint (``ModelConfig.from_checkpoint``)."""
+        return self.cfg.from_checkpoint()
+
     def load_vae(self):
+        from .checkpoint_file import load_checkpoint_vae
         from .loading import load_vae
+        if "vae" in self.from_checkpoint():
+            return load_checkpoint_vae(self.model_files()["vae"][0], self.arch)
         return load_vae(self.model_files()["vae"][0])
 
     def load_text_encoders(self):
+        from .checkpoint_file import load_checkpoint_text_encoders
         from .loading import load_text_encoders
+        if "text_encoders" in self.from_checkpoint():
+            return load_checkpoint_text_encoders(self.model_files()["text_encoders"][0], self.arch, torch.float32)
         return load_text_encoders(self.model_files()["text_encoders"], self.arch, torch.float32)
 
     def encode_images(self, vae, pixels: torch.Tensor) -> torch.Tensor:

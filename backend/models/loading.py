@@ -215,12 +215,20 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
             patcher = load()
     except Exception as exc:
         raise ModelError(f"{path}: cannot build the {found} model from its '{META_UNET}' metadata ({exc})") from exc
-    missing = sorted(k for k in set(patcher.model.diffusion_model.state_dict()) - set(shapes)
+    missing = sorted(k for k in set(patcher.model.diffusion_model.state_dict()) - set(_unprefixed(shapes))
                      if not k.endswith(SCALE_KEYS))
     if missing:   # ComfyUI only logs them
         raise ModelError(f"{path}: {len(missing)} weights of the {found} model in its metadata are missing, "
                          f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
     return patcher
+
+
+def _unprefixed(shapes: dict) -> dict:
+    """A whole checkpoint's diffusion-model keys without their prefix (ComfyUI's ``unet_prefix_from_state_dict``);
+    a bare diffusion model's as they are."""
+    import comfy.model_detection as md
+    prefix = md.unet_prefix_from_state_dict(shapes)
+    return {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)} or shapes
 
 
 def model_config(arch: str, unet_config: dict):
@@ -367,15 +375,20 @@ def load_vae(path, *, arch: str | None = None):
         raise ModelError(f"{path}: ComfyUI does not recognise this file as a VAE (expected e.g. the Flux "
                          f"ae.safetensors or the SDXL VAE)")
     if arch is not None:
-        kind = VAES[arch_spec(arch).vae]
-        if vae.latent_channels != kind.latent_channels:
-            raise ModelError(f"{path}: a {arch} VAE ({kind.title}) has {kind.latent_channels} latent channels, "
-                             f"this one has {vae.latent_channels}")
-        if vae.latent_dim != kind.latent_dim:
-            what = {2: "images", 3: "videos"}
-            raise ModelError(f"{path}: a {arch} VAE ({kind.title}) encodes {what.get(kind.latent_dim)}, this one "
-                             f"encodes {what.get(vae.latent_dim, 'something else')}")
+        check_vae(vae, path, arch)
     return vae
+
+
+def check_vae(vae, path, arch: str) -> None:
+    """The VAE's latent channels and dimensions are those of ``arch``'s (its spec's VAE kind)."""
+    kind = VAES[arch_spec(arch).vae]
+    if vae.latent_channels != kind.latent_channels:
+        raise ModelError(f"{path}: a {arch} VAE ({kind.title}) has {kind.latent_channels} latent channels, "
+                         f"this one has {vae.latent_channels}")
+    if vae.latent_dim != kind.latent_dim:
+        what = {2: "images", 3: "videos"}
+        raise ModelError(f"{path}: a {arch} VAE ({kind.title}) encodes {what.get(kind.latent_dim)}, this one "
+                         f"encodes {what.get(vae.latent_dim, 'something else')}")
 
 
 # the text encoders' loading lives in te_loading.py (imported last: it reads this module's helpers)

@@ -41,7 +41,7 @@ from .spec import SIZES
 from .vaes import VAES
 
 ARCHS = tuple(ADAPTERS)
-TINY_FILES_VERSION = "2"   # bump when the files written for a size change
+TINY_FILES_VERSION = "3"   # bump when the files written for a size change (3: the tiny ACE vocoder decodes)
 INIT_STD = 0.02
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
@@ -115,14 +115,15 @@ def tensor_plan(module: torch.nn.Module) -> list[tuple[str, tuple, str]]:
 def _make_tensor(key: str, shape: tuple, init: str, dtype: torch.dtype, seed: int,
                  device: str = "cpu") -> torch.Tensor:
     """One initialised tensor on the CPU; the random draw happens on ``device`` (a GPU draws a 12B model in
-    seconds; values then differ from the CPU's for the same seed). ``init``: zeros, ones, normal (std ``INIT_STD``)
-    or ``normal:<std>``."""
+    seconds; values then differ from the CPU's for the same seed). ``init``: zeros, ones, normal (std ``INIT_STD``),
+    ``normal:<std>`` or ``fan_in`` (std 1 / sqrt(the weight's inputs): a deep stack keeps its signal's size)."""
     if init == "zeros":
         return torch.zeros(shape, dtype=dtype)
     if init == "ones":
         return torch.ones(shape, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    std = float(init.partition(":")[2] or INIT_STD)
+    fan_in = int(torch.Size(shape[1:]).numel()) or 1
+    std = fan_in ** -0.5 if init == "fan_in" else float(init.partition(":")[2] or INIT_STD)
     return torch.empty(shape, device=device).normal_(0.0, std, generator=gen).to(dtype).cpu()
 
 
@@ -139,6 +140,15 @@ def _header(plan, dtype: torch.dtype, metadata: dict[str, str], extras: dict[str
     return raw + b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned
 
 
+def _init_rule(key: str, rule: str, init: dict[str, str]) -> str:
+    """``init``'s rule for ``key``: its own, else that of a prefix ending in "." (a whole submodule), for the
+    weights the generic rule draws at random (biases and norms keep theirs)."""
+    if key in init:
+        return init[key]
+    prefixes = [p for p in init if p.endswith(".") and key.startswith(p)]
+    return init[max(prefixes, key=len)] if prefixes and rule.startswith("normal") else rule
+
+
 def write_safetensors(module: torch.nn.Module, path: Path, dtype: torch.dtype, seed: int,
                       metadata: dict[str, str], extras: dict[str, torch.Tensor] | None = None,
                       device: str = "cpu", init: dict[str, str] | None = None) -> int:
@@ -148,7 +158,7 @@ def write_safetensors(module: torch.nn.Module, path: Path, dtype: torch.dtype, s
     if dtype not in DTYPE_NAMES.values():
         raise ModelError(f"{path}: cannot write dtype {dtype}; use one of {sorted(DTYPE_NAMES)}")
     extras = extras or {}
-    plan = [(key, shape, (init or {}).get(key, rule)) for key, shape, rule in tensor_plan(module)]
+    plan = [(key, shape, _init_rule(key, rule, init or {})) for key, shape, rule in tensor_plan(module)]
     header = _header(plan, dtype, metadata, extras)
     tmp = temp_path_beside(path)
     try:
@@ -233,6 +243,44 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
         _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + zlib.crc32(kind.encode()) % 997,
                             init_device, spec.text_encoders_read_images)
     return files
+
+
+def write_checkpoint(arch: str, path: Path, size: str = "tiny", dtype=torch.float32, seed: int = 0) -> Path:
+    """An all-in-one checkpoint (diffusion model, VAE and text encoders in one file, what CheckpointLoaderSimple
+    reads from models/checkpoints) of the same weights ``write_model_files`` writes for these arguments: those files
+    loaded through ComfyUI and saved by ComfyUI's own ``comfy.sd.save_checkpoint`` (the CheckpointSave node's
+    layout, e.g. ``model.diffusion_model.*``, ``first_stage_model.*`` / ``vae.*``, ``cond_stage_model.*`` /
+    ``text_encoders.*``: the model's ComfyUI config decides). The separate files' metadata travels along, the text
+    encoders' configs by kind (``checkpoint_file.META_TE_CONFIGS``)."""
+    import tempfile
+
+    from ..runtime import ensure_comfyui
+    from .checkpoint_file import META_TE_CONFIGS
+    from .loading import META_TE, META_TE_KIND, load_diffusion_model, load_text_encoders, load_vae, read_header
+
+    ensure_comfyui()
+    import comfy.sd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        files = write_model_files(arch, Path(tmp), size, dtype, seed)
+        metadata, te_configs = {}, {}
+        for part in (files.diffusion_model, files.vae):
+            metadata.update(read_header(part)[1])
+        for part in files.text_encoders:
+            meta = read_header(part)[1]
+            if META_TE in meta:
+                te_configs[meta[META_TE_KIND]] = json.loads(meta[META_TE])
+        if te_configs:
+            metadata[META_TE_CONFIGS] = json.dumps(te_configs)
+        patcher = load_diffusion_model(files.diffusion_model, dtype, arch=arch)
+        clip = load_text_encoders(files.text_encoders, arch, dtype)
+        out = temp_path_beside(path)
+        comfy.sd.save_checkpoint(str(out), patcher, clip, load_vae(files.vae), metadata=metadata)
+        os.chmod(out, 0o644)   # mkstemp made it private; a model file is an ordinary file
+        os.replace(out, path)
+    return path
 
 
 def write_clip_vision(path: Path, size: str = "tiny", dtype=torch.float32, seed: int = 0) -> int:

@@ -23,7 +23,8 @@ class VAEKind:
     narrowed_class: str = ""
     widths: Callable[[str], dict] | None = None
     # size -> metadata ComfyUI itself reads from such a file (e.g. the LTX VAE's "config"); state-dict key ->
-    # init rule ("ones" / "zeros") for tiny files where the generic one would be wrong (e.g. a latent std)
+    # init rule ("ones" / "zeros" / "fan_in") for tiny files where the generic one would be wrong (e.g. a latent
+    # std); a key ending in "." sets the random weights of that submodule
     file_metadata: Callable[[str], dict[str, str]] | None = None
     init: dict[str, str] = field(default_factory=dict)
     # tensors a file of this kind carries besides the module's state dict (name -> () -> tensor), e.g. a buffer
@@ -200,8 +201,9 @@ ACE_VAE_TINY = {
     "dcae_config": {"attention_head_dim": 8, "encoder_block_out_channels": [8, 8, 16, 16],
                     "decoder_block_out_channels": [8, 8, 16, 16], "encoder_layers_per_block": [1, 1, 1, 1],
                     "decoder_layers_per_block": [1, 1, 1, 1]},
+    # num_mels is the width the HiFi-GAN head reads from the backbone (its last dim), not the mel bins
     "vocoder_config": {"depths": [1, 1, 1, 1], "dims": [8, 8, 8, 8], "upsample_initial_channel": 128,
-                       "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]]},
+                       "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]], "num_mels": 8},
 }
 
 
@@ -238,7 +240,9 @@ VAES: dict[str, VAEKind] = {
     "hunyuan_video_15": _hunyuan_vae_kind("hunyuan_video_15", "HunyuanVideo 1.5 VAE", 32, 3),
     "hunyuan_image_21": _hunyuan_vae_kind("hunyuan_image_21", "HunyuanImage 2.1 VAE", 64, 2),
     "ace_dcae": VAEKind("ACE-Step music DCAE + vocoder", 8, _ace_vae, sized=True,
-                        narrowed_class=",".join(ACE_VAE_PARTS.values()), widths=_ace_vae_widths),
+                        narrowed_class=",".join(ACE_VAE_PARTS.values()), widths=_ace_vae_widths,
+                        # HiFi-GAN's 7 upsampling stages at std 0.02 leave ~1e-19 of a waveform: silence
+                        init={"vocoder.head.": "fan_in"}),
     "cosmos1_cv8x8x8": VAEKind("Cosmos 1.0 CV8x8x8 tokenizer", 16, _cosmos1_vae, latent_dim=3, sized=True,
                                narrowed_class="comfy.ldm.cosmos.vae:CausalContinuousVideoTokenizer",
                                widths=_cosmos1_vae_widths, init={"latent_std": "ones", "latent_mean": "zeros"},

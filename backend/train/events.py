@@ -65,6 +65,16 @@ class RunReporter:
         self._tb.add_image(tag, np.asarray(Image.open(png_path).convert("RGB")), step, dataformats="HWC")
         self._tb.flush()
 
+    def audio(self, tag: str, path, step: int) -> None:
+        """An audio model's sample song (read as ComfyUI's LoadAudio reads it), its channels averaged."""
+        if not self.enabled or not self._writer():
+            return
+        from ..sample_audio import load
+
+        waveform, rate = load(path)
+        self._tb.add_audio(tag, waveform.float().mean(0, keepdim=True).clamp(-1, 1), step, sample_rate=rate)
+        self._tb.flush()
+
     def close(self) -> None:
         if self._tb:
             self._tb.close()

@@ -61,7 +61,8 @@ def test_only_adapters_and_the_registry_name_architectures():
     from pathlib import Path
 
     backend = Path(registry.__file__).resolve().parents[1]
-    generic = [backend / "models" / "loading.py", backend / "models" / "tiny.py", backend / "sampling.py",
+    generic = [backend / "models" / "loading.py", backend / "models" / "checkpoint_file.py",
+               backend / "models" / "tiny.py", backend / "sampling.py", backend / "sample_audio.py",
                backend / "verify.py", backend / "parity.py", backend / "doctor.py", backend / "patches_comfyui.py",
                backend / "patches_deepspeed.py", *(backend / "data").glob("*.py"),
                *(backend / "cache").glob("*.py"),

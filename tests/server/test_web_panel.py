@@ -80,6 +80,18 @@ class FakeRun:
         self.event({"type": "step_lora_saved", "epoch": epoch, "step": step, "path": str(lora)})
         self.event({"type": "sample_saved", "epoch": epoch, "step": step, "path": str(png), "prompt": "a red square"})
 
+    def song(self, epoch: int, step: int, prompt: str) -> None:
+        """An audio model's sample of the epoch's LoRA: a FLAC as ``sample_audio.save`` writes it, announced."""
+        import torch
+
+        from pipetrain.backend.sample_audio import save
+
+        path = self.dir / f"{RUN_ID}-epoch{epoch:04d}-sample09.flac"
+        wave = torch.sin(torch.arange(44100) / 44100 * 2 * torch.pi * 440) * 0.5
+        save({"waveform": wave.expand(1, 2, -1), "sample_rate": 44100}, path)
+        self.event({"type": "sample_saved", "epoch": epoch, "step": step, "path": str(path), "prompt": prompt,
+                    "prompt_index": 9, "strength": 1.0})
+
     def samples(self, epoch: int, step: int, strengths: list[float], prompts: list[str]) -> None:
         """PNGs beside the epoch's LoRA, announced as the backend does (``sampling.EpochSamples.announce``); the
         first strength's are a video model's clips (animated WebP, ``sample_clips.save_clip``)."""
@@ -196,6 +208,13 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
                             ".every((i) => i.complete && i.naturalWidth === 32)", 20, "the grid's images loaded")
         best = await page.js(BEST)
         await page.screenshot(ARTIFACTS / "pipetrain-sample-grid.png")
+        # an audio model's song: a player, whose file the samples route serves
+        run.song(1, 10, "rock, guitar")
+        song = await page.wait_for(
+            "(async () => { const a = document.querySelector('#pipetrain-panel .pipetrain-grid audio'); if (!a) return null;"
+            " const r = await fetch(a.src); const b = new Uint8Array(await r.arrayBuffer());"
+            " return [r.status, r.headers.get('content-type'), String.fromCharCode(...b.slice(0, 4)), a.controls,"
+            " a.title]; })()", 20, "an audio player for the song, served by the samples route")
         await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-grid', '×0.5'))", 10, "a strength button")
         strength_loader = await page.wait_for(SECOND_LOADER, 10, "a second Load Epoch LoRA node")
         # the run-control buttons reach their routes; the LR typed survives the re-renders of step events
@@ -231,7 +250,7 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         await page.wait_for(f"!!{BUTTON}('[data-run=\"ui-paused\"]', 'Resume')", 20, "Resume on the stopped run")
         resume_on_finished = await page.js(f"!!{BUTTON}('[data-run=\"ui-finished\"]', 'Resume')")
         return {"first": first, "later": later, "loader": loader, "exceptions": page.exceptions, "missed": missed,
-                "grid": grid, "best": best, "strength_loader": strength_loader,
+                "grid": grid, "best": best, "strength_loader": strength_loader, "song": song,
                 "asked": asked, "resume_on_finished": resume_on_finished, "step_sample": step_sample}
 
 
@@ -248,6 +267,9 @@ def test_panel_shows_live_progress_and_loss_chart(ui):
     assert result["best"] == "Lowest held-out loss: epoch 1 (0.1234)", result["best"]
     assert result["strength_loader"] == {"run": RUN_ID, "epoch": 1, "strength": 0.5}, result["strength_loader"]
     assert (ARTIFACTS / "pipetrain-sample-grid.png").stat().st_size > 5_000
+    status, kind, magic, controls, title = result["song"]
+    assert (status, kind, magic, controls, title) == (200, "audio/flac", "fLaC", True, "rock, guitar (strength 1)"), \
+        result["song"]
     info = json.loads((run.dir / "launcher.json").read_text())
     assert info.get("stop_requested") and (run.dir / "stop").exists()   # the Stop button reached the route
     control = run.dir / "control"   # so did the run-control buttons, with the LR typed before a step re-rendered

@@ -93,22 +93,6 @@ def test_tags_and_lyrics_encode_as_comfyui_node(ace_files):
     assert not torch.equal(adapter.encode_song(clip, "rock, guitar", "")["lyrics"], ours["lyrics"])
 
 
-def test_epoch_samples_are_skipped_with_a_warning_for_audio(tmp_path):
-    """Epoch samples are images: an ace_step run with [samples] set goes on without them, saying so once per epoch
-    on the main rank (no job is started, so nothing waits on ComfyUI)."""
-    from types import SimpleNamespace
-
-    from pipetrain.backend.sampling import render_epoch_samples
-
-    events = []
-    reporter = SimpleNamespace(event=lambda kind, **fields: events.append((kind, fields)))
-    cfg = SimpleNamespace(samples=SimpleNamespace(render="run"), model=SimpleNamespace(type="ace_step"))
-    render_epoch_samples(cfg, tmp_path, reporter, True, tmp_path / "e1.safetensors", 1, 10, lambda: False)
-    render_epoch_samples(cfg, tmp_path, reporter, False, None, 1, 10, lambda: False)
-    assert [(k, f["epoch"]) for k, f in events] == [("warning", 1)]
-    assert "audio model" in events[0][1]["message"] and "skipped" in events[0][1]["message"]
-
-
 def test_audio_dataset_scan_and_cache_keys_follow_the_audio_and_lyrics(tmp_path):
     """The scan pairs each audio file with its tags and lyrics and buckets it by duration; the text key changes with
     the lyrics (and not for a song without lyrics vs empty ones), the latent key with the audio bytes."""
