@@ -64,8 +64,10 @@ def describe(key: str, model_type) -> str:
         return ("a Diffusers Qwen-Image pipeline folder: its transformer (ComfyUI's keys), vae (diffusers' "
                 "AutoencoderKLQwenImage, renamed to the Wan VAE keys ComfyUI loads) and Qwen2.5-VL text_encoder "
                 "(renamed to ComfyUI's keys) where the table names no single file for them")
+    either = " (checkpoint_path: or a combined checkpoint file, read as CheckpointLoaderSimple reads it)" \
+        if key == "checkpoint_path" else ""
     return ("a Diffusers pipeline folder: its transformer/unet, vae and text encoders where the table names no "
-            "single file for them, converted by ComfyUI's own loaders")
+            f"single file for them, converted by ComfyUI's own loaders{either}")
 
 
 def expand(data: dict, file, prefix: str) -> None:
@@ -92,9 +94,9 @@ def _folder(data: dict, key: str, file, prefix: str) -> tuple[str, Path]:
         raise ConfigError(f"got {value!r}; give the folder's path as a string", file=file, key=_key(prefix, key))
     folder = _resolve(value, file)
     if not folder.is_dir():
-        single = (" (a combined checkpoint file: PipeTrain reads a Diffusers folder here, or single files: "
-                  f"{HINT})") if folder.is_file() else f"; or {HINT}"
-        raise ConfigError(f"{folder}: folder not found{single}", file=file, key=_key(prefix, key))
+        kind = "a Diffusers folder or a combined checkpoint file" if key == "checkpoint_path" else "a Diffusers folder"
+        what = "a file, where this key reads a Diffusers folder" if folder.is_file() else "folder not found"
+        raise ConfigError(f"{folder}: {what}; give {kind}, or {HINT}", file=file, key=_key(prefix, key))
     return value, folder
 
 
@@ -112,6 +114,11 @@ def _diffusers(data: dict, key: str, file, prefix: str) -> None:
         raise ConfigError(f"PipeTrain reads a Diffusers folder for model types {', '.join(FOLDER_KEYS[key])} "
                           f"(ComfyUI converts their keys); for {model_type!r} {HINT}", file=file,
                           key=_key(prefix, key))
+    if key == "checkpoint_path" and isinstance(data[key], str) and _resolve(data[key], file).is_file():
+        # a combined checkpoint (what CheckpointLoaderSimple reads): our diffusion_model, whose VAE and text
+        # encoders are read from the same file where the table names no single file for them
+        _fill(data, {"diffusion_model": data.pop(key)})
+        return
     value, folder = _folder(data, key, file, prefix)
     try:
         parts = pipeline_components(folder)

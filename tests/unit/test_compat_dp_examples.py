@@ -504,3 +504,14 @@ def test_check_config_reports_the_new_sources(tmp_path, flux_diffusers_folder, c
         assert line in out, (line, out)
     assert "REFUSED" not in out and "unknown key" not in out
     assert f"Loads: trains model type '{ours}'" in out
+
+
+def test_sdxls_checkpoint_path_may_be_a_combined_checkpoint_file(tmp_path):
+    """diffusion-pipe's SDXL table with ``checkpoint_path`` = one .safetensors (UNet, VAE and text encoders): our
+    diffusion_model, its VAE and text encoders read from the same file (none named)."""
+    from pipetrain.backend.models.tiny import write_checkpoint
+    ckpt = write_checkpoint("sdxl", tmp_path / "sd_xl_base_1.0.safetensors")
+    cfg = load_run(_write(tmp_path, MAIN + _model(None, _table("sdxl", f"checkpoint_path={ckpt}")) + ADAPTER
+                          + OPTIMIZER + MONITORING))
+    assert (cfg.model.type, Path(cfg.model.diffusion_model)) == ("sdxl", ckpt)
+    assert cfg.model.vae is None and not cfg.model.text_encoders
