@@ -84,11 +84,11 @@ def check_samples(cfg: RunConfig) -> None:
 def _check_image(cfg: RunConfig, key: str, taken: bool, fact: str, takers: str, problem=image_problem) -> None:
     """``[samples] key`` names a readable image (``problem``: or what else it checks), and the model type takes
     one (its adapter's ``fact``; ``takers``: what it lacks and which types have it, in words)."""
-    from .models.registry import ADAPTERS, adapter_class
+    from .models.registry import types_with
 
     if not taken:
-        types = sorted(name for name in ADAPTERS if getattr(adapter_class(name), fact, False))
-        raise ConfigError(f"a {cfg.model.type} model samples without {takers} take one ({', '.join(types)}): leave "
+        raise ConfigError(f"a {cfg.model.type} model samples without {takers} take one "
+                          f"({', '.join(types_with(fact))}): leave "
                           f"samples.{key} out", file=cfg.file, key=f"samples.{key}")
     why = problem(cfg.resolve(getattr(cfg.samples, key)))
     if why:
