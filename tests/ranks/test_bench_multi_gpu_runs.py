@@ -40,12 +40,15 @@ def test_equivalence_and_pipeline_efficiency_cases_run_through_the_trainer(tmp_p
 
 def test_a_case_past_its_timeout_is_killed_with_its_ranks_and_the_next_still_runs(tmp_path):
     """The trainer's launcher and ranks run under the case's process (not in a session of their own), so the
-    harness's kill at the timeout takes them too."""
-    report = _harness(tmp_path, "--cases", "equiv-stages,equiv-dp", "--case-timeout-s", "30", timeout=300)
+    harness's kill at the timeout takes them too. Each case trains long enough (300 steps per run) that no machine
+    finishes it inside the timeout: a fast one once did at the default 3 steps, and nothing was killed."""
+    report = _harness(tmp_path, "--cases", "equiv-stages,equiv-dp", "--equiv-steps", "300", "--case-timeout-s", "30",
+                      timeout=300)
     for name in ("equiv-stages", "equiv-dp"):
         case = report["cases"][name]
-        assert (case["rc"], case["error"]) == (124, "timed out after 30 s"), case
+        assert (case.get("rc"), case.get("error")) == (124, "timed out after 30 s"), case
         assert case["wall_s"] < 90
+        assert "run_log_tail" in case, case                           # the trainer had started when it was killed
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True)
     assert leftover.stdout == ""                                     # no rank of a killed case lives on
 
