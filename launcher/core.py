@@ -34,7 +34,7 @@ from ..backend.errors import PipeTrainError
 from ..backend.rundir import RunDir, RunsRoot, new_run_id
 from .build import write_config
 from .cluster_form import cluster_hosts, join_command, local_devices
-from .procs import ProcessRef, child_env, deepspeed_argv, package_path, spawn
+from .procs import ProcessRef, child_env, deepspeed_argv, package_path, spawn, visible_gpu_count
 from .queue_plan import plan_queued_run
 from .summaries import details, file_identity, summarize
 from .specs import TrainSpec
@@ -51,12 +51,14 @@ CONTROL_ACTIONS, CONTROL_LR, CONTROL_MAX_LR = run_control.ACTIONS, run_control.L
 class Launcher:
     def __init__(self, runs_root: Path, *, lora_root: Path | None = None, comfyui_root: Path | None = None,
                  before_launch: Callable[[tuple[int, ...]], None] | None = None,
+                 gpu_count: Callable[[], int] | None = None,
                  stop_timeout: float = 300.0, kill_timeout: float = 60.0):
         self.dirs = RunsRoot(runs_root)
         self.dirs.root.mkdir(parents=True, exist_ok=True)
         self.lora_root = Path(lora_root) if lora_root else None
         self.comfyui_root = comfyui_root
         self.before_launch = before_launch
+        self.gpu_count = gpu_count or visible_gpu_count
         self.stop_timeout, self.kill_timeout = stop_timeout, kill_timeout
         self.procs: dict[str, ProcessRef] = {}   # runs whose processes may be alive
         self.queue_plans: dict[str, str] = {}     # run id -> the memory plan shown when it was queued
@@ -120,6 +122,8 @@ class Launcher:
         """Validate, write the run directory and launch ``deepspeed ... pipetrain train``; returns the run id."""
         cluster = spec.parallelism.cluster
         devices = local_devices(cluster.launcher, cluster_hosts(cluster)) if cluster else spec.parallelism.devices
+        if cluster is None:
+            self._refuse_absent(devices)
         self._refuse_held(devices)
         env, info = self._comfyui_for(spec.model_type) if cluster is None else (None, {})
         run_id = new_run_id(name)
@@ -182,8 +186,19 @@ class Launcher:
             self._launch_cluster(run_id, run_dir.run_toml, resume=True, name=info.get("name", run_id))
             return
         devices = tuple(info.get("gpus") or (0,))
+        self._refuse_absent(devices)
         self.launch(run_id, deepspeed_argv("train", run_dir.run_toml, devices, ["--resume", run_id]), devices,
                     name=info.get("name", run_id))
+
+    def _refuse_absent(self, devices) -> None:
+        """A rank per GPU index: an index this machine does not have would fail in the rank as a CUDA error. A
+        machine with no GPU runs its ranks on the CPU, so only a machine with some GPUs refuses."""
+        count = self.gpu_count()
+        missing = sorted(d for d in devices if d >= count)
+        if count and missing:
+            raise LauncherError(f"GPU(s) {', '.join(map(str, missing))} asked for, but this machine shows {count} "
+                                f"GPU(s) ({', '.join(map(str, range(count)))}): lower `gpus` (and pipeline_stages) "
+                                "in the Parallelism node, or choose gpu_ids among these")
 
     def _refuse_held(self, devices) -> None:
         held = self.held_gpus()

@@ -153,3 +153,10 @@ def python_argv(*args: str) -> list[str]:
     from ..backend.commands import pipetrain_command
 
     return pipetrain_command(*args)
+
+
+def visible_gpu_count() -> int:
+    """The GPUs a run started from this process can use: its children inherit CUDA_VISIBLE_DEVICES (ComfyUI's
+    ``--cuda-device`` sets it), so this process's count is theirs."""
+    import torch
+    return torch.cuda.device_count()

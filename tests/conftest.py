@@ -135,6 +135,9 @@ class Run:
 
 def launch(config: Path, ranks: int, *extra: str, command: str = "train") -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    import torch
+    if ranks > torch.cuda.device_count() > 0:
+        env["CUDA_VISIBLE_DEVICES"] = ""   # on a one-GPU machine, a two-stage test trains on CPU ranks as in CI
     return subprocess.Popen(deepspeed_command(command, config, ranks, list(extra)) + ["--no-progress"],
                             cwd=config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)

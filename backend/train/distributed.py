@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..commands import free_port
+from ..errors import RuntimeSetupError
 from ..patches_deepspeed import skip_cpu_shm_build
 
 
@@ -21,6 +22,13 @@ def init() -> tuple[int, int, int]:
     local_rank = int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available()
     if cuda:
+        count = torch.cuda.device_count()
+        if local_rank >= count:   # CUDA's own error here ("invalid device ordinal") names neither cause nor fix
+            local_world = os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+            raise RuntimeSetupError(
+                f"rank {local_rank} of this machine has no GPU: {local_world} ranks were started here, but this "
+                f"machine shows {count} GPU(s). Start at most {count} (deepspeed --num_gpus, the Parallelism "
+                "node's gpus), with pipeline_stages dividing that number")
         torch.cuda.set_device(local_rank)
     else:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))

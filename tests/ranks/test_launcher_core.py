@@ -288,6 +288,19 @@ def test_start_writes_the_run_and_spawns_deepspeed(tmp_path, launcher):
     assert not la.alive(run_id)
 
 
+def test_a_run_on_more_gpus_than_the_machine_shows_is_refused_before_anything_is_written(tmp_path, launcher):
+    """Two GPUs asked of a machine with one: refused by index and count at the Train node, no run folder; a
+    machine with none trains on CPU ranks, so it is not refused for that."""
+    la = launcher(lora_root=tmp_path / "loras", gpu_count=lambda: 1)
+    with pytest.raises(LauncherError, match=r"GPU\(s\) 1 asked for, but this machine shows 1 GPU\(s\) \(0\)"):
+        la.start(_spec(tmp_path, gpus=2, stages=2), "two")
+    assert la.dirs.ids() == []
+    cpu_only = launcher(lora_root=tmp_path / "loras", gpu_count=lambda: 0)
+    run_id = cpu_only.start(_spec(tmp_path, gpus=2, stages=2), "two")
+    cpu_only.kill(run_id)
+    assert json.loads((cpu_only.dirs.path(run_id) / "launcher.json").read_text())["gpus"] == [0, 1]
+
+
 def test_loras_saved_before_a_resume_are_kept(launcher):
     """A resumed run's ``status.json`` starts afresh; its earlier epoch LoRAs come from ``events.jsonl``."""
     la = launcher()

@@ -75,7 +75,7 @@ def test_the_checkpoint_has_comfyuis_layout_and_loads_in_checkpoint_loader_simpl
     separate.load_diffusion_model()
     theirs = model.model.diffusion_model.state_dict()
     ours = separate.diffusion_model.state_dict()
-    assert set(theirs) == set(ours) and all(torch.equal(theirs[k].float(), ours[k].float()) for k in ours)
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k].float().cpu(), ours[k].float().cpu()) for k in ours)
     song = _song()
     torch.testing.assert_close(separate.encode_audio(vae, song, 44100),
                                separate.encode_audio(separate.load_vae(), song, 44100), rtol=0, atol=0)
