@@ -27,6 +27,9 @@ def check_checkpoint_parts(model: ModelConfig) -> None:
     header read (``ModelError`` naming the key to set)."""
     if model.from_checkpoint():
         from .models.checkpoint_file import check_parts
+        from .runtime import ensure_comfyui
+
+        ensure_comfyui()   # ComfyUI's model config tells the parts apart (after the CLI chose which ComfyUI)
         check_parts(model.diffusion_model, model.type, model.from_checkpoint())
 
 
@@ -35,6 +38,7 @@ def check_run(cfg: RunConfig) -> RunConfig:
     from .sample_clips import check_samples
 
     check_model(cfg.model, cfg.file)
+    check_checkpoint_parts(cfg.model)   # before caching: a header read, only where [model] leaves parts to the file
     check_samples(cfg)   # clip length and start image against the model type
     sample_audio.check_samples(cfg)   # lyrics only for audio models
     check_preservation(cfg)

@@ -158,3 +158,29 @@ def test_the_model_node_checks_that_the_file_holds_what_it_is_to_give(files):
     with pytest.raises(ValueError, match=r"holds no text encoders.*\[model\] text_encoders"):
         check_model_patch(model_patch("ace_step", bare, str(split.vae)))
     check_model_patch(model_patch("ace_step", bare, str(split.vae), [str(p) for p in split.text_encoders]))
+
+
+def test_a_toml_run_that_leaves_the_vae_to_a_file_without_one_is_refused_before_caching(files, tmp_path):
+    """The CLI's path (no Model node): ``pipetrain train`` on a config whose [model] names a bare diffusion model and
+    no vae is refused at start, naming the file and the key, before any cache or run folder is made."""
+    import subprocess
+    import sys
+
+    import tomli_w
+
+    from pipetrain.backend.demo import make_dataset
+
+    _, split = files
+    make_dataset(tmp_path / "dataset", 2)
+    (tmp_path / "dataset.toml").write_text(tomli_w.dumps(
+        {"resolutions": [64], "directory": [{"path": str(tmp_path / "dataset")}]}))
+    (tmp_path / "run.toml").write_text(tomli_w.dumps({
+        "output_dir": str(tmp_path / "output"), "dataset": "dataset.toml", "epochs": 1,
+        "model": {"type": "ace_step", "diffusion_model": str(split.diffusion_model),
+                  "text_encoders": [str(p) for p in split.text_encoders], "dtype": "float32"}}))
+    out = subprocess.run([sys.executable, "-m", "pipetrain", "train", str(tmp_path / "run.toml")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"pipetrain: error: {split.diffusion_model}: this file holds no VAE" in out.stderr
+    assert "name the VAE file in [model] vae" in out.stderr
+    assert not (tmp_path / "output").exists()                        # nothing cached, no run folder
