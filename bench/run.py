@@ -142,7 +142,7 @@ def free_disk_for(root: Path, keep: str | tuple[str, ...]) -> list[str]:
 
     gone = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if re.fullmatch(r"[a-z0-9_.]+(-dp)?-full(-[a-z0-9.]+)?(\.json)?", path.name) and not path.name.startswith(keep):
+        if re.fullmatch(r"[a-z0-9_.]+(-dp)?-full(-[a-z0-9.-]+)?(\.json)?", path.name) and not path.name.startswith(keep):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
             gone.append(path.name)
     return gone

@@ -485,13 +485,15 @@ def test_a_case_beside_diffusion_pipe_trains_on_its_files_after_freeing_other_mo
 
     from pipetrain.bench.run import CASES, case_models
 
-    for stale in ("wan-dp-full", "wan-full", "flux-full"):
+    for stale in ("wan-dp-full", "wan-full", "flux-full", "wan-dp-full-wan-1.3b", "wan-full-wan-1.3b"):
         (tmp_path / stale).mkdir()
-    (tmp_path / "flux-full.json").write_text("{}")
+    for marker in ("flux-full.json", "wan-full-wan-1.3b.json"):
+        (tmp_path / marker).write_text("{}")
     args = SimpleNamespace(size="tiny", steps=3, resolution=64, frames=9)
     files, freed = case_models("hunyuan_video-544x960x33-ckpt", CASES["hunyuan_video-544x960x33-ckpt"], tmp_path,
                                args, _comfyui(), with_dp=True)
-    assert sorted(freed) == ["flux-full", "flux-full.json", "wan-dp-full", "wan-full"]
+    assert sorted(freed) == ["flux-full", "flux-full.json", "wan-dp-full", "wan-dp-full-wan-1.3b", "wan-full",
+                             "wan-full-wan-1.3b", "wan-full-wan-1.3b.json"]
     folder = tmp_path / "hunyuan_video-dp-tiny"
     assert files["diffusion_model"] == str(folder / "transformer.safetensors")
     assert files["text_encoders"] == [str(folder / sub / "model.safetensors") for sub in ("llm", "clip")]
