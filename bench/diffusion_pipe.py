@@ -17,9 +17,12 @@ widths, as diffusion-pipe caches their outputs before training), SDXL as a diffu
 Z-Image as ComfyUI-format files with a full-depth Qwen3-4B encoder, Qwen-Image as a diffusers folder (its 20B
 transformer, VAE and whole Qwen2.5-VL-7B encoder: 57.7 GB of disk), Wan 2.1 as the official checkpoint folder with
 ComfyUI-format transformer and full-depth UMT5-XXL encoder and a stand-in tokenizer (the model variant, e.g. 1.3B,
-from the case). Qwen-Image needs ``configs/qwen_image`` in the diffusion-pipe checkout (its tokenizer, processor and
-configs); Wan needs easydict and ftfy, which its code imports, and PyAV, through which it reads video (it refuses
-animated WebP). Captions are run.py's ``bench_caption``: one 77-token CLIP chunk for SDXL, 505 T5 tokens elsewhere
+from the case; the 14B without one), HunyuanVideo as the ComfyUI-format files its README names (transformer, VAE,
+full-depth LLaVA-Llama-3-8B and CLIP-L folders with ComfyUI's tokenizers). ``bench/run.py --diffusion-pipe`` runs both
+trainers in one job on the same files where formats allow. Qwen-Image needs ``configs/qwen_image`` in the
+diffusion-pipe checkout (its tokenizer, processor and configs); Wan needs easydict and ftfy, which its code
+imports, and PyAV, through which it reads video (it refuses animated WebP). Captions are run.py's ``bench_caption``:
+one 77-token CLIP chunk for SDXL, 252 Llama tokens for HunyuanVideo (its text length is 256), 505 T5 tokens elsewhere
 (diffusers pads or cuts Flux's T5 text to 512). Eight images at the case's resolution, or for video cases eight MP4
 clips of the case's frames at the model's frame rate (``frame_buckets`` of that length), LoRA rank 32 on
 diffusion-pipe's targets, torch AdamW, bf16.
@@ -32,7 +35,11 @@ configs. And diffusion-pipe 8f83dbf passes ``disable_dynamic=True`` to ComfyUI's
 ``load_diffusion_model``, a keyword newer than the ComfyUI 0.3.75 used here: the wrapper drops it where the
 installed function's signature lacks it. Its Wan code calls flash-attn's varlen kernel and asserts flash-attn is
 installed: where it is not, those calls go to the SDPA branch of its own Wan ``attention.py``
-(``wan_attention_through_sdpa_without_flash_attn``).
+(``wan_attention_through_sdpa_without_flash_attn``). HunyuanVideo's blocks call flash-attn's varlen kernel too (None
+without flash-attn): those calls go to the same attention per sequence stretch computed by SDPA
+(``hunyuan_attention_through_sdpa_without_flash_attn``); its text-encoder loader reads ``CLIPTextModel.text_model``,
+which transformers 5 removed, and finds the model itself there (``clip_text_model_as_its_own_text_model``). Its
+code imports loguru (install it) and imageio.
 
 Measures, per step: wall time of DeepSpeed's ``PipelineEngine.train_batch`` (CUDA-synchronised; this wrapper
 patches the engine method in diffusion-pipe's process, diffusion-pipe's code is untouched) and
@@ -72,7 +79,8 @@ STUB_SUBMODULES = {"av": ("container", "subtitles", "subtitles.stream")}
 
 
 CASE_NAMES = ("flux-1024", "flux-1024-ckpt", "sdxl-1024-b8", "sdxl-1024-b4-ckpt", "zimage-1024-b4-ckpt",
-              "qwen_image-1024-ckpt", "wan1.3b-480x832x81-ckpt")
+              "qwen_image-1024-ckpt", "wan1.3b-480x832x81-ckpt", "wan14b-480x832x33-ckpt",
+              "hunyuan_video-544x960x33-ckpt")
 
 
 # --- dataset and diffusion-pipe's TOML configs --------------------------------------------------------
@@ -200,16 +208,22 @@ def summarise(case: Case, events: list[dict], log: str, warmup: int) -> dict:
             "cudnn_sdp": start.get("cudnn_sdp")}
 
 
+def write_in_child(name: str, root: Path, comfyui: Path, size: str, steps: int, resolution: int | None,
+                   frames: int | None) -> subprocess.CompletedProcess:
+    """``--write-only`` for one case in a child process (model files skipped where complete): a CUDA context held
+    by the caller would count in nvidia-smi's figure and take memory from the runs."""
+    write = [sys.executable, str(Path(__file__).resolve()), "--write-only", "--cases", name, "--size", size,
+             "--work", str(root), "--comfyui", str(comfyui), "--steps", str(steps), "--out", str(root / name)]
+    for flag, value in (("--resolution", resolution), ("--frames", frames)):
+        write += [flag, str(value)] if value else []
+    return subprocess.run(write, capture_output=True, text=True)
+
+
 def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: str, steps: int, warmup: int,
              resolution: int | None, timeout_s: float | None = None, frames: int | None = None) -> dict:
     run_dir = root / name
     shutil.rmtree(run_dir, ignore_errors=True)   # a fresh cache and output each time
-    # in a child: a CUDA context held here would count in nvidia-smi's figure and take memory from the run
-    write = [sys.executable, str(Path(__file__).resolve()), "--write-only", "--cases", name, "--size", size,
-             "--work", str(root), "--comfyui", str(comfyui), "--steps", str(steps), "--out", str(run_dir)]
-    for flag, value in (("--resolution", resolution), ("--frames", frames)):
-        write += [flag, str(value)] if value else []
-    written = subprocess.run(write, capture_output=True, text=True)
+    written = write_in_child(name, root, comfyui, size, steps, resolution, frames)
     if written.returncode != 0:
         return {"rc": written.returncode, "stage": "write", "stderr": written.stderr[-3000:]}
     from pipetrain.backend.commands import free_port
@@ -307,12 +321,81 @@ def wan_attention_through_sdpa_without_flash_attn() -> None:
     attention.flash_attention = sdpa
 
 
+def bind_diffusion_pipe(dp: Path, comfyui: Path, stubs: tuple[str, ...] = STUBBED) -> list[str]:
+    """diffusion-pipe's packages importable before ComfyUI's, and the modules of ``stubs`` that are not installed
+    stubbed (returned). diffusion-pipe's utils/models are namespace packages and ComfyUI's utils a regular one, which
+    would win: diffusion-pipe's are bound first (its own code puts its ComfyUI submodule on the path only after
+    that, too)."""
+    import importlib.machinery
+    import importlib.util
+
+    if str(dp) not in sys.path:
+        sys.path.insert(0, str(dp))
+    import models, optimizers, utils  # noqa: F401
+    sys.path.insert(1, str(comfyui))
+    stubbed = [m for m in stubs if importlib.util.find_spec(m) is None]
+    for top in stubbed:
+        for m in (top, *(f"{top}.{sub}" for sub in STUB_SUBMODULES.get(top, ()))):
+            sys.modules[m] = _StubModule(m)
+            # a spec but no distribution metadata: transformers' availability checks still say "not installed"
+            sys.modules[m].__spec__ = importlib.machinery.ModuleSpec(m, None)
+    return stubbed
+
+
+def varlen_attention_through_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None,
+                                  *args, **kwargs):
+    """flash-attn's ``flash_attn_varlen_func`` by SDPA: q, k, v are [total tokens, heads, dim] and each stretch
+    between consecutive ``cu_seqlens`` attends to itself only (HunyuanVideo's blocks give a sample's image and real
+    text tokens one stretch, its text padding the next). Returns [total tokens, heads, dim]."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    bounds_q, bounds_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_kv, bounds_kv[1:])):
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def hunyuan_attention_through_sdpa_without_flash_attn() -> None:
+    """HunyuanVideo's blocks (its ``hyvideo.modules.attenion``) call flash-attn's varlen kernel, None where flash-attn
+    is not installed (no wheel matches the GPU machine's torch): the calls go to ``varlen_attention_through_sdpa``,
+    the same attention per stretch, computed by SDPA. Imports diffusion-pipe's HunyuanVideo model (which puts its
+    submodule on the path)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn"):
+        return
+    import models.hunyuan_video  # noqa: F401
+    from hyvideo.modules import attenion
+
+    attenion.flash_attn_varlen_func = varlen_attention_through_sdpa
+
+
+def clip_text_model_as_its_own_text_model() -> None:
+    """HunyuanVideo's text-encoder loader takes CLIP-L's final norm from ``CLIPTextModel.text_model``, which
+    transformers 5 removed (the model holds the text model's modules itself): where it is missing, the model answers
+    ``text_model`` with itself, so the loader finds the same norm."""
+    import transformers
+
+    if not hasattr(transformers.CLIPTextModel, "text_model") and "text_model" not in getattr(
+            transformers.CLIPTextModel, "__annotations__", {}):
+        transformers.CLIPTextModel.text_model = property(lambda self: self)
+
+
+def model_type(train_argv: list[str]) -> str | None:
+    """The [model] type of the main config that train.py's arguments name (``--config PATH``)."""
+    import tomllib
+
+    config = train_argv[train_argv.index("--config") + 1]
+    return tomllib.loads(Path(config).read_text())["model"].get("type")
+
+
 def entry(argv: list[str]) -> None:
     """Run diffusion-pipe's train.py as __main__ with a timing and memory probe on DeepSpeed's train_batch.
 
     argv: DP EVENTS COMFYUI, then train.py's own arguments (the launcher puts --local_rank=N first)."""
-    import importlib.machinery
-    import importlib.util
     import runpy
 
     local_rank = [a for a in argv if a.startswith("--local_rank")]
@@ -320,17 +403,11 @@ def entry(argv: list[str]) -> None:
     dp, events_path, comfyui = (Path(p) for p in rest[1:4])
     # this file's folder (bench/, which has a models.py) must not shadow diffusion-pipe's models package
     sys.path[0] = str(dp)
-    # diffusion-pipe's utils/models are namespace packages and ComfyUI's utils a regular one, which would win:
-    # bind diffusion-pipe's first (its own code puts its ComfyUI submodule on the path only after that, too)
-    import models, optimizers, utils  # noqa: F401
-    sys.path.insert(1, str(comfyui))
+    stubbed = bind_diffusion_pipe(dp, comfyui)
     wan_attention_through_sdpa_without_flash_attn()
-    stubbed = [m for m in STUBBED if importlib.util.find_spec(m) is None]
-    for top in stubbed:
-        for m in (top, *(f"{top}.{sub}" for sub in STUB_SUBMODULES.get(top, ()))):
-            sys.modules[m] = _StubModule(m)
-            # a spec but no distribution metadata: transformers' availability checks still say "not installed"
-            sys.modules[m].__spec__ = importlib.machinery.ModuleSpec(m, None)
+    if model_type(rest[4:]) == "hunyuan-video":
+        hunyuan_attention_through_sdpa_without_flash_attn()
+        clip_text_model_as_its_own_text_model()
     sys.argv = [str(dp / "train.py"), *local_rank, *rest[4:]]
 
     import comfy.sd

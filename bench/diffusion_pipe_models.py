@@ -26,6 +26,20 @@ per folder (``written.json`` last, with diffusion-pipe's ``[model]`` section for
   the stand-in only has to load with ``AutoTokenizer`` and give valid UMT5 ids (a word-level vocabulary of the
   bench caption's words after T5's pad 0, end 1 and unknown 2).
 
+- HunyuanVideo (t2v 13B): the ComfyUI files diffusion-pipe's README names (``transformer_path``, ``vae_path``,
+  ``llm_path``, ``clip_path``). The transformer is ComfyUI's model saved as ComfyUI saves it (``model.model.*``, the
+  layout diffusion-pipe maps to the original names; ComfyUI's loader strips the prefix). ``llm_path`` is a Hugging
+  Face folder of the LLaVA-Llama-3-8B text model (full depth: ``config.json`` of Llama-3-8B with ComfyUI's 128320
+  ids, ``model.safetensors`` in ComfyUI's and transformers' shared ``model.*`` names, ComfyUI's Llama-3 tokenizer),
+  ``clip_path`` one of CLIP-L (``text_model.*``, ComfyUI's CLIP-L tokenizer). The VAE is two files: diffusion-pipe
+  loads its own class strictly from the original names (diffusers' AutoencoderKLHunyuanVideo has the same names and,
+  by default, its config), PipeTrain reads ComfyUI's file. Full size: 25.6 GB transformer + 15.0 GB Llama + 0.25 GB
+  CLIP-L + 2 x 0.5 GB VAE = 41.9 GB. The Wan 2.1 14B folder: 28.6 GB transformer + 11.4 GB encoder + 2 x 0.25 GB VAE
+  = 40.5 GB; the two cannot be on the GPU machine's 64 GiB disk together (run.py's ``free_disk_for``).
+
+Where formats allow, PipeTrain trains on the same files (``pipetrain_files``: Wan's transformer, ComfyUI VAE and
+UMT5; HunyuanVideo's transformer, ComfyUI VAE, Llama and CLIP-L files), so one case's files are written once.
+
 Modules are built on the meta device and streamed to safetensors a tensor at a time. ``--size tiny``: small widths
 (diffusion-pipe itself reads only its full configs; the tiny files check the writers on the CPU).
 """
@@ -127,6 +141,16 @@ WAN_CHECKPOINT_FIELDS = ("model_type", "dim", "ffn_dim", "freq_dim", "in_dim", "
                          "eps")
 UMT5_SPECIAL_IDS = {"<pad>": 0, "</s>": 1, "<unk>": 2}
 
+# HunyuanVideo: ComfyUI's saved layout of the model (its process_unet_state_dict_for_saving), which diffusion-pipe maps
+HUNYUAN_TRANSFORMER_PREFIX = "model.model."
+# diffusion-pipe's llm_path / clip_path folders -> PipeTrain's text-encoder kinds (their keys are transformers')
+HUNYUAN_TEXT_FOLDERS = {"llm": "llama", "clip": "clip_l"}
+LLAMA_HEAD_DIM = 128                  # ComfyUI's Llama2Config.head_dim (a class attribute, not a field)
+LLAMA3_SPECIAL_IDS = {"bos_token_id": 128000, "eos_token_id": 128001}
+# the tiny VAE for diffusion-pipe's class (its own config file holds the full one, diffusers' defaults)
+HUNYUAN_VAE_TINY = {"block_out_channels": [32, 32, 32, 32], "layers_per_block": 1}
+PIPETRAIN_FILES = "pipetrain_files"   # a writer's entry: the files PipeTrain trains the case on (written.json)
+
 
 def sdxl_configs(size: str) -> dict[str, dict]:
     """Component folder -> config of the SDXL pipeline; tiny widths keep what the UNet reads consistent: the two
@@ -157,8 +181,16 @@ def write_model_folder(arch: str, folder: Path, size: str, comfyui: Path, device
         t = time.monotonic()
         options = {"variant": variant} if variant else {}
         section = WRITERS[arch](folder, size, comfyui, device, **options)
-        marker.write_text(json.dumps({"size": size, "write_s": round(time.monotonic() - t, 1), "model": section}))
+        shared = section.pop(PIPETRAIN_FILES, None)
+        marker.write_text(json.dumps({"size": size, "write_s": round(time.monotonic() - t, 1), "model": section,
+                                      **({PIPETRAIN_FILES: shared} if shared else {})}))
     return json.loads(marker.read_text())["model"]
+
+
+def pipetrain_files(folder: Path) -> dict | None:
+    """The written folder's files PipeTrain trains on (run.py's ``write_models`` result), where its writer shares
+    them; None for folders in formats PipeTrain does not read here."""
+    return json.loads((folder / "written.json").read_text()).get(PIPETRAIN_FILES)
 
 
 def write_flux_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu", comfy_widths: bool = False) -> dict:
@@ -286,18 +318,124 @@ def write_wan_folder(folder: Path, size: str, comfyui: Path, device: str = "cpu"
     unet_config = wan_unet_config(size, variant)
     files = write_model_files("wan", folder, size, torch.bfloat16, text_encoder_size=size, init_device=device,
                               unet_config=unet_config)
-    # diffusion-pipe torch.loads the official VAE .pth; ComfyUI's VAE file holds the same keys
+    # diffusion-pipe torch.loads the official VAE .pth; ComfyUI's VAE file holds the same keys (kept for PipeTrain)
     torch.save(load_file(files.vae), folder / WAN_VAE_FILE)
-    files.vae.unlink()
     _write_json(folder / "config.json", wan_checkpoint_config(unet_config))
     write_umt5_stand_in_tokenizer(folder / WAN_TOKENIZER, bench_caption("wan"))
     (text_encoder,) = files.text_encoders
     return {"type": "wan", "ckpt_path": str(folder), "transformer_path": str(files.diffusion_model),
-            "llm_path": str(text_encoder), "dtype": "bfloat16"}
+            "llm_path": str(text_encoder), "dtype": "bfloat16",
+            PIPETRAIN_FILES: {"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
+                              "text_encoders": [str(text_encoder)]}}
+
+
+def comfyui_saved_layout(module):
+    """``module`` under ComfyUI's saved names of a HunyuanVideo model (``model.model.*``)."""
+    import torch
+
+    layout, inner = torch.nn.Module(), torch.nn.Module()
+    inner.model = module
+    layout.model = inner
+    return layout
+
+
+def hunyuan_video_modules(size: str) -> dict:
+    """File -> (module on the meta device, init rules) of the files both trainers read: the transformer in
+    ComfyUI's saved layout, the Llama-3-8B and CLIP-L text models (ComfyUI's classes; their keys are transformers')."""
+    import torch
+
+    from pipetrain.backend.models.registry import arch_spec
+    from pipetrain.backend.models.tiny import build_text_encoder, text_encoder_config
+
+    spec = arch_spec("hunyuan_video")
+    config = spec.unet_config(size)
+    with spec.built_in(config), torch.device("meta"):
+        transformer = comfyui_saved_layout(spec.build(config))
+    init = {HUNYUAN_TRANSFORMER_PREFIX + key: rule for key, rule in (spec.diffusion_model_init or {}).items()}
+    modules = {"transformer": (transformer, init)}
+    for sub, kind in HUNYUAN_TEXT_FOLDERS.items():
+        modules[sub] = (build_text_encoder(kind, text_encoder_config(kind, size)), None)
+    return modules
+
+
+def hunyuan_llama_config(size: str):
+    """transformers' LlamaConfig of ComfyUI's LLaVA-Llama-3-8B text model (or the tiny one)."""
+    import transformers
+
+    from pipetrain.backend.models.tiny import text_encoder_config
+
+    c = text_encoder_config("llama", size)
+    return transformers.LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"], head_dim=LLAMA_HEAD_DIM,
+        max_position_embeddings=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+        rope_theta=c["rope_theta"], tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+        **LLAMA3_SPECIAL_IDS)
+
+
+def write_llama_tokenizer(folder: Path, comfyui: Path) -> None:
+    """ComfyUI's Llama-3 tokenizer (LLaVA-Llama-3's ids, '<pad>' included) as a fast tokenizer AutoTokenizer
+    loads: its tokenizer.json is the whole tokenizer, the class it names in its config is a slow one."""
+    source = comfyui / "comfy" / "text_encoders" / "llama_tokenizer"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="PreTrainedTokenizerFast")
+    _write_json(folder / "tokenizer_config.json", config)
+
+
+def hunyuan_dp_vae(size: str):
+    """The VAE diffusion-pipe loads (its HunyuanVideo class, its names) as diffusers' port of it, whose defaults are
+    diffusion-pipe's config; on the meta device."""
+    import diffusers
+    import torch
+
+    with torch.device("meta"):
+        return diffusers.AutoencoderKLHunyuanVideo(**({} if size == "full" else HUNYUAN_VAE_TINY))
+
+
+def write_hunyuan_video_files(folder: Path, size: str, comfyui: Path, device: str = "cpu") -> dict:
+    import torch
+    import transformers
+
+    from pipetrain.backend.models.loading import META_ARCH, META_TE, META_TE_KIND
+    from pipetrain.backend.models.tiny import SHALLOW, _vae_metadata, text_encoder_config, write_safetensors
+    from pipetrain.backend.models.vaes import VAES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    modules = hunyuan_video_modules(size)
+    transformer, init = modules["transformer"]
+    # transformers reads a safetensors file whose metadata says "format": "pt"
+    write_safetensors(transformer, folder / "transformer.safetensors", torch.bfloat16, 0,
+                      {"format": "pt", META_ARCH: "hunyuan_video", "pipetrain.size": size}, device=device, init=init)
+    for seed, (sub, kind) in enumerate(HUNYUAN_TEXT_FOLDERS.items(), start=2):
+        meta = {"format": "pt", META_TE_KIND: kind, "pipetrain.size": size}
+        if size in ("tiny", SHALLOW):
+            meta[META_TE] = json.dumps(text_encoder_config(kind, size))
+        write_safetensors(modules[sub][0], folder / sub / "model.safetensors", torch.bfloat16, seed, meta,
+                          device=device)
+    hunyuan_llama_config(size).save_pretrained(folder / "llm")
+    write_llama_tokenizer(folder / "llm", comfyui)
+    transformers.CLIPTextConfig(**text_encoder_config("clip_l", size)).save_pretrained(folder / "clip")
+    write_clip_tokenizer(folder / "clip", comfyui)
+    vae = VAES["hunyuan_video"]
+    write_safetensors(vae.build(size), folder / "comfyui_vae.safetensors", torch.bfloat16, 1,
+                      _vae_metadata("hunyuan_video", size), {name: make() for name, make in vae.extras.items()},
+                      device=device, init=vae.init)
+    _write_weights(hunyuan_dp_vae(size), folder / "vae.safetensors", device)
+    return {"type": "hunyuan-video", "transformer_path": str(folder / "transformer.safetensors"),
+            "vae_path": str(folder / "vae.safetensors"), "llm_path": str(folder / "llm"),
+            "clip_path": str(folder / "clip"), "dtype": "bfloat16",
+            PIPETRAIN_FILES: {"diffusion_model": str(folder / "transformer.safetensors"),
+                              "vae": str(folder / "comfyui_vae.safetensors"),
+                              "text_encoders": [str(folder / sub / "model.safetensors")
+                                                for sub in HUNYUAN_TEXT_FOLDERS]}}
 
 
 WRITERS = {"flux": write_flux_folder, "sdxl": write_sdxl_folder, "z_image": write_zimage_files,
-           "qwen_image": write_qwen_image_folder, "wan": write_wan_folder}
+           "qwen_image": write_qwen_image_folder, "wan": write_wan_folder,
+           "hunyuan_video": write_hunyuan_video_files}
 
 
 # --- pieces of a diffusers folder ---------------------------------------------------------------------

@@ -43,7 +43,6 @@ import json
 import math
 import multiprocessing
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pipetrain.bench.run import CASES, Case, run_ours, train_run, write_models
+from pipetrain.bench.run import CASES, Case, free_disk_for, run_ours, train_run, write_models
 
 TOLERANCE = {"cuda": {"loss_rel": 1e-2, "lora_rel": 2e-2, "dtype": "bfloat16"},
              "cpu": {"loss_rel": 1e-5, "lora_rel": 1e-4, "dtype": "float32"}}
@@ -200,17 +199,6 @@ def run_equivalence(job: Job, args, root: Path) -> dict:
     out["passed"] = bool(out["loss_max_rel"] <= tolerance["loss_rel"] and out["lora_max_rel"] <= tolerance["lora_rel"]
                          and out.get("lora_moved"))
     return out
-
-
-def free_disk_for(root: Path, keep: str) -> list[str]:
-    """Remove the full-size model files of other cases (Flux-dev, Flux 2 and Wan 14B together outgrow a 2-GPU
-    machine's 128 GiB disk); returns what went."""
-    gone = []
-    for path in root.iterdir():
-        if re.fullmatch(r"[a-z0-9_.]+-full(-[a-z0-9.]+)?(\.json)?", path.name) and not path.name.startswith(keep):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-            gone.append(path.name)
-    return gone
 
 
 def run_timed(job: Job, args, root: Path) -> dict:

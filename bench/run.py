@@ -8,9 +8,16 @@ scripts live outside this repository: pass their paths).
 Weights are random with the real architecture configs (step time does not depend on their values);
 text encoders are shallow (a few layers at the real width: their cost is in caching, not in the step). Video cases
 train on generated animated-WebP clips of ``frames`` frames at the model's frame rate, square at the case's
-resolution (640^2 stands for 480x832: the same area, the same token count). Prints a table and writes
-``bench.json``. Needs a CUDA GPU with PipeTrain's dependencies installed; ``--size tiny --resolution 64
+resolution (640^2 stands for 480x832: the same area, the same token count; 720^2 for 544x960). Prints a table and
+writes ``bench.json``. Needs a CUDA GPU with PipeTrain's dependencies installed; ``--size tiny --resolution 64
 --frames 9`` runs every case's code path on the CPU with tiny models (a smoke test, no figures).
+
+``--diffusion-pipe CHECKOUT`` also trains the cases bench/diffusion_pipe.py runs with diffusion-pipe, after ours in the
+same job (``diffusion_pipe`` in the results, its columns in the table). Its model files are written first and, where
+they are in ComfyUI's formats (Wan's, HunyuanVideo's), ours trains on them: one set of files a case. Before a case's
+files are written, other models' full-size files under ``--work`` are removed (``free_disk_for``: Wan 14B and
+HunyuanVideo take about 40 GB each of the GPU machine's 64 GiB disk), so a later case of a removed model writes its
+files again.
 """
 from __future__ import annotations
 
@@ -33,8 +40,9 @@ PROFILED_STEPS = 2    # with --profile: recorded after warm-up and left out of t
 
 
 def bench_caption(arch: str) -> str:
-    """As long as the baselines' text: SDXL's one 77-token CLIP chunk, 505 T5 tokens (their 512) elsewhere."""
-    return " ".join([BENCH_PHRASE] * (10 if arch == "sdxl" else 56))
+    """As long as the baselines' text: SDXL's one 77-token CLIP chunk, HunyuanVideo's 256 Llama tokens (252:
+    diffusion-pipe's text length), 505 T5 tokens (their 512) elsewhere."""
+    return " ".join([BENCH_PHRASE] * {"sdxl": 10, "hunyuan_video": 36}.get(arch, 56))
 
 
 @dataclass(frozen=True)
@@ -112,13 +120,38 @@ CASES = {
     "qwen_image-1024-selective-compile": Case("qwen_image", 1024, 1, checkpointing="selective", compile=True),
     "wan1.3b-480x832x81-selective-compile": Case("wan", 640, 1, checkpointing="selective", compile=True, frames=81,
                                                  variant="wan-1.3b"),
+    # issue #27's video models beside diffusion-pipe: Wan 2.1 T2V 14B and HunyuanVideo T2V 13B (720^2 stands for
+    # 544x960: the same area within 1%, 2025 tokens a latent frame against 2040)
+    "wan14b-480x832x33-ckpt": Case("wan", 640, 1, checkpointing=True, frames=33),
+    "hunyuan_video-544x960x33-ckpt": Case("hunyuan_video", 720, 1, checkpointing=True, frames=33),
 }
+
+
+def models_name(case: Case, size: str) -> str:
+    """The folder (and ``.json`` marker) under the work root that ``write_models`` writes the case's files to."""
+    return f"{case.arch}-{size}" + (f"-{case.variant}" if case.variant and size == "full" else "")
+
+
+def free_disk_for(root: Path, keep: str | tuple[str, ...]) -> list[str]:
+    """Remove the full-size model files under ``root`` (``write_models``' and diffusion-pipe's folders, their
+    markers) whose names do not start with ``keep``: a case's full-size files outgrow the GPU machine's disk beside
+    another's (Wan 14B and HunyuanVideo, 40 GB each, on 64 GiB; Flux-dev, Flux 2 and Wan 14B on a 2-GPU machine's
+    128 GiB). Returns what went."""
+    import re
+    import shutil
+
+    gone = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if re.fullmatch(r"[a-z0-9_.]+(-dp)?-full(-[a-z0-9.-]+)?(\.json)?", path.name) and not path.name.startswith(keep):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            gone.append(path.name)
+    return gone
 
 
 def write_models(case: Case, root: Path, size: str = "full"):
     from pipetrain.backend.models.tiny import write_model_files
 
-    name = f"{case.arch}-{size}" + (f"-{case.variant}" if case.variant and size == "full" else "")
+    name = models_name(case, size)
     marker = root / f"{name}.json"
     if marker.exists():
         return json.loads(marker.read_text())
@@ -327,6 +360,10 @@ def main() -> int:
     p.add_argument("--profile", action="store_true",
                    help="record two steps after warm-up with torch.profiler and sample two more on the host, into "
                         "<out>/<case>-profile/ (left out of the timing)")
+    p.add_argument("--diffusion-pipe", metavar="CHECKOUT",
+                   help="also train the cases bench/diffusion_pipe.py runs with diffusion-pipe (this checkout), after "
+                        "ours in the same job; where its model files are in ComfyUI's formats, ours trains on them")
+    p.add_argument("--timeout-s", type=float, help="end each training run after this many seconds")
     args = p.parse_args()
     from pipetrain.backend.runtime import ensure_comfyui
 
@@ -338,9 +375,23 @@ def main() -> int:
     for name in args.cases.split(","):
         case = CASES[name]
         frames = args.frames if args.frames and case.frames > 1 else None
-        r = {"case": asdict(case), "ours": run_ours(name, case, write_models(case, root, args.size), root, args.steps,
-                                                    args.warmup, profile=out / f"{name}-profile" if args.profile else None,
-                                                    resolution=args.resolution, frames=frames)}
+        with_dp = bool(args.diffusion_pipe) and dp_runs(name)
+        try:
+            files, freed = case_models(name, case, root, args, Path(comfy_root), with_dp)
+        except RuntimeError as exc:   # the next case still runs
+            results[name] = {"case": asdict(case), "ours": {"rc": 1, "stage": "write", "error": str(exc)}}
+            (out / "bench.json").write_text(json.dumps(results, indent=1))
+            continue
+        r = {"case": asdict(case), **({"freed": freed} if freed else {}),
+             "ours": run_ours(name, case, files, root / "pipetrain" if with_dp else root, args.steps, args.warmup,
+                              profile=out / f"{name}-profile" if args.profile else None, timeout_s=args.timeout_s,
+                              resolution=args.resolution, frames=frames)}
+        if with_dp:
+            from pipetrain.bench.diffusion_pipe import run_case
+            results[name] = r   # ours is in even if the job ends during diffusion-pipe's run
+            (out / "bench.json").write_text(json.dumps(results, indent=1))
+            r["diffusion_pipe"] = run_case(name, case, Path(args.diffusion_pipe).resolve(), root, Path(comfy_root),
+                                           args.size, args.steps, args.warmup, args.resolution, args.timeout_s, frames)
         if args.bare and case.bare_case and args.baselines in ("all", "bare"):
             r["bare"] = run_script(args.bare, {"COMFYUI_PATH": comfy_root, "CASES": case.bare_case})
         if args.native and case.native_case and args.baselines in ("all", "native"):
@@ -354,16 +405,41 @@ def main() -> int:
     return 0
 
 
+def dp_runs(name: str) -> bool:
+    from pipetrain.bench.diffusion_pipe import CASE_NAMES
+    return name in CASE_NAMES
+
+
+def case_models(name: str, case: Case, root: Path, args, comfyui: Path, with_dp: bool) -> tuple[dict, list[str]]:
+    """The model files ours trains the case on, and the full-size files of other models removed first to make room.
+    With diffusion-pipe, its files are written first (in a child process, as it writes them for its own run) and
+    ours trains on them where its writer shares them (``pipetrain_files``): one set of files on the disk."""
+    from pipetrain.bench.diffusion_pipe_models import model_folder, pipetrain_files
+
+    folder = model_folder(case.arch, root, args.size, case.variant)
+    freed = free_disk_for(root, (models_name(case, args.size), folder.name))
+    if not with_dp:
+        return write_models(case, root, args.size), freed
+    from pipetrain.bench.diffusion_pipe import write_in_child
+
+    written = write_in_child(name, root, comfyui, args.size, args.steps, args.resolution, args.frames)
+    if written.returncode != 0:
+        raise RuntimeError(f"{name}: writing diffusion-pipe's model files failed:\n{written.stderr[-3000:]}")
+    return pipetrain_files(folder) or write_models(case, root, args.size), freed
+
+
 def table(results: dict) -> str:
     rows = [f"{'case':24s} {'ours s/s':>9s} {'peak GiB':>8s} {'bare s/s':>9s} {'ours/bare':>9s} {'native s/s':>10s} "
-            f"{'ours/native':>11s} {'MFU':>5s}"]
+            f"{'ours/native':>11s} {'MFU':>5s} {'dp s/s':>7s} {'dp GiB':>7s} {'ours/dp':>7s}"]
     for name, r in results.items():
         ours, bare, native = r["ours"], r.get("bare") or {}, r.get("native") or {}
+        dp = r.get("diffusion_pipe") or {}
         sps = ours.get("samples_per_s")
-        b, n = bare.get("samples_s"), native.get("samples_s")
+        b, n, d = bare.get("samples_s"), native.get("samples_s"), dp.get("samples_per_s")
         mfu = (bare["tflop_per_step"] / bare.get("bs", 1) * sps / PEAK_TFLOPS) if sps and bare.get("tflop_per_step") else None
         rows.append(f"{name:24s} {_f(sps):>9s} {_f(ours.get('peak_gib')):>8s} {_f(b):>9s} {_f(sps / b if sps and b else None):>9s} "
-                    f"{_f(n):>10s} {_f(sps / n if sps and n else None):>11s} {_f(mfu):>5s}")
+                    f"{_f(n):>10s} {_f(sps / n if sps and n else None):>11s} {_f(mfu):>5s} {_f(d):>7s} "
+                    f"{_f(dp.get('peak_gib')):>7s} {_f(sps / d if sps and d else None):>7s}")
     return "\n".join(rows)
 
 

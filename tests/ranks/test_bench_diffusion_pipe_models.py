@@ -243,13 +243,19 @@ def test_full_qwen_image_files_hold_every_tensor_diffusion_pipe_sets():
 
 
 # --- Wan ----------------------------------------------------------------------------------------------
-def _run_wan_check(request: dict) -> dict:
-    """tests/diffusion_pipe_wan_check.py in a subprocess with diffusion-pipe's checkout importable."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DP_CHECKOUT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "diffusion_pipe_wan_check.py")],
+def _run_check(script: str, request: dict) -> dict:
+    """``tests/<script>`` (diffusion_pipe_wan_check.py, diffusion_pipe_hunyuan_check.py) in a subprocess with
+    diffusion-pipe's checkout importable."""
+    env = {**os.environ, "DIFFUSION_PIPE": str(DP_CHECKOUT),
+           "PYTHONPATH": os.pathsep.join([str(DP_CHECKOUT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(REPO / "tests" / script)],
                          input=json.dumps(request), env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
+
+
+def _run_wan_check(request: dict) -> dict:
+    return _run_check("diffusion_pipe_wan_check.py", request)
 
 
 @pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
@@ -350,3 +356,192 @@ def test_wan_attention_runs_through_sdpa_where_flash_attn_is_missing():
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["dtype"] == "torch.float32" and result["shape"] == [1, 16, 4, 8]
     assert result["err"] < 0.03      # bf16 inside, as flash-attn computes
+
+
+# --- Wan 2.1 14B and HunyuanVideo (issue #27) ----------------------------------------------------------
+WAN_14B = {"model_type": "t2v", "dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, "in_dim": 16,
+           "out_dim": 16}
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_full_wan_14b_files_hold_what_diffusion_pipe_loads():
+    """The case's Wan (no variant) is 2.1 T2V 14B: its config.json holds the 14B's fields, and files with the 14B
+    transformer's tensors, the full UMT5-XXL and VAE load by diffusion-pipe's route (meta: nothing written)."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.models.registry import arch_spec
+    from pipetrain.backend.models.tiny import build_text_encoder, build_vae, text_encoder_config
+    from pipetrain.bench.diffusion_pipe_models import wan_checkpoint_config, wan_unet_config
+    from pipetrain.bench.run import CASES
+
+    case = CASES["wan14b-480x832x33-ckpt"]
+    unet_config = wan_unet_config("full", case.variant)
+    config = wan_checkpoint_config(unet_config)
+    assert {key: config[key] for key in WAN_14B} == WAN_14B
+
+    def shapes(module) -> dict:
+        return {key: list(t.shape) for key, t in module.state_dict().items()}
+
+    _run_wan_check({"mode": "keys", "config": config, "transformer": shapes(arch_spec("wan").build(unet_config)),
+                    "text_encoder": shapes(build_text_encoder("umt5xxl", text_encoder_config("umt5xxl", "full"))),
+                    "vae": shapes(build_vae("wan", "full"))})
+
+
+def _run_hunyuan_check(request: dict) -> dict:
+    return _run_check("diffusion_pipe_hunyuan_check.py", request)
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_tiny_hunyuan_video_files_load_with_diffusion_pipes_hunyuan_code(tiny_folder):
+    """Its HunyuanVideoPipeline built from the written [model] section: the VAE (strict, its class), the Llama and
+    CLIP-L folders through transformers with every parameter from the files, the tokenizers; its
+    load_diffusion_model sets every transformer parameter from the ComfyUI-layout file; the caption encodes to
+    its 256 text positions, all of it inside them (not cut), and CLIP-L's pooled 768."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.models.hunyuan_video import HV_CONFIGS
+    from pipetrain.bench.diffusion_pipe_models import HUNYUAN_VAE_TINY
+    from pipetrain.bench.run import bench_caption
+
+    folder = tiny_folder("hunyuan_video")
+    model = json.loads((folder / "written.json").read_text())["model"]
+    assert model["type"] == "hunyuan-video"
+    c = HV_CONFIGS["tiny"]
+    tiny = {"mm_double_blocks_depth": c["depth"], "mm_single_blocks_depth": c["depth_single_blocks"],
+            "rope_dim_list": c["axes_dim"], "hidden_size": c["hidden_size"], "heads_num": c["num_heads"],
+            "mlp_width_ratio": 4, "guidance_embed": True, "text_states_dim": c["context_in_dim"]}
+    result = _run_hunyuan_check({"mode": "load", "model": {k: v for k, v in model.items() if k != "dtype"},
+                                 "transformer": tiny, "vae": HUNYUAN_VAE_TINY,
+                                 "caption": bench_caption("hunyuan_video")})
+    assert result["meta_left"] == [] and result["llm_not_from_file"] == [] and result["clip_not_from_file"] == []
+    assert (result["double_blocks"], result["single_blocks"]) == (c["depth"], c["depth_single_blocks"])
+    assert result["llm_shape"] == [1, 256, c["context_in_dim"]] and result["llm_finite"]
+    assert 240 < result["llm_tokens"] < 256
+    assert result["clip_shape"] == [1, 768] and result["vae_latent_channels"] == 16
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_full_hunyuan_video_files_hold_what_diffusion_pipe_loads():
+    """Full size on the meta device (nothing written): every parameter of diffusion-pipe's 13B transformer comes from
+    the file's ComfyUI-layout tensors through its own key conversion, transformers' Llama (32 layers) and CLIP-L
+    from the folders' configs find every parameter in the files, and the VAE file's tensors are those its class
+    loads strictly from its config."""
+    pytest.importorskip("diffusers")
+    from pipetrain.backend.models.tiny import text_encoder_config
+    from pipetrain.bench.diffusion_pipe_models import hunyuan_dp_vae, hunyuan_llama_config, hunyuan_video_modules
+
+    def shapes(module) -> dict:
+        return {key: list(t.shape) for key, t in module.state_dict().items()}
+
+    files = {sub: shapes(module) for sub, (module, _) in hunyuan_video_modules("full").items()}
+    result = _run_hunyuan_check({"mode": "keys", **files, "vae": shapes(hunyuan_dp_vae("full")),
+                                 "llm_config": hunyuan_llama_config("full").to_dict(),
+                                 "clip_config": text_encoder_config("clip_l", "full")})
+    assert result["transformer_unmatched"] == [] and result["transformer_parameters"] > 800
+    assert result["llm_layers"] == 32 and result["llm_unmatched"] == [] and result["clip_unmatched"] == []
+    assert result["vae_matches"]
+
+
+def test_tiny_wan14b_and_hunyuan_video_write_only(tmp_path):
+    """The CLI writes both cases: Wan's 14B case in the Wan folder layout, HunyuanVideo's four ComfyUI-format paths;
+    HunyuanVideo's clips are MP4s at its 24 fps in one frame bucket; each folder names the files PipeTrain trains
+    the case on, in the folder."""
+    pytest.importorskip("diffusers")
+    av = pytest.importorskip("av")
+    from pipetrain.bench.diffusion_pipe_models import pipetrain_files
+
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui())}
+    work, out, frames = tmp_path / "work", tmp_path / "out", 9
+    names = "wan14b-480x832x33-ckpt,hunyuan_video-544x960x33-ckpt"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion_pipe.py"), "--size", "tiny", "--write-only",
+                          "--cases", names, "--resolution", "32", "--frames", str(frames), "--work", str(work),
+                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    wan = tomllib.loads((work / "wan14b-480x832x33-ckpt" / "main.toml").read_text())
+    assert wan["model"]["type"] == "wan" and wan["activation_checkpointing"] is True
+    main = tomllib.loads((work / "hunyuan_video-544x960x33-ckpt" / "main.toml").read_text())
+    model = main["model"]
+    assert model["type"] == "hunyuan-video" and main["adapter"]["rank"] == 32
+    assert Path(model["transformer_path"]).is_file() and Path(model["vae_path"]).is_file()
+    for sub in ("llm_path", "clip_path"):
+        written = {p.name for p in Path(model[sub]).iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= written
+    dataset = tomllib.loads((work / "hunyuan_video-544x960x33-ckpt" / "dataset.toml").read_text())
+    assert dataset["frame_buckets"] == [frames]
+    clips = sorted(Path(dataset["directory"][0]["path"]).glob("*.mp4"))
+    with av.open(str(clips[0])) as container:
+        assert container.streams.video[0].average_rate == 24 and len(list(container.decode(video=0))) == frames
+    for arch in ("wan", "hunyuan_video"):
+        folder = work / f"{arch}-dp-tiny"
+        files = pipetrain_files(folder)
+        paths = [Path(files["diffusion_model"]), Path(files["vae"]), *map(Path, files["text_encoders"])]
+        assert all(p.is_file() and p.parent.is_relative_to(folder) for p in paths), files
+    assert Path(pipetrain_files(work / "hunyuan_video-dp-tiny")["diffusion_model"]) == Path(model["transformer_path"])
+
+
+def test_a_case_beside_diffusion_pipe_trains_on_its_files_after_freeing_other_models(tmp_path):
+    """run.py with diffusion-pipe: the case's files are diffusion-pipe's, written once, where PipeTrain reads them,
+    and the full-size files of other models under the work root go first (the other case's, run.py's own)."""
+    pytest.importorskip("diffusers")
+    from types import SimpleNamespace
+
+    from pipetrain.bench.run import CASES, case_models
+
+    for stale in ("wan-dp-full", "wan-full", "flux-full", "wan-dp-full-wan-1.3b", "wan-full-wan-1.3b"):
+        (tmp_path / stale).mkdir()
+    for marker in ("flux-full.json", "wan-full-wan-1.3b.json"):
+        (tmp_path / marker).write_text("{}")
+    args = SimpleNamespace(size="tiny", steps=3, resolution=64, frames=9)
+    files, freed = case_models("hunyuan_video-544x960x33-ckpt", CASES["hunyuan_video-544x960x33-ckpt"], tmp_path,
+                               args, _comfyui(), with_dp=True)
+    assert sorted(freed) == ["flux-full", "flux-full.json", "wan-dp-full", "wan-dp-full-wan-1.3b", "wan-full",
+                             "wan-full-wan-1.3b", "wan-full-wan-1.3b.json"]
+    folder = tmp_path / "hunyuan_video-dp-tiny"
+    assert files["diffusion_model"] == str(folder / "transformer.safetensors")
+    assert files["text_encoders"] == [str(folder / sub / "model.safetensors") for sub in ("llm", "clip")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hunyuan_video-544x960x33-ckpt", "hunyuan_video-dp-tiny"]
+
+
+@pytest.mark.slow
+def test_pipetrain_trains_on_the_hunyuan_video_files_written_for_diffusion_pipe(tiny_folder, tmp_path):
+    """Our side of the HunyuanVideo case on the shared tiny files (the transformer in ComfyUI's saved layout, the
+    Llama and CLIP-L files of diffusion-pipe's folders, ComfyUI's VAE), through the DeepSpeed launcher on the CPU."""
+    pytest.importorskip("diffusers")
+    from pipetrain.bench.diffusion_pipe_models import pipetrain_files
+    from pipetrain.bench.run import CASES, run_ours
+
+    name = "hunyuan_video-544x960x33-ckpt"
+    result = run_ours(name, CASES[name], pipetrain_files(tiny_folder("hunyuan_video")), tmp_path, 3, 1,
+                      resolution=64, frames=9)
+    assert result["rc"] == 0 and result["steps_measured"] == 2, result.get("log_tail")
+
+
+def test_varlen_attention_through_sdpa_attends_within_each_stretch():
+    """flash-attn's varlen semantics: tokens attend only inside their stretch of cu_seqlens (HunyuanVideo's image +
+    real text, then its text padding); against a block-diagonal masked softmax."""
+    import math
+
+    import torch
+
+    from pipetrain.bench.diffusion_pipe import varlen_attention_through_sdpa
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(10, 2, 8) for _ in range(3))
+    cu = torch.tensor([0, 7, 10], dtype=torch.int32)
+    out = varlen_attention_through_sdpa(q, k, v, cu, cu, 10, 10)
+    segment = torch.tensor([0] * 7 + [1] * 3)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(8)
+    scores = scores.masked_fill(segment[:, None] != segment[None, :], float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    assert out.shape == (10, 2, 8) and torch.allclose(out, ref, atol=1e-5)
+    whole = varlen_attention_through_sdpa(q, k, v, torch.tensor([0, 10]), torch.tensor([0, 10]))
+    assert not torch.allclose(whole[:7], out[:7], atol=1e-3)   # the padding stretch is not attended
+
+
+@pytest.mark.skipif(not DP_CHECKOUT.is_dir(), reason="no diffusion-pipe checkout")
+def test_hunyuan_blocks_attention_runs_through_sdpa_where_flash_attn_is_missing():
+    """HunyuanVideo's blocks call flash-attn's varlen kernel (None without flash-attn); after the bench's patch the
+    same call attends within each stretch: [batch, tokens, heads x dim] out, equal to attention per stretch."""
+    pytest.importorskip("diffusers")
+    if importlib.util.find_spec("flash_attn"):
+        pytest.skip("flash-attn is installed: diffusion-pipe's HunyuanVideo uses it")
+    result = _run_hunyuan_check({"mode": "attention", "tokens": 12, "valid": 9})
+    assert result["shape"] == [1, 12, 16] and result["err"] < 1e-5
