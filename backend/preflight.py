@@ -38,7 +38,6 @@ def check_run(cfg: RunConfig) -> RunConfig:
     from .sample_clips import check_samples
 
     check_model(cfg.model, cfg.file)
-    check_checkpoint_parts(cfg.model)   # before caching: a header read, only where [model] leaves parts to the file
     check_samples(cfg)   # clip length and start image against the model type
     sample_audio.check_samples(cfg)   # lyrics only for audio models
     check_preservation(cfg)
@@ -56,6 +55,7 @@ def check_run(cfg: RunConfig) -> RunConfig:
         check_control_paths(cfg.dataset_config, adapter, str(cfg.resolve(cfg.dataset)))
         for name, ds in cfg.eval_dataset_configs().items():
             check_control_paths(ds, adapter, f"eval dataset {name!r}")
+    check_checkpoint_parts(cfg.model)   # last (it reads a file): a header read where [model] leaves parts to the file
     return cfg
 
 
