@@ -40,16 +40,14 @@ class OutOfSpace(PipeTrainError):
         self.folder = folder
 
 
-# torch.save reports a full disk through its zip writer, without the errno or the OS message
-_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed", "iostream error")
-
-
 def is_out_of_space(e: BaseException, folder: Path) -> bool:
     if isinstance(e, OSError) and e.errno is not None:
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     if "No space left on device" in str(e):   # safetensors' writer: SafetensorError with the OS message
         return True
-    if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _TORCH_WRITE_FAILED):
+    # torch's writer says only that it failed, and a rank writing into a folder beside another sees that one end
+    # (a lost peer) when the other's write ran out of space: with the disk nearly full, both are the full disk
+    if isinstance(e, RuntimeError):
         try:
             return shutil.disk_usage(folder).free < _NEARLY_FULL
         except OSError:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..fsutil import atomic_write_bytes, fault_point, space_guard
+from ..fsutil import OutOfSpace, atomic_write_bytes, fault_point, space_guard
 from . import distributed
 
 LATEST = "latest"
@@ -38,8 +38,10 @@ def save(engine, ckpt_root: Path, step: int, client_state: dict, extra=None) -> 
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
-    distributed.barrier()
-    with space_guard(ckpt_root, partial):   # a full disk leaves no partial folder behind
+    check_room(engine, ckpt_root)   # every rank, in step (a barrier too): all refuse before any writes
+    # a full disk leaves no partial folder behind; the folder is every rank's, so rank 0 alone removes it: another
+    # rank that runs out of space first would pull it from under rank 0's write (a traceback, not the full disk)
+    with space_guard(ckpt_root, *([partial] if rank == 0 else [])):
         engine.save_checkpoint(str(ckpt_root), tag=partial.name, client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=True)
         torch.save({"torch": torch.get_rng_state(),
@@ -62,6 +64,23 @@ def save(engine, ckpt_root: Path, step: int, client_state: dict, extra=None) -> 
             shutil.rmtree(aside, ignore_errors=True)
     distributed.barrier()
     return final
+
+
+def state_bytes(engine) -> int:
+    """The least this rank's part of a checkpoint takes: its trained weights and their optimizer state."""
+    trained = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)   # DeepSpeed's wrappers hold torch's
+    states = getattr(optimizer, "state", {}).values()
+    return trained + sum(t.numel() * t.element_size() for state in states for t in state.values() if torch.is_tensor(t))
+
+
+def check_room(engine, ckpt_root: Path) -> None:
+    """``OutOfSpace`` on every rank where the checkpoint folder's disk cannot hold all ranks' parts (the folder is
+    shared). Refused before anything is written: a disk that fills during the writes leaves one rank failing while
+    the others still write into the folder it would have to remove."""
+    needed = sum(distributed.all_gather_object(state_bytes(engine)))
+    if shutil.disk_usage(ckpt_root).free < needed:
+        raise OutOfSpace(ckpt_root)
 
 
 def latest_tag(ckpt_root: Path) -> str | None:
