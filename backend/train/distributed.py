@@ -20,18 +20,17 @@ def init() -> tuple[int, int, int]:
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
     local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     cuda = torch.cuda.is_available()
     if cuda:
         count = torch.cuda.device_count()
         if local_rank >= count:   # CUDA's own error here ("invalid device ordinal") names neither cause nor fix
-            local_world = os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
             raise RuntimeSetupError(
                 f"rank {local_rank} of this machine has no GPU: {local_world} ranks were started here, but this "
                 f"machine shows {count} GPU(s). Start at most {count} (deepspeed --num_gpus, the Parallelism "
                 "node's gpus), with pipeline_stages dividing that number")
         torch.cuda.set_device(local_rank)
     else:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     if not dist.is_initialized():
         import deepspeed
