@@ -57,10 +57,15 @@ class StageEstimate:
     activations: int
     transient: int        # the backward's gradient buffers
     host: int = 0         # 'unsloth' inputs and swapped blocks, in CPU memory
+    loading: int = 0      # before training, where that is more (fp8_compute converts the weights after loading)
+
+    @property
+    def training(self) -> int:
+        return self.weights + self.adapter + self.activations + self.transient
 
     @property
     def gpu(self) -> int:
-        return self.weights + self.adapter + self.activations + self.transient
+        return max(self.training, self.loading)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class Training:
     micro_batches: int = 1              # gradient_accumulation_steps
     stages: int = 1
     fp8_weights: bool = False           # diffusion_model_dtype float8: linear weights one byte each
+    fp8_compute: bool = False           # bf16 weights loaded, then the linears' turned to e4m3 (models/fp8.py)
     can_swap: bool = True               # blocks_to_swap needs an adapter and no fp8_compute
 
 
@@ -121,9 +127,10 @@ def estimate(footprints: list[LayerFootprint], settings: MemorySettings, trainin
     for s, layers in enumerate(stage_ranges(footprints, training.stages, bounds)):
         # 1F1B: stage s holds the activations of up to (stages - s) micro-batches at once
         in_flight = max(1, min(training.stages - s, training.micro_batches))
-        weights = sum(_weights(footprints[i], training.fp8_weights) for i in layers)
+        fp8 = training.fp8_weights or training.fp8_compute
+        weights = sum(_weights(footprints[i], fp8) for i in layers)
         host = 0
-        blocks = [_weights(footprints[i], training.fp8_weights) for i in layers if footprints[i].checkpointable]
+        blocks = [_weights(footprints[i], fp8) for i in layers if footprints[i].checkpointable]
         swapped = blocks[len(blocks) - settings.blocks_to_swap:] if settings.blocks_to_swap else []
         if swapped:   # the stage's last blocks (swap.py); one in use and the next one arriving
             weights += -sum(swapped) + 2 * max(swapped)
@@ -143,8 +150,10 @@ def estimate(footprints: list[LayerFootprint], settings: MemorySettings, trainin
                 kept += fp.saved * in_flight
         adapter = sum(footprints[i].trainable for i in layers) * training.state_bytes_per_param
         transient = 2 * max((footprints[i].output for i in layers), default=0)
+        # fp8_compute: the stage's weights are on the GPU in bf16 until the engine converts them
+        loading = sum(footprints[i].weights for i in layers) + adapter if training.fp8_compute else 0
         out.append(StageEstimate(weights=weights, adapter=adapter, activations=kept + recompute,
-                                 transient=transient, host=host))
+                                 transient=transient, host=host, loading=loading))
     return out
 
 
@@ -201,6 +210,8 @@ def report(settings: MemorySettings, stages: list[StageEstimate], gpu_total: int
     for s, st in enumerate(stages):
         fits = "" if gpu_total is None else f" of {gpu_total / GIB:.1f} GiB"
         host = f"; {st.host / GIB:.1f} GiB in CPU memory" if st.host else ""
+        if st.loading > st.training:
+            host += "; the peak is while loading, before fp8_compute converts the weights"
         lines.append(f"  stage {s}: {st.gpu / GIB:.1f} GiB{fits} (weights {st.weights / GIB:.1f}, adapter and "
                      f"optimizer {st.adapter / GIB:.1f}, activations {st.activations / GIB:.1f}, backward buffers "
                      f"{st.transient / GIB:.1f}){host}")
@@ -241,7 +252,13 @@ def training_of(cfg) -> Training:
     lora_bytes = DTYPES[cfg.adapter.dtype].itemsize if not full and cfg.adapter.dtype else 4
     return Training(state_bytes_per_param=state_bytes_per_param(lora_bytes, cfg.optimizer.type, full),
                     micro_batches=cfg.gradient_accumulation_steps, stages=cfg.pipeline_stages,
+                    fp8_compute=cfg.fp8_compute and not full and not stores_fp8(cfg),
                     can_swap=not full and not cfg.fp8_compute)
+
+
+def stores_fp8(cfg) -> bool:
+    """Whether the run loads its diffusion model's weights as float8 (``diffusion_model_dtype``)."""
+    return str(cfg.model.diffusion_model_dtype or cfg.model.dtype).startswith("float8")
 
 
 def settings_of(cfg) -> MemorySettings:
@@ -272,9 +289,9 @@ def smallest_changes(cfg, footprints: list[LayerFootprint], training: Training, 
     """The changes that make ``choose`` find settings, each the least of its kind: float8 base weights (where they
     are not float8 already), and the fewest pipeline stages that fit (each stage its own GPU)."""
     fixes = []
-    dtype = str(cfg.model.diffusion_model_dtype or cfg.model.dtype)
-    if not dtype.startswith("float8"):
-        fp8 = choose(footprints, dataclasses.replace(training, fp8_weights=True), gpu_total, whole_gpu)
+    if not stores_fp8(cfg):
+        fp8 = choose(footprints, dataclasses.replace(training, fp8_weights=True, fp8_compute=False), gpu_total,
+                     whole_gpu)
         if fp8:
             fixes.append(f"diffusion_model_dtype = 'float8_e4m3fn' ({fp8[0].describe()}, "
                          f"{gib(peak(fp8[1]))} per stage)")

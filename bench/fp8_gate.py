@@ -157,12 +157,15 @@ def main() -> int:
     losses_bf16, lora_bf16 = train(layers, adapter, dm, initial, base, args.steps, args.lr, args.seed)
     bf16_s = time.monotonic() - t
     classes = {m: type(m) for m in dm.modules()}
+    bf16_weights = {m: m.weight.data for m in dm.modules() if hasattr(m, "lora_name")}   # convert replaces them
     converted = fp8.convert(dm)
     t = time.monotonic()
     losses_fp8, lora_fp8 = train(layers, adapter, dm, initial, base, args.steps, args.lr, args.seed)
     fp8_s = time.monotonic() - t
     for m, cls in classes.items():   # the effect is measured on the bf16 model
         m.__class__ = cls
+    for m, weight in bf16_weights.items():
+        m.weight.data = weight
 
     def effect(sd):
         lora.load_into(dm, sd)

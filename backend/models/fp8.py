@@ -1,7 +1,9 @@
 """``fp8_compute``: the frozen base linears of a LoRA run multiply in FP8 (e4m3) on GPUs that have FP8 tensor cores.
 
-A LoRA run never changes the base weights, so each adapted linear's weight is quantized once, per output row
-(``weight_fp8`` with ``weight_scale``, non-persistent buffers: they never reach a saved file). Each forward
+A LoRA run never changes the base weights, so each adapted linear's weight is quantized once, per output row, and
+the e4m3 copy takes the weight's place (``weight``, with ``weight_scale`` as a non-persistent buffer): the base
+then costs one byte a parameter instead of two, and nothing FP8 reaches a saved file (frozen weights are never
+saved). Each forward
 quantizes its input per row and calls torch's row-wise scaled matrix product (``torch._scaled_mm``, bf16 out);
 the backward quantizes the output gradient per row (the weight's row scales folded in first) and multiplies it by
 the same FP8 weight, transposed in memory (the product wants its second operand column-major). No weight
@@ -70,7 +72,7 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
 
 
 def _forward(self, x):
-    return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
+    return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
 
 _CLASSES: dict[type, type] = {}
@@ -85,9 +87,11 @@ def _fp8_class(cls: type) -> type:
 
 
 def base_weight(linear: nn.Linear) -> torch.Tensor:
-    """The weight the linear multiplies by: fp8-stored weights (``diffusion_model_dtype = "float8"``) times their
-    ``scale_weight`` where a scaled-fp8 file gave one."""
+    """The weight the linear multiplies by: an FP8-computing linear's e4m3 weight times its row scales, fp8-stored
+    weights (``diffusion_model_dtype = "float8"``) times their ``scale_weight`` where a scaled-fp8 file gave one."""
     w = linear.weight.detach().float()
+    if getattr(linear, "fp8_compute", False):
+        return w * linear.weight_scale.float()
     scale = getattr(linear, "scale_weight", None)
     return w * scale.float().to(w.device) if scale is not None else w
 
@@ -98,15 +102,17 @@ def convertible(linear: nn.Linear) -> bool:
 
 
 def convert(model: nn.Module) -> int:
-    """Give every frozen LoRA-adapted linear of ``model`` its FP8 weight copy and FP8 forward; returns how many.
-    Linears whose sizes FP8 products cannot take stay as they are."""
+    """Quantize the weight of every frozen LoRA-adapted linear of ``model`` to e4m3 in place and give it the FP8
+    forward; returns how many. Linears whose sizes FP8 products cannot take stay as they are."""
     count = 0
     for module in model.modules():
         if not hasattr(module, "lora_name") or getattr(module, "fp8_compute", False) or not convertible(module):
             continue
         with torch.no_grad():
             q, scale = quantize_rows(base_weight(module))
-        module.register_buffer("weight_fp8", q, persistent=False)
+        # ``.data``, not a new Parameter: whoever holds the Parameter (DeepSpeed's engine) sees the FP8 weight, and
+        # the bf16 storage is freed here, one linear at a time, so converting never holds two copies of the model
+        module.weight.data = q
         module.register_buffer("weight_scale", scale, persistent=False)
         module.__class__ = _fp8_class(type(module))
         count += 1

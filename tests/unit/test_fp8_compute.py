@@ -62,19 +62,39 @@ def test_fp8_forward_and_gradients_match_bf16_within_fp8_error():
     assert 0.005 < errors[0], errors          # and the base product really went through e4m3
 
 
-def test_convert_keeps_weights_and_saved_state_and_skips_unaligned_or_trained_linears():
+def test_convert_replaces_the_base_weight_in_place_and_skips_unaligned_or_trained_linears():
     model = _adapted()
     odd = nn.Linear(24, 40).to(torch.bfloat16)      # 24 and 40 are not multiples of 16
     model.append(odd)
     lora.inject(model, lora.LoRASpec(rank=4, alpha=4.0), ("1",))
     keys = set(model.state_dict())
-    weight = model[0].weight.clone()
+    param, weight = model[0].weight, model[0].weight.detach().clone()
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert fp8.convert(model) == 1
     assert fp8.convert(model) == 0                   # once only
-    assert set(model.state_dict()) == keys           # the FP8 copy never reaches a checkpoint
-    assert torch.equal(model[0].weight, weight) and model[0].weight_fp8.dtype == torch.float8_e4m3fn
-    assert not getattr(model[1], "fp8_compute", False)
+    assert set(model.state_dict()) == keys           # no new saved key: the scales are not persistent
+    # the same Parameter (the engine's reference) now holds e4m3, one byte an element: the bf16 copy is gone
+    assert model[0].weight is param and param.dtype == torch.float8_e4m3fn and not param.requires_grad
+    assert param.untyped_storage().nbytes() == weight.numel()
+    assert _rel(fp8.base_weight(model[0]), weight) < REL_TOL   # the weight the product and DoRA see
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters() if p.requires_grad)
+    assert model[1].weight.dtype == torch.bfloat16 and not getattr(model[1], "fp8_compute", False)
     assert isinstance(model[0], nn.Linear) and type(model[0]).__name__ == "FP8Linear"
+
+
+def test_dora_reads_the_e4m3_weight_with_its_row_scales():
+    """DoRA renormalises the whole adapted weight, so after conversion it must see the FP8 weight times its row
+    scales: the output stays within FP8's error of the bf16 one (a weight read without its scales would be off by
+    orders of magnitude)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512)).to(torch.bfloat16)
+    lora.inject(model, lora.LoRASpec(rank=8, alpha=8.0, dora=True), ("0",))
+    with torch.no_grad():
+        model[0].lora_B.weight.normal_(0, 0.02)
+    x = torch.randn(2, 30, 256, dtype=torch.bfloat16)
+    before = model(x).detach()
+    fp8.convert(model)
+    assert _rel(model(x).detach(), before) < REL_TOL
 
 
 def test_fp8_stored_base_weights_are_quantized_from_their_scaled_values():
@@ -85,7 +105,7 @@ def test_fp8_stored_base_weights_are_quantized_from_their_scaled_values():
     model[0].weight.data = (reference / scale).to(torch.float8_e4m3fn)
     model[0].scale_weight = scale
     fp8.convert(model)
-    dequantized = model[0].weight_fp8.float() * model[0].weight_scale
+    dequantized = model[0].weight.float() * model[0].weight_scale
     assert _rel(dequantized, reference) < REL_TOL
 
 

@@ -47,6 +47,30 @@ def test_swapped_blocks_leave_two_on_the_gpu_and_the_rest_in_cpu_memory():
     assert st.host == 4 * 50 * MIB
 
 
+def test_fp8_compute_halves_the_linear_weights_in_training_but_loads_them_in_bf16_first():
+    fps = _footprints(blocks=4)          # the blocks' weights are linears', the head's and tail's not
+    [bf16] = mp.estimate(fps, mp.MemorySettings(), mp.Training())
+    [fp8] = mp.estimate(fps, mp.MemorySettings(), mp.Training(fp8_compute=True))
+    assert fp8.weights == bf16.weights - 4 * 25 * MIB and fp8.training == bf16.gpu - 4 * 25 * MIB
+    assert fp8.loading == bf16.weights + bf16.adapter and fp8.gpu == max(fp8.training, fp8.loading)
+    [small] = mp.estimate(_footprints(blocks=4, saved=MIB, output=MIB), mp.MemorySettings(),
+                          mp.Training(fp8_compute=True))
+    assert small.gpu == small.loading > small.training   # little activation memory: loading is the peak
+    assert "while loading, before fp8_compute" in mp.report(mp.MemorySettings(), [small])
+
+
+def test_training_of_counts_fp8_compute_only_where_the_weights_load_in_bf16():
+    from pipetrain.backend.config import RunConfig
+    from pipetrain.backend.schema import from_dict
+
+    base = {"output_dir": "o", "dataset": "d.toml", "adapter": {"rank": 4}, "fp8_compute": True,
+            "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
+    assert mp.training_of(from_dict(RunConfig, base)).fp8_compute
+    stored = {**base, "model": {**base["model"], "diffusion_model_dtype": "float8_e4m3fn"}}
+    assert not mp.training_of(from_dict(RunConfig, stored)).fp8_compute   # the trace already counts one byte
+    assert not mp.training_of(from_dict(RunConfig, {**base, "fp8_compute": False})).fp8_compute
+
+
 def test_each_stage_holds_the_micro_batches_in_flight():
     fps = _footprints(blocks=4)
     first, last = mp.estimate(fps, mp.MemorySettings(), mp.Training(micro_batches=8, stages=2), bounds=[0, 3, 6])
