@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""The memory plan against the peaks the H200 benchmarks recorded (``bench/results/h200-2026-12-03.json``:
-``bench/models.py --checkpointing``, every block checkpointed, LoRA rank 32 in float32 with AdamW, one GPU):
-the published-size model traced on the meta device, at the benchmark's resolution and frames, must come within
-10% of the measured ``torch.cuda.max_memory_allocated``."""
+"""The memory plan against the peaks the GPU benchmarks recorded (``bench/results/h200-2026-12-03.json``:
+``bench/models.py --checkpointing``, every block checkpointed; ``h100-2026-12-05.json``: ``bench/run.py``'s video
+cases and Flux-dev with ``fp8_compute``; LoRA rank 32 in float32 with AdamW, one GPU): the published-size model
+traced on the meta device, at the benchmark's resolution and frames, must come within 10% of the measured
+``torch.cuda.max_memory_allocated``."""
 import json
 from pathlib import Path
 
@@ -10,12 +11,13 @@ import pytest
 import torch
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200-2026-12-03.json"
+RUN_RESULTS = RESULTS.with_name("h100-2026-12-05.json")
 JOBS = {"images_1024_checkpointing": ["flux_kontext", "z_image", "hunyuan_image_21", "omnigen2", "flux2"],
         "videos_512x33_checkpointing": ["wan", "wan_i2v"]}
 CASES = [(job, arch) for job, archs in JOBS.items() for arch in archs]
 
 
-def _estimate(arch: str, resolution: int, frames: int) -> float:
+def _estimate(arch: str, resolution: int, frames: int, checkpointing=True, fp8_compute: bool = False) -> float:
     from pipetrain.backend import lora
     from pipetrain.backend import memory_plan as mp
     from pipetrain.backend.config import ModelConfig
@@ -29,7 +31,7 @@ def _estimate(arch: str, resolution: int, frames: int) -> float:
     lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
     inputs = probe_inputs(adapter, resolution, resolution, frames)
     footprints = trace_layers(adapter.to_layers(), to_meta_where_large(inputs))
-    [stage] = mp.estimate(footprints, mp.MemorySettings(True), mp.Training())
+    [stage] = mp.estimate(footprints, mp.MemorySettings(checkpointing), mp.Training(fp8_compute=fp8_compute))
     return stage.gpu / mp.GIB
 
 
@@ -39,3 +41,17 @@ def test_planned_peak_is_within_ten_percent_of_the_h200s(job, arch):
     args, measured = recorded["args"], recorded["results"][arch]["peak_gib"]
     planned = _estimate(arch, args["resolution"], args["frames"])
     assert abs(planned - measured) <= 0.10 * measured, f"{arch}: planned {planned:.2f} GiB, measured {measured} GiB"
+
+
+RUN_CASES = ["wan14b-480x832x33-ckpt", "hunyuan_video-544x960x33-ckpt", "flux-1024-selective-compile-fp8",
+             pytest.param("flux-1024-ckpt-compile-fp8", marks=pytest.mark.xfail(
+                 strict=True, reason="true + fp8_compute measured 27.8 GiB where the plan says 15.6: not explained"))]
+
+
+@pytest.mark.parametrize("name", RUN_CASES)
+def test_planned_peak_is_within_ten_percent_of_bench_runs(name):
+    results = {k: v for job in json.loads(RUN_RESULTS.read_text())["jobs"] for k, v in job["results"].items()}
+    case, measured = results[name]["case"], results[name]["ours"]["peak_gib"]
+    planned = _estimate(case["arch"], case["resolution"], case["frames"], case["checkpointing"],
+                        case["fp8_compute"])
+    assert abs(planned - measured) <= 0.10 * measured, f"{name}: planned {planned:.2f} GiB, measured {measured} GiB"
