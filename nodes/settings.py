@@ -349,8 +349,9 @@ class MemoryNode(io.ComfyNode):
                                  "samples/s). Not with offload_activations"),
                 io.Boolean.Input("fp8_compute", default=start("fp8_compute"), optional=True,
                                  tooltip="The frozen base weights "
-                                 "multiply in FP8 (one FP8 copy of each, made at the start), the LoRA in its own "
-                                 "dtype: faster steps on Hopper and newer GPUs, refused elsewhere. Not with "
+                                 "multiply in FP8 (each turned to FP8 once, at the start), the LoRA in its own "
+                                 "dtype: faster steps and half the base weights' memory on Hopper and newer GPUs, "
+                                 "refused elsewhere. Not with "
                                  "blocks_to_swap"),
                 io.Boolean.Input("compile_cuda_graphs", default=start("compile_cuda_graphs"), optional=True,
                                  tooltip="With compile: replay compiled regions as CUDA graphs where that pays "

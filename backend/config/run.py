@@ -174,7 +174,7 @@ class RunConfig:
                               "table) trains them all; set blocks_to_swap = 0, or train an adapter", file=file,
                               key="blocks_to_swap")
         if self.fp8_compute and (self.adapter is None or self.blocks_to_swap):
-            raise ConfigError("FP8 compute makes one FP8 copy of each frozen base weight on the GPU: it needs an "
+            raise ConfigError("FP8 compute turns each frozen base weight into FP8 on the GPU: it needs an "
                               "[adapter] table (a full fine-tune trains the base weights) and blocks_to_swap = 0; "
                               "set fp8_compute = false, or change those", file=file, key="fp8_compute")
         if self.partition_method == "manual":
