@@ -5,13 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CacheError
 from ..fsutil import atomic_write_bytes
-from ..threads import map_in_chunks
 from .keys import caption_image, file_digest, latent_key, model_fingerprint, text_key
 
 log = logging.getLogger(__name__)
@@ -62,23 +60,6 @@ def manifest_path(cache_dir: Path, dataset_file: Path, arch: str) -> Path:
     return cache_dir / "manifests" / f"{arch}-{tag}.json"
 
 
-DIGEST_THREADS = 4   # file reads and SHA-256 release the GIL: the digests overlap each other's I/O
-DIGEST_CHUNK = 256   # files a task
-
-
-def _files_of(item) -> tuple:
-    """Every file whose bytes go into an item's cache keys (None where it has no such file)."""
-    return (item.path, item.control, item.mask, *item.more_controls, item.control_mask, item.reference)
-
-
-def file_digests(paths: list[Path]) -> dict[Path, str]:
-    """``file_digest`` of each path, read by a few threads (a large dataset's manifest reads every file)."""
-    if len(paths) <= DIGEST_CHUNK:
-        return {p: file_digest(p) for p in paths}
-    with ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="pipetrain-digest") as pool:
-        return dict(zip(paths, map_in_chunks(pool, file_digest, paths, DIGEST_CHUNK)))
-
-
 def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=model_fingerprint) -> list[CacheEntry]:
     """``fingerprint``: a model file's identity (``CacheStore.fingerprint`` remembers the digests)."""
     from ..data import PREPROCESS_VERSION
@@ -90,13 +71,15 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
     te_fps = [fingerprint(p) for p in files["text_encoders"]]
     # files only the conditioning is encoded with (e.g. Wan 2.1 i2v's CLIP vision)
     cond_models = {"models": [fingerprint(p) for p in files["conditioning"]]} if files.get("conditioning") else {}
-    samples = list(samples)
-    digests = file_digests(list(dict.fromkeys(p for s in samples for p in _files_of(s.item) if p is not None)))
+    digests: dict[Path, str] = {}
     entries = []
     for s in samples:
         path = s.item.path
         control, mask, more = s.item.control, s.item.mask, s.item.more_controls
         vace = {k: getattr(s.item, k) for k in ("control_mask", "reference") if getattr(s.item, k) is not None}
+        for p in (path, control, mask, *more, *vace.values()):
+            if p is not None and p not in digests:
+                digests[p] = file_digest(p)
         text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
         audio = getattr(adapter, "audio", False)
         preprocess = AUDIO_PREPROCESS_VERSION if audio else \

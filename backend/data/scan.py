@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,6 @@ from PIL import Image
 
 from ..config import DatasetConfig, DirectoryConfig
 from ..errors import DatasetError
-from ..threads import map_in_chunks
 from .headers import EXIF_ORIENTATION_TAG, TRANSPOSING_ORIENTATIONS, size_from_header
 from .items import MediaItem
 
@@ -108,10 +106,17 @@ def _probe_with_caption(probe, caption_extension: str, file: Path):
         return size, e
 
 
+def _probe_many(probe, caption_extension: str, files: list[Path]) -> list:
+    return [_probe_with_caption(probe, caption_extension, file) for file in files]
+
+
 def _probed(pool: ThreadPoolExecutor, probe, caption_extension: str, files: list[Path]):
-    """``_probe_with_caption`` of every file, in order, PROBE_CHUNK files a task; the threads read the captions too
-    (read here, each small read would wait for the threads to hand back Python's interpreter lock)."""
-    return map_in_chunks(pool, functools.partial(_probe_with_caption, probe, caption_extension), files, PROBE_CHUNK)
+    """``_probe_with_caption`` of every file, in order; the pool's threads take the files PROBE_CHUNK at a time (a
+    task per file costs more in hand-overs than reading a picture's header), and read the captions too (read here,
+    each small read would wait for the threads to hand back Python's interpreter lock)."""
+    chunks = [files[i:i + PROBE_CHUNK] for i in range(0, len(files), PROBE_CHUNK)]
+    for results in pool.map(_probe_many, [probe] * len(chunks), [caption_extension] * len(chunks), chunks):
+        yield from results
 
 
 def _probe_media(path: Path):

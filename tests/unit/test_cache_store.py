@@ -47,22 +47,3 @@ def test_the_manifest_reads_back_what_was_written(tmp_path):
     loaded = CacheManifest.load(tmp_path / "m.json")
 
     assert loaded == CacheManifest("flux", entries)
-
-
-def test_the_manifest_digests_many_files_on_threads_exactly_and_in_order(tmp_path):
-    import hashlib
-
-    import pytest
-
-    from pipetrain.backend.cache import manifest
-
-    paths = []
-    for i in range(3 * manifest.DIGEST_CHUNK + 5):   # several chunks, the last one short
-        paths.append(tmp_path / f"{i}.png")
-        paths[-1].write_bytes(f"picture {i}".encode() * (i % 7 + 1))
-    digests = manifest.file_digests(paths)
-    assert list(digests) == paths
-    assert all(digests[p] == hashlib.sha256(p.read_bytes()).hexdigest() for p in paths)
-    paths[-2].unlink()   # a file gone between the scan and the manifest: the read's own error, naming it
-    with pytest.raises(FileNotFoundError, match=paths[-2].name):
-        manifest.file_digests(paths)
