@@ -123,11 +123,11 @@ def estimate(footprints: list[LayerFootprint], settings: MemorySettings, trainin
              bounds: list[int] | None = None) -> list[StageEstimate]:
     """The peak of each pipeline stage under ``settings``."""
     flags = checkpointed_flags(footprints, settings)
+    fp8 = training.fp8_weights or training.fp8_compute
     out = []
     for s, layers in enumerate(stage_ranges(footprints, training.stages, bounds)):
         # 1F1B: stage s holds the activations of up to (stages - s) micro-batches at once
         in_flight = max(1, min(training.stages - s, training.micro_batches))
-        fp8 = training.fp8_weights or training.fp8_compute
         weights = sum(_weights(footprints[i], fp8) for i in layers)
         host = 0
         blocks = [_weights(footprints[i], fp8) for i in layers if footprints[i].checkpointable]
