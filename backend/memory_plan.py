@@ -209,12 +209,12 @@ def report(settings: MemorySettings, stages: list[StageEstimate], gpu_total: int
     lines = [f"memory plan: {settings.describe()}"]
     for s, st in enumerate(stages):
         fits = "" if gpu_total is None else f" of {gpu_total / GIB:.1f} GiB"
-        host = f"; {st.host / GIB:.1f} GiB in CPU memory" if st.host else ""
+        notes = f"; {st.host / GIB:.1f} GiB in CPU memory" if st.host else ""
         if st.loading > st.training:
-            host += "; the peak is while loading, before fp8_compute converts the weights"
+            notes += "; the peak is while loading, before fp8_compute converts the weights"
         lines.append(f"  stage {s}: {st.gpu / GIB:.1f} GiB{fits} (weights {st.weights / GIB:.1f}, adapter and "
                      f"optimizer {st.adapter / GIB:.1f}, activations {st.activations / GIB:.1f}, backward buffers "
-                     f"{st.transient / GIB:.1f}){host}")
+                     f"{st.transient / GIB:.1f}){notes}")
     return "\n".join(lines)
 
 

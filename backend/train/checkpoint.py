@@ -68,10 +68,10 @@ def save(engine, ckpt_root: Path, step: int, client_state: dict, extra=None) -> 
 
 def state_bytes(engine) -> int:
     """The least this rank's part of a checkpoint takes: its trained weights and their optimizer state."""
-    trained = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
+    trained = sum(p.nbytes for p in engine.module.parameters() if p.requires_grad)
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)   # DeepSpeed's wrappers hold torch's
     states = getattr(optimizer, "state", {}).values()
-    return trained + sum(t.numel() * t.element_size() for state in states for t in state.values() if torch.is_tensor(t))
+    return trained + sum(t.nbytes for state in states for t in state.values() if torch.is_tensor(t))
 
 
 def check_room(engine, ckpt_root: Path) -> None:
