@@ -11,6 +11,11 @@ inside a rank or, worse, train a LoRA that does not match what the user generate
   maths diverged.
 - The LoRA keys our saver writes for that model go through the host's ``comfy.lora`` key map: every adapted
   module must receive its patch.
+- A ComfyUI with training paths (``comfy.model_management.in_training``, 0.8 on) routes RoPE, RMSNorm and adaLN
+  through comfy-kitchen's fused kernels at inference, and those refuse float64. There the float64 comparison runs
+  against ComfyUI's eager training paths (the same maths, autograd-safe: what our layers call), and a second one in
+  float32 against its inference forward with the fused kernels, the forward the user generates with: together they
+  show our training maths equal to what ComfyUI computes at inference.
 
 A verdict is memoised per (ComfyUI version, hashes of the ComfyUI and PipeTrain files the check depends on,
 model type) so a repeated run pays nothing. ``versions.py`` holds the tested ComfyUI range.
@@ -31,7 +36,7 @@ from .errors import PipeTrainError
 # float64 on both sides: what remains is rounding (and ComfyUI's float32 rotary tables, which both sides share);
 # a change in the maths (a scale, an epsilon, a gate) shows orders of magnitude above it
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
-_MEMO_VERSION = 2
+_MEMO_VERSION = 3
 
 
 class ParityError(PipeTrainError):
@@ -55,6 +60,9 @@ class ParityResult:
     lora_keys: int = 0                     # adapted modules whose saved keys the host's comfy.lora maps
     lora_keys_unmapped: list[str] = field(default_factory=list)
     lora_difference: float | None = None   # max |ours - ComfyUI's| with a LoRA (merged on ComfyUI's side)
+    dtype: str = "float64"                 # the dtype of the comparison (float32 where the host's kernels refuse
+    #                                        float64 on every path, or the model type's own parity_dtype)
+    kernel_difference: float | None = None  # max |ours - ComfyUI's inference forward| in float32 (fused kernels)
     seconds: float = 0.0
     memoised: bool = False
 
@@ -171,9 +179,9 @@ def _first_difference(ours: dict, ref: dict, tolerance: float) -> str:
     return ""
 
 
-def _small_adapter(model_type: str):
-    """The model type's adapter in its ``parity_dtype`` (float64 unless ComfyUI's code needs float32) over
-    ComfyUI's own model class at the ``micro`` config, random weights."""
+def _small_adapter(model_type: str, dtype: torch.dtype | None = None):
+    """The model type's adapter in ``dtype`` (default its ``parity_dtype``: float64 unless ComfyUI's code needs
+    float32) over ComfyUI's own model class at the ``micro`` config, random weights."""
     import comfy.model_management as mm
     import comfy.model_patcher
 
@@ -185,7 +193,7 @@ def _small_adapter(model_type: str):
     adapter = cls(ModelConfig(type=model_type, diffusion_model="unused", vae="unused"))
     # getattr: until the registry names adapters relative to this package (issue #25), a ComfyUI that loads
     # PipeTrain as a custom node may take the adapter classes from another installed copy
-    adapter.dtype = getattr(cls, "parity_dtype", torch.float64)
+    adapter.dtype = dtype or getattr(cls, "parity_dtype", torch.float64)
     unet_config = cls.spec.unet_config("micro")
     model_config = loading.model_config(adapter.arch, unet_config)
     model_config.set_inference_dtype(adapter.dtype, None)
@@ -218,15 +226,26 @@ def _probe(adapter):
     return x0, noise, t, text
 
 
-def _compare_forward(adapter, result: ParityResult) -> None:
-    """ComfyUI's forward as the user generates with it against our layers as they train."""
+def host_has_training_paths() -> bool:
+    """Whether the host ComfyUI runs fused inference kernels that training replaces by eager code: its own
+    training paths (``in_training``) or comfy-kitchen's eager backend (``patches_comfyui.kitchen_eager``)."""
+    import comfy.model_management as mm
+
+    from .patches_comfyui import kitchen_in_training
+
+    return hasattr(mm, "in_training") or bool(kitchen_in_training())
+
+
+def _compare_forward(adapter, result: ParityResult, reference_training: bool = False) -> None:
+    """ComfyUI's forward as the user generates with it (``reference_training``: its eager training paths) against
+    our layers as they train."""
     from .runtime import comfy_training_paths
 
     x0, noise, t, text = _probe(adapter)
     dm = adapter.diffusion_model
     theirs, handles = _leaf_outputs(dm)
     try:
-        with torch.no_grad(), comfy_training_paths(False):
+        with torch.no_grad(), comfy_training_paths(reference_training):
             ref = adapter.reference_forward(adapter.objective().noisy(x0, noise, t), t, text)
     finally:
         for h in handles:
@@ -284,7 +303,7 @@ def _forward_with_merged_lora(adapter, patches: dict, modules: list, probe) -> t
                                                          intermediate_dtype=weight.dtype))
             for m in modules:   # ComfyUI's side carries the LoRA in its weights, not in our hooks
                 m.lora_scale = 0.0
-            with comfy_training_paths(False):
+            with comfy_training_paths(host_has_training_paths() and adapter.dtype == torch.float64):
                 return adapter.reference_forward(adapter.objective().noisy(x0, noise, t), t, text)
     finally:
         with torch.no_grad():
@@ -359,6 +378,39 @@ def _check_gradients(adapter, modules: list, inputs, result: ParityResult) -> No
         result.where = starved[0]
 
 
+def _check_both_paths(model_type: str, result: ParityResult) -> None:
+    """The comparisons of the module docstring: float64 (against the training paths where the host has them),
+    LoRA and gradients; then, on a host with inference kernels, float32 against its inference forward."""
+    adapter = _small_adapter(model_type)
+    result.dtype = str(adapter.dtype).removeprefix("torch.")
+    kernels = host_has_training_paths() and adapter.dtype == torch.float64
+    try:
+        _compare_forward(adapter, result, reference_training=kernels)
+    except Exception as e:  # noqa: BLE001
+        if not _refuses_float64(e):
+            raise
+        # the host calls a fused kernel on every path of this model (no eager float64 code to compare with): the
+        # whole check runs in float32, the kernel's backward included
+        adapter, kernels = _small_adapter(model_type, torch.float32), False
+        result.dtype = "float32"
+        _compare_forward(adapter, result)
+    if result.ok:
+        _compare_with_lora(adapter, result)
+    if not (result.ok and kernels):
+        return
+    at_float32 = ParityResult(model_type, result.comfyui_version, result.comfyui_path, verdict="passes")
+    _compare_forward(_small_adapter(model_type, torch.float32), at_float32)
+    result.kernel_difference = at_float32.max_difference
+    if not at_float32.ok:
+        result.verdict, result.where = at_float32.verdict, at_float32.where
+        result.detail = f"with its inference kernels (float32), {at_float32.detail}"
+
+
+def _refuses_float64(e: BaseException) -> bool:
+    """A comfy-kitchen kernel's refusal of float64 inputs (it names no backend for the dtype)."""
+    return type(e).__name__ == "NoCapableBackendError" and "float64" in str(e)
+
+
 def _origin(e: BaseException, comfy_root: Path) -> str:
     """The innermost frame of the exception in ComfyUI's or PipeTrain's code (not torch's), as file:line."""
     import traceback
@@ -404,10 +456,7 @@ def check_model_type(model_type: str, *, use_memo: bool = True) -> ParityResult:
             # autograd on whatever the caller does (ComfyUI runs nodes under inference mode, whose tensors
             # cannot take part in a backward)
             with torch.inference_mode(False), torch.enable_grad():
-                adapter = _small_adapter(model_type)
-                _compare_forward(adapter, result)
-                if result.ok:
-                    _compare_with_lora(adapter, result)
+                _check_both_paths(model_type, result)
     except Exception as e:  # noqa: BLE001  (an API that moved: the verdict names it)
         result.verdict = "fails"
         result.detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]

@@ -14,6 +14,9 @@ attribute instead of running code that no longer matches. Tests: tests/ranks/tes
   gives the config the file names in its metadata (``models/loading.py``).
 - ``text_encoder_kinds``: while tiny text-encoder files load through ComfyUI's text-encoder loading, it takes their
   kinds as given instead of telling them by layers only full-depth files have (``models/loading.py``).
+- ``kitchen_eager``: while ComfyUI's training paths are on (``runtime.comfy_training_paths``), the comfy-kitchen
+  fused kernels ComfyUI calls on every path (Cosmos Predict2's RMSNorm + RoPE, from 0.8 on) run comfy-kitchen's
+  own eager backend, which autograd can differentiate: the fused kernels register no backward.
 - ``narrowed_class``: while a tiny VAE file is built, the ComfyUI class whose width ComfyUI fixes takes the widths
   the file names in its metadata (``models/loading.py``).
 """
@@ -167,3 +170,74 @@ def text_encoder_kinds(kinds: dict[int, tuple[str, str]], loaded: dict[int, obje
     finally:
         comfy.sd.detect_te_model, comfy.sd.CLIP.load_sd = detect, load_sd
         long_clip.model_options_long_clip = long_options
+
+
+@functools.lru_cache(maxsize=1)
+def _kitchen_ops_without_backward() -> tuple[str, ...]:
+    """The comfy-kitchen ops with an eager implementation whose custom op has no backward registered with torch
+    (all of them where torch's registry cannot be read: the eager one is always differentiable)."""
+    import comfy_kitchen
+    import comfy_kitchen.backends.eager as eager
+
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:
+        OPDEFS = None
+    names = [n for n in getattr(eager, "__all__", ()) if hasattr(comfy_kitchen, n) and hasattr(eager, n)]
+    if OPDEFS is None:
+        return tuple(names)
+    return tuple(n for n in names
+                 if getattr(OPDEFS.get(f"comfy_kitchen::{n}"), "_backward_fn", None) is None)
+
+
+def _kitchen():
+    """comfy-kitchen where this ComfyUI uses it (0.8 on), else None."""
+    ensure_comfyui()
+    import sys
+    if "comfy_kitchen" not in sys.modules:   # ComfyUI imports it at start-up where it uses it
+        return None
+    return sys.modules["comfy_kitchen"]
+
+
+def kitchen_in_training() -> list[str]:
+    """The comfy-kitchen ops training takes from its eager backend on this ComfyUI ([] where ComfyUI has none)."""
+    return list(_kitchen_ops_without_backward()) if _kitchen() is not None else []
+
+
+def _bindings(kitchen, routed) -> list[tuple[object, str, str]]:
+    """(module, attribute, op) for comfy-kitchen's module and every ComfyUI module that bound one of its ops by
+    name (0.8 binds ``apply_rope = comfy.quant_ops.ck.apply_rope`` at import; later ones look it up per call)."""
+    import sys
+    ops = {id(getattr(kitchen, n)): n for n in routed}
+    found = [(kitchen, n, n) for n in routed]
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "comfy" or name.startswith("comfy.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            op = ops.get(id(value))
+            if op is not None and value is getattr(kitchen, op):
+                found.append((module, attr, op))
+    return found
+
+
+@contextlib.contextmanager
+def kitchen_eager():
+    """While inside, the comfy-kitchen ops without a backward resolve to comfy-kitchen's eager backend wherever
+    ComfyUI's model code reaches them, so a backward through ComfyUI's code works."""
+    kitchen = _kitchen()
+    routed = kitchen_in_training() if kitchen is not None else []
+    if not routed or getattr(kitchen, "_pipetrain_eager", False):
+        yield
+        return
+    import comfy_kitchen.backends.eager as eager
+    bindings = _bindings(kitchen, routed)
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in bindings]
+    for module, attr, op in bindings:
+        setattr(module, attr, getattr(eager, op))
+    kitchen._pipetrain_eager = True
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+        kitchen._pipetrain_eager = False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from .errors import RuntimeSetupError
@@ -106,17 +106,22 @@ def comfyui_version() -> str:
 def comfy_training_paths(on: bool = True):
     """While inside, ComfyUI's model code takes its training paths (``on``) or its inference paths.
 
-    ComfyUI (the 0.38 line) reads ``comfy.model_management.in_training`` at call time: while it is true its model
+    ComfyUI (from 0.8) reads ``comfy.model_management.in_training`` at call time: while it is true its model
     code runs eager, autograd-safe code (RoPE without the fused inference kernel, out-of-place residuals, no fused
-    SwiGLU) that computes the same maths. Older ComfyUIs have no such flag and ignore it.
+    SwiGLU) that computes the same maths. Older ComfyUIs have no such flag and ignore it. Where ComfyUI calls a
+    comfy-kitchen kernel on every path, training takes comfy-kitchen's eager backend (``patches_comfyui.
+    kitchen_eager``).
     """
     ensure_comfyui()
     import comfy.model_management as mm
 
+    from .patches_comfyui import kitchen_eager
+
     before = getattr(mm, "in_training", _ABSENT)
     mm.in_training = on
     try:
-        yield
+        with kitchen_eager() if on else nullcontext():
+            yield
     finally:
         if before is _ABSENT:
             del mm.in_training

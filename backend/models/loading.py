@@ -210,6 +210,7 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
         return patcher
     unet_config = json.loads(metadata[META_UNET])   # a tiny file, also as a folder's shard
     try:
+        unet_config = arch_spec(found).host_config(unet_config)
         with detection_from_config(unet_config, model_config(found, unet_config)), \
                 arch_spec(found).built_in(unet_config):
             patcher = load()
@@ -235,6 +236,7 @@ def model_config(arch: str, unet_config: dict):
     """ComfyUI's ``comfy.supported_models`` config for ``arch`` with this unet_config (ComfyUI's detection picks the
     same class from a real file's weights)."""
     import comfy.supported_models as sm
+    unet_config = arch_spec(arch).host_config(unet_config)
     candidates = [getattr(sm, name) for name in arch_spec(arch).comfy_configs]
     config_cls = next((c for c in candidates if c.matches(unet_config)), candidates[0])
     config = config_cls(unet_config)

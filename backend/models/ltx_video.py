@@ -154,7 +154,7 @@ def first_frame_token_timesteps(timestep: torch.Tensor, shape) -> torch.Tensor:
 def rope_tables(dm):
     """``(pixel coordinates, dtype) -> RoPE tables`` as this ComfyUI builds them: the module function
     ``precompute_freqs_cis`` (to 0.7: one tensor, or a (cos, sin) pair before 0.3.7x), or the model's own
-    ``_precompute_freqs_cis`` (0.8 on: a rotation matrix and whether it is split)."""
+    ``_precompute_freqs_cis`` (0.8 on: the tables and whether they are split, ``pack_rope``)."""
     method = getattr(dm, "_precompute_freqs_cis", None)
     if method is not None:
         return lambda coords, dtype: method(coords, dim=dm.inner_dim, out_dtype=dtype,
@@ -173,9 +173,13 @@ def rope_kind(dm) -> str:
 
 def pack_rope(pe) -> tuple:
     """ComfyUI's RoPE tables as one tensor (what crosses a stage boundary) and their kind: ``tensor``, ``pair``
-    (cos, sin) or ``split`` / ``matrix`` (a rotation matrix and its split flag)."""
+    (cos, sin), ``pair-split`` / ``pair-interleaved`` (cos, sin and the split flag: 0.8) or ``split`` / ``matrix``
+    (a rotation matrix and its split flag: later releases)."""
     if isinstance(pe, torch.Tensor):
         return pe, "tensor"
+    if len(pe) == 3:   # 0.8: (cos, sin, whether split)
+        cos, sin, split = pe
+        return torch.stack((cos, sin)), "pair-split" if split else "pair-interleaved"
     first, second = pe
     if isinstance(second, torch.Tensor):
         return torch.stack((first, second)), "pair"
@@ -185,6 +189,8 @@ def pack_rope(pe) -> tuple:
 def unpack_rope(pe: torch.Tensor, kind: str):
     if kind == "pair":
         return tuple(pe.unbind(0))
+    if kind in ("pair-split", "pair-interleaved"):
+        return (*pe.unbind(0), kind == "pair-split")
     if kind in ("split", "matrix"):
         return pe, kind == "split"
     return pe

@@ -10,6 +10,8 @@ Text encoders and VAEs are shared between architectures: their kinds are the tab
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,8 +50,68 @@ class ArchSpec:
     def built_in(self, unet_config: dict) -> contextlib.AbstractContextManager:
         return self.building(unet_config) if self.building else contextlib.nullcontext()
 
+    def host_config(self, unet_config: dict) -> dict:
+        """``unet_config`` with whatever this ComfyUI's model class requires that it does not name, as this
+        ComfyUI's own detection derives it from the model's key layout (``host_config``)."""
+        return host_config(self, unet_config)
+
+    def build_host(self, unet_config: dict) -> torch.nn.Module:
+        """The network on the meta device for ``unet_config`` as this ComfyUI builds it."""
+        config = self.host_config(unet_config)
+        with self.built_in(config):
+            return self.build(config)
+
     def accepted_text_encoder_types(self) -> tuple[str, ...]:
         return self.text_encoder_types or (self.clip_type.lower(),)
+
+
+_MISSING_ARGS = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.+)$")
+_completed: dict[tuple, dict] = {}
+
+
+def _missing_arguments(error: TypeError) -> list[str]:
+    """The argument names of Python's "missing N required ... argument(s): 'a', 'b' and 'c'" error, else []."""
+    m = _MISSING_ARGS.search(str(error))
+    return re.findall(r"'(\w+)'", m.group(1)) if m else []
+
+
+def host_config(spec: ArchSpec, unet_config: dict) -> dict:
+    """``unet_config`` completed with the fields the host ComfyUI's model class requires and it does not name.
+
+    ComfyUI's releases add fields to its model parameters (``FluxParams.txt_ids_dims``, ``HunyuanVideoParams.
+    meanflow_sum``, ...) and its detection derives them from a weights file's keys. So a config PipeTrain keeps
+    (a size preset, a tiny file's metadata) is built once on the meta device with the missing fields empty, which
+    gives the model's key layout, and the host's ``detect_unet_config`` on that layout supplies their values: the
+    values it would give the user's own file of that layout. Where nothing is missing this costs one meta build,
+    memoised per config."""
+    key = (spec.title, json.dumps(unet_config, sort_keys=True, default=str))
+    if key in _completed:
+        return dict(_completed[key])
+    probe, missing = dict(unet_config), []
+    for _ in range(8):
+        try:
+            with spec.built_in(probe):
+                model = spec.build(probe)
+            break
+        except TypeError as e:
+            names = [n for n in _missing_arguments(e) if n not in probe]
+            if not names:
+                raise
+            missing += names
+            probe.update(dict.fromkeys(names))
+    if not missing:
+        _completed[key] = dict(unet_config)
+        return dict(unet_config)
+    detection = comfy_object("comfy.model_detection")
+    detected = detection.detect_unet_config(model.state_dict(), "") or {}
+    absent = [n for n in missing if n not in detected]
+    if absent:
+        from ..errors import ModelError
+        raise ModelError(f"this ComfyUI's {spec.title} model needs {', '.join(absent)}, which its detection does not "
+                         f"derive from the model's weights: PipeTrain cannot build it on this ComfyUI yet")
+    done = {**unet_config, **{n: detected[n] for n in missing}}
+    _completed[key] = done
+    return dict(done)
 
 
 def comfy_object(path: str):

@@ -58,9 +58,7 @@ class ModelFiles:
 # --- networks on the meta device ---------------------------------------------------------------
 def build_diffusion_model(arch: str, size: str) -> torch.nn.Module:
     spec = arch_spec(arch)
-    config = spec.unet_config(size)
-    with spec.built_in(config):
-        return spec.build(config)
+    return spec.build_host(spec.unet_config(size))
 
 
 def build_vae(arch: str, size: str = "tiny") -> torch.nn.Module:
@@ -185,8 +183,7 @@ def _write_diffusion_model(arch: str, size: str, path: Path, dtype, seed, device
     meta = {"pipetrain.arch": arch, "pipetrain.size": size}
     if size not in spec.detected_sizes:  # ComfyUI cannot tell this config from the weights: say what it is
         meta["pipetrain.unet_config"] = json.dumps(config)
-    with spec.built_in(config):
-        module = spec.build(config)
+    module = spec.build_host(config)
     return write_safetensors(module, path, dtype, seed, meta, device=device, init=spec.diffusion_model_init)
 
 
