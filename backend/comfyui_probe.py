@@ -75,7 +75,7 @@ def probe_forward(model_type: str, out: Path, *, parity_first: bool) -> dict:
         _fill_by_name(dm)
         x0, noise, t, text = parity._probe(adapter)
         try:
-            with torch.no_grad(), comfy_training_paths(False):
+            with torch.no_grad(), comfy_training_paths(parity.reference_on_training_paths(adapter)):
                 output = adapter.reference_forward(adapter.objective().noisy(x0, noise, t), t, text)
         except Exception as e:  # noqa: BLE001
             info["error"] = f"its own forward raised {_one_line(e)} at {parity._origin(e, root.resolve())}"

@@ -236,6 +236,12 @@ def host_has_training_paths() -> bool:
     return hasattr(mm, "in_training") or bool(kitchen_in_training())
 
 
+def reference_on_training_paths(adapter) -> bool:
+    """Whether ComfyUI's reference forward for ``adapter`` runs its eager training paths: in float64 on a host whose
+    inference kernels refuse float64 (the float32 comparison covers the kernels)."""
+    return adapter.dtype == torch.float64 and host_has_training_paths()
+
+
 def _compare_forward(adapter, result: ParityResult, reference_training: bool = False) -> None:
     """ComfyUI's forward as the user generates with it (``reference_training``: its eager training paths) against
     our layers as they train."""
@@ -303,7 +309,7 @@ def _forward_with_merged_lora(adapter, patches: dict, modules: list, probe) -> t
                                                          intermediate_dtype=weight.dtype))
             for m in modules:   # ComfyUI's side carries the LoRA in its weights, not in our hooks
                 m.lora_scale = 0.0
-            with comfy_training_paths(host_has_training_paths() and adapter.dtype == torch.float64):
+            with comfy_training_paths(reference_on_training_paths(adapter)):
                 return adapter.reference_forward(adapter.objective().noisy(x0, noise, t), t, text)
     finally:
         with torch.no_grad():
@@ -383,7 +389,7 @@ def _check_both_paths(model_type: str, result: ParityResult) -> None:
     LoRA and gradients; then, on a host with inference kernels, float32 against its inference forward."""
     adapter = _small_adapter(model_type)
     result.dtype = str(adapter.dtype).removeprefix("torch.")
-    kernels = host_has_training_paths() and adapter.dtype == torch.float64
+    kernels = reference_on_training_paths(adapter)
     try:
         _compare_forward(adapter, result, reference_training=kernels)
     except Exception as e:  # noqa: BLE001

@@ -34,7 +34,7 @@ from .runtime import comfyui_version, ensure_comfyui
 HOST = "ComfyUI"
 
 
-def _require(owner, name: str, params: tuple[str, ...] | None = None):
+def _require(owner, name: str, params: tuple | None = None):
     return patching.require(HOST, comfyui_version, owner, name, params)
 
 
@@ -125,9 +125,11 @@ def detection_from_config(unet_config: dict, model_config):
     ensure_comfyui()
     import comfy.model_detection as detection
     detect = _require(detection, "detect_unet_config", ("state_dict", "key_prefix", "metadata"))
-    pick = _require(detection, "model_config_from_unet_config", ("unet_config", "state_dict"))
+    # 0.33 adds the key prefix (for its matches); the config given is the answer either way
+    pick = _require(detection, "model_config_from_unet_config",
+                    (("unet_config", "state_dict"), ("unet_config", "state_dict", "unet_key_prefix")))
     detection.detect_unet_config = lambda state_dict, key_prefix, metadata=None: dict(unet_config)
-    detection.model_config_from_unet_config = lambda config, state_dict=None: model_config
+    detection.model_config_from_unet_config = lambda config, state_dict=None, unet_key_prefix="": model_config
     try:
         yield
     finally:
@@ -194,9 +196,11 @@ def _kitchen():
     """comfy-kitchen where this ComfyUI uses it (0.8 on), else None."""
     ensure_comfyui()
     import sys
-    if "comfy_kitchen" not in sys.modules:   # ComfyUI imports it at start-up where it uses it
+    try:   # where ComfyUI uses comfy-kitchen, its quant_ops imports it (and ComfyUI reaches it through there)
+        importlib.import_module("comfy.quant_ops")
+    except ImportError:
         return None
-    return sys.modules["comfy_kitchen"]
+    return sys.modules.get("comfy_kitchen")
 
 
 def kitchen_in_training() -> list[str]:
@@ -229,6 +233,8 @@ def kitchen_eager():
     if not routed or getattr(kitchen, "_pipetrain_eager", False):
         yield
         return
+    import sys
+
     import comfy_kitchen.backends.eager as eager
     bindings = _bindings(kitchen, routed)
     saved = [(module, attr, getattr(module, attr)) for module, attr, _ in bindings]
@@ -240,4 +246,11 @@ def kitchen_eager():
     finally:
         for module, attr, value in saved:
             setattr(module, attr, value)
+        # a ComfyUI module imported meanwhile bound the eager op by name: it gets the fused one back
+        back = {id(getattr(eager, op)): (getattr(eager, op), getattr(kitchen, op)) for op in routed}
+        for name, module in list(sys.modules.items()):
+            if module is not None and (name == "comfy" or name.startswith("comfy.")):
+                for attr, value in list(vars(module).items()):
+                    if id(value) in back and value is back[id(value)][0]:
+                        setattr(module, attr, back[id(value)][1])
         kitchen._pipetrain_eager = False

@@ -11,9 +11,10 @@ from typing import Callable
 from .errors import RuntimeSetupError
 
 
-def require(host: str, version: Callable[[], str], owner, name: str, params: tuple[str, ...] | None = None):
+def require(host: str, version: Callable[[], str], owner, name: str, params: tuple | None = None):
     """``owner.name`` (an attribute of a class, a module or an object), checked: it exists and, with ``params``, is
-    a callable whose parameter names are exactly those. Returns it. ``version`` is read only for the error."""
+    a callable whose parameter names are exactly those (or exactly one of several such tuples, where releases
+    differ and the replacement takes each). Returns it. ``version`` is read only for the error."""
     cls = owner if isinstance(owner, type) else type(owner)
     where = owner.__name__ if inspect.ismodule(owner) else f"{cls.__module__}.{cls.__qualname__}"
     found = getattr(owner, name, None)
@@ -24,9 +25,11 @@ def require(host: str, version: Callable[[], str], owner, name: str, params: tup
             have = tuple(inspect.signature(found).parameters)
         except (TypeError, ValueError):
             raise _mismatch(host, version, f"{where}.{name} is not a function") from None
-        if have != tuple(params):
+        accepted = [tuple(p) for p in params] if params and isinstance(params[0], tuple) else [tuple(params)]
+        if have not in accepted:
+            written = " or ".join(f"({', '.join(p)})" for p in accepted)
             raise _mismatch(host, version, f"{where}.{name} takes ({', '.join(have)}), PipeTrain's replacement was "
-                                           f"written for ({', '.join(params)})")
+                                           f"written for {written}")
     return found
 
 

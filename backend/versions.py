@@ -10,10 +10,10 @@ import re
 
 # every version here ran the parity and end-to-end tests (tests/ranks/test_parity_versions.py); the README's
 # compatibility table shows the verdict per model type
-TESTED_VERSIONS = ("0.3.52", "0.3.64", "0.3.75")
+TESTED_VERSIONS = ("0.3.52", "0.3.64", "0.3.75", "0.8.0", "0.33.0")
 TESTED_RANGE = f"{TESTED_VERSIONS[0]} to {TESTED_VERSIONS[-1]}"
-# the version every model type passes on (older tested versions pass for some: the README's table)
-EVERY_TYPE_PASSES_ON = "0.3.75"
+# the versions every model type passes on (older tested versions pass for some: the README's table)
+EVERY_TYPE_PASSES_ON = "0.3.75, 0.8.0 and 0.33.0"
 
 
 def parse(version: str) -> tuple[int, ...] | None:
@@ -64,6 +64,11 @@ def comfyui_info() -> dict:
     """The ComfyUI this process runs: version, folder and whether it is in the tested range (for events/status)."""
     from .runtime import ensure_comfyui
 
+    from .patches_comfyui import kitchen_in_training
+
     root = ensure_comfyui()
     version = read_version(root)
-    return {"version": version, "path": str(root), "tested": in_tested_range(version), "tested_range": TESTED_RANGE}
+    # the comfy-kitchen fused kernels that training runs through comfy-kitchen's eager backend (none fused: they
+    # register no backward); [] where this ComfyUI does not use comfy-kitchen
+    return {"version": version, "path": str(root), "tested": in_tested_range(version), "tested_range": TESTED_RANGE,
+            "kitchen_eager_in_training": kitchen_in_training()}

@@ -1,5 +1,7 @@
 """Other ComfyUIs for the tests: the extra versions scripts/setup.sh extracts beside the pinned one
-(``.comfyui/ComfyUI-<version>``), and temporary copies of a ComfyUI with one line of its model code changed."""
+(``.comfyui/ComfyUI-<version>``), the newer ones kept in the machine's ComfyUI cache (``comfyui_cache()``:
+``<version>/`` trees and their extra packages in ``<version>-site/``, written by scripts/comfyui_cache.sh), and
+temporary copies of a ComfyUI with one line of its model code changed."""
 from __future__ import annotations
 
 import json
@@ -11,10 +13,39 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+# the ComfyUIs after the pinned one that the tests cover where the machine's cache holds them
+NEWER_VERSIONS = ("0.8.0", "0.33.0")
+
+
+def comfyui_cache() -> Path:
+    """Where the newer ComfyUIs live on this machine, outside the repository (``PIPETRAIN_COMFYUI_CACHE``)."""
+    return Path(os.environ.get("PIPETRAIN_COMFYUI_CACHE") or Path.home() / ".cache" / "pipetrain" / "comfyui")
+
+
+def _is_comfyui(p: Path) -> bool:
+    return (p / "comfy" / "model_management.py").is_file()
+
+
 def other_comfyuis() -> dict[str, Path]:
-    """version -> folder of every ComfyUI beside the pinned one (``.comfyui/ComfyUI-<version>``)."""
-    return {p.name.removeprefix("ComfyUI-"): p for p in sorted((REPO / ".comfyui").glob("ComfyUI-*"))
-            if (p / "comfy" / "model_management.py").is_file()}
+    """version -> folder of every ComfyUI beside the pinned one (``.comfyui/ComfyUI-<version>`` and the cache's)."""
+    found = {p.name.removeprefix("ComfyUI-"): p for p in sorted((REPO / ".comfyui").glob("ComfyUI-*"))
+             if _is_comfyui(p)}
+    found.update({v: comfyui_cache() / v for v in NEWER_VERSIONS if _is_comfyui(comfyui_cache() / v)})
+    return found
+
+
+def missing_newer_versions() -> list[str]:
+    return [v for v in NEWER_VERSIONS if not _is_comfyui(comfyui_cache() / v)]
+
+
+def extra_packages(comfyui: Path) -> Path | None:
+    """The folder of the packages a cached ComfyUI needs beyond the suite's venv (comfy-kitchen & co.), also for
+    a planted copy of it (whose main.py links to the original)."""
+    for tree in (comfyui, (comfyui / "main.py").resolve().parent):
+        site = tree.parent / f"{tree.name}-site"
+        if site.is_dir():
+            return site
+    return None
 
 
 def planted_copy(source: Path, dest: Path, file: str, old: str, new: str, occurrences: int = 1) -> Path:
@@ -37,7 +68,11 @@ def planted_copy(source: Path, dest: Path, file: str, old: str, new: str, occurr
 
 def python_env(comfyui: Path, **extra: str) -> dict:
     """The environment of a child process that imports ``comfyui`` (and this checkout as ``pipetrain``)."""
-    return {**os.environ, "COMFYUI_PATH": str(comfyui), "PYTHONUNBUFFERED": "1", **extra}
+    env = {**os.environ, "COMFYUI_PATH": str(comfyui), "PYTHONUNBUFFERED": "1", **extra}
+    site = extra_packages(comfyui)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(site), env.get("PYTHONPATH"))))
+    return env
 
 
 def doctor(comfyui: Path, *model_types: str, timeout: float = 600, **env: str) -> dict:

@@ -19,8 +19,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_terminal_summary(terminalreporter):
+    from comfyui_copies import comfyui_cache, missing_newer_versions, other_comfyuis
+
+    from pipetrain.backend.runtime import PINNED_VERSION
+
     free = shutil.disk_usage(REPO).free / 2**30
     terminalreporter.write_line(f"disk: {free:.1f} GiB free after the tests")
+    covered = ", ".join([PINNED_VERSION, *other_comfyuis()])
+    terminalreporter.write_line(f"ComfyUI versions covered: {covered}")
+    missing = missing_newer_versions()
+    if missing:
+        terminalreporter.write_line(f"ComfyUI versions skipped (not in {comfyui_cache()}; scripts/comfyui_cache.sh "
+                                    f"writes them): {', '.join(missing)}")
 
 
 @pytest.fixture(scope="module", autouse=True)

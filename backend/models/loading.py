@@ -216,12 +216,19 @@ def load_diffusion_model(path, dtype: torch.dtype | None, *, arch: str | None = 
             patcher = load()
     except Exception as exc:
         raise ModelError(f"{path}: cannot build the {found} model from its '{META_UNET}' metadata ({exc})") from exc
-    missing = sorted(k for k in set(patcher.model.diffusion_model.state_dict()) - set(_unprefixed(shapes))
+    missing = sorted(k for k in set(patcher.model.diffusion_model.state_dict()) - _loaded_names(patcher, shapes)
                      if not k.endswith(SCALE_KEYS))
     if missing:   # ComfyUI only logs them
         raise ModelError(f"{path}: {len(missing)} weights of the {found} model in its metadata are missing, "
                          f"e.g. '{missing[0]}'; the file is incomplete or its metadata is wrong")
     return patcher
+
+
+def _loaded_names(patcher, shapes: dict) -> set[str]:
+    """The diffusion-model weight names a file's keys load into: ComfyUI renames some on load (0.33 loads Flux's
+    ``*_norm.scale`` into ``*_norm.weight``, ``process_unet_state_dict``)."""
+    sd = _meta_state_dict(_unprefixed(shapes))
+    return set(patcher.model.model_config.process_unet_state_dict(sd))
 
 
 def _unprefixed(shapes: dict) -> dict:

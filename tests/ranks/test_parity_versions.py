@@ -1,14 +1,17 @@
 """PipeTrain against other real ComfyUIs than the pinned one (``.comfyui/ComfyUI-<version>``: scripts/setup.sh
-extracts 0.3.52; a 0.3.64 extracted from ComfyUI's git history is used where present). Each runs in a child
+extracts 0.3.52; a 0.3.64 extracted from ComfyUI's git history is used where present; 0.8.0 and 0.33.0 from the
+machine's ComfyUI cache, ``comfyui_copies.comfyui_cache``). Each runs in a child
 process (ComfyUI is imported once per process): every model type's parity verdict, as the README's
 compatibility table shows it, and one end-to-end run whose LoRA that ComfyUI's own LoraLoaderModelOnly loads."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from comfyui_copies import doctor, other_comfyuis, python_env
+from comfyui_copies import NEWER_VERSIONS, comfyui_cache, doctor, other_comfyuis, planted_copy, python_env
 from conftest import MATCH_TOLERANCE, MIN_EFFECT, train
+from test_parity import FLUX_BLOCK, GATE_LINE, PLANTED
 
 from pipetrain.backend.models.registry import ADAPTERS
 
@@ -46,6 +49,10 @@ def test_parity_of_every_model_type(version, tmp_path):
     for t, r in verdicts.items():
         if r["verdict"] == "passes":
             assert r["max_difference"] <= 1e-4 * r["scale"] and r["lora_keys"] > 0, r
+            if version in NEWER_VERSIONS and r["dtype"] == "float64":
+                # float64 against ComfyUI's eager paths to rounding, and float32 against its fused kernels
+                assert r["max_difference"] <= 1e-12 * r["scale"], r
+                assert r["kernel_difference"] is not None and r["kernel_difference"] <= 1e-5 * r["scale"], r
         elif r["verdict"] == "lacks":
             assert "no comfy.supported_models." in r["detail"]
         else:
@@ -66,12 +73,16 @@ print(json.dumps({**check.__dict__, "version": comfyui_version()}))
 @pytest.mark.slow
 @needs_comfyui
 @pytest.mark.parametrize("version", sorted(COMFYUIS))
-def test_lora_trained_on_that_comfyui_loads_in_its_lora_loader(version, tiny_sdxl_files, make_run, monkeypatch,
+def test_lora_trained_on_that_comfyui_loads_in_its_lora_loader(version, model_files, make_run, monkeypatch,
                                                               tmp_path):
     comfyui = COMFYUIS[version]
-    monkeypatch.setenv("COMFYUI_PATH", str(comfyui))
+    for name, value in python_env(comfyui).items():   # its extra packages (comfy-kitchen) where it needs them
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(tmp_path / "memo"))
-    config = make_run(tiny_sdxl_files, images=2, stages=1, epochs=2, model={"type": "sdxl"})
+    # the newer ComfyUIs train Flux, whose RoPE runs through comfy-kitchen there; the older ones SDXL
+    arch = "flux" if version in NEWER_VERSIONS else "sdxl"
+    config = make_run(model_files(arch, "micro" if arch == "flux" else "tiny"), images=2, stages=1, epochs=2,
+                      model={"type": arch})
     run = train(config, ranks=1, timeout=600)
     assert run.returncode == 0, run.output[-4000:]
     assert run.events("start")[0]["comfyui"]["version"] == version
@@ -83,6 +94,69 @@ def test_lora_trained_on_that_comfyui_loads_in_its_lora_loader(version, tiny_sdx
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded["version"] == version
-    assert loaded["keys_loaded"] == 132
+    assert loaded["keys_loaded"] == (132 if arch == "sdxl" else check["lora_keys"])
     assert loaded["comfy_vs_training"] < MATCH_TOLERANCE * max(1.0, loaded["scale"])
     assert loaded["lora_effect"] > MIN_EFFECT
+
+
+def _newer(version: str) -> Path:
+    if version not in COMFYUIS:
+        pytest.skip(f"ComfyUI {version} is not in {comfyui_cache()} (scripts/comfyui_cache.sh writes it)")
+    return COMFYUIS[version]
+
+
+@pytest.mark.parametrize("version", NEWER_VERSIONS)
+def test_a_one_line_change_in_a_newer_comfyuis_flux_block_is_refused(version, tmp_path):
+    changed = planted_copy(_newer(version), tmp_path / "ComfyUI", FLUX_BLOCK, GATE_LINE, PLANTED)
+    (flux,) = doctor(changed, "flux", PIPETRAIN_PARITY_CACHE=str(tmp_path / "memo"))["parity"]
+    assert flux["comfyui_version"] == version
+    assert flux["verdict"] == "differs" and flux["max_difference"] > 1e-3 * flux["scale"], flux
+    assert flux["where"] == "the input of double_blocks.1.img_attn.qkv (the first module whose output differs)", flux
+
+
+_KITCHEN = """
+import json, torch
+from pipetrain.backend.runtime import comfy_training_paths, ensure_comfyui
+ensure_comfyui()
+import comfy.ldm.flux.math as fm
+import comfy_kitchen, comfy_kitchen.backends.eager as eager
+from pipetrain.backend.patches_comfyui import kitchen_in_training
+from comfy.ldm.flux.math import rope
+pe = rope(torch.arange(6.0).reshape(1, 6), 8, 10000).unsqueeze(1)
+g = torch.Generator().manual_seed(0)
+q, k = (torch.randn(1, 2, 6, 8, generator=g, requires_grad=True) for _ in range(2))
+out = {"routed": kitchen_in_training()}
+try:   # ComfyUI's own RoPE as its inference path runs it: the fused kernel, which has no backward
+    sum(t.sum() for t in fm.apply_rope(q, k, pe)).backward()
+    out["inference_backward"] = "ok"
+except RuntimeError as e:
+    out["inference_backward"] = str(e).splitlines()[0]
+with comfy_training_paths(True):
+    got = fm.apply_rope(q, k, pe) if hasattr(fm, "apply_rope") else None
+    w = [torch.randn(t.shape, generator=g) for t in got]
+    grads = torch.autograd.grad(sum((t * wi).sum() for t, wi in zip(got, w)), (q, k))
+    out["bound_in_training"] = "comfy_kitchen.backends.eager" in (
+        getattr(fm.apply_rope, "__module__", "") + getattr(comfy_kitchen.apply_rope, "__module__", ""))
+# after the training paths: the fused kernel is back where ComfyUI looks it up
+out["restored"] = fm.apply_rope is not eager.apply_rope and comfy_kitchen.apply_rope is not eager.apply_rope
+fused = [t.detach() for t in torch.ops.comfy_kitchen.apply_rope(q.detach(), k.detach(), pe)]
+out["forward_vs_fused"] = max(float((a.detach() - b).abs().max()) for a, b in zip(got, fused))
+# the eager backend's gradient is the derivative of its forward (float64, finite differences)
+q64, k64, pe64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_(), pe.double()
+out["gradcheck"] = torch.autograd.gradcheck(lambda a, b: eager.apply_rope(a, b, pe64), (q64, k64), eps=1e-6,
+                                            atol=1e-8)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("version", NEWER_VERSIONS)
+def test_comfy_kitchens_kernels_train_through_its_eager_backend_with_true_gradients(version):
+    comfyui = _newer(version)
+    run = subprocess.run([sys.executable, "-c", _KITCHEN], capture_output=True, text=True, timeout=300,
+                         env=python_env(comfyui))
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {"apply_rope", "apply_rope1", "rms_rope_split_half", "rms_adaln"} <= set(out["routed"]), out
+    assert "no autograd formula" in out["inference_backward"], out
+    assert out["bound_in_training"] and out["restored"], out
+    assert out["forward_vs_fused"] < 1e-6 and out["gradcheck"] is True, out
