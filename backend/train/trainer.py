@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import RunConfig, save_toml
-from ..errors import PipeTrainError
+from ..errors import CheckpointError, PipeTrainError
 from ..fallback import check_saved_lora
 from ..models.base import DTYPES
 from ..models.loading import check_architecture
@@ -238,7 +238,15 @@ class Trainer:
         state = RunState(total_steps=parts.total_steps)
         if self.opts.resume is None:
             return state
-        tag = checkpoint.latest_tag(self.run_dir.checkpoints)
+        tag, skipped = checkpoint.resume_tag(self.run_dir.checkpoints)
+        if is_main:
+            for bad, problem in skipped:
+                message = f"checkpoint {bad} is not resumed from: {problem}"
+                log.warning("%s", message)
+                self.reporter.event("warning", message=message, checkpoint=bad)
+        if tag is None and skipped:   # starting over would replace them: the user decides
+            raise CheckpointError(f"no checkpoint in {self.run_dir.checkpoints} is intact ({skipped[0][1]}): "
+                                  "move that folder away to train this run from the beginning")
         if tag is None:
             if is_main:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
