@@ -37,8 +37,12 @@ def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, di
         if e.latent not in latents and e.latent not in stored_latents:
             latents[e.latent] = e
         if e.text not in texts and e.text not in stored_texts:
-            texts[e.text] = TextWork(e.caption, e.control, e.bucket, lyrics=e.lyrics, more_controls=e.more_controls)
+            texts[e.text] = entry_text_work(e)
     return latents, texts
+
+
+def entry_text_work(e: CacheEntry) -> TextWork:
+    return TextWork(e.caption, e.control, e.bucket, lyrics=e.lyrics, more_controls=e.more_controls)
 
 
 def _mine(keys, rank: int, world: int) -> list[str]:

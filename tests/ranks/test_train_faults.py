@@ -229,7 +229,8 @@ class _Payload:
 def test_damaged_or_planted_checkpoint_is_not_resumed(micro_flux_files, make_run, tmp_path):
     """A pickle planted in a checkpoint (its digest updated too, as one who can write the folder could) is refused
     by name before it runs; one flipped byte in the newest checkpoint's layer file makes the resume fall back to the
-    previous checkpoint, saying so, and end with the uninterrupted run's LoRA."""
+    previous checkpoint, saying so, and end with the uninterrupted run's LoRA; a damaged latent and a cut text
+    entry in the cache are encoded again, each with a warning naming its file."""
     config = make_run(micro_flux_files, images=4, name="tampered", run_name="chain", **SETUP)
     first = _run(config, "checkpoint-latest:2")               # step 8 saved, killed before the run finished
     assert first.returncode != 0, first.output[-3000:]
@@ -256,8 +257,17 @@ def test_damaged_or_planted_checkpoint_is_not_resumed(micro_flux_files, make_run
     layer.write_bytes(bytes(damaged))
     digests[layer.name] = {"bytes": len(original), "sha256": hashlib.sha256(original).hexdigest()}
     (newest / "digests.json").write_text(json.dumps(digests))
+    cache = config.parent / "output" / "cache"
+    latent = sorted((cache / "latents").rglob("*.safetensors"))[0]
+    text = sorted((cache / "text").rglob("*.safetensors"))[0]
+    flipped = bytearray(latent.read_bytes())
+    flipped[-3] ^= 0x01                                        # the cache too: a damaged latent, a cut text entry
+    latent.write_bytes(bytes(flipped))
+    text.write_bytes(text.read_bytes()[:-64])
     resumed = _run(config, resume=True)
     assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"cache entry {latent} differs from what was encoded" in resumed.output
+    assert f"cache entry {text} cannot be read" in resumed.output
     assert resumed.events("resume")[-1]["checkpoint"] == "step00000004"
     assert [e["checkpoint"] for e in resumed.events("warning") if "checkpoint" in e] == ["step00000008"]
     got = load_file(str(lora))
