@@ -17,7 +17,7 @@ from ..fallback import check_saved_lora
 from ..models.base import DTYPES
 from ..models.loading import check_architecture
 from ..models.registry import adapter_class
-from ..rundir import RunDir, cache_folder, choose_run_dir
+from ..rundir import RunDir, cache_folder, check_unused, choose_run_dir
 from ..runtime import comfy_training_paths
 from ..versions import comfyui_info, range_warning
 from . import checkpoint, distributed
@@ -143,7 +143,9 @@ class Trainer:
                     run_dir.path.mkdir(parents=True, exist_ok=True)
                 else:
                     run_dir = choose_run_dir(self.cfg, self.opts.resume)
-                    self.run_dir_lock = run_dir.lock()
+                    self.run_dir_lock = run_dir.lock()   # first: a run still going is named as such
+                    if self.opts.resume is None:
+                        check_unused(run_dir, self.cfg)
             except PipeTrainError as e:
                 refused = e
         run_dir, message = distributed.broadcast_object((str(run_dir) if run_dir else None,
