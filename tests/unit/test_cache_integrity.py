@@ -69,3 +69,22 @@ def test_an_entry_without_a_digest_loads_but_must_hold_what_is_read(tmp_path):
     save_file({"other": torch.ones(2)}, str(path))
     with pytest.raises(DamagedCacheEntry, match="holds no 'latent' tensor"):
         store.get("latents", KEY, needs=("latent",))
+
+
+def test_a_picture_changed_after_keying_is_not_encoded_under_the_old_key(tmp_path):
+    from PIL import Image
+
+    from pipetrain.backend.cache.builder import _load_media
+    from pipetrain.backend.cache.keys import file_digest
+    from pipetrain.backend.cache.manifest import CacheEntry
+    from pipetrain.backend.data import load_pixels
+    from pipetrain.backend.errors import DatasetError
+
+    picture = tmp_path / "a.png"
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(picture)
+    entry = CacheEntry(str(picture), (16, 16), "a", 1, KEY, KEY, digest=file_digest(picture))
+    pixels = _load_media({KEY: entry}, [KEY], (16, 16), None)
+    assert torch.equal(pixels[0], load_pixels(picture, (16, 16)))
+    Image.new("RGB", (16, 16), (10, 200, 10)).save(picture)        # edited after its key was made
+    with pytest.raises(DatasetError, match=f"^{picture} changed while the cache was being built"):
+        _load_media({KEY: entry}, [KEY], (16, 16), None)
