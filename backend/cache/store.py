@@ -84,15 +84,16 @@ class CacheStore:
     def get(self, kind: str, key: str, encode_again: Callable[[], None] | None = None,
             needs: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """The entry's tensors, read once and checked against their digest (and for the ``needs`` names). A damaged
-        one: with ``encode_again`` (which stores the entry anew) it is removed, encoded again with a warning naming
-        the file, and read back; without, ``DamagedCacheEntry``."""
+        one: with ``encode_again`` (which stores the entry anew) it is encoded again with a warning naming the file,
+        and read back; without, ``DamagedCacheEntry``."""
         try:
             return self._checked(kind, key, needs)
         except DamagedCacheEntry as e:
             if encode_again is None:
                 raise
             log.warning("cache entry %s %s: encoding it again", e.path, e.what)
-            e.path.unlink(missing_ok=True)
+            # replaced, not removed first: another rank reading the same entry meanwhile (the first and last
+            # pipeline stages both read each latent) finds the damaged file and encodes it too, never none
             encode_again()
             return self._checked(kind, key, needs)
 
