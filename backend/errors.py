@@ -29,5 +29,9 @@ class ModelError(PipeTrainError):
     pass
 
 
+class CheckpointError(PipeTrainError):
+    """A training checkpoint that cannot be trusted or read: the message names the file."""
+
+
 class RuntimeSetupError(PipeTrainError):
     pass

@@ -10,13 +10,18 @@ attribute. Tests: tests/ranks/test_patches.py.
 - ``skip_single_rank_allreduce``: the pipeline engine's gradient all-reduce over one data-parallel rank (per engine).
 - ``partition_stages_with``: ``PipelineModule._partition_layers``, a private method (per module).
 - ``skip_cpu_shm_build``: the C++ shared-memory all-reduce DeepSpeed compiles for CPU ranks (process-wide).
+- ``load_checkpoints_weights_only``: the checkpoint engine's ``load``, which reads every file of a checkpoint
+  (per engine).
 """
 from __future__ import annotations
 
 import importlib
+import pickle
+from pathlib import Path
 from typing import Callable
 
 from . import patching
+from .errors import CheckpointError
 
 HOST = "DeepSpeed"
 
@@ -75,3 +80,31 @@ def skip_cpu_shm_build() -> None:
     comm = importlib.import_module("deepspeed.comm.torch")
     _require(comm, "build_shm_op", ())
     comm.build_shm_op = lambda: None
+
+
+def load_checkpoints_weights_only(engine) -> None:
+    """DeepSpeed reads every file of a checkpoint (layers, optimizer, schedule) through its checkpoint engine's
+    ``load``, whose torch engine unpickles with ``weights_only=False``: a file planted in a run folder would run
+    code on resume. Ours reads tensors and plain values only (torch's restricted unpickler); the state DeepSpeed
+    writes for PipeTrain's engines (no ZeRO, no loss scaler) needs no other class. Before ``load_checkpoint``."""
+    checkpoint_engine = engine.checkpoint_engine
+    _require(type(checkpoint_engine), "load", ("self", "path", "map_location"))
+
+    def load(path, map_location=None):
+        return load_weights_only(Path(path), map_location)
+    checkpoint_engine.load = load
+
+
+def load_weights_only(path: Path, map_location=None):
+    """A torch file holding tensors and plain values; ``CheckpointError`` naming the file for anything else (a
+    pickle that would build other objects or call functions) or a file torch cannot read."""
+    import torch
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:   # the restricted unpickler met a global it does not allow
+        raise CheckpointError(f"{path} holds more than tensors and plain values and was not loaded (loading it "
+                              "could run code): delete this checkpoint folder and resume from an earlier one, "
+                              "or start the run again") from None
+    except (RuntimeError, EOFError) as e:   # a cut or damaged zip archive
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}): delete this checkpoint folder and "
+                              "resume from an earlier one") from None

@@ -270,6 +270,17 @@ def _resumable(run: RunDir, cfg) -> RunDir:
     return run
 
 
+def check_unused(run: RunDir, cfg) -> None:
+    """A new run (no ``--resume``) never writes into a folder another run has trained in: refused, naming
+    ``--resume``, rather than moved to a folder of another name, because ``run_name`` names the folder and the
+    LoRA files the user will look for; the old run's files stay as they are. (A folder the launcher prepared
+    holds only the config until the run reports.)"""
+    if run.status_file.exists() or run.events_file.exists():
+        raise ConfigError(f"{run.path} already holds a run: continue it with --resume {run.name}, or give this "
+                           "run another run_name (nothing in that folder was changed)", file=cfg.file,
+                           key="run_name")
+
+
 def choose_run_dir(cfg, resume: str | None) -> RunDir:
     """The folder a training run writes: a new one (``run_name``, or a fresh id), or the one to resume (``""``:
     the newest with a checkpoint; a name or path otherwise). Its format is checked and recorded."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import DatasetError
 from .manifest import CacheEntry
 from .store import CacheStore
 
@@ -37,8 +39,12 @@ def missing_work(entries: list[CacheEntry], store: CacheStore) -> tuple[dict, di
         if e.latent not in latents and e.latent not in stored_latents:
             latents[e.latent] = e
         if e.text not in texts and e.text not in stored_texts:
-            texts[e.text] = TextWork(e.caption, e.control, e.bucket, lyrics=e.lyrics, more_controls=e.more_controls)
+            texts[e.text] = entry_text_work(e)
     return latents, texts
+
+
+def entry_text_work(e: CacheEntry) -> TextWork:
+    return TextWork(e.caption, e.control, e.bucket, lyrics=e.lyrics, more_controls=e.more_controls)
 
 
 def _mine(keys, rank: int, world: int) -> list[str]:
@@ -56,7 +62,17 @@ def _load_media(work: dict[str, CacheEntry], chunk: list[str], bucket: tuple, fr
         return [load_clip(Path(work[k].path), bucket[0]) for k in chunk]
     if len(bucket) == 3:
         return [load_video(Path(work[k].path), bucket, framerate) for k in chunk]
-    return torch.stack([load_pixels(Path(work[k].path), bucket) for k in chunk])
+    return torch.stack([load_pixels(Path(work[k].path), bucket, _read_as_keyed(work[k])) for k in chunk])
+
+
+def _read_as_keyed(entry: CacheEntry) -> bytes:
+    """A picture's bytes, read once: the ones its cache key was made from, or ``DatasetError`` naming the file
+    where it changed since (its latent would be stored under the old picture's key)."""
+    data = Path(entry.path).read_bytes()
+    if entry.digest and hashlib.sha256(data).hexdigest() != entry.digest:
+        raise DatasetError(f"{entry.path} changed while the cache was being built: start the run again (its "
+                           "cache key is then made from the picture as it is now)")
+    return data
 
 
 def encode_latents(adapter, store: CacheStore, work: dict[str, CacheEntry], batch_size: int,

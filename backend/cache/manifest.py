@@ -30,6 +30,7 @@ class CacheEntry:
     control_mask: str = ""   # wan_vace: the control mask (its digest in the latent key)
     reference: str = ""      # wan_vace: the reference image (its digest in the latent key)
     lyrics: str = ""      # audio models: the song's lyrics, encoded with the caption (in the text key)
+    digest: str = ""      # the SHA-256 of ``path`` its latent key was made with: what is encoded must match it
 
 
 @dataclass
@@ -99,7 +100,7 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
                           lyrics=s.item.lyrics if audio else None),
             control=str(control) if control else "", more_controls=tuple(map(str, more)), is_reg=s.item.is_reg,
             mask=str(mask) if mask else "", **{k: str(p) for k, p in vace.items()},
-            lyrics=s.item.lyrics if audio else ""))
+            lyrics=s.item.lyrics if audio else "", digest=digests[path]))
     return entries
 
 

@@ -1,17 +1,43 @@
-"""On-disk store: one safetensors file per key, fanned out by the key's first two hex digits."""
+"""On-disk store: one safetensors file per key, fanned out by the key's first two hex digits. Each file carries
+the SHA-256 of its tensors (names, dtypes, shapes and bytes) in its metadata, checked on every read: a damaged
+entry is never trained on."""
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load, save_file
 
 from ..errors import CacheError
 from ..fsutil import space_guard, temp_path_beside
 
 SUFFIX = ".safetensors"
+DIGEST = "pipetrain.sha256"   # the metadata key of an entry's digest
+
+log = logging.getLogger("pipetrain")
+
+
+class DamagedCacheEntry(CacheError):
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"cache entry {path} {what}: train with --regenerate-cache to encode the cache again, or "
+                         "delete that file to encode it alone")
+        self.path, self.what = path, what
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 class CacheStore:
@@ -48,20 +74,57 @@ class CacheStore:
         tmp = temp_path_beside(final)
         with space_guard(self.root, tmp):
             try:
-                save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+                host = {k: v.contiguous().cpu() for k, v in tensors.items()}
+                save_file(host, str(tmp), metadata={DIGEST: tensors_digest(host)})
                 tmp.replace(final)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
 
-    def get(self, kind: str, key: str) -> dict[str, torch.Tensor]:
+    def get(self, kind: str, key: str, encode_again: Callable[[], None] | None = None,
+            needs: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """The entry's tensors, read once and checked against their digest (and for the ``needs`` names). A damaged
+        one: with ``encode_again`` (which stores the entry anew) it is encoded again with a warning naming the file,
+        and read back; without, ``DamagedCacheEntry``."""
+        try:
+            return self._checked(kind, key, needs)
+        except DamagedCacheEntry as e:
+            if encode_again is None:
+                raise
+            log.warning("cache entry %s %s: encoding it again", e.path, e.what)
+            # replaced, not removed first: another rank reading the same entry meanwhile (the first and last
+            # pipeline stages both read each latent) finds the damaged file and encodes it too, never none
+            encode_again()
+            return self._checked(kind, key, needs)
+
+    def _checked(self, kind: str, key: str, needs: tuple[str, ...]) -> dict[str, torch.Tensor]:
         p = self.path(kind, key)
         try:
-            return load_file(str(p))
+            data = p.read_bytes()
         except FileNotFoundError:
             raise CacheError(f"cache entry missing: {p}; run `python -m pipetrain cache CONFIG` "
                              "(or train without --trust-cache)") from None
+        try:
+            tensors = load(data)
+            metadata = _metadata(data)
+        except (SafetensorError, ValueError, RuntimeError):
+            raise DamagedCacheEntry(p, "cannot be read (cut short or damaged)") from None
+        want = metadata.get(DIGEST)
+        if want is not None and want != tensors_digest(tensors):   # entries written before digests: unchecked
+            raise DamagedCacheEntry(p, "differs from what was encoded (its SHA-256 does not match)")
+        missing = [name for name in needs if name not in tensors]
+        if missing:
+            raise DamagedCacheEntry(p, f"holds no {missing[0]!r} tensor")
+        return tensors
 
     def clear(self) -> None:
         for kind in ("latents", "text"):
             shutil.rmtree(self.root / kind, ignore_errors=True)
+
+
+def _metadata(data: bytes) -> dict:
+    """A safetensors file's ``__metadata__`` (its header is JSON after an 8-byte length)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    metadata = header.get("__metadata__") or {}
+    return metadata if isinstance(metadata, dict) else {}

@@ -26,14 +26,17 @@ def _cover_and_center_crop(image: Image.Image, width: int, height: int) -> Image
     return image.crop((left, top, left + width, top + height))
 
 
-def load_pixels(path: Path, bucket: tuple[int, int]) -> "torch.Tensor":
-    """RGB float32 tensor [H, W, 3] in 0..1 (ComfyUI's IMAGE layout without the batch dimension)."""
+def load_pixels(path: Path, bucket: tuple[int, int], data: bytes | None = None) -> "torch.Tensor":
+    """RGB float32 tensor [H, W, 3] in 0..1 (ComfyUI's IMAGE layout without the batch dimension); ``data``: the
+    file's bytes, already read (decoded instead of reading ``path`` again)."""
+    import io
+
     import numpy as np
     import torch
 
     width, height = bucket
     try:
-        with Image.open(path) as opened:
+        with Image.open(path if data is None else io.BytesIO(data)) as opened:
             image = ImageOps.exif_transpose(opened).convert("RGB")
     except Exception as e:  # Pillow raises many types for bad files
         raise DatasetError(f"{path}: cannot read the image ({type(e).__name__}: {e}); "

@@ -2,23 +2,32 @@
 in the data and every rank's RNG state. A checkpoint is written under a temporary name, marked complete
 (``pipetrain.json``) and renamed only once every rank has finished, so a final name never holds a partial
 checkpoint; a checkpoint of the same step already there is moved aside, not deleted, until its
-replacement is in place."""
+replacement is in place. Every file's SHA-256 (``digests.json``, written before the completion mark) is checked
+before a resume loads it: a damaged or cut checkpoint is passed over for the previous one that checks out. Nothing
+in a checkpoint is unpickled beyond tensors and plain values (``patches_deepspeed.load_checkpoints_weights_only``;
+our RNG states are safetensors)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
-from ..fsutil import OutOfSpace, atomic_write_bytes, fault_point, space_guard
+from ..fsutil import OutOfSpace, atomic_write_bytes, atomic_write_json, fault_point, space_guard
+from ..patches_deepspeed import load_checkpoints_weights_only, load_weights_only
 from . import distributed
 
 LATEST = "latest"
 COMPLETE = "pipetrain.json"   # our client state, written last into the temporary folder
+DIGESTS = "digests.json"      # every other file's size and SHA-256, written just before COMPLETE
 PARTIAL, ASIDE = ".partial-", ".old-"
+TAG = re.compile(r"step\d+")   # the only names a checkpoint folder (and so ``latest``) may have
 
 log = logging.getLogger("pipetrain")
 
@@ -29,6 +38,10 @@ def tag_for(step: int) -> str:
 
 def is_complete(folder: Path) -> bool:
     return (folder / COMPLETE).is_file()
+
+
+def rng_file(folder: Path, rank: int) -> Path:
+    return folder / f"rng_rank{rank:05d}.safetensors"
 
 
 def save(engine, ckpt_root: Path, step: int, client_state: dict, extra=None) -> Path:
@@ -44,13 +57,16 @@ def save(engine, ckpt_root: Path, step: int, client_state: dict, extra=None) -> 
     with space_guard(ckpt_root, *([partial] if rank == 0 else [])):
         engine.save_checkpoint(str(ckpt_root), tag=partial.name, client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=True)
-        torch.save({"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   partial / f"rng_rank{rank:05d}.pt")
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(rng_file(partial, rank)))
         if extra is not None:
             extra(partial)
         distributed.barrier()
+        digests = _gathered(lambda names: {name: _digest(partial / name) for name in names}, _listed_files(partial))
         if rank == 0:
+            atomic_write_json(partial / DIGESTS, digests)
             atomic_write_bytes(partial / COMPLETE, json.dumps(client_state).encode())
             fault_point("checkpoint-written")
             if final.exists():   # the same step again after a resume from an older checkpoint
@@ -83,20 +99,120 @@ def check_room(engine, ckpt_root: Path) -> None:
         raise OutOfSpace(ckpt_root)
 
 
+def _named_by_latest(ckpt_root: Path) -> str | None:
+    """The tag ``latest`` names, when it names a checkpoint folder of this run: anything else (a path, ``..``, an
+    absolute name) is refused with a warning (the file's content is not quoted)."""
+    try:
+        tag = (ckpt_root / LATEST).read_text(errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if TAG.fullmatch(tag):
+        return tag
+    log.warning("%s does not name a checkpoint folder of this run (step and digits): ignored", ckpt_root / LATEST)
+    return None
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """A complete checkpoint folder inside its run: a link (which could lead anywhere) is none."""
+    return TAG.fullmatch(folder.name) is not None and not folder.is_symlink() and is_complete(folder)
+
+
+def _complete_tags(ckpt_root: Path) -> list[str]:
+    return sorted(p.name for p in ckpt_root.glob("step*") if _is_checkpoint(p))
+
+
 def latest_tag(ckpt_root: Path) -> str | None:
     """The checkpoint ``latest`` names, or where that one is missing or incomplete (a run killed while
-    saving), the newest complete one."""
-    try:
-        tag = (ckpt_root / LATEST).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        tag = None
-    if tag and is_complete(ckpt_root / tag):
+    saving), the newest complete one. Reads no checkpoint file (``resume_tag`` also checks them)."""
+    tag = _named_by_latest(ckpt_root)
+    if tag and _is_checkpoint(ckpt_root / tag):
         return tag
-    complete = sorted(p.name for p in ckpt_root.glob("step*") if is_complete(p))
+    complete = _complete_tags(ckpt_root)
     if complete and tag:
         log.warning("%s names checkpoint %s, which is missing or incomplete: using %s, the newest complete one",
                     ckpt_root / LATEST, tag, complete[-1])
     return complete[-1] if complete else None
+
+
+def _candidates(ckpt_root: Path) -> list[str]:
+    """Resume's order: what ``latest_tag`` picks, then the other complete checkpoints, newest first."""
+    first = latest_tag(ckpt_root)
+    return ([first] if first else []) + [t for t in reversed(_complete_tags(ckpt_root)) if t != first]
+
+
+def resume_tag(ckpt_root: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """The checkpoint a resume loads: the first of ``_candidates`` whose files all match their digests (every rank
+    checks a share of them), and each one passed over with what is wrong with it. Collective: every rank."""
+    skipped = []
+    for tag in distributed.broadcast_object(_candidates(ckpt_root)):
+        problems = [p for p in _gathered(lambda names: _check(ckpt_root / tag, names), _expected(ckpt_root / tag))
+                    if p]
+        if not problems:
+            return tag, skipped
+        skipped.append((tag, problems[0]))
+    return None, skipped
+
+
+def verify(folder: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files (missing, cut, changed, unlisted), or None."""
+    problems = _check(folder, _expected(folder))
+    return problems[0] if problems else None
+
+
+def _listed_files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.name not in (DIGESTS, COMPLETE))
+
+
+def _digest(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return {"bytes": path.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _gathered(work, names: list[str]) -> list:
+    """``work`` over this rank's share of ``names``, every rank's results together (a dict merged, else a list)."""
+    share = names[dist.get_rank()::dist.get_world_size()] if dist.is_initialized() else names
+    results = distributed.all_gather_object(work(share))
+    if all(isinstance(r, dict) for r in results):
+        return {k: v for r in results for k, v in r.items()}
+    return [p for r in results for p in r]
+
+
+def _expected(folder: Path) -> list[tuple[str, dict | None]]:
+    """Each file the checkpoint holds or its digests name, with its recorded digest (None: unlisted). A checkpoint
+    saved before digests were written lists none and is not checked."""
+    try:
+        digests = json.loads((folder / DIGESTS).read_text())
+    except FileNotFoundError:
+        log.warning("checkpoint %s has no %s (saved by an older PipeTrain): its files are not checked", folder,
+                    DIGESTS)
+        return []
+    except (OSError, ValueError):
+        return [(DIGESTS, {"unreadable": True})]
+    if not isinstance(digests, dict):
+        return [(DIGESTS, {"unreadable": True})]
+    names = set(_listed_files(folder)) | set(digests)
+    return [(name, digests.get(name)) for name in sorted(names)]
+
+
+def _check(folder: Path, expected: list[tuple[str, dict | None]]) -> list[str]:
+    problems = []
+    for name, want in expected:
+        path = folder / name
+        if name == DIGESTS and want == {"unreadable": True}:
+            problems.append(f"{path} cannot be read as a list of digests")
+        elif want is None:
+            problems.append(f"{path} is not among the files the checkpoint was saved with")
+        elif not isinstance(want, dict) or ".." in Path(name).parts or Path(name).is_absolute():
+            problems.append(f"{folder / DIGESTS} lists an entry that is not a file of the checkpoint")
+        elif not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != want.get("bytes"):
+            problems.append(f"{path} has {path.stat().st_size} bytes, {want.get('bytes')} when saved (cut short "
+                            "or changed)")
+        elif _digest(path)["sha256"] != want.get("sha256"):
+            problems.append(f"{path} differs from the file saved (its SHA-256 does not match)")
+    return problems
 
 
 def sweep(ckpt_root: Path) -> None:
@@ -116,12 +232,13 @@ def sweep(ckpt_root: Path) -> None:
 
 
 def load(engine, ckpt_root: Path, tag: str) -> dict:
+    load_checkpoints_weights_only(engine)
     _, client_state = engine.load_checkpoint(str(ckpt_root), tag=tag, load_module_strict=False,
                                              load_optimizer_states=True, load_lr_scheduler_states=True)
-    rng = ckpt_root / tag / f"rng_rank{dist.get_rank():05d}.pt"
-    if rng.is_file():
-        state = torch.load(rng, weights_only=False)
+    rng, legacy = rng_file(ckpt_root / tag, dist.get_rank()), ckpt_root / tag / f"rng_rank{dist.get_rank():05d}.pt"
+    state = load_file(str(rng)) if rng.is_file() else load_weights_only(legacy) if legacy.is_file() else None
+    if state is not None:
         torch.set_rng_state(state["torch"])
-        if state["cuda"] is not None and torch.cuda.is_available():
+        if state.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
     return client_state or {}

@@ -21,6 +21,7 @@ class RunReporter:
             except (FileNotFoundError, json.JSONDecodeError):
                 previous = {}
             self.status = {**previous, **self.status, "error": None}
+        self._line_start = False   # whether events.jsonl is known to end with a whole line
         self._tb = None
         self.wandb = None   # train/wandb_sink.py: the same scalars to Weights & Biases ([monitoring])
 
@@ -28,8 +29,15 @@ class RunReporter:
         if not self.enabled:
             return
         record = {"type": type_, "time": time.time(), **fields}
-        with open(self.run_dir.events_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = (json.dumps(record) + "\n").encode()
+        with open(self.run_dir.events_file, "ab+") as f:
+            if not self._line_start:   # a run killed mid-write left a cut line: ours must not join it
+                f.seek(0, os.SEEK_END)
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    line = (b"" if f.read(1) == b"\n" else b"\n") + line
+                self._line_start = True
+            f.write(line)   # one write of a whole line (append mode)
 
     def update(self, **fields) -> None:
         if not self.enabled:

@@ -52,6 +52,15 @@ class MicroBatchFeed:
         self._pool: ThreadPoolExecutor | None = None
         self._prefetched = None                 # ((epoch, step, micro_batches), Future) of the next step
 
+    def _encode_latent(self, entry) -> None:
+        """A damaged cached latent, encoded again as the caching phase encodes it (the store warns)."""
+        from ..cache.builder import encode_latents
+        encode_latents(self.adapter, self.store, {entry.latent: entry}, 1, lambda *_: None)
+
+    def _encode_text(self, entry) -> None:
+        from ..cache.builder import encode_texts, entry_text_work
+        encode_texts(self.adapter, self.store, {entry.text: entry_text_work(entry)}, lambda *_: None)
+
     def _text_key(self, entry, epoch: int, step: int, position: int) -> str:
         from ..data import drops_caption
 
@@ -79,12 +88,14 @@ class MicroBatchFeed:
         return fn(latent) if fn else latent.shape[-1] * latent.shape[-2] // 4
 
     def build(self, entries, epoch: int, step: int, micro: int):
-        payloads = [self.store.get("latents", e.latent) for e in entries]
+        payloads = [self.store.get("latents", e.latent, lambda e=e: self._encode_latent(e), needs=("latent",))
+                    for e in entries]
         latents = torch.stack([p["latent"] for p in payloads]).float()
         conditioning = [torch.stack([p[name] for p in payloads]) for name in self.adapter.conditioning_fields]
         first = (micro * self.dp_world + self.dp_rank) * len(entries)
         keys = [self._text_key(e, epoch, step, first + i) for i, e in enumerate(entries)]
-        texts = [self.store.get("text", k) for k in keys]
+        texts = [self.store.get("text", k, (lambda e=e: self._encode_text(e)) if k == e.text else None)
+                 for k, e in zip(keys, entries)]
         if self.preservation_text is not None:   # preservation.py: [training | preservation | preservation] rows
             kept = [self.store.get("text", self.preservation_text[e.text]) for e in entries]
             texts += kept + kept

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import RunConfig, save_toml
-from ..errors import PipeTrainError
+from ..errors import CheckpointError, PipeTrainError
 from ..fallback import check_saved_lora
 from ..models.base import DTYPES
 from ..models.loading import check_architecture
 from ..models.registry import adapter_class
-from ..rundir import RunDir, cache_folder, choose_run_dir
+from ..rundir import RunDir, cache_folder, check_unused, choose_run_dir
 from ..runtime import comfy_training_paths
 from ..versions import comfyui_info, range_warning
 from . import checkpoint, distributed
@@ -143,7 +143,9 @@ class Trainer:
                     run_dir.path.mkdir(parents=True, exist_ok=True)
                 else:
                     run_dir = choose_run_dir(self.cfg, self.opts.resume)
-                    self.run_dir_lock = run_dir.lock()
+                    self.run_dir_lock = run_dir.lock()   # first: a run still going is named as such
+                    if self.opts.resume is None:
+                        check_unused(run_dir, self.cfg)
             except PipeTrainError as e:
                 refused = e
         run_dir, message = distributed.broadcast_object((str(run_dir) if run_dir else None,
@@ -238,7 +240,15 @@ class Trainer:
         state = RunState(total_steps=parts.total_steps)
         if self.opts.resume is None:
             return state
-        tag = checkpoint.latest_tag(self.run_dir.checkpoints)
+        tag, skipped = checkpoint.resume_tag(self.run_dir.checkpoints)
+        if is_main:
+            for bad, problem in skipped:
+                message = f"checkpoint {bad} is not resumed from: {problem}"
+                log.warning("%s", message)
+                self.reporter.event("warning", message=message, checkpoint=bad)
+        if tag is None and skipped:   # starting over would replace them: the user decides
+            raise CheckpointError(f"no checkpoint in {self.run_dir.checkpoints} is intact ({skipped[0][1]}): "
+                                  "move that folder away to train this run from the beginning")
         if tag is None:
             if is_main:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)

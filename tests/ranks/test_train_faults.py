@@ -4,6 +4,7 @@ file or duplicate is left, and the epoch LoRAs equal an uninterrupted run's bit 
 ``fsutil.fault_point`` (PIPETRAIN_KILL_AT), which stops the run exactly between two writes. Also: one live
 writer per run folder, ranks that end with their launcher, and a full disk (a small tmpfs; needs root)."""
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -213,3 +214,61 @@ def test_out_of_space_names_the_folder_fails_the_run_and_leaves_no_partial_files
     status = json.loads((output / "full" / "status.json").read_text())
     assert status["state"] == "failed" and status["error"].startswith(f"no space left in {folder}")
     assert left == []                                          # no .tmp, no .partial-step…
+
+
+class _Payload:
+    """A pickle that runs code when unpickled: it leaves a file behind."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.mark.slow
+def test_damaged_or_planted_checkpoint_is_not_resumed(micro_flux_files, make_run, tmp_path):
+    """A pickle planted in a checkpoint (its digest updated too, as one who can write the folder could) is refused
+    by name before it runs; one flipped byte in the newest checkpoint's layer file makes the resume fall back to the
+    previous checkpoint, saying so, and end with the uninterrupted run's LoRA; a damaged latent and a cut text
+    entry in the cache are encoded again, each with a warning naming its file."""
+    config = make_run(micro_flux_files, images=4, name="tampered", run_name="chain", **SETUP)
+    first = _run(config, "checkpoint-latest:2")               # step 8 saved, killed before the run finished
+    assert first.returncode != 0, first.output[-3000:]
+    assert (first.run_dir / "checkpoints" / "latest").read_text() == "step00000008"
+    lora = first.run_dir / "loras" / "chain-epoch0002.safetensors"
+    want = load_file(str(lora))
+    newest = first.run_dir / "checkpoints" / "step00000008"
+    layer = sorted(newest.glob("layer_*-model_states.pt"))[1]
+    original = layer.read_bytes()
+
+    marker = tmp_path / "code-ran"
+    torch.save(_Payload(str(marker)), layer)
+    digests = json.loads((newest / "digests.json").read_text())
+    digests[layer.name] = {"bytes": layer.stat().st_size,
+                           "sha256": hashlib.sha256(layer.read_bytes()).hexdigest()}
+    (newest / "digests.json").write_text(json.dumps(digests))
+    planted = _run(config, resume=True)
+    assert planted.returncode != 0
+    assert not marker.exists()
+    assert f"{layer} holds more than tensors and plain values" in planted.status()["error"]
+
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0x10
+    layer.write_bytes(bytes(damaged))
+    digests[layer.name] = {"bytes": len(original), "sha256": hashlib.sha256(original).hexdigest()}
+    (newest / "digests.json").write_text(json.dumps(digests))
+    cache = config.parent / "output" / "cache"
+    latent = sorted((cache / "latents").rglob("*.safetensors"))[0]
+    text = sorted((cache / "text").rglob("*.safetensors"))[0]
+    flipped = bytearray(latent.read_bytes())
+    flipped[-3] ^= 0x01                                        # the cache too: a damaged latent, a cut text entry
+    latent.write_bytes(bytes(flipped))
+    text.write_bytes(text.read_bytes()[:-64])
+    resumed = _run(config, resume=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"cache entry {latent} differs from what was encoded" in resumed.output
+    assert f"cache entry {text} cannot be read" in resumed.output
+    assert resumed.events("resume")[-1]["checkpoint"] == "step00000004"
+    assert [e["checkpoint"] for e in resumed.events("warning") if "checkpoint" in e] == ["step00000008"]
+    got = load_file(str(lora))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -145,3 +145,19 @@ def test_a_finished_run_is_not_resumed_and_the_newest_unfinished_one_is(tmp_path
     # stopped by max_steps in epoch 4 of 10: without the cap it trains on
     finished.status_file.write_text(json.dumps({"state": "finished", "epoch": 4, "epochs": 10, "total_steps": 16}))
     assert choose_run_dir(_cfg(tmp_path), "newer") == finished
+
+
+def test_a_new_run_with_a_taken_run_name_is_refused_naming_resume(tmp_path):
+    from pipetrain.backend.rundir import check_unused
+
+    cfg = _cfg(tmp_path, run_name="chain")
+    prepared = choose_run_dir(cfg, None)
+    prepared.run_toml.write_text("")            # what the launcher writes before the run reports: still unused
+    check_unused(prepared, cfg)
+    prepared.events_file.write_text('{"type": "start"}\n')
+    before = sorted((p.name, p.read_bytes()) for p in prepared.path.iterdir() if p.is_file())
+    again = choose_run_dir(cfg, None)
+    with pytest.raises(ConfigError, match=rf"key 'run_name': {again.path} already holds a run: continue it with "
+                                          r"--resume chain, or give this run another run_name"):
+        check_unused(again, cfg)
+    assert sorted((p.name, p.read_bytes()) for p in prepared.path.iterdir() if p.is_file()) == before

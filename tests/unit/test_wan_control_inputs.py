@@ -122,7 +122,7 @@ def test_the_feed_draws_the_reference_frames_noise_from_the_samples_seed(vace):
     from pipetrain.backend.train.feed import MicroBatchFeed
 
     class Store:
-        def get(self, kind, key):
+        def get(self, kind, key, encode_again=None, needs=()):
             g = torch.Generator().manual_seed(len(key))
             if kind == "latents":
                 return {"latent": torch.randn(16, 2, 4, 4, generator=g),
