@@ -51,8 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                       "memory_limit_gib, else this machine's GPU)")
     doctor = sub.add_parser("doctor", help="ComfyUI, torch/CUDA/DeepSpeed, GPUs and each model type's parity "
                                            "with that ComfyUI's model code")
-    doctor.add_argument("--comfyui", default=None, metavar="PATH", help="check this ComfyUI folder (default: the "
-                        "one a run finds: COMFYUI_PATH, the ComfyUI holding custom_nodes/, the pinned copy)")
+    doctor.add_argument("--comfyui", action="append", default=None, metavar="PATH",
+                        help="check this ComfyUI folder (default: the one a run finds: COMFYUI_PATH, the ComfyUI "
+                             "holding custom_nodes/, the pinned copy); given several times, a table of every model "
+                             "type's verdict on each")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--model-type", action="append", default=None, dest="model_types", metavar="TYPE",
                         help="check only this model type (repeatable)")
@@ -74,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "doctor":
             from .doctor import main as doctor_main
-            return doctor_main(args.comfyui, args.json, args.model_types, args.config)
+            if args.comfyui and len(args.comfyui) > 1:
+                from .doctor import matrix_main
+                return matrix_main(args.comfyui, args.json, args.model_types)
+            return doctor_main(args.comfyui[0] if args.comfyui else None, args.json, args.model_types, args.config)
         if args.command == "check-config":
             from .check_config import main as check_main
             return check_main(args.config)

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """``python -m pipetrain doctor [--comfyui PATH] [--json] [--config run.toml]``: what a run would find on this machine.
+With ``--comfyui`` given several times: every model type's verdict on each of those ComfyUIs, as one table (each
+ComfyUI checked in a child process of its own: two cannot share one).
 
 The ComfyUI found and its version, torch / CUDA / DeepSpeed, the GPUs and their memory, and every model type's
 parity verdict on that ComfyUI (``parity.py``, memoised: a second call is instant); with ``--config run.toml``,
@@ -99,4 +101,46 @@ def main(comfyui: str | None, as_json: bool, model_types: list[str] | None = Non
     logging.getLogger().setLevel(logging.ERROR)   # ComfyUI's start-up chatter would bury the table
     data = report(comfyui, model_types, config)
     print(json.dumps(data) if as_json else format_report(data))   # JSON on one line: the last one
+    return 0
+
+
+def _verdicts_in_child(comfyui: str, model_types: list[str] | None) -> dict:
+    """``doctor --json`` on one ComfyUI in a child process (this process's environment)."""
+    import subprocess
+    import sys
+
+    from .runtime import REPO_ROOT
+
+    _use_comfyui(comfyui)   # the folder check, with its message
+    argv = [sys.executable, str(REPO_ROOT / "__main__.py"), "doctor", "--json", "--comfyui", comfyui]
+    for t in model_types or ():
+        argv += ["--model-type", t]
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COMFYUI_PATH": comfyui})
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        raise RuntimeSetupError(f"doctor on {comfyui} failed (exit status {done.returncode}): {tail}")
+    return json.loads(lines[-1])
+
+
+def format_matrix(reports: list[dict]) -> str:
+    """Model type x ComfyUI version: "passes" or the refusal's detail."""
+    versions = [r["comfyui"]["version"] for r in reports]
+    types = [p["model_type"] for p in reports[0]["parity"]]
+    cells = {(r["comfyui"]["version"], p["model_type"]): ("passes" if p["ok"] else f"refused ({p['verdict']})")
+             for r in reports for p in r["parity"]}
+    width = max(len("model type"), *(len(t) for t in types))
+    col = max(len("refused (differs)"), *(len(v) for v in versions))
+    lines = [f"{'model type':<{width}}  " + "  ".join(f"{v:<{col}}" for v in versions)]
+    lines += [f"{t:<{width}}  " + "  ".join(f"{cells.get((v, t), '-'):<{col}}" for v in versions) for t in types]
+    for r in reports:
+        passing = sum(p["ok"] for p in r["parity"])
+        lines.append(f"ComfyUI {r['comfyui']['version']} ({r['comfyui']['path']}): {passing} of "
+                     f"{len(r['parity'])} model types train")
+    return "\n".join(lines)
+
+
+def matrix_main(comfyuis: list[str], as_json: bool, model_types: list[str] | None = None) -> int:
+    reports = [_verdicts_in_child(c, model_types) for c in comfyuis]
+    print(json.dumps(reports) if as_json else format_matrix(reports))
     return 0

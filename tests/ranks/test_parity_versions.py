@@ -160,3 +160,27 @@ def test_comfy_kitchens_kernels_train_through_its_eager_backend_with_true_gradie
     assert "no autograd formula" in out["inference_backward"], out
     assert out["bound_in_training"] and out["restored"], out
     assert out["forward_vs_fused"] < 1e-6 and out["gradcheck"] is True, out
+
+
+def test_doctor_tables_every_model_type_on_each_comfyui_given(tmp_path):
+    """``doctor --comfyui A --comfyui B``: one row a model type, one column a ComfyUI version."""
+    from pipetrain.backend.runtime import PINNED_COMFYUI
+
+    folders = [PINNED_COMFYUI, *(COMFYUIS[v] for v in sorted(COMFYUIS))]
+    argv = [sys.executable, "-m", "pipetrain", "doctor", "--model-type", "flux", "--model-type", "z_image"]
+    for f in folders:
+        argv += ["--comfyui", str(f)]
+    env = {**python_env(COMFYUIS.get("0.33.0", PINNED_COMFYUI)), "PIPETRAIN_PARITY_CACHE": str(tmp_path)}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    header = next(line for line in lines if line.startswith("model type"))
+    versions = header.split()[2:]
+    assert versions == ["0.3.75", *sorted(COMFYUIS)], header
+    # Z-Image's code arrived after 0.3.52; everything else passes everywhere
+    expected = {"flux": ["passes"] * len(versions),
+                "z_image": ["refused (lacks)" if v == "0.3.52" else "passes" for v in versions]}
+    for t, cells in expected.items():
+        row = next(line for line in lines if line.startswith(t + " "))
+        assert row.split(None, 1)[1].split() == " ".join(cells).split(), row
+    assert f"ComfyUI 0.3.75 ({PINNED_COMFYUI}): 2 of 2 model types train" in lines, lines
