@@ -17,6 +17,9 @@ attribute instead of running code that no longer matches. Tests: tests/ranks/tes
 - ``kitchen_eager``: while ComfyUI's training paths are on (``runtime.comfy_training_paths``), the comfy-kitchen
   fused kernels ComfyUI calls on every path (Cosmos Predict2's RMSNorm + RoPE, from 0.8 on) run comfy-kitchen's
   own eager backend, which autograd can differentiate: the fused kernels register no backward.
+- ``training_attention_priority``: while ComfyUI's training paths are on, its SDPA backend priority (0.33 puts
+  flash attention first on every CUDA machine, for inference) lists cuDNN attention first, the backend torch picks
+  itself on Hopper and the faster one for a training step's backward (``bench/attention_backends.py``).
 - ``narrowed_class``: while a tiny VAE file is built, the ComfyUI class whose width ComfyUI fixes takes the widths
   the file names in its metadata (``models/loading.py``).
 """
@@ -254,3 +257,27 @@ def kitchen_eager():
                     if id(value) in back and value is back[id(value)][0]:
                         setattr(module, attr, back[id(value)][1])
         kitchen._pipetrain_eager = False
+
+
+def _training_sdpa_priority() -> list:
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def training_attention_priority():
+    """While inside, ``comfy.ops.SDPA_BACKEND_PRIORITY`` (which its ``scaled_dot_product_attention`` reads per call,
+    where it sets one) is the training order; nothing changes where ComfyUI sets none."""
+    ensure_comfyui()
+    ops = importlib.import_module("comfy.ops")
+    priority = getattr(ops, "SDPA_BACKEND_PRIORITY", None)
+    if not isinstance(priority, list):
+        yield
+        return
+    before = list(priority)
+    priority[:] = _training_sdpa_priority()
+    try:
+        yield
+    finally:
+        priority[:] = before

@@ -110,17 +110,18 @@ def comfy_training_paths(on: bool = True):
     code runs eager, autograd-safe code (RoPE without the fused inference kernel, out-of-place residuals, no fused
     SwiGLU) that computes the same maths. Older ComfyUIs have no such flag and ignore it. Where ComfyUI calls a
     comfy-kitchen kernel on every path, training takes comfy-kitchen's eager backend (``patches_comfyui.
-    kitchen_eager``).
+    kitchen_eager``), and where ComfyUI orders the SDPA backends for inference, training orders them for training
+    (``patches_comfyui.training_attention_priority``).
     """
     ensure_comfyui()
     import comfy.model_management as mm
 
-    from .patches_comfyui import kitchen_eager
+    from .patches_comfyui import kitchen_eager, training_attention_priority
 
     before = getattr(mm, "in_training", _ABSENT)
     mm.in_training = on
     try:
-        with kitchen_eager() if on else nullcontext():
+        with kitchen_eager() if on else nullcontext(), training_attention_priority() if on else nullcontext():
             yield
     finally:
         if before is _ABSENT:

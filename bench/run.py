@@ -26,6 +26,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -272,6 +273,9 @@ def train_run(config: Path, ranks: int, log: Path, env: dict | None = None, time
     from pipetrain.backend.commands import deepspeed_command
     from pipetrain.backend.rundir import RunDir
 
+    # a measurement's run is disposable, and a run_name that holds a run is refused: an earlier case's or job's
+    # run of this name goes first
+    shutil.rmtree(config.parent / "output" / run_name, ignore_errors=True)
     events_file = RunDir(config.parent / "output" / run_name).events_file
 
     def events() -> list[dict]:
