@@ -11,6 +11,7 @@ from ..backend.errors import PipeTrainError
 from ..launcher.build import check_caption_extension, check_dataset_folder
 from ..launcher.specs import DatasetSpec
 from . import types as t
+from .declared import CheckedNode
 from .widgets import DATASET, DIRECTORY, choices, start, words
 
 WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
@@ -99,7 +100,7 @@ def dataset_input_error(folder=None, resolutions=None, caption_extension=None, f
     return None
 
 
-class DatasetNode(io.ComfyNode):
+class DatasetNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -237,7 +238,7 @@ class DatasetNode(io.ComfyNode):
 GRAPH_DATASETS = "pipetrain_datasets"   # under ComfyUI's input directory
 
 
-class ImagesToDatasetNode(io.ComfyNode):
+class ImagesToDatasetNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -345,7 +346,7 @@ def parity_text(model_type: str) -> str:
             f"ComfyUI's: where they compute the same, the run trains on the pinned copy and its status says so.")
 
 
-class ModelNode(io.ComfyNode):
+class ModelNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         import folder_paths

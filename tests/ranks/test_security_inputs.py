@@ -274,3 +274,62 @@ def test_values_the_rules_pass_add_no_variable_to_srun_export(tmp_path):
     assert sorted(assigned) == sorted([*EDGY, "NCCL_SOCKET_IFNAME"]), export
     with pytest.raises(ConfigError, match="srun --export reads as another variable"):
         cluster(launcher="slurm", env={"NCCL_DEBUG": "INFO,LD_PRELOAD=/tmp/evil.so"})
+
+
+# --- the nodes: only declared inputs, within their bounds, reach a run key (issue #34, item 1) -----------------
+
+@pytest.fixture(scope="module")
+def nodes():
+    from pipetrain.backend.runtime import ensure_comfyui
+    ensure_comfyui()
+    from pipetrain.nodes import settings, samples
+    return settings, samples
+
+
+def schedule_inputs(**changes) -> dict:
+    from pipetrain.nodes.settings import ScheduleNode
+    inputs = {i.id: i.default for i in ScheduleNode.define_schema().inputs if not i.optional}
+    return {**inputs, **changes}
+
+
+@pytest.mark.parametrize("name, value", [("model.vae", "/tmp/evil-vae.safetensors"), ("vae", "/tmp/x"),
+                                         ("monitoring.wandb_api_key", "attackerkey0123456789"),
+                                         ("monitoring", {"wandb_api_key": "attackerkey0123456789"}),
+                                         ("output_dir", "/tmp"), ("lora_dir", "/etc"), ("dataset", "/dev/zero")])
+def test_an_undeclared_input_reaches_no_run_key(nodes, name, value):
+    """ComfyUI hands a node every linked input, declared or not: the Schedule node refuses one it does not
+    declare, by name, instead of writing it into the run."""
+    settings, _ = nodes
+    with pytest.raises(ValueError, match=f"'{name}' is not an input of this node") as e:
+        settings.ScheduleNode.execute(**schedule_inputs(**{name: value}))
+    assert "attackerkey" not in str(e.value)
+
+
+def test_every_node_with_a_catch_all_refuses_undeclared_inputs(nodes):
+    settings, samples = nodes
+    from pipetrain.nodes.data import DatasetNode, ModelNode
+    for node in (settings.MemoryNode, settings.AdapterNode, settings.OptimizerNode, samples.SamplesNode, DatasetNode,
+                 ModelNode):
+        with pytest.raises(ValueError, match="'model.vae' is not an input of this node"):
+            node.execute(**{"model.vae": "/tmp/evil.safetensors"})
+
+
+@pytest.mark.parametrize("name, value, problem", [
+    ("epochs", 1_000_000_000, "outside 1 .. 100000"), ("epochs", 0, "outside 1 .. 100000"),
+    ("epochs", True, "expected a whole number"), ("epochs", 2.5, "expected a whole number"),
+    ("seed", -1, "outside"), ("save_every_n_epochs", 10**6, "outside 0 .. 10000"),   # named in validate_inputs
+    ("checkpoint_every_n_minutes", float("nan"), "expected a finite number"),
+    ("lr_scheduler", "../../etc", "not one of the node's choices"), ("wandb_run_name", 5, "expected text")])
+def test_a_linked_value_is_held_to_the_widgets_bounds(nodes, name, value, problem):
+    """ComfyUI checks min, max and options only on typed values: a Primitive node linked to ``epochs`` passes
+    any number. The node holds it to the widget's range."""
+    settings, _ = nodes
+    with pytest.raises(ValueError, match=f"input '{name}'.*{problem}"):
+        settings.ScheduleNode.execute(**schedule_inputs(**{name: value}))
+
+
+def test_declared_inputs_in_range_still_make_their_keys(nodes):
+    settings, _ = nodes
+    patch = settings.ScheduleNode.execute(**schedule_inputs(epochs=100000, max_steps=7)).result[0]
+    assert patch.get("epochs") == 100000 and patch.get("max_steps") == 7 and patch.get("model.vae") is None
+    assert settings.OptimizerNode.defaults().get("optimizer.lr") == settings.start("optimizer.lr")
