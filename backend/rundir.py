@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import ConfigError, PipeTrainError
-from .fsutil import atomic_write_json
+from .fsutil import atomic_write_json, read_regular
 
 # The layout version, written into each run folder (``FORMAT_FILE``). Raise it when a file changes meaning or
 # moves, so a PipeTrain meets a folder it cannot read with a clear message instead of a misreading.
@@ -60,11 +60,16 @@ def new_run_id(prefix: str = "") -> str:
     return check_run_id(f"{prefix + '-' if prefix else ''}{stamp}-{secrets.token_hex(2)}")
 
 
+MAX_RECORD = 16 * 1024 * 1024   # status.json, launcher.json: a record, never more
+
+
 def read_json(path: Path) -> dict:
+    """A run folder's JSON record ({} where it is missing, not a regular file, too large or not an object):
+    anything may have been put in a run folder, and the panel reads it on every poll."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path, MAX_RECORD))
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):    # UnreadableFile is a ValueError
         return {}
 
 

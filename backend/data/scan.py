@@ -12,6 +12,7 @@ from PIL import Image
 
 from ..config import DatasetConfig, DirectoryConfig
 from ..errors import DatasetError
+from ..fsutil import UnreadableFile, read_regular
 from .headers import EXIF_ORIENTATION_TAG, TRANSPOSING_ORIENTATIONS, size_from_header
 from .items import MediaItem
 
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 PROBE_THREADS = 8
 PROBE_CHUNK = 64
+MAX_CAPTION = 1024 * 1024   # a caption is a line or a paragraph
 # Only files with these extensions are dataset files: anything else in the folder (notes.md, a metadata .json,
 # a caption of another extension) is never opened as an image. Videos count for image models too, so that a
 # clip in an image model's folder is reported as unusable rather than silently ignored.
@@ -67,12 +69,15 @@ def _probe_size(path: Path) -> tuple[int, int] | str:
 
 
 def _read_caption(caption_path: Path) -> str | None:
-    """The stripped caption, or None when the file does not exist."""
+    """The stripped caption, or None when the file does not exist; OSError naming the problem for anything but a
+    regular file of at most MAX_CAPTION bytes (a FIFO would block the scan, /dev/zero fill memory)."""
     try:
-        with open(caption_path, encoding="utf-8-sig") as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
+        data = read_regular(caption_path, MAX_CAPTION)
+    except UnreadableFile as e:
+        if e.missing:
+            return None
+        raise OSError(0, str(e)) from None
+    return data.decode("utf-8-sig").strip()
 
 
 def is_media_file(path: Path) -> bool:

@@ -333,3 +333,75 @@ def test_declared_inputs_in_range_still_make_their_keys(nodes):
     patch = settings.ScheduleNode.execute(**schedule_inputs(epochs=100000, max_steps=7)).result[0]
     assert patch.get("epochs") == 100000 and patch.get("max_steps") == 7 and patch.get("model.vae") is None
     assert settings.OptimizerNode.defaults().get("optimizer.lr") == settings.start("optimizer.lr")
+
+
+# --- no secret is written (issue #34, item 7) -------------------------------------------------------------------
+
+KEY = "attackerKey0123456789"
+
+
+def test_an_api_key_is_read_but_never_written(tmp_path):
+    """A config's W&B key reaches the run's config in memory, never run.toml or the copy beside each LoRA."""
+    from pipetrain.backend.config import load_run_config, without_secrets
+
+    (tmp_path / "d.toml").write_text(f'resolutions = [64]\n[[directory]]\npath = "{tmp_path}"\n')
+    written = ('output_dir = "."\ndataset = "d.toml"\n[model]\ntype = "flux"\ndiffusion_model = "x"\nvae = "v"\n'
+               f'text_encoders = ["t"]\n[monitoring]\nenable_wandb = true\nwandb_api_key = "{KEY}"\n'
+               'wandb_tracker_name = "proj"\n')
+    (tmp_path / "run.toml").write_text(written)
+    cfg = load_run_config(tmp_path / "run.toml", check_dataset=False)
+    assert cfg.monitoring.wandb_api_key == KEY          # the run logs in with it
+    save_toml(cfg, tmp_path / "again.toml")
+    again = (tmp_path / "again.toml").read_text()
+    assert KEY not in again and 'wandb_tracker_name = "proj"' in again and "enable_wandb = true" in again
+    shared = without_secrets(written)                    # a run.toml written by hand, copied beside a LoRA
+    assert KEY not in shared and "wandb_api_key" not in shared and 'wandb_tracker_name = "proj"' in shared
+    plain = written.replace(f'wandb_api_key = "{KEY}"\n', "")
+    assert without_secrets(plain) == plain               # nothing secret: the copy is the file as written
+
+
+# --- config files and captions: regular files of bounded size only (issue #34, item 9) ---------------------------
+
+def test_a_dataset_or_config_that_is_not_a_regular_file_is_refused_by_name(tmp_path):
+    """``dataset = "/dev/zero"`` would be read until memory runs out, a FIFO would block for ever: each is refused
+    before a byte is read, naming the key that names it."""
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.config.files import MAX_CONFIG
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.toml"
+    big.write_text("# " + "x" * MAX_CONFIG + "\n")
+    run = tmp_path / "run.toml"
+    for dataset, problem in (("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
+                             (str(tmp_path), "not a regular file"), (str(big), "larger than 4096 KiB"),
+                             (str(tmp_path / "missing.toml"), "file not found")):
+        run.write_text(f'output_dir = "."\ndataset = "{dataset}"\n[model]\ntype = "flux"\ndiffusion_model = "x"\n'
+                       'vae = "v"\ntext_encoders = ["t"]\n')
+        with pytest.raises(ConfigError) as e:
+            load_run_config(run)
+        assert e.value.key == "dataset" and e.value.file == run and problem in str(e.value), str(e.value)
+        assert dataset in str(e.value)
+    for config in (Path("/dev/zero"), fifo, big):
+        with pytest.raises(ConfigError, match="not a regular file|larger than"):
+            load_run_config(config)
+
+
+def test_a_caption_that_is_not_a_regular_file_is_named_unreadable(tmp_path):
+    from PIL import Image
+
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.data import scan_dataset
+    from pipetrain.backend.errors import DatasetError
+
+    for name in ("a", "b"):
+        Image.new("RGB", (64, 64)).save(tmp_path / f"{name}.png")
+    os.mkfifo(tmp_path / "a.txt")                   # reading it would block the scan for ever
+    (tmp_path / "b.txt").symlink_to("/dev/zero")    # reading it would fill memory
+    cfg = from_dict(DatasetConfig, {"directory": [{"path": str(tmp_path)}], "resolutions": [64],
+                                    "on_unreadable": "error"}, file="dataset.toml")
+    with pytest.raises(DatasetError) as e:
+        scan_dataset(cfg)
+    message = str(e.value)
+    assert "a.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
+    assert "b.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
