@@ -238,20 +238,25 @@ def test_nothing_in_a_run_folder_is_imported_by_the_processes_we_start(tmp_path)
     assert "usage" in (run_dir / "log.txt").read_text()      # the real json.tool ran
 
 
-def test_an_unreadable_caption_is_named_without_its_bytes(tmp_path):
-    from PIL import Image
-
+def scan_refusal(folder: Path) -> str:
+    """The message of the DatasetError scanning ``folder`` (on_unreadable = "error") raises."""
     from pipetrain.backend.config import DatasetConfig
     from pipetrain.backend.data import scan_dataset
     from pipetrain.backend.errors import DatasetError
 
-    Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
-    (tmp_path / "a.txt").write_bytes(b"ok \xfe secret caption")
-    cfg = from_dict(DatasetConfig, {"directory": [{"path": str(tmp_path)}], "resolutions": [64],
+    cfg = from_dict(DatasetConfig, {"directory": [{"path": str(folder)}], "resolutions": [64],
                                     "on_unreadable": "error"}, file="dataset.toml")
     with pytest.raises(DatasetError) as e:
         scan_dataset(cfg)
-    message = str(e.value)
+    return str(e.value)
+
+
+def test_an_unreadable_caption_is_named_without_its_bytes(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes(b"ok \xfe secret caption")
+    message = scan_refusal(tmp_path)
     assert "a.txt: caption file is not readable UTF-8 text (not UTF-8 at byte 3)" in message, message
     assert "0xfe" not in message and "secret" not in message
 
@@ -390,18 +395,10 @@ def test_a_dataset_or_config_that_is_not_a_regular_file_is_refused_by_name(tmp_p
 def test_a_caption_that_is_not_a_regular_file_is_named_unreadable(tmp_path):
     from PIL import Image
 
-    from pipetrain.backend.config import DatasetConfig
-    from pipetrain.backend.data import scan_dataset
-    from pipetrain.backend.errors import DatasetError
-
     for name in ("a", "b"):
         Image.new("RGB", (64, 64)).save(tmp_path / f"{name}.png")
     os.mkfifo(tmp_path / "a.txt")                   # reading it would block the scan for ever
     (tmp_path / "b.txt").symlink_to("/dev/zero")    # reading it would fill memory
-    cfg = from_dict(DatasetConfig, {"directory": [{"path": str(tmp_path)}], "resolutions": [64],
-                                    "on_unreadable": "error"}, file="dataset.toml")
-    with pytest.raises(DatasetError) as e:
-        scan_dataset(cfg)
-    message = str(e.value)
+    message = scan_refusal(tmp_path)
     assert "a.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
     assert "b.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
