@@ -47,7 +47,11 @@ def check_edit_pairs(ds: DatasetConfig, model_type: str, label: str) -> None:
 
     check_control_paths(ds, adapter_class(model_type), label)
     if any(d.control_path is not None for d in ds.directory):
-        scan_dataset(ds)    # raises naming a missing control folder or listing the unpaired files
+        try:
+            scan_dataset(ds)    # raises naming a missing control folder or the unpaired files
+        except DatasetError as e:
+            # the answer goes to whoever queued the prompt (/history): counts, not the folders' file names
+            raise DatasetError(f"{label}: {e.summary}") from None
 
 
 EVAL_DATASET = "eval_dataset.toml"   # beside dataset.toml; the eval set's name is "eval"

@@ -5,6 +5,8 @@ process alive.
 """
 from __future__ import annotations
 
+import re
+import stat
 import threading
 from pathlib import Path
 
@@ -128,13 +130,30 @@ def _lora_of_sample(png: str) -> str:
     return f"{stem}.safetensors"
 
 
-def sample_file(runs: RunsRoot, run_id: str, name: str) -> Path:
-    """An announced sample image of the run, by file name (KeyError for anything else)."""
+SAMPLE_NAME = re.compile(r"-sample\d{2,}(-x-?\d+(\.\d+)?)?\.(png|webp|flac)$")   # ``sampling.sample_paths``
+
+
+def sample_file(runs: RunsRoot, run_id: str, name: str, lora_root: Path | None = None) -> Path:
+    """An announced sample of the run, by file name (KeyError for anything else). Only a file PipeTrain wrote
+    for this run is served: a regular file named as ``sampling.sample_paths`` names samples, in the run's folder
+    or its LoRA folder (``lora_root/<run id>``), links resolved; whatever else an ``events.jsonl`` line names
+    (another run's files, /etc/passwd) is not."""
     run = runs.run(run_id)
+    homes = [run.path.resolve()] + ([(Path(lora_root) / run_id).resolve()] if lora_root else [])
+    if not SAMPLE_NAME.search(name):
+        raise KeyError(name)
     for lora in saved_loras(run) + sampled_step_loras(run):
         for sample in lora.get("samples", []):
-            if sample["name"] == name and Path(sample["path"]).is_file():
-                return Path(sample["path"])
+            if sample["name"] != name:
+                continue
+            path = Path(sample["path"])
+            try:
+                real = path.resolve(strict=True)
+                regular = stat.S_ISREG(real.stat().st_mode)
+            except (OSError, RuntimeError):    # missing, a link loop
+                continue
+            if regular and real.name == name and any(real.is_relative_to(home) for home in homes):
+                return real
     raise KeyError(name)
 
 
