@@ -402,3 +402,31 @@ def test_a_caption_that_is_not_a_regular_file_is_named_unreadable(tmp_path):
     message = scan_refusal(tmp_path)
     assert "a.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
     assert "b.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
+
+
+# --- file names of a folder a workflow names stay on the server (issue #34, item 8) -----------------------------
+
+def test_a_control_folder_refusal_from_the_nodes_names_no_file_in_it(tmp_path):
+    """The Train node's answer goes to whoever queued the prompt (/history): the pairing refusal says how many
+    files are unpaired, never their names; the CLI's scan still lists them."""
+    from PIL import Image
+
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.data import scan_dataset
+    from pipetrain.backend.errors import DatasetError
+    from pipetrain.launcher.build import check_edit_pairs
+
+    train, private = tmp_path / "train", tmp_path / "private"
+    for folder, names in ((train, ("a", "b")), (private, ("a", "secret-name-of-a-private-file"))):
+        folder.mkdir()
+        for name in names:
+            Image.new("RGB", (64, 64)).save(folder / f"{name}.png")
+    ds = from_dict(DatasetConfig, {"directory": [{"path": str(train), "control_path": str(private)}],
+                                   "resolutions": [64]}, file="dataset.toml")
+    with pytest.raises(DatasetError) as e:
+        check_edit_pairs(ds, "flux_kontext", "dataset")
+    message = str(e.value)
+    assert "2 unpaired file(s)" in message and str(private) not in message.split("control_path")[-1], message
+    assert "secret-name" not in message and "b.png" not in message, message
+    with pytest.raises(DatasetError, match="secret-name-of-a-private-file"):
+        scan_dataset(ds)

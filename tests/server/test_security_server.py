@@ -437,3 +437,54 @@ def test_the_samples_route_serves_only_samples_pipetrain_wrote_for_the_run(serve
         status, text = send(server, "GET", f"/pipetrain/runs/fab-samples/samples/{name}")
         assert status == 404 and "content" not in text and "root:" not in text, (name, status, text)
     nothing_ran(server, marker)
+
+
+def test_the_server_answers_while_hostile_prompts_and_run_listings_are_served(server, marker):
+    """Queue-time checks run on ComfyUI's event loop, which serves every route and the websocket: 8 chained Dataset
+    nodes on a folder of 100,000 entries, posted again and again beside runs listings of hundreds of folders,
+    leave ``/system_stats`` answering within a second."""
+    import shutil
+
+    big = server.base / "input" / "big"
+    big.mkdir(exist_ok=True)
+    for i in range(100_000):          # no picture among them: a check that lists them all sees every one
+        os.close(os.open(os.path.join(big, f"f{i:06d}.bin"), os.O_CREAT | os.O_WRONLY, 0o644))
+    many = [server.runs_root / f"fab-many-{i:04d}" for i in range(400)]
+    for d in many:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "run.toml").write_text("")
+    prompt = graph(run_name="evil")
+    for i in range(8):
+        prompt[f"d{i}"] = {"class_type": "PipeTrainDataset", "inputs": {
+            **prompt["1"]["inputs"], "folder": "big", **({"previous": [f"d{i - 1}", 0]} if i else {})}}
+    prompt["4"]["inputs"]["dataset"] = ["d7", 0]
+    done = threading.Event()
+    answers: list[int] = []
+
+    def hostile():
+        try:
+            for _ in range(3):
+                answers.append(server.queue(prompt)[0])
+                answers.append(send(server, "GET", "/pipetrain/runs")[0])
+                answers.append(send(server, "GET", "/object_info/PipeTrainRunStatus")[0])
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=hostile)
+    latencies = []
+    try:
+        worker.start()
+        while not done.is_set():
+            start = time.monotonic()
+            status, _ = send(server, "GET", "/system_stats", timeout=60)
+            latencies.append(time.monotonic() - start)
+            assert status == 200
+            time.sleep(0.02)
+        worker.join(120)
+    finally:
+        for d in many:
+            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(big, ignore_errors=True)
+    assert answers and set(answers) <= {200, 400}, answers
+    assert len(latencies) > 5 and max(latencies) < 1.0, (max(latencies), len(latencies))
+    nothing_ran(server, marker)
