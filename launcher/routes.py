@@ -79,6 +79,9 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
                 return _error(404, f"no run {run_id!r}")
             except PipeTrainError as e:
                 return _error(409, str(e))
+            except (OSError, ValueError, TypeError, AttributeError) as e:
+                # a run folder holding what PipeTrain never wrote there: named, its content never quoted
+                return _error(409, f"run {run_id!r}: its folder cannot be read as a run ({type(e).__name__})")
         return handler
 
     @routes.get("/pipetrain/runs")
