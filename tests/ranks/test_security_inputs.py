@@ -430,3 +430,18 @@ def test_a_control_folder_refusal_from_the_nodes_names_no_file_in_it(tmp_path):
     assert "secret-name" not in message and "b.png" not in message, message
     with pytest.raises(DatasetError, match="secret-name-of-a-private-file"):
         scan_dataset(ds)
+
+
+def test_the_cache_nodes_error_names_no_file_of_the_dataset(tmp_path):
+    """The Cache node's child prints its refusal with the dataset's unreadable files listed; the node's message
+    (which /history returns) keeps the refusal's first line and names the log, not the files."""
+    from pipetrain.launcher.cache_job import ERROR_LINE, failure
+
+    (tmp_path / "secret-name-of-a-private-file.png").write_bytes(b"not a picture")
+    refusal = scan_refusal(tmp_path)
+    log = tmp_path / "log.txt"
+    log.write_text(f"loading\n{ERROR_LINE}{refusal}\n")       # as backend/cli.py reports it
+    assert "secret-name" in log.read_text()
+    message = str(failure(log, 2))
+    assert "caching failed (exit code 2): 1 dataset file(s) cannot be read" in message and str(log) in message
+    assert "secret-name" not in message, message
