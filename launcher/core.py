@@ -369,9 +369,11 @@ def has_samples(run_dir: RunDir) -> bool:
     """Whether the run's config asks for sample images (``[samples]``)."""
     import tomllib
 
-    try:
-        return isinstance(tomllib.loads(run_dir.run_toml.read_text()).get("samples"), dict)
-    except (OSError, ValueError):
+    from ..backend.config.files import MAX_CONFIG
+    from ..backend.fsutil import read_regular
+    try:   # a regular file of bounded size: the route that asks runs on a server
+        return isinstance(tomllib.loads(read_regular(run_dir.run_toml, MAX_CONFIG).decode()).get("samples"), dict)
+    except (OSError, ValueError):   # UnreadableFile, UnicodeDecodeError and TOMLDecodeError are ValueErrors
         return False
 
 
