@@ -44,15 +44,16 @@ def check_inputs(cls, values: dict) -> None:
     """ValueError naming the first input of ``values`` that ``cls``'s schema does not declare or bound."""
     schema = cls.define_schema()
     declared = {spec.id: spec for spec in schema.inputs}
+    node = schema.display_name or schema.node_id
     for name, value in values.items():
         spec = declared.get(name)
         if spec is None:
-            raise ValueError(f"{schema.display_name}: {name!r} is not an input of this node; remove the link to it "
+            raise ValueError(f"{node}: {name!r} is not an input of this node; remove the link to it "
                              "(only the node's own inputs are used)")
         problem = input_problem(spec, value)
         if problem:
             shown = repr(value) if isinstance(value, (bool, int, float)) else "the value given"
-            raise ValueError(f"{schema.display_name}: input {name!r}: {shown} is refused ({problem}); set it on the "
+            raise ValueError(f"{node}: input {name!r}: {shown} is refused ({problem}); set it on the "
                              "node's widget")
 
 
