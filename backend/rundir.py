@@ -63,14 +63,20 @@ def new_run_id(prefix: str = "") -> str:
 MAX_RECORD = 16 * 1024 * 1024   # status.json, launcher.json: a record, never more
 
 
-def read_json(path: Path) -> dict:
-    """A run folder's JSON record ({} where it is missing, not a regular file, too large or not an object):
+def read_object(path: Path) -> dict | None:
+    """A run folder's JSON record, or None where it is missing, not a regular file, too large or not an object:
     anything may have been put in a run folder, and the panel reads it on every poll."""
     try:
         data = json.loads(read_regular(path, MAX_RECORD))
-        return data if isinstance(data, dict) else {}
     except (OSError, ValueError, RecursionError):    # UnreadableFile is a ValueError
-        return {}
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_json(path: Path) -> dict:
+    """``read_object``, {} for None."""
+    found = read_object(path)
+    return {} if found is None else found
 
 
 def read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .fsutil import atomic_write_json
 from .rundir import RunDir
-from .rundir import read_json as read_record
+from .rundir import read_object
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
@@ -43,7 +43,7 @@ def write_request(run_dir: Path, lora: Path, epoch: int, step: int) -> dict:
 
 def read_json(path: Path) -> dict | None:
     """The JSON object in ``path`` (a regular file of bounded size), or None."""
-    return read_record(Path(path)) or None
+    return read_object(Path(path))
 
 
 def read_request(path: Path) -> dict:
