@@ -163,7 +163,7 @@ def _lora_file(run: str, epoch: int, run_handle=None) -> dict:
     from ..launcher.summaries import lora_for_epoch
     launcher = _launcher()
     run_id = resolve_run(run, run_handle)
-    found = lora_for_epoch(launcher.dirs, run_id, epoch)
+    found = lora_for_epoch(launcher.dirs, run_id, epoch, launcher.lora_root)
     if found is None:
         which = f"epoch {epoch}" if epoch else "any epoch"
         have = sorted(x.get("epoch") for x in launcher.get(run_id)["loras"])

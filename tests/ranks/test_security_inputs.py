@@ -445,3 +445,33 @@ def test_the_cache_nodes_error_names_no_file_of_the_dataset(tmp_path):
     message = str(failure(log, 2))
     assert "caching failed (exit code 2): 1 dataset file(s) cannot be read" in message and str(log) in message
     assert "secret-name" not in message, message
+
+
+def test_an_epoch_lora_is_loaded_only_from_the_runs_own_folders(tmp_path):
+    """Load Epoch LoRA loads the file a ``lora_saved`` event names: only one in the run's folder or its LoRA
+    folder, never what a line of a run folder's file points elsewhere (#34, as the samples route)."""
+    import json
+
+    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.launcher.summaries import lora_for_epoch
+
+    runs, lora_root = RunsRoot(tmp_path / "runs"), tmp_path / "loras"
+    d = runs.path("run-l")
+    (lora_root / "run-l").mkdir(parents=True)
+    d.mkdir(parents=True)
+    outside, other = tmp_path / "elsewhere.safetensors", runs.path("run-other") / "x.safetensors"
+    other.parent.mkdir()
+    own = lora_root / "run-l" / "run-l-epoch0001.safetensors"
+    for path in (outside, other, own, d / "linked.safetensors"):
+        if path.name == "linked.safetensors":
+            path.symlink_to(outside)
+        else:
+            path.write_bytes(b"x")
+    (d / "status.json").write_text(json.dumps({"state": "finished"}))
+    with open(d / "events.jsonl", "w") as f:
+        for epoch, path in enumerate((own, outside, other, d / "linked.safetensors"), start=1):
+            f.write(json.dumps({"type": "lora_saved", "epoch": epoch, "step": epoch, "path": str(path)}) + "\n")
+    assert lora_for_epoch(runs, "run-l", 1, lora_root)["path"] == str(own)
+    for epoch in (2, 3, 4):
+        assert lora_for_epoch(runs, "run-l", epoch, lora_root) is None, epoch
+    assert lora_for_epoch(runs, "run-l", 0, lora_root)["epoch"] == 1
