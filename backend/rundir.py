@@ -19,6 +19,7 @@ import json
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -81,12 +82,20 @@ def read_json(path: Path) -> dict:
 
 def read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     """Complete JSON lines from ``offset``; returns (events, offset after the last complete line)."""
+    try:   # a regular file only, checked on the opened file: a FIFO put in its place would block the reader
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return [], offset
     try:
-        with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return [], offset
+        with os.fdopen(fd, "rb", closefd=False) as f:
             f.seek(offset)
             data = f.read()
     except OSError:
         return [], offset
+    finally:
+        os.close(fd)
     end = data.rfind(b"\n") + 1
     events = []
     for line in data[:end].splitlines():

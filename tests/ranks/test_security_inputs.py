@@ -475,3 +475,23 @@ def test_an_epoch_lora_is_loaded_only_from_the_runs_own_folders(tmp_path):
     for epoch in (2, 3, 4):
         assert lora_for_epoch(runs, "run-l", epoch, lora_root) is None, epoch
     assert lora_for_epoch(runs, "run-l", 0, lora_root)["epoch"] == 1
+
+
+def test_a_run_folder_whose_files_are_fifos_or_folders_is_read_as_empty(tmp_path):
+    """The panel reads every run's records on each poll: a FIFO in place of events.jsonl or status.json would
+    block the reading thread for ever, a folder would fail it; each reads as nothing instead."""
+    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.launcher.core import Launcher
+
+    la = Launcher(tmp_path / "runs")
+    d = la.dirs.path("run-odd")
+    d.mkdir()
+    (d / "run.toml").write_text("")
+    os.mkfifo(d / "events.jsonl")
+    os.mkfifo(d / "status.json")
+    (d / "launcher.json").mkdir()
+    (d / "checkpoints" / "latest").mkdir(parents=True)
+    assert RunsRoot(tmp_path / "runs").ids() == ["run-odd"]
+    [run] = la.list()
+    assert (run["id"], run["state"], run["loras"], run["resumable"]) == ("run-odd", "unknown", [], False)
+    assert la.get("run-odd")["events"] == []
