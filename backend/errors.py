@@ -18,7 +18,12 @@ class ConfigError(PipeTrainError):
 
 
 class DatasetError(PipeTrainError):
-    pass
+    """``summary``: the message without the names of the files it lists (what a server answers: the files of a
+    folder a workflow names are not for whoever can queue one); the whole message otherwise."""
+
+    def __init__(self, message: str, summary: str | None = None):
+        super().__init__(message)
+        self.summary = message if summary is None else summary
 
 
 class CacheError(PipeTrainError):

@@ -1,15 +1,52 @@
-"""Atomic file writes: a reader sees the old file or the complete new one, never a partial one."""
+"""Atomic file writes: a reader sees the old file or the complete new one, never a partial one; and bounded reads
+of files a user (or a workflow) names."""
 from __future__ import annotations
 
 import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import PipeTrainError
+
+
+class UnreadableFile(ValueError):
+    """Why a named file is not read: its message is the problem alone (the caller names the file and key);
+    ``missing``: there is no such file."""
+
+    def __init__(self, problem: str, missing: bool = False):
+        super().__init__(problem)
+        self.missing = missing
+
+
+def read_regular(path: str | Path, limit: int) -> bytes:
+    """A regular file's bytes, at most ``limit``; ``UnreadableFile`` for anything else. A device (/dev/zero),
+    a FIFO or a folder is refused before a byte is read, on the opened file itself (no swap between a check
+    and the read): reading one could fill memory or block for ever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UnreadableFile("not found", missing=True) from None
+    except IsADirectoryError:
+        raise UnreadableFile("not a regular file (a folder)") from None
+    except OSError as e:       # no permission, a name too long, ...
+        raise UnreadableFile(f"cannot be read ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnreadableFile("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise UnreadableFile(f"cannot be read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise UnreadableFile(f"larger than {limit // 1024} KiB")
+    return data
 
 
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:

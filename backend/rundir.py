@@ -19,12 +19,13 @@ import json
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from .errors import ConfigError, PipeTrainError
-from .fsutil import atomic_write_json
+from .fsutil import atomic_write_json, read_regular
 
 # The layout version, written into each run folder (``FORMAT_FILE``). Raise it when a file changes meaning or
 # moves, so a PipeTrain meets a folder it cannot read with a clear message instead of a misreading.
@@ -60,22 +61,41 @@ def new_run_id(prefix: str = "") -> str:
     return check_run_id(f"{prefix + '-' if prefix else ''}{stamp}-{secrets.token_hex(2)}")
 
 
-def read_json(path: Path) -> dict:
+MAX_RECORD = 16 * 1024 * 1024   # status.json, launcher.json: a record, never more
+
+
+def read_object(path: Path) -> dict | None:
+    """A run folder's JSON record, or None where it is missing, not a regular file, too large or not an object:
+    anything may have been put in a run folder, and the panel reads it on every poll."""
     try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+        data = json.loads(read_regular(path, MAX_RECORD))
+    except (OSError, ValueError, RecursionError):    # UnreadableFile is a ValueError
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_json(path: Path) -> dict:
+    """``read_object``, {} for None."""
+    found = read_object(path)
+    return {} if found is None else found
 
 
 def read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     """Complete JSON lines from ``offset``; returns (events, offset after the last complete line)."""
+    try:   # a regular file only, checked on the opened file: a FIFO put in its place would block the reader
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return [], offset
     try:
-        with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return [], offset
+        with os.fdopen(fd, "rb", closefd=False) as f:
             f.seek(offset)
             data = f.read()
     except OSError:
         return [], offset
+    finally:
+        os.close(fd)
     end = data.rfind(b"\n") + 1
     events = []
     for line in data[:end].splitlines():
@@ -125,8 +145,9 @@ class RunDir:
     control = property(lambda self: self.path / "control")   # requests to a live run (``run_control.py``)
 
     def is_run(self) -> bool:
-        """A folder some PipeTrain process has made a run of (the launcher's record, a status or a config)."""
-        return self.path.is_dir() and any(p.exists() for p in (self.launcher_file, self.status_file, self.run_toml))
+        """A folder some PipeTrain process has made a run of (the launcher's record, a status or a config, each a
+        regular file: ComfyUI's SaveImage can make folders of any name under the runs root)."""
+        return self.path.is_dir() and any(p.is_file() for p in (self.launcher_file, self.status_file, self.run_toml))
 
     # --- reading and writing ----------------------------------------------------------------------
     def read_status(self) -> dict:
@@ -142,13 +163,23 @@ class RunDir:
         return read_events(self.events_file, offset)
 
     def started(self) -> float:
-        info = self.read_launcher()
-        return float(info.get("created") or self.read_status().get("started") or self.path.stat().st_mtime)
+        """When the run started (its records' word where it is a number, else the folder's time)."""
+        for value in (self.read_launcher().get("created"), self.read_status().get("started")):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+                return float(value)
+        try:
+            return self.path.stat().st_mtime
+        except OSError:
+            return 0.0
 
     def latest_checkpoint(self) -> str | None:
-        """The checkpoint a resume starts from (the backend's choice: past a dangling ``latest`` too)."""
+        """The checkpoint a resume starts from (the backend's choice: past a dangling ``latest`` too); None where
+        the folder cannot be read as one (a ``latest`` that is a folder)."""
         from .train.checkpoint import latest_tag   # torch: only when asked
-        return latest_tag(self.checkpoints)
+        try:
+            return latest_tag(self.checkpoints)
+        except (OSError, UnicodeDecodeError):
+            return None
 
     # --- stopping ---------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -214,6 +245,10 @@ class RunsRoot:
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
+        # run id -> ((inode, mtime) of its folder, is a run, started): a folder's mtime changes whenever a file
+        # in it is made, renamed over or removed (its records are written atomically), so a listing reads only
+        # the folders that changed; listings run on ComfyUI's event loop (the Run combo of /object_info)
+        self._seen: dict[str, tuple[tuple[int, int], bool, float]] = {}
 
     def path(self, run_id: str) -> Path:
         check_run_id(run_id)
@@ -232,12 +267,32 @@ class RunsRoot:
             return False
 
     def ids(self) -> list[str]:
-        """Run ids, newest first."""
-        if not self.root.is_dir():
+        """Run ids, newest first: the folders directly in the root (not links) that are runs (``is_run``)."""
+        seen, found = {}, []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
             return []
-        found = [RunDir(p) for p in self.root.iterdir() if p.is_dir() and RUN_ID.fullmatch(p.name)
-                 and p.name not in RESERVED and self.exists(p.name)]
-        return [r.name for r in sorted(found, key=RunDir.started, reverse=True)]
+        for e in entries:
+            if not RUN_ID.fullmatch(e.name) or e.name in RESERVED:
+                continue
+            try:
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            key = (st.st_ino, st.st_mtime_ns)
+            known = self._seen.get(e.name)
+            if known is None or known[0] != key:
+                run = RunDir(self.root / e.name)
+                is_run = run.is_run()
+                known = (key, is_run, run.started() if is_run else 0.0)
+            seen[e.name] = known
+            if known[1]:
+                found.append((known[2], e.name))
+        self._seen = seen
+        return [name for _, name in sorted(found, reverse=True)]
 
     @property
     def cache(self) -> RunDir:

@@ -11,7 +11,6 @@ these files too.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from .fsutil import atomic_write_json
 from .rundir import RunDir
+from .rundir import read_object
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
@@ -42,11 +42,8 @@ def write_request(run_dir: Path, lora: Path, epoch: int, step: int) -> dict:
 
 
 def read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    """The JSON object in ``path`` (a regular file of bounded size), or None."""
+    return read_object(Path(path))
 
 
 def read_request(path: Path) -> dict:

@@ -148,11 +148,36 @@ def from_dict(cls, data: dict, *, file=None, prefix: str = ""):
     return obj
 
 
+# A field whose metadata holds ``SECRET`` (``field(metadata=secret())``: an API key) is read from a config but never
+# written back: files PipeTrain writes (run.toml, the copy beside each LoRA) are shared and listed in the UI.
+SECRET = "secret"
+
+
+def secret() -> dict:
+    return {SECRET: True}
+
+
+def secret_keys(cls, prefix: str = "") -> list[str]:
+    """The dotted keys of ``cls``'s tree (tables descended into) whose fields are secret."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if f.metadata.get(SECRET):
+            out.append(key)
+            continue
+        tp = hints[f.name]
+        inner = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) else [tp]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            out += secret_keys(inner[0], key)
+    return out
+
+
 def to_dict(obj) -> dict:
-    """Dataclass -> TOML-ready dict (``None`` dropped, paths as strings, private fields skipped)."""
+    """Dataclass -> TOML-ready dict (``None`` dropped, paths as strings, private and secret fields skipped)."""
     out = {}
     for f in dataclasses.fields(obj):
-        if f.name.startswith("_") or not f.init:
+        if f.name.startswith("_") or not f.init or f.metadata.get(SECRET):
             continue
         value = getattr(obj, f.name)
         value = _plain(value)

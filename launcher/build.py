@@ -6,6 +6,7 @@ values by name); this module only adds the checks that need the file system befo
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..backend.config import check_caption_extension  # noqa: F401  (the Dataset node's check, at queue time)
@@ -21,18 +22,26 @@ MEDIA_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".ti
 WHERE = "the PipeTrain nodes"
 
 
-def check_dataset_folder(path: str | Path, caption_extension: str = ".txt") -> int:
-    """Number of media files in ``path``; ``DatasetError`` when the folder is missing or has none."""
+QUEUE_TIME_ENTRIES = 2000   # what a queue-time check looks at of a folder: the check runs on ComfyUI's event loop
+
+
+def check_dataset_folder(path: str | Path, caption_extension: str = ".txt", look_at: int | None = None) -> None:
+    """``DatasetError`` when the folder is missing or holds no image or video. It stops at the first one, so
+    a folder of pictures is checked at once; ``look_at``: at most this many entries are looked at (a queue-time
+    check, bounded whatever the folder holds: the rest is checked when the node runs)."""
     folder = Path(path)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder {folder} does not exist; pick a folder under ComfyUI's input "
                            "directory or type an absolute path")
-    n = sum(1 for p in folder.iterdir() if p.is_file() and p.suffix.lower() in MEDIA_SUFFIXES
-            and not p.name.startswith("."))
-    if n == 0:
-        raise DatasetError(f"dataset folder {folder} contains no images or videos "
-                           f"({', '.join(sorted(MEDIA_SUFFIXES))}); add files, each with a {caption_extension} caption")
-    return n
+    with os.scandir(folder) as entries:    # an entry knows its type: no stat per file on most file systems
+        for seen, e in enumerate(entries):
+            if look_at is not None and seen >= look_at:
+                return
+            if (not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in MEDIA_SUFFIXES
+                    and e.is_file()):
+                return
+    raise DatasetError(f"dataset folder {folder} contains no images or videos "
+                       f"({', '.join(sorted(MEDIA_SUFFIXES))}); add files, each with a {caption_extension} caption")
 
 
 def dataset_config(spec: DatasetSpec) -> DatasetConfig:
@@ -47,7 +56,11 @@ def check_edit_pairs(ds: DatasetConfig, model_type: str, label: str) -> None:
 
     check_control_paths(ds, adapter_class(model_type), label)
     if any(d.control_path is not None for d in ds.directory):
-        scan_dataset(ds)    # raises naming a missing control folder or listing the unpaired files
+        try:
+            scan_dataset(ds)    # raises naming a missing control folder or the unpaired files
+        except DatasetError as e:
+            # the answer goes to whoever queued the prompt (/history): counts, not the folders' file names
+            raise DatasetError(f"{label}: {e.summary}") from None
 
 
 EVAL_DATASET = "eval_dataset.toml"   # beside dataset.toml; the eval set's name is "eval"

@@ -59,6 +59,17 @@ def run_cache(spec: TrainSpec, runs_root: Path, *, comfyui_root: Path | None, pr
         time.sleep(poll)
     code = ref.popen.wait()
     if code != 0 or not result:
-        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
-        raise CacheError(f"caching failed (exit code {code}); last lines of {log}:\n" + "\n".join(tail))
+        raise failure(log, code)
     return result
+
+
+ERROR_LINE = "pipetrain: error: "   # how ``backend/cli.py`` reports a refusal
+
+
+def failure(log: Path, code: int | None) -> CacheError:
+    """The Cache node's error: the child's refusal, its first line only (what follows lists the dataset's files,
+    and the message goes to whoever queued the prompt), else the log's last line; the whole log is named."""
+    lines = log.read_text(errors="replace").strip().splitlines()
+    refusal = [line[len(ERROR_LINE):] for line in lines if line.startswith(ERROR_LINE)]
+    reason = refusal[-1] if refusal else (lines[-1] if lines else "no output")
+    return CacheError(f"caching failed (exit code {code}): {reason.rstrip(':')}; the whole log: {log}")

@@ -20,6 +20,7 @@ the user to run. Only this machine's slots count as held GPUs. The shared ``stop
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import threading
@@ -38,6 +39,8 @@ from .procs import ProcessRef, child_env, deepspeed_argv, package_path, spawn, v
 from .queue_plan import plan_queued_run
 from .summaries import details, file_identity, summarize
 from .specs import TrainSpec
+
+log = logging.getLogger(__name__)
 
 
 class LauncherError(PipeTrainError):
@@ -105,7 +108,16 @@ class Launcher:
         return held
 
     def list(self) -> list[dict]:
-        return [summarize(self.dirs, run_id, self.alive(run_id)) for run_id in self.dirs.ids()]
+        """Every run's summary; a folder that cannot be read as a run (whatever was put under the runs root) is
+        left out, and logged, rather than failing the list."""
+        out = []
+        for run_id in self.dirs.ids():
+            try:
+                out.append(summarize(self.dirs, run_id, self.alive(run_id)))
+            except Exception as e:   # noqa: BLE001  (one foreign folder must not take the panel's list down)
+                log.warning("run folder %s left out of the runs list: %s", self.dirs.root / run_id,
+                            type(e).__name__)
+        return out
 
     def get(self, run_id: str) -> dict:
         self._require(run_id)
@@ -129,18 +141,26 @@ class Launcher:
         run_id = new_run_id(name)
         run_dir = self.dirs.run(run_id)
         lora_dir = self.lora_root / run_id if self.lora_root else None
-        run_toml = write_config(spec, run_dir.path, output_dir=self.dirs.root, run_name=run_id, lora_dir=lora_dir)
-        plan = plan_queued_run(run_toml, None if cluster else tuple(devices), self.dirs.root)
-        if plan.refusal:   # the folder holds only the config just written: nothing of the user's is lost
-            shutil.rmtree(run_dir.path, ignore_errors=True)
-            raise LauncherError(plan.refusal)
-        self.queue_plans[run_id] = plan.text
-        run_dir.claim_format()
-        if cluster is not None:
-            self._launch_cluster(run_id, run_toml, resume=False, name=name or run_id)
-        else:
-            self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id, env=env,
-                        info={**info, "memory_plan": plan.text})
+        try:
+            run_toml = write_config(spec, run_dir.path, output_dir=self.dirs.root, run_name=run_id,
+                                    lora_dir=lora_dir)
+            plan = plan_queued_run(run_toml, None if cluster else tuple(devices), self.dirs.root)
+            if plan.refusal:
+                raise LauncherError(plan.refusal)
+            self.queue_plans[run_id] = plan.text
+            run_dir.claim_format()
+            if cluster is not None:
+                self._launch_cluster(run_id, run_toml, resume=False, name=name or run_id)
+            else:
+                self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id,
+                            env=env, info={**info, "memory_plan": plan.text})
+        except BaseException:
+            # refused before any process started: the folder holds only what was just written (nothing of the
+            # user's is lost), and left behind it would be listed as a run
+            if not run_dir.launcher_file.exists():
+                shutil.rmtree(run_dir.path, ignore_errors=True)
+                self.queue_plans.pop(run_id, None)
+            raise
         return run_id
 
     def queue_plan(self, run_id: str) -> str:
@@ -349,9 +369,11 @@ def has_samples(run_dir: RunDir) -> bool:
     """Whether the run's config asks for sample images (``[samples]``)."""
     import tomllib
 
-    try:
-        return isinstance(tomllib.loads(run_dir.run_toml.read_text()).get("samples"), dict)
-    except (OSError, ValueError):
+    from ..backend.config.files import MAX_CONFIG
+    from ..backend.fsutil import read_regular
+    try:   # a regular file of bounded size: the route that asks runs on a server
+        return isinstance(tomllib.loads(read_regular(run_dir.run_toml, MAX_CONFIG).decode()).get("samples"), dict)
+    except (OSError, ValueError):   # UnreadableFile, UnicodeDecodeError and TOMLDecodeError are ValueErrors
         return False
 
 

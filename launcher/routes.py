@@ -79,11 +79,16 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
                 return _error(404, f"no run {run_id!r}")
             except PipeTrainError as e:
                 return _error(409, str(e))
+            except (OSError, ValueError, TypeError, AttributeError) as e:
+                # a run folder holding what PipeTrain never wrote there: named, its content never quoted
+                return _error(409, f"run {run_id!r}: its folder cannot be read as a run ({type(e).__name__})")
         return handler
 
     @routes.get("/pipetrain/runs")
     async def list_runs(request: web.Request) -> web.Response:
-        return web.json_response({"runs": get_launcher().list()})
+        # each run's files are read: off the event loop, which serves every other route and the websocket
+        runs = await asyncio.get_running_loop().run_in_executor(None, get_launcher().list)
+        return web.json_response({"runs": runs})
 
     def get_run(launcher, run_id, args):
         return launcher.get(run_id)
@@ -99,7 +104,9 @@ def add_routes(routes: web.RouteTableDef, get_launcher: Callable[[], Launcher]) 
     async def get_sample(request: web.Request) -> web.Response:
         run_id, name = request.match_info["run_id"], request.match_info["name"]
         try:   # only a sample (PNG, or a video model's WebP clip) the run announced (sample_saved), by its file name
-            path = sample_file(get_launcher().dirs, run_id, name)
+            launcher = get_launcher()
+            path = await asyncio.get_running_loop().run_in_executor(None, sample_file, launcher.dirs, run_id, name,
+                                                                    launcher.lora_root)
             # aiohttp's own table has no audio types (an audio model's FLAC would go out as octet-stream)
             kind = AUDIO_TYPES.get(path.suffix.lower())
             return web.FileResponse(path, headers={"Content-Type": kind} if kind else None)

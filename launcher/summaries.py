@@ -5,6 +5,8 @@ process alive.
 """
 from __future__ import annotations
 
+import re
+import stat
 import threading
 from pathlib import Path
 
@@ -128,13 +130,33 @@ def _lora_of_sample(png: str) -> str:
     return f"{stem}.safetensors"
 
 
-def sample_file(runs: RunsRoot, run_id: str, name: str) -> Path:
-    """An announced sample image of the run, by file name (KeyError for anything else)."""
+SAMPLE_NAME = re.compile(r"-sample\d{2,}(-x-?\d+(\.\d+)?)?\.(png|webp|flac)$")   # ``sampling.sample_paths``
+
+
+def own_file(path: str | Path, run: RunDir, lora_root: Path | None) -> Path | None:
+    """``path`` resolved (links followed) where it is a regular file in the run's folder or its LoRA folder
+    (``lora_root/<run id>``), the places PipeTrain writes a run's files; else None. An ``events.jsonl`` line is
+    only a line of a file: what it names (another run's files, /etc/passwd) is not served or loaded for it."""
+    homes = [run.path.resolve()] + ([(Path(lora_root) / run.name).resolve()] if lora_root else [])
+    try:
+        real = Path(path).resolve(strict=True)
+        regular = stat.S_ISREG(real.stat().st_mode)
+    except (OSError, RuntimeError):    # missing, a link loop
+        return None
+    return real if regular and any(real.is_relative_to(home) for home in homes) else None
+
+
+def sample_file(runs: RunsRoot, run_id: str, name: str, lora_root: Path | None = None) -> Path:
+    """An announced sample of the run, by file name (KeyError for anything else): a file named as
+    ``sampling.sample_paths`` names samples, and the run's own (``own_file``)."""
     run = runs.run(run_id)
+    if not SAMPLE_NAME.search(name):
+        raise KeyError(name)
     for lora in saved_loras(run) + sampled_step_loras(run):
         for sample in lora.get("samples", []):
-            if sample["name"] == name and Path(sample["path"]).is_file():
-                return Path(sample["path"])
+            real = own_file(sample["path"], run, lora_root) if sample["name"] == name else None
+            if real is not None and real.name == name:
+                return real
     raise KeyError(name)
 
 
@@ -166,9 +188,11 @@ def best_epoch(events: list[dict]) -> dict | None:
     return {"epoch": epoch, "loss": means[epoch]}
 
 
-def lora_for_epoch(runs: RunsRoot, run_id: str, epoch: int = 0) -> dict | None:
-    """The saved LoRA of ``epoch`` (0: the newest) as {epoch, step, path}, or None."""
-    loras = [x for x in saved_loras(runs.run(run_id)) if Path(x["path"]).is_file() and x.get("kind") != "model"]
+def lora_for_epoch(runs: RunsRoot, run_id: str, epoch: int = 0, lora_root: Path | None = None) -> dict | None:
+    """The saved LoRA of ``epoch`` (0: the newest) as {epoch, step, path}, or None; only the run's own files
+    (``own_file``) count."""
+    run = runs.run(run_id)
+    loras = [x for x in saved_loras(run) if x.get("kind") != "model" and own_file(x["path"], run, lora_root)]
     if epoch > 0:
         loras = [x for x in loras if x.get("epoch") == epoch]
     return max(loras, key=lambda x: (x.get("epoch", 0), x.get("step", 0)), default=None)

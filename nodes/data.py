@@ -8,9 +8,10 @@ from comfy_api.latest import io, ui
 
 from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
-from ..launcher.build import check_caption_extension, check_dataset_folder
+from ..launcher.build import QUEUE_TIME_ENTRIES, check_caption_extension, check_dataset_folder
 from ..launcher.specs import DatasetSpec
 from . import types as t
+from .declared import CheckedNode
 from .widgets import DATASET, DIRECTORY, choices, start, words
 
 WEIGHT_DTYPES = ["default", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
@@ -76,13 +77,14 @@ def parse_size_buckets(text: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def dataset_input_error(folder=None, resolutions=None, caption_extension=None, frame_buckets=None,
-                        control_folder=None) -> str | None:
-    """What is wrong with the Dataset node's inputs given (None: not checked), or None."""
+                        control_folder=None, look_at=None) -> str | None:
+    """What is wrong with the Dataset node's inputs given (None: not checked), or None; ``look_at``: at most this
+    many entries of the folder are looked at."""
     try:
         if caption_extension is not None:   # a file ending, never a path (the backend's rule)
             check_caption_extension(caption_extension, "the Dataset node", "caption_extension")
         if folder is not None:
-            check_dataset_folder(dataset_folder(folder), caption_extension or ".txt")
+            check_dataset_folder(dataset_folder(folder), caption_extension or ".txt", look_at)
         for control in words(control_folder):
             if not dataset_folder(control).is_dir():
                 return (f"control_folder {control!r}: {dataset_folder(control)} is not a folder; pick the folder of "
@@ -99,7 +101,7 @@ def dataset_input_error(folder=None, resolutions=None, caption_extension=None, f
     return None
 
 
-class DatasetNode(io.ComfyNode):
+class DatasetNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -199,7 +201,8 @@ class DatasetNode(io.ComfyNode):
         # Only the folder at queue time: ComfyUI repeats a failed check's message once per input this method names
         # (a missing folder came 5 times). The rest is checked when the node runs, before the Cache and Train nodes
         # that take its output.
-        return dataset_input_error(folder=folder) or True
+        # It runs on ComfyUI's event loop, which serves every request: a bounded look (QUEUE_TIME_ENTRIES)
+        return dataset_input_error(folder=folder, look_at=QUEUE_TIME_ENTRIES) or True
 
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
@@ -237,7 +240,7 @@ class DatasetNode(io.ComfyNode):
 GRAPH_DATASETS = "pipetrain_datasets"   # under ComfyUI's input directory
 
 
-class ImagesToDatasetNode(io.ComfyNode):
+class ImagesToDatasetNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -345,7 +348,7 @@ def parity_text(model_type: str) -> str:
             f"ComfyUI's: where they compute the same, the run trains on the pinned copy and its status says so.")
 
 
-class ModelNode(io.ComfyNode):
+class ModelNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         import folder_paths

@@ -12,6 +12,7 @@ from ..launcher.cluster_form import FLAGS, LAUNCHERS, OFF, check_cluster, cluste
 from ..launcher.forms import unset_if_zero
 from ..launcher.specs import ParallelismSpec
 from . import types as t
+from .declared import CheckedNode
 from .widgets import choices, start, words
 
 
@@ -44,7 +45,7 @@ def hostfile_path(text: str | None) -> str:
     return str(p if p.is_absolute() else (Path(folder_paths.get_input_directory()) / p).resolve())
 
 
-class ParallelismNode(io.ComfyNode):
+class ParallelismNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(

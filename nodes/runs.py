@@ -7,6 +7,7 @@ from comfy_api.latest import io, ui
 from ..backend.errors import PipeTrainError
 from ..launcher.core import CONTROL_ACTIONS, CONTROL_LR, CONTROL_MAX_LR
 from . import types as t
+from .declared import CheckedNode
 
 NEWEST = "newest"
 _lora_cache: dict[tuple, dict] = {}
@@ -73,7 +74,7 @@ def status_text(s: dict) -> str:
     return ", ".join(parts)
 
 
-class _LiveRunNode(io.ComfyNode):
+class _LiveRunNode(CheckedNode):
     """A node that reads or acts on a run as it is now: checked by run id, run again each time it is queued."""
 
     @classmethod
@@ -162,7 +163,7 @@ def _lora_file(run: str, epoch: int, run_handle=None) -> dict:
     from ..launcher.summaries import lora_for_epoch
     launcher = _launcher()
     run_id = resolve_run(run, run_handle)
-    found = lora_for_epoch(launcher.dirs, run_id, epoch)
+    found = lora_for_epoch(launcher.dirs, run_id, epoch, launcher.lora_root)
     if found is None:
         which = f"epoch {epoch}" if epoch else "any epoch"
         have = sorted(x.get("epoch") for x in launcher.get(run_id)["loras"])
@@ -170,7 +171,7 @@ def _lora_file(run: str, epoch: int, run_handle=None) -> dict:
     return found
 
 
-class LoadEpochLoRANode(io.ComfyNode):
+class LoadEpochLoRANode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(

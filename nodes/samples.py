@@ -10,6 +10,7 @@ from comfy_api.latest import io, ui
 from ..backend.config.patch import RunPatch
 from ..launcher.forms import input_image, unset_if_zero
 from . import types as t
+from .declared import CheckedNode
 from .widgets import start, words
 
 RENDER_ON = {"host ComfyUI": "host", "training run": "run"}
@@ -45,7 +46,7 @@ def parse_prompts(text: str) -> tuple[str, ...]:
     return prompts
 
 
-class SamplesNode(io.ComfyNode):
+class SamplesNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         import comfy.samplers
@@ -140,7 +141,7 @@ class SamplesNode(io.ComfyNode):
                                          "samples"))
 
 
-class EpochSamplesNode(io.ComfyNode):
+class EpochSamplesNode(CheckedNode):
     """Queued by the launcher when a run asks for its epoch samples; renders them here and shows them."""
 
     @classmethod

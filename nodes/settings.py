@@ -9,6 +9,7 @@ from ..backend.errors import PipeTrainError
 from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, loss_patch, memory_patch,
                               preservation_patch, unset_if_zero)
 from . import types as t
+from .declared import CheckedNode
 from .widgets import choices, start, words
 from .parallelism import (ParallelismNode, batch_list_inputs, hostfile_path, parse_batches,  # noqa: F401
                           parse_gpu_ids, parse_split)
@@ -31,7 +32,7 @@ def lora_path(name: str | None) -> str | None:
     return folder_paths.get_full_path_or_raise("loras", name)
 
 
-class AdapterNode(io.ComfyNode):
+class AdapterNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -155,7 +156,7 @@ def parse_kwargs(text: str) -> tuple[tuple[str, object], ...]:
                          f"lines, e.g. d_coef = 2, decouple = true ({e})") from None
 
 
-class OptimizerNode(io.ComfyNode):
+class OptimizerNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -227,7 +228,7 @@ class OptimizerNode(io.ComfyNode):
                              | loss_patch(**loss))
 
 
-class ScheduleNode(io.ComfyNode):
+class ScheduleNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -311,7 +312,7 @@ UNSET_BY_ZERO = {"save_every_n_epochs", "checkpoint_every_n_epochs", "checkpoint
                  "eval_image_micro_batch_size_per_gpu", *(k for k, _ in COUNTS)}
 
 
-class MemoryNode(io.ComfyNode):
+class MemoryNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(

@@ -10,9 +10,10 @@ from ..backend.errors import PipeTrainError
 from ..backend.config.patch import RunPatch
 from ..launcher.specs import LORA, ParallelismSpec, RunHandle, TrainSpec
 from . import types as t
+from .declared import CheckedNode
 
 
-class CacheNode(io.ComfyNode):
+class CacheNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -55,7 +56,7 @@ class CacheNode(io.ComfyNode):
         return io.NodeOutput(dataset, ui=ui.PreviewText(text))
 
 
-class TrainNode(io.ComfyNode):
+class TrainNode(CheckedNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from .. import compat
 from ..errors import ConfigError
 from .patch import widget
+from ..schema import secret
 from ..process_inputs import (control_problem, env_name_problem, env_value_problem, host_problem, ifname_problem,
                               refuse, shown)
 
@@ -59,7 +60,9 @@ _WANDB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 class MonitoringConfig:
     """diffusion-pipe's ``[monitoring]``: Weights & Biases beside TensorBoard (global rank 0 logs the same scalars)."""
     enable_wandb: bool = False
-    wandb_api_key: Optional[str] = None       # else wandb's own login (``wandb login``, WANDB_API_KEY)
+    # else wandb's own login (``wandb login``, WANDB_API_KEY); never written back (a resumed run, which reads the
+    # run folder's run.toml, logs in that way)
+    wandb_api_key: Optional[str] = field(default=None, metadata=secret())
     wandb_tracker_name: Optional[str] = None  # the W&B project (default "pipetrain")
     wandb_run_name: Optional[str] = None      # default: the run id
 

@@ -12,6 +12,7 @@ from PIL import Image
 
 from ..config import DatasetConfig, DirectoryConfig
 from ..errors import DatasetError
+from ..fsutil import UnreadableFile, read_regular
 from .headers import EXIF_ORIENTATION_TAG, TRANSPOSING_ORIENTATIONS, size_from_header
 from .items import MediaItem
 
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 PROBE_THREADS = 8
 PROBE_CHUNK = 64
+MAX_CAPTION = 1024 * 1024   # a caption is a line or a paragraph
 # Only files with these extensions are dataset files: anything else in the folder (notes.md, a metadata .json,
 # a caption of another extension) is never opened as an image. Videos count for image models too, so that a
 # clip in an image model's folder is reported as unusable rather than silently ignored.
@@ -67,12 +69,15 @@ def _probe_size(path: Path) -> tuple[int, int] | str:
 
 
 def _read_caption(caption_path: Path) -> str | None:
-    """The stripped caption, or None when the file does not exist."""
+    """The stripped caption, or None when the file does not exist; OSError naming the problem for anything but a
+    regular file of at most MAX_CAPTION bytes (a FIFO would block the scan, /dev/zero fill memory)."""
     try:
-        with open(caption_path, encoding="utf-8-sig") as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
+        data = read_regular(caption_path, MAX_CAPTION)
+    except UnreadableFile as e:
+        if e.missing:
+            return None
+        raise OSError(0, str(e)) from None
+    return data.decode("utf-8-sig").strip()
 
 
 def is_media_file(path: Path) -> bool:
@@ -198,8 +203,9 @@ def _pair_vace(scan: _DirectoryScan, cfg: DatasetConfig, directory: DirectoryCon
         problems += [f"{path}: several files for {stem}: {', '.join(p.name for p in ps)}"
                      for stem, ps in sorted(files.items()) if len(ps) > 1]
         if problems:
-            raise DatasetError(f"{len(problems)} problem(s) pairing {scan.path} with its {key}:{_listing(problems)}\n"
-                               "Each training file needs exactly one file of the same name (any extension) there.")
+            head = f"{len(problems)} problem(s) pairing {scan.path} with its {key}"
+            hint = "Each training file needs exactly one file of the same name (any extension) there."
+            raise DatasetError(f"{head}:{_listing(problems)}\n{hint}", summary=f"{head}. {hint}")
         found[key] = {stem: ps[0] for stem, ps in files.items()}
     if found:
         scan.items = [dataclasses.replace(item, control_mask=found.get("control_mask_path", {}).get(item.path.stem),
@@ -224,7 +230,8 @@ def _pair_masks(scan: _DirectoryScan, cfg: DatasetConfig, directory: DirectoryCo
         masks.setdefault(p.stem, []).append(p)
     doubles = [f"{stem}: {', '.join(p.name for p in files)}" for stem, files in sorted(masks.items()) if len(files) > 1]
     if doubles:
-        raise DatasetError(f"{folder}: several masks for one image ({'; '.join(doubles[:5])}); keep one per stem")
+        raise DatasetError(f"{folder}: several masks for one image ({'; '.join(doubles[:5])}); keep one per stem",
+                           summary=f"{folder}: several masks for {len(doubles)} image(s); keep one per stem")
     fallback = Path(os.path.abspath(default)) if default is not None else None
     scan.items = [dataclasses.replace(item, mask=masks[item.path.stem][0] if item.path.stem in masks else fallback)
                   for item in scan.items]
@@ -258,10 +265,10 @@ def _pair_controls(scan: _DirectoryScan, caption_extension: str) -> None:
                      for stem, files in sorted(controls.items()) if len(files) > 1]
         paired.append(controls)
     if problems:
-        raise DatasetError(f"{len(problems)} unpaired file(s) between {scan.path} and its control_path:"
-                           f"{_listing(problems)}\nEach training file needs exactly one control image with the same "
-                           "name (any image extension) in each control folder and vice versa; add, rename or remove "
-                           "these files.")
+        head = f"{len(problems)} unpaired file(s) between {scan.path} and its control_path"
+        hint = ("Each training file needs exactly one control image with the same name (any image extension) in "
+                "each control folder and vice versa; add, rename or remove these files.")
+        raise DatasetError(f"{head}:{_listing(problems)}\n{hint}", summary=f"{head}. {hint}")
     scan.items = [dataclasses.replace(item, control=paired[0][item.path.stem][0],
                                       more_controls=tuple(c[item.path.stem][0] for c in paired[1:]))
                   for item in scan.items]
@@ -276,9 +283,10 @@ def _report_unreadable(cfg: DatasetConfig, unreadable: list[tuple[Path, str]]) -
         return
     listing = _listing(f"{file}: {reason}" for file, reason in unreadable)
     if cfg.on_unreadable == "error":
-        raise DatasetError(f"{len(unreadable)} dataset file(s) cannot be read:{listing}\n"
-                           "Remove or replace these files, or set on_unreadable = 'skip' in the dataset config "
-                           "to train without them.")
+        head = f"{len(unreadable)} dataset file(s) cannot be read"
+        hint = ("Remove or replace these files, or set on_unreadable = 'skip' in the dataset config to train "
+                "without them.")
+        raise DatasetError(f"{head}:{listing}\n{hint}", summary=f"{head}. {hint}")
     log.warning("skipping %d dataset file(s) that cannot be read (on_unreadable = 'skip'):%s",
                 len(unreadable), listing)
 

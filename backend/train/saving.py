@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .. import lora
+from ..config import without_secrets
 from ..fsutil import atomic_write_bytes, space_guard
 from ..rundir import RunDir
 from . import distributed
@@ -169,7 +170,8 @@ def save_full_model(engine, adapter, cfg, run_dir: RunDir, reporter: RunReporter
         info = {"epoch": epoch, "step": step, "run": name}
         trained = merge_full_model(dm, adapter.model_files()["diffusion_model"][0], parts, path, dtype, info)
         shutil.rmtree(parts, ignore_errors=True)
-        atomic_write_bytes(Path(f"{path.with_suffix('')}.run.toml"), run_dir.run_toml.read_bytes())
+        copy = without_secrets(run_dir.run_toml.read_text())   # the models folder is one users share
+        atomic_write_bytes(Path(f"{path.with_suffix('')}.run.toml"), copy.encode())
         if ema:
             reporter.event("ema_saved", epoch=epoch, step=step, path=str(path), at_step=at_step)
         else:

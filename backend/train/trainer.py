@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import RunConfig, save_toml
+from ..config import RunConfig, save_toml, without_secrets
 from ..errors import CheckpointError, PipeTrainError
 from ..fallback import check_saved_lora
 from ..models.base import DTYPES
@@ -330,7 +330,7 @@ class Trainer:
                        "dropout": self.cfg.adapter.dropout, "target_blocks": list(self.adapter.lora_block_prefixes),
                        "target_modules": self.cfg.adapter.target_modules, "model_type": self.cfg.model.type,
                        "decompose_factor": self.cfg.adapter.decompose_factor}
-        run_toml = run_dir.run_toml.read_text()
+        run_toml = without_secrets(run_dir.run_toml.read_text())   # the LoRA's folder is the one users share
         stem = weights_stem(run_dir.name, epoch, step, at_step, ema)
         info = {"epoch": epoch, "step": step, "run": run_dir.name, **({"ema_decay": self.cfg.average_decay} if ema else {})}
         # a resumed run that trains an epoch again (killed after its LoRA, before the checkpoint) rewrites the

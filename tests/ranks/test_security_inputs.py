@@ -238,20 +238,25 @@ def test_nothing_in_a_run_folder_is_imported_by_the_processes_we_start(tmp_path)
     assert "usage" in (run_dir / "log.txt").read_text()      # the real json.tool ran
 
 
-def test_an_unreadable_caption_is_named_without_its_bytes(tmp_path):
-    from PIL import Image
-
+def scan_refusal(folder: Path) -> str:
+    """The message of the DatasetError scanning ``folder`` (on_unreadable = "error") raises."""
     from pipetrain.backend.config import DatasetConfig
     from pipetrain.backend.data import scan_dataset
     from pipetrain.backend.errors import DatasetError
 
-    Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
-    (tmp_path / "a.txt").write_bytes(b"ok \xfe secret caption")
-    cfg = from_dict(DatasetConfig, {"directory": [{"path": str(tmp_path)}], "resolutions": [64],
+    cfg = from_dict(DatasetConfig, {"directory": [{"path": str(folder)}], "resolutions": [64],
                                     "on_unreadable": "error"}, file="dataset.toml")
     with pytest.raises(DatasetError) as e:
         scan_dataset(cfg)
-    message = str(e.value)
+    return str(e.value)
+
+
+def test_an_unreadable_caption_is_named_without_its_bytes(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes(b"ok \xfe secret caption")
+    message = scan_refusal(tmp_path)
     assert "a.txt: caption file is not readable UTF-8 text (not UTF-8 at byte 3)" in message, message
     assert "0xfe" not in message and "secret" not in message
 
@@ -274,3 +279,219 @@ def test_values_the_rules_pass_add_no_variable_to_srun_export(tmp_path):
     assert sorted(assigned) == sorted([*EDGY, "NCCL_SOCKET_IFNAME"]), export
     with pytest.raises(ConfigError, match="srun --export reads as another variable"):
         cluster(launcher="slurm", env={"NCCL_DEBUG": "INFO,LD_PRELOAD=/tmp/evil.so"})
+
+
+# --- the nodes: only declared inputs, within their bounds, reach a run key (issue #34, item 1) -----------------
+
+@pytest.fixture(scope="module")
+def nodes():
+    from pipetrain.backend.runtime import ensure_comfyui
+    ensure_comfyui()
+    from pipetrain.nodes import settings, samples
+    return settings, samples
+
+
+def schedule_inputs(**changes) -> dict:
+    from pipetrain.nodes.settings import ScheduleNode
+    inputs = {i.id: i.default for i in ScheduleNode.define_schema().inputs if not i.optional}
+    return {**inputs, **changes}
+
+
+@pytest.mark.parametrize("name, value", [("model.vae", "/tmp/evil-vae.safetensors"), ("vae", "/tmp/x"),
+                                         ("monitoring.wandb_api_key", "attackerkey0123456789"),
+                                         ("monitoring", {"wandb_api_key": "attackerkey0123456789"}),
+                                         ("output_dir", "/tmp"), ("lora_dir", "/etc"), ("dataset", "/dev/zero")])
+def test_an_undeclared_input_reaches_no_run_key(nodes, name, value):
+    """ComfyUI hands a node every linked input, declared or not: the Schedule node refuses one it does not
+    declare, by name, instead of writing it into the run."""
+    settings, _ = nodes
+    with pytest.raises(ValueError, match=f"'{name}' is not an input of this node") as e:
+        settings.ScheduleNode.execute(**schedule_inputs(**{name: value}))
+    assert "attackerkey" not in str(e.value)
+
+
+def test_every_node_with_a_catch_all_refuses_undeclared_inputs(nodes):
+    settings, samples = nodes
+    from pipetrain.nodes.data import DatasetNode, ModelNode
+    for node in (settings.MemoryNode, settings.AdapterNode, settings.OptimizerNode, samples.SamplesNode, DatasetNode,
+                 ModelNode):
+        with pytest.raises(ValueError, match="'model.vae' is not an input of this node"):
+            node.execute(**{"model.vae": "/tmp/evil.safetensors"})
+
+
+@pytest.mark.parametrize("name, value, problem", [
+    ("epochs", 1_000_000_000, "outside 1 .. 100000"), ("epochs", 0, "outside 1 .. 100000"),
+    ("epochs", True, "expected a whole number"), ("epochs", 2.5, "expected a whole number"),
+    ("seed", -1, "outside"), ("save_every_n_epochs", 10**6, "outside 0 .. 10000"),   # named in validate_inputs
+    ("checkpoint_every_n_minutes", float("nan"), "expected a finite number"),
+    ("lr_scheduler", "../../etc", "not one of the node's choices"), ("wandb_run_name", 5, "expected text")])
+def test_a_linked_value_is_held_to_the_widgets_bounds(nodes, name, value, problem):
+    """ComfyUI checks min, max and options only on typed values: a Primitive node linked to ``epochs`` passes
+    any number. The node holds it to the widget's range."""
+    settings, _ = nodes
+    with pytest.raises(ValueError, match=f"input '{name}'.*{problem}"):
+        settings.ScheduleNode.execute(**schedule_inputs(**{name: value}))
+
+
+def test_declared_inputs_in_range_still_make_their_keys(nodes):
+    settings, _ = nodes
+    patch = settings.ScheduleNode.execute(**schedule_inputs(epochs=100000, max_steps=7)).result[0]
+    assert patch.get("epochs") == 100000 and patch.get("max_steps") == 7 and patch.get("model.vae") is None
+    assert settings.OptimizerNode.defaults().get("optimizer.lr") == settings.start("optimizer.lr")
+
+
+# --- no secret is written (issue #34, item 7) -------------------------------------------------------------------
+
+KEY = "attackerKey0123456789"
+
+
+def test_an_api_key_is_read_but_never_written(tmp_path):
+    """A config's W&B key reaches the run's config in memory, never run.toml or the copy beside each LoRA."""
+    from pipetrain.backend.config import load_run_config, without_secrets
+
+    (tmp_path / "d.toml").write_text(f'resolutions = [64]\n[[directory]]\npath = "{tmp_path}"\n')
+    written = ('output_dir = "."\ndataset = "d.toml"\n[model]\ntype = "flux"\ndiffusion_model = "x"\nvae = "v"\n'
+               f'text_encoders = ["t"]\n[monitoring]\nenable_wandb = true\nwandb_api_key = "{KEY}"\n'
+               'wandb_tracker_name = "proj"\n')
+    (tmp_path / "run.toml").write_text(written)
+    cfg = load_run_config(tmp_path / "run.toml", check_dataset=False)
+    assert cfg.monitoring.wandb_api_key == KEY          # the run logs in with it
+    save_toml(cfg, tmp_path / "again.toml")
+    again = (tmp_path / "again.toml").read_text()
+    assert KEY not in again and 'wandb_tracker_name = "proj"' in again and "enable_wandb = true" in again
+    shared = without_secrets(written)                    # a run.toml written by hand, copied beside a LoRA
+    assert KEY not in shared and "wandb_api_key" not in shared and 'wandb_tracker_name = "proj"' in shared
+    plain = written.replace(f'wandb_api_key = "{KEY}"\n', "")
+    assert without_secrets(plain) == plain               # nothing secret: the copy is the file as written
+
+
+# --- config files and captions: regular files of bounded size only (issue #34, item 9) ---------------------------
+
+def test_a_dataset_or_config_that_is_not_a_regular_file_is_refused_by_name(tmp_path):
+    """``dataset = "/dev/zero"`` would be read until memory runs out, a FIFO would block for ever: each is refused
+    before a byte is read, naming the key that names it."""
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.config.files import MAX_CONFIG
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.toml"
+    big.write_text("# " + "x" * MAX_CONFIG + "\n")
+    run = tmp_path / "run.toml"
+    for dataset, problem in (("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
+                             (str(tmp_path), "not a regular file"), (str(big), "larger than 4096 KiB"),
+                             (str(tmp_path / "missing.toml"), "file not found")):
+        run.write_text(f'output_dir = "."\ndataset = "{dataset}"\n[model]\ntype = "flux"\ndiffusion_model = "x"\n'
+                       'vae = "v"\ntext_encoders = ["t"]\n')
+        with pytest.raises(ConfigError) as e:
+            load_run_config(run)
+        assert e.value.key == "dataset" and e.value.file == run and problem in str(e.value), str(e.value)
+        assert dataset in str(e.value)
+    for config in (Path("/dev/zero"), fifo, big):
+        with pytest.raises(ConfigError, match="not a regular file|larger than"):
+            load_run_config(config)
+
+
+def test_a_caption_that_is_not_a_regular_file_is_named_unreadable(tmp_path):
+    from PIL import Image
+
+    for name in ("a", "b"):
+        Image.new("RGB", (64, 64)).save(tmp_path / f"{name}.png")
+    os.mkfifo(tmp_path / "a.txt")                   # reading it would block the scan for ever
+    (tmp_path / "b.txt").symlink_to("/dev/zero")    # reading it would fill memory
+    message = scan_refusal(tmp_path)
+    assert "a.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
+    assert "b.txt: caption file is not readable UTF-8 text (not a regular file)" in message, message
+
+
+# --- file names of a folder a workflow names stay on the server (issue #34, item 8) -----------------------------
+
+def test_a_control_folder_refusal_from_the_nodes_names_no_file_in_it(tmp_path):
+    """The Train node's answer goes to whoever queued the prompt (/history): the pairing refusal says how many
+    files are unpaired, never their names; the CLI's scan still lists them."""
+    from PIL import Image
+
+    from pipetrain.backend.config import DatasetConfig
+    from pipetrain.backend.data import scan_dataset
+    from pipetrain.backend.errors import DatasetError
+    from pipetrain.launcher.build import check_edit_pairs
+
+    train, private = tmp_path / "train", tmp_path / "private"
+    for folder, names in ((train, ("a", "b")), (private, ("a", "secret-name-of-a-private-file"))):
+        folder.mkdir()
+        for name in names:
+            Image.new("RGB", (64, 64)).save(folder / f"{name}.png")
+    ds = from_dict(DatasetConfig, {"directory": [{"path": str(train), "control_path": str(private)}],
+                                   "resolutions": [64]}, file="dataset.toml")
+    with pytest.raises(DatasetError) as e:
+        check_edit_pairs(ds, "flux_kontext", "dataset")
+    message = str(e.value)
+    assert "2 unpaired file(s)" in message and str(private) not in message.split("control_path")[-1], message
+    assert "secret-name" not in message and "b.png" not in message, message
+    with pytest.raises(DatasetError, match="secret-name-of-a-private-file"):
+        scan_dataset(ds)
+
+
+def test_the_cache_nodes_error_names_no_file_of_the_dataset(tmp_path):
+    """The Cache node's child prints its refusal with the dataset's unreadable files listed; the node's message
+    (which /history returns) keeps the refusal's first line and names the log, not the files."""
+    from pipetrain.launcher.cache_job import ERROR_LINE, failure
+
+    (tmp_path / "secret-name-of-a-private-file.png").write_bytes(b"not a picture")
+    refusal = scan_refusal(tmp_path)
+    log = tmp_path / "log.txt"
+    log.write_text(f"loading\n{ERROR_LINE}{refusal}\n")       # as backend/cli.py reports it
+    assert "secret-name" in log.read_text()
+    message = str(failure(log, 2))
+    assert "caching failed (exit code 2): 1 dataset file(s) cannot be read" in message and str(log) in message
+    assert "secret-name" not in message, message
+
+
+def test_an_epoch_lora_is_loaded_only_from_the_runs_own_folders(tmp_path):
+    """Load Epoch LoRA loads the file a ``lora_saved`` event names: only one in the run's folder or its LoRA
+    folder, never what a line of a run folder's file points elsewhere (#34, as the samples route)."""
+    import json
+
+    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.launcher.summaries import lora_for_epoch
+
+    runs, lora_root = RunsRoot(tmp_path / "runs"), tmp_path / "loras"
+    d = runs.path("run-l")
+    (lora_root / "run-l").mkdir(parents=True)
+    d.mkdir(parents=True)
+    outside, other = tmp_path / "elsewhere.safetensors", runs.path("run-other") / "x.safetensors"
+    other.parent.mkdir()
+    own = lora_root / "run-l" / "run-l-epoch0001.safetensors"
+    for path in (outside, other, own, d / "linked.safetensors"):
+        if path.name == "linked.safetensors":
+            path.symlink_to(outside)
+        else:
+            path.write_bytes(b"x")
+    (d / "status.json").write_text(json.dumps({"state": "finished"}))
+    with open(d / "events.jsonl", "w") as f:
+        for epoch, path in enumerate((own, outside, other, d / "linked.safetensors"), start=1):
+            f.write(json.dumps({"type": "lora_saved", "epoch": epoch, "step": epoch, "path": str(path)}) + "\n")
+    assert lora_for_epoch(runs, "run-l", 1, lora_root)["path"] == str(own)
+    for epoch in (2, 3, 4):
+        assert lora_for_epoch(runs, "run-l", epoch, lora_root) is None, epoch
+    assert lora_for_epoch(runs, "run-l", 0, lora_root)["epoch"] == 1
+
+
+def test_a_run_folder_whose_files_are_fifos_or_folders_is_read_as_empty(tmp_path):
+    """The panel reads every run's records on each poll: a FIFO in place of events.jsonl or status.json would
+    block the reading thread for ever, a folder would fail it; each reads as nothing instead."""
+    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.launcher.core import Launcher
+
+    la = Launcher(tmp_path / "runs")
+    d = la.dirs.path("run-odd")
+    d.mkdir()
+    (d / "run.toml").write_text("")
+    os.mkfifo(d / "events.jsonl")
+    os.mkfifo(d / "status.json")
+    (d / "launcher.json").mkdir()
+    (d / "checkpoints" / "latest").mkdir(parents=True)
+    assert RunsRoot(tmp_path / "runs").ids() == ["run-odd"]
+    [run] = la.list()
+    assert (run["id"], run["state"], run["loras"], run["resumable"]) == ("run-odd", "unknown", [], False)
+    assert la.get("run-odd")["events"] == []

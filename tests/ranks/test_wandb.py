@@ -50,5 +50,12 @@ def test_a_run_logs_its_scalars_to_wandb_and_never_the_key(micro_flux_files, mak
     init = calls[1]
     assert (init["project"], init["name"], init["id"], init["resume"]) == ("my-project", "logged", "logged", "allow")
     assert "abcdef0123456789" not in json.dumps(init["config"])
+    # nothing the run writes holds the key (#34 item 7): its run.toml, the copy beside each LoRA, events, status
+    written = [run.run_dir / name for name in ("run.toml", "events.jsonl", "status.json")]
+    written += [lora.with_suffix(".run.toml") for lora in run.loras()]
+    assert run.loras() and all(p.is_file() for p in written), written
+    for path in written:
+        assert "abcdef0123456789" not in path.read_text(), path
+    assert 'wandb_tracker_name = "my-project"' in run.loras()[0].with_suffix(".run.toml").read_text()
     logged = {c["step"]: c["values"]["train/loss"] for c in calls if c["call"] == "log" and "train/loss" in c["values"]}
     assert logged == {e["step"]: pytest.approx(e["loss"]) for e in run.events("step")}

@@ -131,6 +131,9 @@ def test_model_node_takes_vae_and_text_encoders_from_the_checkpoint(monkeypatch)
     monkeypatch.setattr(data, "detect", lambda path, model_type: "ace_step")
     monkeypatch.setattr(data, "parity_text", lambda model_type: "")
     monkeypatch.setattr(folder_paths, "get_full_path_or_raise", lambda kind, name: f"/models/{kind}/{name}")
+    # the node takes only the files its combos list (nodes/declared.py)
+    monkeypatch.setattr(folder_paths, "get_filename_list", lambda kind: ["ace.safetensors", "umt5_base.safetensors",
+                                                                         "ace_vae.safetensors", "t5.safetensors"])
     data.ModelNode.execute("ace.safetensors", data.FROM_CHECKPOINT, data.NONE, data.FROM_CHECKPOINT, "default",
                            "bfloat16")
     data.ModelNode.execute("ace.safetensors", "umt5_base.safetensors", data.NONE, "ace_vae.safetensors", "default",

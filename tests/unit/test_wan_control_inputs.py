@@ -274,6 +274,8 @@ def test_the_nodes_set_the_keys(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "detect", lambda path, model_type: model_type)
     monkeypatch.setattr(data, "parity_text", lambda model_type: "")
     monkeypatch.setattr(folder_paths, "get_full_path_or_raise", lambda kind, name: name)
+    # the node takes only the files its combos list (nodes/declared.py)
+    monkeypatch.setattr(folder_paths, "get_filename_list", lambda kind: ["dm", "t1", "vae"])
     for value in (False, True):
         ModelNode.execute("dm", "t1", "none", "vae", "default", "bfloat16", model_type="wan_fun_control",
                           control_start_image=value)

@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""A node's declared inputs are the only ones it accepts, each within its widget's bounds, whatever the prompt.
+
+ComfyUI hands a node every *linked* input of the prompt, declared or not, and checks a widget's min, max and
+options only on values typed into it (not on linked ones, nor on inputs the node's ``validate_inputs`` names).
+The nodes turn their inputs into run keys, so an undeclared input would set any run key (a VAE outside models/,
+a secret) and a linked one could pass any number. ``CheckedNode`` checks every call of ``execute`` against the
+node's own schema first: the schema is the allow-list.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+from comfy_api.latest import io
+
+_CHECKED = "_pipetrain_checked"
+
+
+def input_problem(spec, value) -> str | None:
+    """What is wrong with ``value`` for the declared input ``spec``, or None (None values: an unlinked optional)."""
+    if value is None:
+        return None
+    if isinstance(spec, io.Boolean.Input):
+        return None if isinstance(value, bool) else "expected true or false"
+    if isinstance(spec, (io.Int.Input, io.Float.Input)):
+        number = isinstance(value, int) if isinstance(spec, io.Int.Input) else isinstance(value, (int, float))
+        if isinstance(value, bool) or not number:
+            return "expected a whole number" if isinstance(spec, io.Int.Input) else "expected a number"
+        if isinstance(value, float) and not math.isfinite(value):
+            return "expected a finite number"
+        if spec.min is not None and value < spec.min or spec.max is not None and value > spec.max:
+            return f"outside {spec.min} .. {spec.max}"
+        return None
+    if isinstance(spec, io.Combo.Input):
+        return None if value in spec.options else "not one of the node's choices"
+    if isinstance(spec, io.String.Input):
+        return None if isinstance(value, str) else "expected text"
+    return None     # PipeTrain's own socket types: ComfyUI links only a matching output to them
+
+
+def check_inputs(cls, values: dict) -> None:
+    """ValueError naming the first input of ``values`` that ``cls``'s schema does not declare or bound."""
+    schema = cls.define_schema()
+    declared = {spec.id: spec for spec in schema.inputs}
+    node = schema.display_name or schema.node_id
+    for name, value in values.items():
+        spec = declared.get(name)
+        if spec is None:
+            raise ValueError(f"{node}: {name!r} is not an input of this node; remove the link to it "
+                             "(only the node's own inputs are used)")
+        problem = input_problem(spec, value)
+        if problem:
+            shown = repr(value) if isinstance(value, (bool, int, float)) else "the value given"
+            raise ValueError(f"{node}: input {name!r}: {shown} is refused ({problem}); set it on the "
+                             "node's widget")
+
+
+class CheckedNode(io.ComfyNode):
+    """A ComfyUI node whose ``execute`` sees only its declared inputs, within their bounds (``check_inputs``)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        execute = cls.__dict__.get("execute")
+        # ComfyUI clones node classes (their __dict__ copied): an execute already wrapped stays as it is
+        if execute is None or getattr(execute.__func__, _CHECKED, False):
+            return
+        inner = execute.__func__
+        signature = inspect.signature(inner)
+
+        @functools.wraps(inner)
+        def checked(klass, *args, **values):
+            bound = signature.bind_partial(klass, *args, **values).arguments
+            named = {}
+            for name, param in list(signature.parameters.items())[1:]:
+                if name in bound:
+                    named.update(bound[name] if param.kind is param.VAR_KEYWORD else {name: bound[name]})
+            check_inputs(klass, named)
+            return inner(klass, *args, **values)
+
+        setattr(checked, _CHECKED, True)
+        cls.execute = classmethod(checked)
