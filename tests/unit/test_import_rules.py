@@ -106,8 +106,9 @@ def test_the_checker_resolves_relative_imports(tmp_path, source, module, expecte
 # what ComfyUI itself provides to a custom node (its own modules and its server's library)
 # torchaudio: in ComfyUI's requirements (its ACE-Step VAE needs it); declaring it here would have pip pull the torch
 # its release pins, so scripts/setup.sh installs it without dependencies
+# comfy_kitchen: in the requirements of ComfyUI 0.8 and later; PipeTrain reaches it only where the host has loaded it
 HOST_PROVIDED = {"comfy", "comfy_api", "comfy_execution", "comfy_extras", "execution", "folder_paths", "nodes",
-                 "server", "aiohttp", "torchaudio"}
+                 "server", "aiohttp", "torchaudio", "comfy_kitchen"}
 IMPORT_NAMES = {"pillow": "PIL", "tomli-w": "tomli_w", "pytorch-optimizer": "pytorch_optimizer",
                 "torch-optimi": "optimi"}   # distributions whose import name differs
 
