@@ -137,6 +137,20 @@ def start_server(base: Path, timeout: float = 90, attempts: int = 3, python: str
     raise AssertionError("unreachable")
 
 
+def comfyui_of(version: str) -> Path:
+    """The ComfyUI tree of ``version``: the pinned one or one of the machine's newer ones (else a skip)."""
+    from comfyui_copies import comfyui_cache, other_comfyuis
+
+    from pipetrain.backend.runtime import PINNED_VERSION
+
+    if version == PINNED_VERSION:
+        return COMFYUI
+    found = other_comfyuis().get(version)
+    if found is None:
+        pytest.skip(f"ComfyUI {version} is not in {comfyui_cache()} (scripts/comfyui_cache.sh puts it there)")
+    return found
+
+
 def _start_server(base: Path, timeout: float, python: str, link_repo: bool, comfyui: Path) -> ComfyServer:
     if not (comfyui / "main.py").is_file():
         pytest.skip(f"ComfyUI not installed at {comfyui} (run scripts/setup.sh)")
@@ -146,6 +160,12 @@ def _start_server(base: Path, timeout: float, python: str, link_repo: bool, comf
     port = free_port()
     log = base / "comfyui.log"
     env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PATH", "PYTHONPATH")}
+    if python == sys.executable:   # another interpreter brings a newer ComfyUI's packages itself (the user's venv)
+        from comfyui_copies import extra_packages
+
+        site = extra_packages(comfyui)
+        if site is not None:
+            env["PYTHONPATH"] = str(site)
     cmd = [python, str(comfyui / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--base-directory", str(base), "--disable-api-nodes", "--log-stdout"]
     if "--database-url" in (comfyui / "comfy" / "cli_args.py").read_text():

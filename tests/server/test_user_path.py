@@ -30,11 +30,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pipetrain.backend.runtime import PINNED_VERSION
-from comfyui_copies import NEWER_VERSIONS, comfyui_cache, extra_packages, other_comfyuis
-from server_fixtures import (COMFYUI, REPO, SHIM_NODE, comfy_page, fetch_image, install_test_shims, kill_runs,
+from comfyui_copies import NEWER_VERSIONS, extra_packages
+from server_fixtures import (REPO, SHIM_NODE, comfy_page, comfyui_of, fetch_image, install_test_shims, kill_runs,
                              link_model_files, load_example, needs_chromium, node_box, overlapping, start_server,
                              workflow_to_prompt)
+
+from pipetrain.backend.runtime import PINNED_VERSION
 
 pytestmark = [pytest.mark.slow, needs_chromium]
 
@@ -68,16 +69,6 @@ class User:
         self.server = None
         self.run_id: str | None = None
         self.pip_output = ""
-
-
-def comfyui_of(version: str) -> Path:
-    """The ComfyUI tree of ``version``: the pinned one or one of the machine's newer ones (else a skip)."""
-    if version == PINNED_VERSION:
-        return COMFYUI
-    found = other_comfyuis().get(version)
-    if found is None:
-        pytest.skip(f"ComfyUI {version} is not in {comfyui_cache()} (scripts/comfyui_cache.sh puts it there)")
-    return found
 
 
 @pytest.fixture(scope="module", params=[PINNED_VERSION, *NEWER_VERSIONS])
