@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""A real ComfyUI server (the pinned copy, ``--cpu``) with this repository in its ``custom_nodes``.
+"""A real ComfyUI server (the pinned copy or a newer one, ``--cpu``) with this repository in its ``custom_nodes``.
 
 Everything ComfyUI writes goes to a temporary ``--base-directory``; the repository is linked in as
 ``custom_nodes/pipetrain``. Readiness is polled on ``/system_stats``; nothing sleeps blindly. Also here:

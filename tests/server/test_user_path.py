@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""PipeTrain as the README installs it, used as a ComfyUI user uses it.
+"""PipeTrain as the README installs it, used as a ComfyUI user uses it, on the pinned ComfyUI and on each newer
+one the machine's ComfyUI cache holds (``comfyui_copies.NEWER_VERSIONS``; one server and one Chromium each, a
+version not there is skipped naming it), each through its own frontend.
 
 The repository is *copied* into a fresh ComfyUI base folder's ``custom_nodes/`` under another folder name;
 the server runs in a Python environment where ``import pipetrain`` fails (a fresh venv that sees the test
@@ -164,7 +166,8 @@ def canvas_js(node_id: int, needle: str, *more: int) -> str:
 
 
 # an input's widget name: its aria-label (frontend 1.3x) or its row's label (1.49)
-VUE_NUMBERS_JS = ("(() => { const name = (i) => i.getAttribute('aria-label') ?? i.closest('[data-testid=\"node-widget\"]')"
+VUE_NUMBERS_JS = ("(() => { const name = (i) => i.getAttribute('aria-label')"
+                  " ?? i.closest('[data-testid=\"node-widget\"]')"
                   "?.querySelector('[data-testid=\"widget-layout-field-label\"]')?.textContent?.trim();"
                   " const found = Object.fromEntries([...document.querySelectorAll('input')]"
                   ".map((i) => [name(i), i.value]).filter(([n]) => ['lr', 'eps'].includes(n)));"
@@ -297,7 +300,7 @@ def test_readme_install_trains_and_renders_from_the_page(user):
     assert object_info["PipeTrainEpochSamples"]["deprecated"] is True
     assert not any(object_info[n].get("deprecated") for n in object_info if n.startswith("PipeTrain")
                    and n != "PipeTrainEpochSamples")
-    # the template browser's cards: the thumbnail URL frontend 1.32 builds for a custom node's template
+    # the template browser's cards: the thumbnail URL frontends 1.32 to 1.49 build for a custom node's template
     for name in ("train_a_lora", "test_an_epoch_lora"):
         with urllib.request.urlopen(f"{user.server.url}/api/workflow_templates/{FOLDER}/{name}.jpg", timeout=10) as r:
             assert r.headers["Content-Type"] == "image/jpeg" and len(r.read()) > 10_000, name
