@@ -172,9 +172,9 @@ VUE_NUMBERS_JS = ("(() => { const name = (i) => i.getAttribute('aria-label')"
                   " const found = Object.fromEntries([...document.querySelectorAll('input')]"
                   ".map((i) => [name(i), i.value]).filter(([n]) => ['lr', 'eps'].includes(n)));"
                   " return Object.keys(found).length === 2 ? found : null; })()")
-# the optimizer's lr 2e-4 and eps 1e-8 as Nodes 2.0 shows them: frontend 1.3x with the fraction digits PipeTrain
-# gives it, 1.49 with exactly the widget's precision (its digits of ``step``) and no other formatting option
-VUE_NUMBERS = {"0.33.0": {"lr": "0.00020", "eps": "0.000000010"}}
+# the optimizer's lr 2e-4 and eps 1e-8 as Nodes 2.0 shows them: frontend 1.32 with the fraction digits PipeTrain
+# gives it, 1.35 and 1.49 with exactly the widget's precision (its digits of ``step``), no other option read
+VUE_NUMBERS = {v: {"lr": "0.00020", "eps": "0.000000010"} for v in ("0.8.0", "0.33.0")}
 VUE_NUMBERS_PINNED = {"lr": "0.0002", "eps": "0.00000001"}
 QUEUE_JS = "(async () => { await app.queuePrompt(0, 1); return true; })()"
 
