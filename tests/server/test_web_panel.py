@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-from server_fixtures import (CHART_POINTS_JS, REPO, card, needs_chromium, panel_page, progress_js,
+from server_fixtures import (CHART_POINTS_JS, REPO, card, comfyui_of, needs_chromium, panel_page, progress_js,
                              start_server)
+
+from pipetrain.backend.runtime import PINNED_VERSION
 
 ARTIFACTS = REPO / "test-artifacts"
 RUN_ID = "ui-run"
@@ -116,10 +118,13 @@ class FakeRun:
         self.ref.popen.wait(5)
 
 
-@pytest.fixture(scope="module")
-def ui(tmp_path_factory):
-    base = tmp_path_factory.mktemp("comfy-ui")
-    server = start_server(base)
+# the pinned ComfyUI's frontend and today's (ComfyUI 0.33, frontend 1.49) where the machine has it
+@pytest.fixture(scope="module", params=[PINNED_VERSION, "0.33.0"])
+def ui(request, tmp_path_factory):
+    comfyui = comfyui_of(request.param)
+    base = tmp_path_factory.mktemp(f"comfy-ui-{request.param}")
+    server = start_server(base, comfyui=comfyui)
+    server.version = request.param
     run = None
     try:
         run = FakeRun(server.runs_root)
@@ -171,6 +176,11 @@ def fabricate_checkpointed(runs_root: Path, run_id: str, state: str) -> None:
     (d / "status.json").write_text(json.dumps({"state": state, "step": 5, "total_steps": 10}))
 
 
+def shot(server, name: str) -> Path:
+    """The screenshot ``name`` of ``server``'s ComfyUI version (the pinned one's under the names the docs show)."""
+    return ARTIFACTS / (f"{name}.png" if server.version == PINNED_VERSION else f"{name}-{server.version}.png")
+
+
 async def drive(server, run: FakeRun, profile: Path) -> dict:
     async with panel_page(server, profile) as page:
         await page.wait_for(PROGRESS, 30, f"listing run {RUN_ID}")
@@ -193,7 +203,7 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         await page.wait_for(f"{EPOCHS}.includes('epoch 1 (step 10)')", 20, "listing the epoch 1 LoRA")
         later = {"bar": await page.js(BAR),
                  "text": await page.js("document.querySelector('#pipetrain-panel').innerText")}
-        await page.screenshot(ARTIFACTS / "pipetrain-panel.png")
+        await page.screenshot(shot(server, "pipetrain-panel"))
 
         # the epoch's button puts a Load Epoch LoRA node for it into the graph
         await page.wait_for(f"{CLICK}({BUTTON}('.pipetrain-epochs', 'Add loader node'))", 10, "an Add loader button")
@@ -207,7 +217,7 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
         await page.wait_for("[...document.querySelectorAll('#pipetrain-panel .pipetrain-grid img')]"
                             ".every((i) => i.complete && i.naturalWidth === 32)", 20, "the grid's images loaded")
         best = await page.js(BEST)
-        await page.screenshot(ARTIFACTS / "pipetrain-sample-grid.png")
+        await page.screenshot(shot(server, "pipetrain-sample-grid"))
         # an audio model's song: a player, whose file the samples route serves
         run.song(1, 10, "rock, guitar")
         song = await page.wait_for(
@@ -235,7 +245,7 @@ async def drive(server, run: FakeRun, profile: Path) -> dict:
             "(() => { const i = document.querySelector('#pipetrain-panel .pipetrain-step-samples img');"
             " return i?.complete && i.naturalWidth ? [i.closest('.pipetrain-step-samples').innerText, i.naturalWidth]"
             " : null; })()", 20, "the sample-now image, served by the samples route")
-        await page.screenshot(ARTIFACTS / "pipetrain-panel-controls.png")
+        await page.screenshot(shot(server, "pipetrain-panel-controls"))
         # Stop goes through the route; the run shows "stopping" until its process is gone
         await page.wait_for(f"{CLICK}({BUTTON}('[data-run=\"{RUN_ID}\"]', 'Stop'))", 10, "a Stop button")
         await page.wait_for(f"{STATE} === 'stopping'", 20, "stopping")
@@ -266,7 +276,7 @@ def test_panel_shows_live_progress_and_loss_chart(ui):
     assert result["grid"] == [["0.5", 2], ["1", 2]], result["grid"]
     assert result["best"] == "Lowest held-out loss: epoch 1 (0.1234)", result["best"]
     assert result["strength_loader"] == {"run": RUN_ID, "epoch": 1, "strength": 0.5}, result["strength_loader"]
-    assert (ARTIFACTS / "pipetrain-sample-grid.png").stat().st_size > 5_000
+    assert shot(server, "pipetrain-sample-grid").stat().st_size > 5_000
     status, kind, magic, controls, title = result["song"]
     assert (status, kind, magic, controls, title) == (200, "audio/flac", "fLaC", True, "rock, guitar (strength 1)"), \
         result["song"]
@@ -279,6 +289,6 @@ def test_panel_shows_live_progress_and_loss_chart(ui):
     assert result["resume_on_finished"] is False, result
     assert "step 17 (epoch 2)" in result["step_sample"][0] and result["step_sample"][1] == 64, result
     assert not [e for e in result["exceptions"] if "pipetrain" in e], result["exceptions"]
-    shot = ARTIFACTS / "pipetrain-panel.png"
-    assert shot.stat().st_size > 10_000 and (ARTIFACTS / "pipetrain-panel-controls.png").stat().st_size > 10_000
-    print(f"\nscreenshot: {shot}")
+    panel = shot(server, "pipetrain-panel")
+    assert panel.stat().st_size > 10_000 and shot(server, "pipetrain-panel-controls").stat().st_size > 10_000
+    print(f"\nscreenshot: {panel}")
