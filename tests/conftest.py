@@ -18,6 +18,17 @@ from pipetrain.backend.commands import deepspeed_command
 REPO = Path(__file__).resolve().parents[1]
 
 
+# each tier's time (setup, call and teardown of its tests, module and session fixtures included), printed at the end:
+# what CI's log shows of where the time goes
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid.startswith("tests/"):
+        tier = report.nodeid.split("/")[1]
+        _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter):
     from comfyui_copies import comfyui_cache, missing_newer_versions, other_comfyuis
 
@@ -25,6 +36,9 @@ def pytest_terminal_summary(terminalreporter):
 
     free = shutil.disk_usage(REPO).free / 2**30
     terminalreporter.write_line(f"disk: {free:.1f} GiB free after the tests")
+    if _TIER_SECONDS:
+        terminalreporter.write_line("time per tier: " + ", ".join(f"{tier} {seconds / 60:.1f} min" for tier, seconds
+                                                                  in sorted(_TIER_SECONDS.items())))
     covered = ", ".join([PINNED_VERSION, *other_comfyuis()])
     terminalreporter.write_line(f"ComfyUI versions covered: {covered}")
     missing = missing_newer_versions()
