@@ -13,6 +13,7 @@ import logging
 import sys
 
 from .errors import PipeTrainError
+from .fsutil import OUT_OF_SPACE_EXIT, OutOfSpace
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return Trainer(cfg, opts).run()
     except PipeTrainError as e:
         print(f"pipetrain: error: {e}", file=sys.stderr)
-        return 2
+        return OUT_OF_SPACE_EXIT if isinstance(e, OutOfSpace) else 2
 
 
 if __name__ == "__main__":

@@ -50,12 +50,20 @@ def lost_peer(e: BaseException) -> bool:
     return not isinstance(e, PipeTrainError) and any(marker in str(e) for marker in _PEER_LOST)
 
 
-def explain_failure(e: BaseException, run_name: str) -> str:
+def explain_failure(e: BaseException, run_name: str, peer: tuple[int, str] | None = None) -> str:
+    """``peer``: (rank, reason) another rank told before it ended (``distributed.tell_failure``), the cause of a
+    lost contact."""
+    if lost_peer(e) and peer is not None:
+        return f"{peer[1]} (rank {peer[0]})"
     text = str(e) if isinstance(e, PipeTrainError) else f"{type(e).__name__}: {e}"   # ours read as sentences
     if lost_peer(e):
         return (f"lost contact with another rank (a node or a training process stopped): {text.splitlines()[0]}. "
                 f"The run is resumable from its last checkpoint: launch it again with --resume {run_name}")
     return text
+
+
+class PeerFailed(PipeTrainError):
+    """Another rank failed and told why (``distributed.tell_failure``)."""
 
 
 class Trainer:
@@ -109,14 +117,18 @@ class Trainer:
             if lost_peer(e) and (pid := self.launcher_watch.gone()) is not None:
                 self._on_launcher_gone(pid)   # the peer went with the launcher: say so, not "lost contact"
             if self.topology.is_main and not isinstance(e, SystemExit):
-                message = explain_failure(e, self.run_dir.name)
-                self.reporter.event("error", message=message)
-                self.reporter.update(state="failed", error=message)
+                peer = distributed.peer_failure() if lost_peer(e) else None
+                message = explain_failure(e, self.run_dir.name, peer)
+                self.reporter.fail(message)
                 log.error(message)
+                if peer is not None:   # the other rank's reason, not this rank's traceback of the lost contact
+                    raise PeerFailed(message) from None
             if not self.topology.is_main and lost_peer(e):
                 # another rank failed and says why; a traceback here buries it
                 log.error("rank %d stops: another rank has failed", self.topology.rank)
                 raise SystemExit(1) from None
+            if not self.topology.is_main and not isinstance(e, SystemExit):
+                distributed.tell_failure(explain_failure(e, self.run_dir.name))
             raise
         finally:
             self.reporter.close()
@@ -370,8 +382,7 @@ class Trainer:
         log.error(message)
         try:
             if rank == 0 and self.reporter is not None:
-                self.reporter.event("error", message=message)
-                self.reporter.update(state="failed", error=message)
+                self.reporter.fail(message)
         finally:
             os._exit(1)
 
