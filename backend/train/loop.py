@@ -55,6 +55,7 @@ def change_lr(t: Trainer, lr: float) -> None:
     t.state.base_lr = lr
     if t.topology.is_main:
         step = t.state.global_step
+        run_control.record_lr(t.run_dir, lr, step + 1)   # before the event and status that acknowledge it
         t.reporter.event("control", action=run_control.LR, lr=lr, step=step, from_step=step + 1)
         t.reporter.update(base_lr=lr)
         log.info("learning rate %g from step %d on", lr, step + 1)

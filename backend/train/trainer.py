@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import run_control
 from ..config import RunConfig, save_toml
 from ..errors import CheckpointError, PipeTrainError
 from ..fallback import check_saved_lora
@@ -264,6 +265,7 @@ class Trainer:
         if tag is None:
             if is_main:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
+            self.replay_controls(state)
             return state
         saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag)
         if parts.ema is not None and not parts.ema.load(self.run_dir.checkpoints / tag) and is_main:
@@ -289,10 +291,34 @@ class Trainer:
         state.total_steps = state.global_step + remaining
         if self.cfg.max_steps:
             state.total_steps = min(state.total_steps, self.cfg.max_steps)
+        self.replay_controls(state)   # before the resume event, which says the learning rate
         if is_main:
             self.reporter.event("resume", checkpoint=tag, step=state.global_step, epoch=state.epoch,
                                 global_batch=global_batch, saved_global_batch=saved_batch, base_lr=state.base_lr)
         return state
+
+    def replay_controls(self, state: RunState) -> None:
+        """A learning rate change the run acknowledged after the checkpoint it resumes from (killed before the next
+        one) goes on applying: the resumed steps train with it, as the status said."""
+        applied, error = None, None
+        if self.topology.is_main:
+            try:
+                applied = run_control.applied_lr(self.run_dir)
+            except run_control.ControlValueError as e:
+                error = str(e)
+        applied, error = distributed.broadcast_object((applied, error))
+        if error is not None:
+            raise CheckpointError(error)
+        if applied is None or applied[1] <= state.global_step:   # the checkpoint holds it (or a later one)
+            return
+        lr, from_step = applied
+        state.base_lr = lr
+        set_base_lr(self.parts.engine.lr_scheduler, lr)
+        if self.topology.is_main:
+            self.reporter.event("control", action=run_control.LR, lr=lr, step=state.global_step,
+                                from_step=state.global_step + 1, replayed_from_step=from_step)
+            self.reporter.update(base_lr=lr)
+            log.info("learning rate %g (set at step %d) from step %d on", lr, from_step, state.global_step + 1)
 
     def train_loop(self) -> None:
         from .loop import run_loop
