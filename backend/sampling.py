@@ -28,6 +28,7 @@ from .cache.builder import TextWork, encode_text
 from .cache.keys import caption_image
 from .config import RunConfig, load_run_config
 from .errors import ConfigError
+from .child import child_env, die_with_parent
 from .commands import pipetrain_command
 from .fsutil import OUT_OF_SPACE_EXIT, OutOfSpace, fault_point, space_guard, temp_path_beside
 from .models.registry import adapter_class
@@ -140,7 +141,7 @@ class EpochSamples:
             self.warn(f"{why}; the training run renders them itself")
         cmd = pipetrain_command("sample", str(self.run_dir.run_toml), str(self.lora))
         with open(self.run_dir.samples_log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())   # dies with us
 
     def _poll_run(self) -> str | None:
         if self.proc.poll() is None:
@@ -349,6 +350,7 @@ def fulfil(request: Path, renderer: str) -> list[Path]:
 
 
 def main(config: str, lora: str) -> int:
+    die_with_parent()   # started by a run (``EpochSamples``): never outlives it
     for path in render_and_mark(load_run_config(config), Path(lora), renderer="run"):
         print(json.dumps({"sample": str(path)}))
     return 0
