@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from ..fsutil import OutOfSpace, atomic_write_json, is_out_of_space, rewrite_in_place, space_guard
+from ..fsutil import OutOfSpace, atomic_write_json, rewrite_in_place, space_guard
 from ..rundir import RunDir
 
 
@@ -62,9 +62,8 @@ class RunReporter:
             data = json.dumps(self.status, indent=1, sort_keys=True).encode()
             try:
                 rewrite_in_place(self.run_dir.status_file, data)
-            except OSError as e:
-                if not is_out_of_space(e, self.run_dir.path):
-                    raise
+            except OSError:   # no status to rewrite, or no room even there: the run's own error still goes up
+                pass
 
     def _writer(self):
         if self._tb is None:
