@@ -62,6 +62,10 @@ class StopSignals:
             self.signum, self._first_at = signum, now
         elif now - self._first_at > REPEAT_S:
             self._at_once(signum)
+        elif signum == signal.SIGINT:
+            # Ctrl-C's SIGINT and the SIGTERM DeepSpeed's launch.py sends on for it are handled by two threads at
+            # once and may reach the wakeup file in either order: the request is the Ctrl-C
+            self.signum = signum
 
 
 def describe(signum: int) -> str:

@@ -423,9 +423,10 @@ class Trainer:
 
     def _launcher_gone_from_watch(self, pid: int) -> None:
         """A SIGTERM to the whole process group ends DeepSpeed's runner as it reaches this rank: a stop asked for
-        then checkpoints at the next step first (the main thread ends the process), unless that takes too long."""
+        then while training checkpoints at the next step first (the main thread ends the process), unless that takes
+        too long; before training there is nothing to save."""
         time.sleep(POLL_S)
-        if self.signals is not None and self.signals.requested:
+        if self.signals is not None and self.signals.requested and self.parts is not None:   # training: a checkpoint
             time.sleep(STOP_GRACE_S)
         self._on_launcher_gone(pid)
 

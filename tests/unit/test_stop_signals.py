@@ -18,6 +18,10 @@ def test_signals_together_are_one_request_and_a_later_one_stops_at_once(monkeypa
     signals.received(signal.SIGTERM)           # launch.py terminating its ranks after the same Ctrl-C
     signals.received(signal.SIGCHLD)           # not a stop
     assert signals.signum == signal.SIGINT and at_once == []
+    late = StopSignals(at_once.append)
+    late.received(signal.SIGTERM)              # launch.py's SIGTERM noted before the Ctrl-C it answers
+    late.received(signal.SIGINT)
+    assert late.signum == signal.SIGINT and at_once == []
     monkeypatch.setattr(stop_signals, "REPEAT_S", 0.0)   # the user's second, after the first's senders
     signals.received(signal.SIGTERM)
     assert at_once == [signal.SIGTERM]
