@@ -13,6 +13,7 @@ import logging
 import sys
 
 from .errors import PipeTrainError
+from .fsutil import OUT_OF_SPACE_EXIT, OutOfSpace
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                                                  "(backend/comfyui_probe.py), in a child process")
     probe.add_argument("what", choices=("forward", "lora"))
     probe.add_argument("args", nargs="+")
+    ds = sub.add_parser("deepspeed", help="DeepSpeed's launcher (`deepspeed ARGS`), exiting non-zero, with the reason, "
+                                          "unless the run finished or was stopped as asked")
+    ds.add_argument("args", nargs=argparse.REMAINDER, help="what `deepspeed` takes, e.g. --num_gpus 2 --module "
+                    "pipetrain train run.toml")
     demo = sub.add_parser("demo", help="tiny Flux model + generated dataset -> cache -> 2-rank pipeline -> LoRA in ComfyUI")
     demo.add_argument("--workdir", default=None, help="where the demo writes (default .work/demo in the repo)")
     demo.add_argument("--ranks", type=int, default=2)
@@ -71,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["deepspeed"] and argv[1:2] not in (["-h"], ["--help"]):   # DeepSpeed's options, not ours
+        from .deepspeed_cli import main as deepspeed_main
+        return deepspeed_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return Trainer(cfg, opts).run()
     except PipeTrainError as e:
         print(f"pipetrain: error: {e}", file=sys.stderr)
-        return 2
+        return OUT_OF_SPACE_EXIT if isinstance(e, OutOfSpace) else 2
 
 
 if __name__ == "__main__":

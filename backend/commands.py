@@ -30,3 +30,10 @@ def deepspeed_command(command: str, config: Path, num_ranks: int, extra: list[st
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
             "--master_port", str(master_port or free_port()), *launcher_args,
             str(ENTRY), command, str(config), *extra]
+
+
+def deepspeed_cli_command(command: str, config: Path, num_ranks: int, extra: list[str] = ()) -> list[str]:
+    """``deepspeed_command`` through ``python -m pipetrain deepspeed`` (``deepspeed_cli.py``): the same run, and an
+    exit status that says whether it finished."""
+    runner = deepspeed_command(command, config, num_ranks, extra)
+    return pipetrain_command("deepspeed", *runner[4:])

@@ -56,6 +56,7 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            fault_point(f"write:{path.name}")
             f.write(data)
             f.flush()
             if durable:
@@ -68,6 +69,11 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
 
 def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode(), durable)
+
+
+# the exit status of a PipeTrain process that stopped on a full disk (its parent, e.g. the run that started the
+# sample renderer, reports the full disk rather than a failed child)
+OUT_OF_SPACE_EXIT = 28
 
 
 class OutOfSpace(PipeTrainError):
@@ -112,6 +118,15 @@ def space_guard(folder: Path, *partial: Path):
         raise OutOfSpace(folder) from None
 
 
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """Last resort on a full disk, where even a small file's temporary copy finds no room: truncate ``path`` and
+    write ``data`` into the space it held. A kill in between leaves it cut; only the run's final status, written
+    once as the run fails, takes that risk rather than never being written."""
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+
+
 def temp_path_beside(path: Path) -> Path:
     """A unique temporary name in the same folder (so ``os.replace`` stays atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,19 +138,30 @@ def temp_path_beside(path: Path) -> Path:
 # --- fault injection (tests only) ---------------------------------------------------------------------------
 # PIPETRAIN_KILL_AT="<point>:<n>" SIGKILLs this process's whole process group at the n-th time this process
 # passes the named save/rename point (``fault_point``), so a test can stop a run exactly between two writes.
-# Unset (always, outside tests) it costs one dictionary look-up per write.
+# PIPETRAIN_FULL_AT="<point>:<n>[@<rank>]" makes the disk full there instead: from the n-th pass on (a full disk
+# stays full), the point raises the OS's ENOSPC (on global rank <rank> only, when given). ``atomic_write_bytes``
+# passes "write:<file name>" after its temporary file is made, before its bytes are written.
+# Unset (always, outside tests) each costs one dictionary look-up per write.
 KILL_AT_ENV = "PIPETRAIN_KILL_AT"
+FULL_AT_ENV = "PIPETRAIN_FULL_AT"
 _passed: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
     spec = os.environ.get(KILL_AT_ENV)
-    if not spec:
-        return
-    point, _, nth = spec.rpartition(":")
-    if point != name:
-        return
-    _passed[name] = _passed.get(name, 0) + 1
-    if _passed[name] == int(nth):
-        import signal
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+    if spec:
+        point, _, nth = spec.rpartition(":")
+        if point == name:
+            _passed[name] = _passed.get(name, 0) + 1
+            if _passed[name] == int(nth):
+                import signal
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+    spec = os.environ.get(FULL_AT_ENV)
+    if spec:
+        spec, _, rank = spec.partition("@")
+        point, _, nth = spec.rpartition(":")
+        if point == name and (not rank or os.environ.get("RANK", "0") == rank):
+            key = f"full:{name}"
+            _passed[key] = _passed.get(key, 0) + 1
+            if _passed[key] >= int(nth):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -109,3 +109,27 @@ def take(run_dir: Path | RunDir) -> tuple[Requests, list[str]]:
         else:
             found[action] = True
     return Requests(**found), problems
+
+
+def record_lr(run_dir: Path | RunDir, lr: float, from_step: int) -> None:
+    """The learning rate the run trains with from ``from_step`` on, written durably before the change is announced:
+    a run killed before its next checkpoint resumes with it (``applied_lr``)."""
+    atomic_write_json(RunDir(run_dir).controls_file, {"lr": check_lr(lr), "from_step": int(from_step)})
+
+
+def applied_lr(run_dir: Path | RunDir) -> tuple[float, int] | None:
+    """(learning rate, from step) of the run's last acknowledged change, None if none; a file that is not one
+    raises ``ControlValueError`` naming it."""
+    path = RunDir(run_dir).controls_file
+    if not path.exists():
+        return None
+    body = read_json(path)
+    step = body.get("from_step") if isinstance(body, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ControlValueError(f"{path}: not a learning rate change this run made (no whole from_step); move it "
+                                "away to resume with the learning rate of the checkpoint")
+    try:
+        return check_lr(body.get("lr")), step
+    except ControlValueError as e:
+        raise ControlValueError(f"{path}: {e}; move it away to resume with the learning rate of the "
+                                "checkpoint") from None

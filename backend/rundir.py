@@ -143,6 +143,8 @@ class RunDir:
     tensorboard = property(lambda self: self.path / "tensorboard")
     sample_requests = property(lambda self: self.path / "sample_requests")
     control = property(lambda self: self.path / "control")   # requests to a live run (``run_control.py``)
+    # the control changes a run has acknowledged (a new learning rate), replayed by a resume (``run_control.py``)
+    controls_file = property(lambda self: self.path / "controls.json")
 
     def is_run(self) -> bool:
         """A folder some PipeTrain process has made a run of (the launcher's record, a status or a config, each a

@@ -28,8 +28,9 @@ from .cache.builder import TextWork, encode_text
 from .cache.keys import caption_image
 from .config import RunConfig, load_run_config
 from .errors import ConfigError
+from .child import child_env, die_with_parent
 from .commands import pipetrain_command
-from .fsutil import temp_path_beside
+from .fsutil import OUT_OF_SPACE_EXIT, OutOfSpace, fault_point, space_guard, temp_path_beside
 from .models.registry import adapter_class
 from .rundir import RunDir, cache_folder
 from .runtime import ensure_comfyui
@@ -64,7 +65,12 @@ def render_epoch_samples(cfg: RunConfig, run_dir: RunDir, reporter, is_main: boo
     if cfg.samples is None:
         return
     job = EpochSamples(cfg, run_dir, reporter, lora_path, epoch, step, stopping=stopping)
-    wait_together(job.poll if is_main and lora_path is not None else None)
+    full = wait_together(job.poll if is_main and lora_path is not None else None)
+    if isinstance(full, str) and full.startswith(_FULL):   # a full disk fails the run, as it does in training
+        raise OutOfSpace(Path(full[len(_FULL):]))
+
+
+_FULL = "full:"   # what rank 0's poll answers when the sample renderer found the disk full, then the folder
 
 
 def wait_together(poll: Callable[[], object] | None, interval: float = 0.2, sync_s: float = SYNC_S):
@@ -96,7 +102,7 @@ class EpochSamples:
         self.deadline = None
 
     def poll(self) -> str | None:
-        """None while waiting; then what happened: "host", "run", "failed" or "stopped"."""
+        """None while waiting; then what happened: "host", "run", "failed", "stopped" or "full:<folder>"."""
         if self.proc is None and self.deadline is None:
             if self.cfg.samples.render == "host":
                 self.announce_left_over()
@@ -135,11 +141,13 @@ class EpochSamples:
             self.warn(f"{why}; the training run renders them itself")
         cmd = pipetrain_command("sample", str(self.run_dir.run_toml), str(self.lora))
         with open(self.run_dir.samples_log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())   # dies with us
 
     def _poll_run(self) -> str | None:
         if self.proc.poll() is None:
             return None
+        if self.proc.returncode == OUT_OF_SPACE_EXIT:
+            return f"{_FULL}{self.lora.parent}"
         marker = sample_host.read_marker(self.lora)
         if self.proc.returncode != 0 or marker is None or marker.get("error"):
             tail = self.run_dir.samples_log.read_text(errors="replace").strip().splitlines()[-1:]
@@ -275,11 +283,18 @@ def render(cfg: RunConfig, lora_path: Path) -> list[Path]:
             pixels = vae.decode(out[:, :, trim:] if trim else out)   # ComfyUI's TrimVideoLatent
             pixels = pixels.reshape(-1, *pixels.shape[-3:]).clamp(0, 1)   # [frames, H, W, 3]
         tmp = temp_path_beside(path)        # ComfyUI and the run may both render one epoch's samples
-        if video:
-            sample_clips.save_clip(pixels, tmp, s.fps or adapter.framerate)
-        else:
-            Image.fromarray((pixels[0].cpu().float().numpy() * 255).round().astype(np.uint8)).save(tmp, format="PNG")
-        os.replace(tmp, path)
+        with space_guard(path.parent, tmp):
+            try:
+                if video:
+                    sample_clips.save_clip(pixels, tmp, s.fps or adapter.framerate)
+                else:
+                    Image.fromarray((pixels[0].cpu().float().numpy() * 255).round().astype(np.uint8)).save(
+                        tmp, format="PNG")
+                fault_point("sample-written")
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
     return paths
 
 
@@ -317,7 +332,8 @@ def render_and_mark(cfg: RunConfig, lora_path: Path, renderer: str) -> list[Path
     try:
         pngs = render(cfg, Path(lora_path))
     except Exception as e:
-        sample_host.write_marker(lora_path, renderer=renderer, error=f"{type(e).__name__}: {e}")
+        with space_guard(Path(lora_path).parent):   # the marker finds no room either: the full disk is the error
+            sample_host.write_marker(lora_path, renderer=renderer, error=f"{type(e).__name__}: {e}")
         raise
     sample_host.write_marker(lora_path, renderer=renderer, pngs=pngs)
     return pngs
@@ -334,6 +350,7 @@ def fulfil(request: Path, renderer: str) -> list[Path]:
 
 
 def main(config: str, lora: str) -> int:
+    die_with_parent()   # started by a run (``EpochSamples``): never outlives it
     for path in render_and_mark(load_run_config(config), Path(lora), renderer="run"):
         print(json.dumps({"sample": str(path)}))
     return 0

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
 from ..errors import CacheError
-from ..fsutil import space_guard, temp_path_beside
+from ..fsutil import fault_point, space_guard, temp_path_beside
 
 SUFFIX = ".safetensors"
 DIGEST = "pipetrain.sha256"   # the metadata key of an entry's digest
@@ -76,6 +76,7 @@ class CacheStore:
             try:
                 host = {k: v.contiguous().cpu() for k, v in tensors.items()}
                 save_file(host, str(tmp), metadata={DIGEST: tensors_digest(host)})
+                fault_point(f"cache-written:{kind}")
                 tmp.replace(final)
             except BaseException:
                 tmp.unlink(missing_ok=True)

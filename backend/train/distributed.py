@@ -63,3 +63,41 @@ def all_gather_object(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+# A rank that fails for a reason of its own (a full disk, a bad file) leaves its one-line reason in the process
+# group's key-value store, which global rank 0 hosts: rank 0 then reports that reason rather than only losing
+# contact with the rank. The store is torch's private default one; without it, rank 0 reports the lost contact.
+_FAILURE_KEY = "pipetrain-failure-{}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def tell_failure(message: str) -> None:
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_FAILURE_KEY.format(dist.get_rank()), message)
+    except (RuntimeError, OSError):   # rank 0 (the store's host) has gone: nobody left to tell
+        pass
+
+
+def peer_failure() -> tuple[int, str] | None:
+    """(rank, reason) of the first other rank that told its failure, else None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        for rank in range(dist.get_world_size()):
+            key = _FAILURE_KEY.format(rank)
+            if rank != dist.get_rank() and store.check([key]):
+                return rank, store.get(key).decode()
+    except (RuntimeError, OSError):
+        return None
+    return None

@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from ..fsutil import atomic_write_json
+from ..fsutil import OutOfSpace, atomic_write_json, rewrite_in_place, space_guard
 from ..rundir import RunDir
 
 
@@ -30,7 +30,7 @@ class RunReporter:
             return
         record = {"type": type_, "time": time.time(), **fields}
         line = (json.dumps(record) + "\n").encode()
-        with open(self.run_dir.events_file, "ab+") as f:
+        with space_guard(self.run_dir.path), open(self.run_dir.events_file, "ab+") as f:
             if not self._line_start:   # a run killed mid-write left a cut line: ours must not join it
                 f.seek(0, os.SEEK_END)
                 if f.tell() > 0:
@@ -43,7 +43,27 @@ class RunReporter:
         if not self.enabled:
             return
         self.status.update(fields, updated=time.time())
-        atomic_write_json(self.run_dir.status_file, self.status, durable=False)   # rewritten every step
+        with space_guard(self.run_dir.path):
+            atomic_write_json(self.run_dir.status_file, self.status, durable=False)   # rewritten every step
+
+    def fail(self, message: str, state: str = "failed", **fields) -> None:
+        """The run's last word: an ``error`` event and the ``state`` (with ``message`` as its error) in the
+        status, written even where the disk holding the run folder is full (then the event may be lost: the
+        status, which the panel and the CLI read, is rewritten in the space it held)."""
+        if not self.enabled:
+            return
+        try:
+            self.event("error", message=message, **fields)
+        except OutOfSpace:
+            pass
+        try:
+            self.update(state=state, error=message, **fields)
+        except OutOfSpace:
+            data = json.dumps(self.status, indent=1, sort_keys=True).encode()
+            try:
+                rewrite_in_place(self.run_dir.status_file, data)
+            except OSError:   # no status to rewrite, or no room even there: the run's own error still goes up
+                pass
 
     def _writer(self):
         if self._tb is None:

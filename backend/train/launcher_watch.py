@@ -31,7 +31,10 @@ def _runs_deepspeed(pid: int) -> bool:
         argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     except OSError:
         return False
-    return any(arg.startswith(b"deepspeed.launcher") or arg.endswith(b"/deepspeed") for arg in argv)
+    if any(arg.startswith(b"deepspeed.launcher") or arg.endswith(b"/deepspeed") for arg in argv):
+        return True
+    # ``python -m pipetrain deepspeed`` (deepspeed_cli.py): DeepSpeed's runner in PipeTrain's entry file
+    return any(a.endswith(b"__main__.py") and b == b"deepspeed" for a, b in zip(argv, argv[1:]))
 
 
 def deepspeed_ancestors() -> list[tuple[int, str]]:

@@ -4,6 +4,7 @@ rate."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from .preservation import PARTS
 from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
 from .schedule import set_base_lr
+from .stop_signals import describe
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -55,6 +57,7 @@ def change_lr(t: Trainer, lr: float) -> None:
     t.state.base_lr = lr
     if t.topology.is_main:
         step = t.state.global_step
+        run_control.record_lr(t.run_dir, lr, step + 1)   # before the event and status that acknowledge it
         t.reporter.event("control", action=run_control.LR, lr=lr, step=step, from_step=step + 1)
         t.reporter.update(base_lr=lr)
         log.info("learning rate %g from step %d on", lr, step + 1)
@@ -210,8 +213,13 @@ def _stopped(t: Trainer, bar, after_epoch: int | None = None) -> None:
     if t.topology.is_main:
         t.run_dir.clear_stop()
         extra = {} if after_epoch is None else {"after_epoch": after_epoch}
+        signum = t.signals.signum if t.signals is not None else None
+        reason = f"stopped at step {t.state.global_step} after a checkpoint; resume with --resume {t.run_dir.name}"
+        if signum is not None:
+            reason = f"{describe(signum)} received: {reason}"
+            extra["signal"] = signal.Signals(signum).name
         t.reporter.event("stopped", step=t.state.global_step, epoch=t.state.epoch, **extra)
-        t.reporter.update(state="stopped", stop_after_epoch=None)
+        t.reporter.update(state="stopped", stop_after_epoch=None, stop_signal=signum, stop_reason=reason)
     log.info("stopped at step %d after a checkpoint; resume with --resume %s", t.state.global_step, t.run_dir.name)
 
 

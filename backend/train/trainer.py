@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import run_control
 from ..config import RunConfig, save_toml, without_secrets
+from ..deepspeed_cli import note_run_dir
 from ..errors import CheckpointError, PipeTrainError
 from ..fallback import check_saved_lora
 from ..models.base import DTYPES
@@ -22,10 +24,11 @@ from ..runtime import comfy_training_paths
 from ..versions import comfyui_info, range_warning
 from . import checkpoint, distributed
 from .events import RunReporter
-from .launcher_watch import LauncherWatch
+from .launcher_watch import POLL_S, LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
 from .saving import gather_lora, save_full_model, sweep_run_dir, weights_stem, with_entry, write_lora
 from .schedule import set_base_lr
+from .stop_signals import StopSignals, describe
 
 if TYPE_CHECKING:
     from ..models.base import ModelAdapter
@@ -42,6 +45,8 @@ class TrainOptions:
     progress: bool = True
 
 
+# how long a rank whose launcher has gone waits for the checkpoint of a stop asked for at the same time
+STOP_GRACE_S = 120.0
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
               "Broken pipe", "ProcessGroupNCCL", "Timed out")
 
@@ -50,12 +55,20 @@ def lost_peer(e: BaseException) -> bool:
     return not isinstance(e, PipeTrainError) and any(marker in str(e) for marker in _PEER_LOST)
 
 
-def explain_failure(e: BaseException, run_name: str) -> str:
+def explain_failure(e: BaseException, run_name: str, peer: tuple[int, str] | None = None) -> str:
+    """``peer``: (rank, reason) another rank told before it ended (``distributed.tell_failure``), the cause of a
+    lost contact."""
+    if lost_peer(e) and peer is not None:
+        return f"{peer[1]} (rank {peer[0]})"
     text = str(e) if isinstance(e, PipeTrainError) else f"{type(e).__name__}: {e}"   # ours read as sentences
     if lost_peer(e):
         return (f"lost contact with another rank (a node or a training process stopped): {text.splitlines()[0]}. "
                 f"The run is resumable from its last checkpoint: launch it again with --resume {run_name}")
     return text
+
+
+class PeerFailed(PipeTrainError):
+    """Another rank failed and told why (``distributed.tell_failure``)."""
 
 
 class Trainer:
@@ -68,14 +81,14 @@ class Trainer:
     data: CachedData | None            # prepare_cache
     parts: EngineParts | None          # build_engine
     state: RunState                    # restore (from a checkpoint), then advanced by the loop
-    stop_requested: bool               # SIGTERM: checkpoint and stop as the stop file does
+    signals: StopSignals | None        # SIGINT, SIGTERM: checkpoint and stop as the stop file does
 
     def __init__(self, cfg: RunConfig, options: TrainOptions):
         self.cfg = cfg
         self.opts = options
         self.topology = self.run_dir = self.reporter = self.adapter = self.data = self.parts = None
         self.state = RunState()
-        self.stop_requested = False
+        self.signals = None
         self.launcher_watch: LauncherWatch | None = None
         self.run_dir_lock = None   # held until this process ends
 
@@ -109,14 +122,18 @@ class Trainer:
             if lost_peer(e) and (pid := self.launcher_watch.gone()) is not None:
                 self._on_launcher_gone(pid)   # the peer went with the launcher: say so, not "lost contact"
             if self.topology.is_main and not isinstance(e, SystemExit):
-                message = explain_failure(e, self.run_dir.name)
-                self.reporter.event("error", message=message)
-                self.reporter.update(state="failed", error=message)
+                peer = distributed.peer_failure() if lost_peer(e) else None
+                message = explain_failure(e, self.run_dir.name, peer)
+                self.reporter.fail(message)
                 log.error(message)
+                if peer is not None:   # the other rank's reason, not this rank's traceback of the lost contact
+                    raise PeerFailed(message) from None
             if not self.topology.is_main and lost_peer(e):
                 # another rank failed and says why; a traceback here buries it
                 log.error("rank %d stops: another rank has failed", self.topology.rank)
                 raise SystemExit(1) from None
+            if not self.topology.is_main and not isinstance(e, SystemExit):
+                distributed.tell_failure(explain_failure(e, self.run_dir.name))
             raise
         finally:
             self.reporter.close()
@@ -128,10 +145,12 @@ class Trainer:
         return Topology(rank, world, local_rank, self.cfg.pipeline_stages)
 
     def watch_launcher(self) -> None:
-        """A SIGTERM asks for a stop; the end of the DeepSpeed launcher ends this rank (``launcher_watch.py``)."""
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        """SIGINT and SIGTERM ask for a stop (``stop_signals.py``); the end of the DeepSpeed launcher ends this rank
+        (``launcher_watch.py``)."""
+        self.signals = StopSignals(self._stop_at_once)
+        self.signals.install()
         self.launcher_watch = LauncherWatch()
-        self.launcher_watch.start(self._on_launcher_gone)
+        self.launcher_watch.start(self._launcher_gone_from_watch)
 
     def prepare_run_dir(self) -> tuple[RunDir, RunReporter]:
         is_main = self.topology.is_main
@@ -163,6 +182,7 @@ class Trainer:
             if not self.opts.cache_only and not run_dir.run_toml.exists():
                 save_toml(self.cfg.with_absolute_paths(), run_dir.run_toml)
                 save_toml(self.cfg.dataset_config.with_absolute_paths(), run_dir.dataset_toml)
+            note_run_dir(run_dir.path)
             comfyui = comfyui_info()
             reporter.update(state="starting", run_dir=str(run_dir), world_size=self.topology.world,
                             pipeline_stages=self.cfg.pipeline_stages, comfyui=comfyui)
@@ -217,8 +237,8 @@ class Trainer:
         return build_engine(self.cfg, self.adapter, self.topology, self.data, self.reporter)
 
     def stopping(self) -> bool:
-        """Whether a stop has been asked for (SIGTERM or the stop file); rank 0 reads the file for every rank."""
-        return self.stop_requested or self.run_dir.stop_requested()
+        """Whether a stop has been asked for (a signal or the stop file); rank 0 reads the file for every rank."""
+        return (self.signals is not None and self.signals.requested) or self.run_dir.stop_requested()
 
     def stop_before_training(self) -> bool:
         """A stop asked for while caching ends the run before the engine is built (nothing to checkpoint)."""
@@ -229,8 +249,10 @@ class Trainer:
             return False
         if self.topology.is_main:
             self.run_dir.clear_stop()
+            signum = self.signals.signum if self.signals is not None else None
+            reason = "stopped before training began" + (f": {describe(signum)} received" if signum else "")
             self.reporter.event("stopped", step=self.state.global_step, epoch=self.state.epoch, before_training=True)
-            self.reporter.update(state="stopped")
+            self.reporter.update(state="stopped", stop_signal=signum, stop_reason=reason)
         return True
 
     def restore(self) -> RunState:
@@ -252,6 +274,7 @@ class Trainer:
         if tag is None:
             if is_main:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
+            self.replay_controls(state)
             return state
         saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag)
         if parts.ema is not None and not parts.ema.load(self.run_dir.checkpoints / tag) and is_main:
@@ -277,10 +300,34 @@ class Trainer:
         state.total_steps = state.global_step + remaining
         if self.cfg.max_steps:
             state.total_steps = min(state.total_steps, self.cfg.max_steps)
+        self.replay_controls(state)   # before the resume event, which says the learning rate
         if is_main:
             self.reporter.event("resume", checkpoint=tag, step=state.global_step, epoch=state.epoch,
                                 global_batch=global_batch, saved_global_batch=saved_batch, base_lr=state.base_lr)
         return state
+
+    def replay_controls(self, state: RunState) -> None:
+        """A learning rate change the run acknowledged after the checkpoint it resumes from (killed before the next
+        one) goes on applying: the resumed steps train with it, as the status said."""
+        applied, error = None, None
+        if self.topology.is_main:
+            try:
+                applied = run_control.applied_lr(self.run_dir)
+            except run_control.ControlValueError as e:
+                error = str(e)
+        applied, error = distributed.broadcast_object((applied, error))
+        if error is not None:
+            raise CheckpointError(error)
+        if applied is None or applied[1] <= state.global_step:   # the checkpoint holds it (or a later one)
+            return
+        lr, from_step = applied
+        state.base_lr = lr
+        set_base_lr(self.parts.engine.lr_scheduler, lr)
+        if self.topology.is_main:
+            self.reporter.event("control", action=run_control.LR, lr=lr, step=state.global_step,
+                                from_step=state.global_step + 1, replayed_from_step=from_step)
+            self.reporter.update(base_lr=lr)
+            log.info("learning rate %g (set at step %d) from step %d on", lr, from_step, state.global_step + 1)
 
     def train_loop(self) -> None:
         from .loop import run_loop
@@ -370,10 +417,29 @@ class Trainer:
         log.error(message)
         try:
             if rank == 0 and self.reporter is not None:
-                self.reporter.event("error", message=message)
-                self.reporter.update(state="failed", error=message)
+                self.reporter.fail(message)
         finally:
             os._exit(1)
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self.stop_requested = True
+    def _launcher_gone_from_watch(self, pid: int) -> None:
+        """A SIGTERM to the whole process group ends DeepSpeed's runner as it reaches this rank: a stop asked for
+        then while training checkpoints at the next step first (the main thread ends the process), unless that takes
+        too long; before training there is nothing to save."""
+        time.sleep(POLL_S)
+        if self.signals is not None and self.signals.requested and self.parts is not None:   # training: a checkpoint
+            time.sleep(STOP_GRACE_S)
+        self._on_launcher_gone(pid)
+
+    def _stop_at_once(self, signum: int) -> None:
+        """From the signal thread, on a second signal: end this rank now, without a checkpoint."""
+        name = self.run_dir.name if self.run_dir is not None else "<run>"
+        message = (f"a second {describe(signum)} stopped the run at once, without a checkpoint: resume from the last "
+                   f"checkpoint with --resume {name}")
+        log.error(message)
+        try:
+            if self.topology is not None and self.topology.is_main and self.reporter is not None:
+                self.reporter.event("stopped", step=self.state.global_step, epoch=self.state.epoch, at_once=True,
+                                    signal=signal.Signals(signum).name)
+                self.reporter.update(state="stopped", stop_signal=int(signum), stop_reason=message)
+        finally:
+            os._exit(128 + signum)

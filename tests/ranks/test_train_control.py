@@ -4,14 +4,20 @@ in the logged LR from the step after the one that took it and survives a resume;
 checkpoint at one step; sample now renders the sample prompts with a step LoRA; stop after this epoch ends the run
 at the epoch's boundary with a checkpoint, resumable."""
 import json
+import os
+import signal
+import subprocess
 import time
 
+import psutil
 import pytest
+import torch
 from conftest import Run, launch, train
 from PIL import Image
 from safetensors.torch import load_file
 
 from pipetrain.backend import run_control
+from pipetrain.backend.commands import deepspeed_cli_command
 from pipetrain.backend.rundir import RunDir, RunsRoot
 from pipetrain.launcher.summaries import summarize
 
@@ -103,3 +109,74 @@ def test_save_sample_lr_and_stop_after_epoch_while_training_then_resume(micro_fl
     after = [e["lr"] for e in resumed.events("step") if e["time"] > resume["time"]]
     assert len(after) == 6 * STEPS_PER_EPOCH - stopped["step"] and set(after) == {NEW_LR}
     assert resumed.status()["state"] == "finished"
+
+
+def _cli(config, *extra) -> subprocess.Popen:
+    """``python -m pipetrain deepspeed ... train`` (2 ranks) in its own process group, as a terminal runs it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if torch.cuda.device_count() == 1:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.Popen(deepspeed_cli_command("train", config, 2, list(extra)) + ["--no-progress"],
+                            cwd=config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def _steps_after_start(run_dir, n: int) -> list[dict]:
+    """The step events after the ``n``-th start event (counting from 1), none before it is written."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    starts = [i for i, e in enumerate(events) if e["type"] == "start"]
+    return [e for e in events[starts[n - 1]:] if e["type"] == "step"] if len(starts) >= n else []
+
+
+def _wait_for(condition, proc, timeout=600):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.1)
+
+
+def test_lr_change_survives_a_kill_and_signals_stop_after_a_checkpoint_with_the_cli_saying_so(micro_flux_files,
+                                                                                               make_run):
+    """An acknowledged learning rate, the launcher and ranks killed (-9) before any checkpoint: the CLI says the
+    run did not finish, and the resumed steps train at the new rate. Ctrl-C (SIGINT to the group), then SIGTERM to
+    the CLI alone: each checkpoints at the next step and stops, the status says why, the exit status is 128 + the
+    signal's number."""
+    config = make_run(micro_flux_files, images=4, name="durable", stages=2, epochs=1000, lr_scheduler="constant",
+                      save_every_n_epochs=1000, checkpoint_every_n_epochs=1000,
+                      optimizer={"type": "adamw", "lr": OLD_LR})
+    output = config.parent / "output"
+    first = _cli(config)
+    try:
+        _wait(first, output, "step")
+        run_dir = next(output.glob("2*"))
+        run_control.request(run_dir, "lr", NEW_LR)
+        _wait(first, output, "control", action="lr")
+        assert json.loads((run_dir / "status.json").read_text())["base_lr"] == NEW_LR   # acknowledged
+        below = psutil.Process(first.pid).children(recursive=True)   # DeepSpeed's launch.py and the ranks
+        assert len(below) == 3
+        for p in below:
+            p.kill()
+        out, _ = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert not list((run_dir / "checkpoints").glob("step*"))
+    assert first.returncode != 0 and f"pipetrain: the run in {run_dir} did not finish" in out, out[-3000:]
+
+    for n, (sig, to_group) in enumerate(((signal.SIGINT, True), (signal.SIGTERM, False)), 2):
+        proc = _cli(config, "--resume", run_dir.name)
+        try:
+            _wait_for(lambda: len(_steps_after_start(run_dir, n)) >= 2, proc)
+            (os.killpg if to_group else os.kill)(proc.pid, sig)
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 128 + sig, out[-4000:]
+        status = json.loads((run_dir / "status.json").read_text())
+        assert status["state"] == "stopped" and status["stop_reason"].startswith(f"{sig.name}"), status
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+        steps = _steps_after_start(run_dir, n)
+        assert {e["lr"] for e in steps} == {NEW_LR}                 # the resumed steps: the acknowledged rate
+        assert (run_dir / "checkpoints" / f"step{steps[-1]['step']:08d}" / "pipetrain.json").is_file()

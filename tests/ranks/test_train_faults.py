@@ -17,7 +17,7 @@ import torch
 from conftest import launch, train
 from safetensors.torch import load_file
 
-from pipetrain.backend.fsutil import KILL_AT_ENV
+from pipetrain.backend.fsutil import FULL_AT_ENV, KILL_AT_ENV
 
 # 4 images, global batch 1: epoch 1 is steps 1-4, epoch 2 steps 5-8; a LoRA, then a checkpoint, after each epoch
 SETUP = dict(stages=2, epochs=2, checkpoint_every_n_epochs=1, lr_scheduler="cosine", warmup_steps=2,
@@ -272,3 +272,28 @@ def test_damaged_or_planted_checkpoint_is_not_resumed(micro_flux_files, make_run
     assert [e["checkpoint"] for e in resumed.events("warning") if "checkpoint" in e] == ["step00000008"]
     got = load_file(str(lora))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+SAMPLES = {"prompts": ["a red circle"], "seed": 3, "width": 64, "height": 64, "steps": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["cache-rank1", "samples"])
+def test_out_of_space_on_another_rank_or_in_the_sample_renderer_fails_the_run_naming_the_folder(
+        micro_flux_files, make_run, where, monkeypatch):
+    """The OS's ENOSPC raised where the bytes are written (``fsutil.fault_point``, PIPETRAIN_FULL_AT): on rank 1
+    while it caches (rank 0 only loses contact with it), or in the child process that renders the samples."""
+    extra = {"samples": SAMPLES} if where == "samples" else {}
+    config = make_run(micro_flux_files, images=4, name=f"full-{where}", run_name="full", **{**SETUP, "epochs": 1},
+                      **extra)
+    output = config.parent / "output"
+    folder = output / "cache" if where == "cache-rank1" else output / "full" / "loras"
+    monkeypatch.setenv(FULL_AT_ENV, "cache-written:latents:1@1" if where == "cache-rank1" else "sample-written:1")
+    run = train(config, 2)
+    assert run.returncode != 0
+    status = json.loads((output / "full" / "status.json").read_text())
+    assert status["state"] == "failed" and status["error"].startswith(f"no space left in {folder}:"), status
+    assert "lost contact" not in status["error"]
+    assert "Traceback" not in run.output, run.output[run.output.find("Traceback") - 2000:][:6000]
+    left = sorted(p.name for p in folder.rglob("*") if p.suffix == ".tmp")
+    assert left == []

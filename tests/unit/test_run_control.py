@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Run control without a run: the request files (written, claimed once, unreadable ones dropped), the learning
 rate's bounds, and a new base learning rate in the schedule (the next step uses it, a state dict keeps it)."""
+import json
 import math
 
 import pytest
@@ -90,3 +91,14 @@ def test_a_constant_schedule_logs_exactly_the_lr_asked_for():
     sched.step()
     set_base_lr(sched, 2.5e-5)
     assert opt.param_groups[0]["lr"] == 2.5e-5 and sched.get_last_lr()[0] == 2.5e-5
+
+
+def test_an_applied_lr_is_kept_for_a_resume_and_a_bad_record_is_refused_naming_it(tmp_path):
+    run = RunDir(tmp_path)
+    assert run_control.applied_lr(run) is None
+    run_control.record_lr(run, 7.5e-4, 12)
+    assert run_control.applied_lr(run) == (7.5e-4, 12)
+    for body in ({"lr": 1e4, "from_step": 3}, {"lr": 1e-4, "from_step": "3"}, ["x"]):
+        run.controls_file.write_text(json.dumps(body))
+        with pytest.raises(run_control.ControlValueError, match=str(run.controls_file)):
+            run_control.applied_lr(run)
