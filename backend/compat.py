@@ -61,7 +61,7 @@ PER_RESOLUTION_KEYS = {key: key.replace("_per_gpu", "_by_resolution") for key in
 TEXT_ENCODER_KEYS = ("llm_path", "text_encoder_path", "t5_path", "clip_path", "byt5_path")
 
 # Defaults that differ from diffusion-pipe's, for keys a file leaves out: (file, key, diffusion-pipe, PipeTrain).
-# The README's table lists the same rows.
+# docs/config.md's table lists the same rows.
 DEFAULT_DIFFERENCES = [
     ("main", "epochs", "required", "10"),
     ("main", "save_every_n_epochs", "one save_every_* key required", "1"),

@@ -91,9 +91,9 @@ class ParityResult:
             head += f"; it arises at {self.where}"
         return (f"{head}. A LoRA trained here would not match what this ComfyUI generates, so the run stops before "
                 f"caching. PipeTrain is tested with ComfyUI {TESTED_RANGE} and every model type passes on "
-                f"{EVERY_TYPE_PASSES_ON} (the README's compatibility table lists the others): point COMFYUI_PATH at "
-                f"such a ComfyUI, or {pinned_hint()}; `python -m pipetrain doctor` shows every model type's verdict "
-                f"on a ComfyUI.")
+                f"{EVERY_TYPE_PASSES_ON} (docs/models.md's compatibility table lists the others): point "
+                f"COMFYUI_PATH at such a ComfyUI, or {pinned_hint()}; `python -m pipetrain doctor` shows every model "
+                f"type's verdict on a ComfyUI.")
 
     def to_json(self) -> dict:
         return {**asdict(self), "ok": self.ok, "summary": self.summary()}

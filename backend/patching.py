@@ -41,4 +41,4 @@ def replacement_params(replacement, bound: int) -> tuple[str, ...]:
 def _mismatch(host: str, version: Callable[[], str], what: str) -> RuntimeSetupError:
     return RuntimeSetupError(
         f"{host} {version()}: {what}. PipeTrain patches this part of {host} and will not run against code it does not "
-        f"match: install the {host} version PipeTrain is tested with (see README), or update PipeTrain")
+        f"match: install the {host} version PipeTrain is tested with (see docs/models.md), or update PipeTrain")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 
-# every version here ran the parity and end-to-end tests (tests/ranks/test_parity_versions.py); the README's
-# compatibility table shows the verdict per model type
+# every version here ran the parity and end-to-end tests (tests/ranks/test_parity_versions.py); the
+# compatibility table in docs/models.md shows the verdict per model type
 TESTED_VERSIONS = ("0.3.52", "0.3.64", "0.3.75", "0.8.0", "0.33.0")
 TESTED_RANGE = f"{TESTED_VERSIONS[0]} to {TESTED_VERSIONS[-1]}"
-# the versions every model type passes on (older tested versions pass for some: the README's table)
+# the versions every model type passes on (older tested versions pass for some: docs/models.md's table)
 EVERY_TYPE_PASSES_ON = "0.3.75, 0.8.0 and 0.33.0"
 
 

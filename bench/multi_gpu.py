@@ -347,7 +347,7 @@ def _f(x, pattern: str = "{:.2f}") -> str:
 
 
 def markdown(report: dict) -> str:
-    """The tables the README's benchmark section takes."""
+    """The tables docs/benchmarks.md's GPU section takes."""
     names = ", ".join(sorted(set(report["gpu_names"]))) or report["device"]
     lines = [f"{report['gpus']} x {names}; wall {report.get('wall_s', 0):.0f} s of a {report['budget_s']:.0f} s budget",
              "", "| case | GPUs | samples/s | step s | peak GiB per GPU | status |", "|---|---|---|---|---|---|"]

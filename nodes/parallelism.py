@@ -80,8 +80,8 @@ class ParallelismNode(CheckedNode):
                 io.String.Input("env", default="", multiline=True, optional=True, tooltip="Cluster: environment "
                                 "variables for every node, KEY=VALUE a line (e.g. NCCL_DEBUG=INFO): NCCL_, GLOO_, "
                                     "UCX_, FI_, "
-                                "OMP_, MKL_, CUDA_, TORCH_ switches; paths and code loaders are refused (README: "
-                                    "Security)"),
+                                "OMP_, MKL_, CUDA_, TORCH_ switches; paths and code loaders are refused (docs/"
+                                    "security.md)"),
                 io.String.Input("nccl_socket_ifname", default="", optional=True, tooltip="Cluster: "
                                 "NCCL_SOCKET_IFNAME, the network interface NCCL uses, e.g. eth0 (empty: NCCL picks)"),
                 io.Combo.Input("nccl_ib_disable", options=list(FLAGS), default="default", optional=True,

@@ -56,7 +56,7 @@ class AdapterNode(CheckedNode):
                                "oft (orthogonal fine-tuning: rank bounds its block size, alpha is its constraint, 0 "
                                "none), each saved with the keys ComfyUI's LoRA loader reads; or full: no adapter, "
                                "every weight of the diffusion model trains and each epoch saves a whole model "
-                               "(<run>/models); needs far more memory: see the README's Memory section"),
+                               "(<run>/models); needs far more memory: see docs/config.md, Full fine-tune"),
                 io.Int.Input("decompose_factor", default=start("adapter.decompose_factor"), min=-1, max=65536,
                              optional=True, tooltip="LoKr: size of the first Kronecker factor's sides (-1: as square "
                              "as possible)"),

@@ -61,8 +61,8 @@ def test_a_run_on_a_host_without_the_models_code_trains_on_the_pinned_copy_whose
 @pytest.mark.slow
 @pytest.mark.skipif("0.3.52" not in other_comfyuis(), reason="no ComfyUI 0.3.52 beside the pinned one: scripts/setup.sh")
 def test_on_comfyui_0_3_52_an_api_it_lacks_and_a_model_it_lacks_fall_back(memo):
-    """The README's fallback table, on a real older ComfyUI: SD3's blocks take no ``transformer_options`` there (our
-    layers pass it) yet compute the same; Z-Image has no model code there."""
+    """docs/models.md's fallback table, on a real older ComfyUI: SD3's blocks take no ``transformer_options`` there
+    (our layers pass it) yet compute the same; Z-Image has no model code there."""
     old = other_comfyuis()["0.3.52"]
     sd3 = fallback.choose_comfyui("sd3", old)
     assert sd3.pinned and not sd3.host_lacks and sd3.host_version == "0.3.52", sd3

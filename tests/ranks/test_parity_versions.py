@@ -1,8 +1,9 @@
 """PipeTrain against other real ComfyUIs than the pinned one (``.comfyui/ComfyUI-<version>``: scripts/setup.sh
 extracts 0.3.52; a 0.3.64 extracted from ComfyUI's git history is used where present; 0.8.0 and 0.33.0 from the
 machine's ComfyUI cache, ``comfyui_copies.comfyui_cache``). Each runs in a child
-process (ComfyUI is imported once per process): every model type's parity verdict, as the README's
-compatibility table shows it, and one end-to-end run whose LoRA that ComfyUI's own LoraLoaderModelOnly loads."""
+process (ComfyUI is imported once per process): every model type's parity verdict, as the
+compatibility table in docs/models.md shows it, and one end-to-end run whose LoRA that ComfyUI's own
+LoraLoaderModelOnly loads."""
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pipetrain.backend.models.registry import ADAPTERS
 
 COMFYUIS = other_comfyuis()
 
-# model type -> verdict where it is not "passes" (the README's compatibility table, and why)
+# model type -> verdict where it is not "passes" (docs/models.md's compatibility table, and why)
 _BEFORE_FLUX2 = {"flux2": "lacks", "flux2_edit": "lacks", "hunyuan_video_15": "lacks", "z_image": "lacks",
                  "lumina2": "fails",           # NextDiT takes no rope_theta yet
                  "hunyuan_video": "fails"}     # HunyuanVideoParams lacks the newer fields

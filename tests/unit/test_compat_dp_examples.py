@@ -369,12 +369,12 @@ def test_check_config_tells_what_first_frame_conditioning_p_trains(tmp_path, cap
     assert "Loads: trains model type 'ltx_video_i2v'." in out
 
 
-def test_the_readme_lists_every_default_difference():
+def test_the_config_docs_list_every_default_difference():
     from pipetrain.backend import compat
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     for _, key, _, _ in compat.DEFAULT_DIFFERENCES:
-        assert f"| `{key}` |" in readme, key
+        assert f"| `{key}` |" in docs, key
 
 
 def test_check_config_on_our_own_example_covers_its_eval_dataset():
