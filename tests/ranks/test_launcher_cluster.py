@@ -85,9 +85,10 @@ def test_no_ssh_start_runs_node_0_here_and_records_the_other_nodes_commands(tmp_
     assert run["node_commands"] == info["node_commands"] and run["cluster"]["launcher"] == "no_ssh"
 
     # resume: node 0 again with --resume, and the other nodes' commands again, with --resume
-    (run_dir / "checkpoints" / "global_step1").mkdir(parents=True)
-    (run_dir / "checkpoints" / "global_step1" / "pipetrain.json").write_text("{}")   # what marks it complete
-    (run_dir / "checkpoints" / "latest").write_text("global_step1")
+    # named as the trainer names checkpoints (``latest`` naming anything else is not followed)
+    (run_dir / "checkpoints" / "step00000001").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step00000001" / "pipetrain.json").write_text("{}")   # what marks it complete
+    (run_dir / "checkpoints" / "latest").write_text("step00000001")
     la.resume(run_id)
     info = json.loads((run_dir / "launcher.json").read_text())
     la.kill(run_id)

@@ -188,9 +188,10 @@ def test_a_relaunched_run_shows_resuming_until_it_reports_and_failed_if_it_never
     la.wait("run-r", 10)
     status = la.dirs.path("run-r") / "status.json"
     status.write_text(json.dumps({"state": "stopped", "step": 4}))
-    (la.dirs.path("run-r") / "checkpoints" / "s4").mkdir(parents=True)
-    (la.dirs.path("run-r") / "checkpoints" / "s4" / "pipetrain.json").write_text("{}")   # marks it complete
-    (la.dirs.path("run-r") / "checkpoints" / "latest").write_text("s4")
+    # named as the trainer names checkpoints (``latest`` naming anything else is not followed)
+    (la.dirs.path("run-r") / "checkpoints" / "step00000004").mkdir(parents=True)
+    (la.dirs.path("run-r") / "checkpoints" / "step00000004" / "pipetrain.json").write_text("{}")   # marks it complete
+    (la.dirs.path("run-r") / "checkpoints" / "latest").write_text("step00000004")
     assert la.get("run-r")["state"] == "stopped" and la.get("run-r")["resumable"]
     la.launch("run-r", [sys.executable, "-c", "import time; time.sleep(1.5)"], (0,))
     assert la.get("run-r")["state"] == "resuming"
