@@ -167,7 +167,10 @@ def test_doctor_tables_every_model_type_on_each_comfyui_given(tmp_path):
     """``doctor --comfyui A --comfyui B``: one row a model type, one column a ComfyUI version."""
     from pipetrain.backend.runtime import PINNED_COMFYUI
 
-    folders = [PINNED_COMFYUI, *(COMFYUIS[v] for v in sorted(COMFYUIS))]
+    # the pinned version, and the oldest and newest others present (each costs a child process)
+    others = sorted(COMFYUIS, key=lambda v: tuple(int(x) for x in v.split(".")))
+    others = [v for v in dict.fromkeys((others[0], others[-1]))] if others else []
+    folders = [PINNED_COMFYUI, *(COMFYUIS[v] for v in others)]
     argv = [sys.executable, "-m", "pipetrain", "doctor", "--model-type", "flux", "--model-type", "z_image"]
     for f in folders:
         argv += ["--comfyui", str(f)]
@@ -177,7 +180,7 @@ def test_doctor_tables_every_model_type_on_each_comfyui_given(tmp_path):
     lines = out.stdout.strip().splitlines()
     header = next(line for line in lines if line.startswith("model type"))
     versions = header.split()[2:]
-    assert versions == ["0.3.75", *sorted(COMFYUIS)], header
+    assert versions == ["0.3.75", *others], header
     # Z-Image's code arrived after 0.3.52; everything else passes everywhere
     expected = {"flux": ["passes"] * len(versions),
                 "z_image": ["refused (lacks)" if v == "0.3.52" else "passes" for v in versions]}
