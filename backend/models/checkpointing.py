@@ -133,7 +133,8 @@ class _RecomputedCheckpoint(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        ctx.parked = None
+        # the inputs stay with the graph (freed with it): DeepSpeed's pipeline engine backpropagates a stage's tuple
+        # outputs one at a time with retain_graph, which runs this backward once per output
         return (None, None, None) + tuple(a.grad if torch.is_tensor(a) and needs else None
                                           for a, needs in zip(args, ctx.needs_grad))
 

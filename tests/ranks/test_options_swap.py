@@ -4,6 +4,7 @@ equal those without swapping, with and without activation checkpointing; a 2-sta
 block swapping trains exactly like one without."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -110,3 +111,18 @@ def test_two_stage_run_with_block_swapping_trains_like_without(micro_flux_files,
     assert plain.events("engine")[0]["blocks_swapped"] == [0, 0]
     assert len(swapped.losses()) == 4
     assert swapped.losses() == pytest.approx(plain.losses(), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", [True, "unsloth"])
+def test_two_stages_checkpointed_and_partitioned_by_parameters_train(mode, micro_flux_files, make_run):
+    """diffusion-pipe's advice for two GPUs (its main_example with pipeline_stages = 2): activation checkpointing with
+    partition_method = 'parameters', whose stage boundary DeepSpeed backpropagates one tuple output at a time."""
+    from conftest import train
+
+    run = train(make_run(micro_flux_files, images=2, stages=2, epochs=1, checkpoint_every_n_epochs=None,
+                         eval_before_first_step=False, activation_checkpointing=mode,
+                         partition_method="parameters"), ranks=2)
+    assert run.returncode == 0, run.output[-4000:]
+    losses = run.losses()
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+    assert run.loras()
