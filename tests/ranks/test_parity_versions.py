@@ -187,4 +187,4 @@ def test_doctor_tables_every_model_type_on_each_comfyui_given(tmp_path):
     for t, cells in expected.items():
         row = next(line for line in lines if line.startswith(t + " "))
         assert row.split(None, 1)[1].split() == " ".join(cells).split(), row
-    assert f"ComfyUI 0.3.75 ({PINNED_COMFYUI}): 2 of 2 model types train" in lines, lines
+    assert f"ComfyUI 0.3.75 ({PINNED_COMFYUI.resolve()}): 2 of 2 model types train" in lines, lines
