@@ -95,6 +95,10 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
     from pipetrain.launcher.specs import TrainSpec
     from pipetrain.nodes import data, samples, settings
 
+    # ComfyUI's model folders are process-wide: this test's folders go with it (later tests list the LoRA folder)
+    monkeypatch.setattr(folder_paths, "folder_names_and_paths",
+                        {k: (list(paths), set(exts)) for k, (paths, exts) in folder_paths.folder_names_and_paths.items()})
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
     for kind, name, arch in (("diffusion_models", "dm.safetensors", "flux"), ("text_encoders", "t1.safetensors", None),
                              ("text_encoders", "t2.safetensors", None), ("vae", "ae.safetensors", None),
                              ("loras", "start.safetensors", None)):
