@@ -84,7 +84,7 @@ def skip_cpu_shm_build() -> None:
 
 def load_checkpoints_weights_only(engine) -> None:
     """DeepSpeed reads every file of a checkpoint (layers, optimizer, schedule) through its checkpoint engine's
-    ``load``, whose torch engine unpickles with ``weights_only=False``: a file planted in a run folder would run
+    ``load``, whose torch engine unpickles without restriction: a file planted in a run folder would run
     code on resume. Ours reads tensors and plain values only (torch's restricted unpickler); the state DeepSpeed
     writes for PipeTrain's engines (no ZeRO, no loss scaler) needs no other class. Before ``load_checkpoint``."""
     checkpoint_engine = engine.checkpoint_engine
