@@ -29,17 +29,25 @@ def note_run_dir(run_dir: Path) -> None:
         Path(note).write_text(str(run_dir))
 
 
-def _ranks() -> list:
+def ranks_among(processes) -> list:
+    """The training ranks among ``processes`` (psutil): DeepSpeed's ``launch.py`` starts each with
+    ``--local_rank=N``; a process gone meanwhile is left out."""
     import psutil
 
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for p in processes:
         try:
-            if any(arg.startswith(RANK_FLAG) for arg in child.cmdline()):
-                found.append(child)
+            if any(arg.startswith(RANK_FLAG) for arg in p.cmdline()):
+                found.append(p)
         except psutil.Error:
             continue
     return found
+
+
+def _ranks() -> list:
+    import psutil
+
+    return ranks_among(psutil.Process().children(recursive=True))
 
 
 def _pass_to_ranks(signum, frame) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import psutil
 
+from ..backend.deepspeed_cli import ranks_among
+
 REPO = Path(__file__).resolve().parents[1]
-RANK_FLAG = "--local_rank="
 
 
 @dataclass
@@ -57,15 +58,8 @@ class ProcessRef:
         return self.leader_alive() or (self._group_is_ours() and bool(self.group_members()))
 
     def ranks(self) -> list[psutil.Process]:
-        """The training ranks of the group: DeepSpeed's ``launch.py`` starts each with ``--local_rank=N``."""
-        found = []
-        for p in self.group_members() if self._group_is_ours() else []:
-            try:
-                if any(arg.startswith(RANK_FLAG) for arg in p.cmdline()):
-                    found.append(p)
-            except psutil.Error:
-                continue
-        return found
+        """The training ranks of the group."""
+        return ranks_among(self.group_members() if self._group_is_ours() else [])
 
     def signal_ranks(self, sig: int) -> bool:
         """Signal only the ranks (not DeepSpeed's launchers); False when the group has none."""
