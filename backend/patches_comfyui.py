@@ -211,51 +211,39 @@ def kitchen_in_training() -> list[str]:
     return list(_kitchen_ops_without_backward()) if _kitchen() is not None else []
 
 
-def _bindings(kitchen, routed) -> list[tuple[object, str, str]]:
-    """(module, attribute, op) for comfy-kitchen's module and every ComfyUI module that bound one of its ops by
-    name (0.8 binds ``apply_rope = comfy.quant_ops.ck.apply_rope`` at import; later ones look it up per call)."""
+def _swap(kitchen, pairs: list[tuple[object, object]]) -> None:
+    """Every reference to the first function of a pair, in comfy-kitchen's module and in every ComfyUI module, made
+    to the second (0.8 binds ``apply_rope = comfy.quant_ops.ck.apply_rope`` at import; later ones look it up per
+    call)."""
     import sys
-    ops = {id(getattr(kitchen, n)): n for n in routed}
-    found = [(kitchen, n, n) for n in routed]
+
+    by_id = {id(old): (old, new) for old, new in pairs}
     for name, module in list(sys.modules.items()):
-        if module is None or not (name == "comfy" or name.startswith("comfy.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            op = ops.get(id(value))
-            if op is not None and value is getattr(kitchen, op):
-                found.append((module, attr, op))
-    return found
+        if module is kitchen or module is not None and (name == "comfy" or name.startswith("comfy.")):
+            for attr, value in list(vars(module).items()):
+                hit = by_id.get(id(value))
+                if hit is not None and value is hit[0]:
+                    setattr(module, attr, hit[1])
 
 
 @contextlib.contextmanager
 def kitchen_eager():
     """While inside, the comfy-kitchen ops without a backward resolve to comfy-kitchen's eager backend wherever
-    ComfyUI's model code reaches them, so a backward through ComfyUI's code works."""
+    ComfyUI's model code reaches them, so a backward through ComfyUI's code works. On the way out every reference
+    goes back to the fused op, also in a ComfyUI module imported meanwhile (which bound the eager one)."""
     kitchen = _kitchen()
     routed = kitchen_in_training() if kitchen is not None else []
     if not routed or getattr(kitchen, "_pipetrain_eager", False):
         yield
         return
-    import sys
-
     import comfy_kitchen.backends.eager as eager
-    bindings = _bindings(kitchen, routed)
-    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in bindings]
-    for module, attr, op in bindings:
-        setattr(module, attr, getattr(eager, op))
+    pairs = [(getattr(kitchen, op), getattr(eager, op)) for op in routed]
+    _swap(kitchen, pairs)
     kitchen._pipetrain_eager = True
     try:
         yield
     finally:
-        for module, attr, value in saved:
-            setattr(module, attr, value)
-        # a ComfyUI module imported meanwhile bound the eager op by name: it gets the fused one back
-        back = {id(getattr(eager, op)): (getattr(eager, op), getattr(kitchen, op)) for op in routed}
-        for name, module in list(sys.modules.items()):
-            if module is not None and (name == "comfy" or name.startswith("comfy.")):
-                for attr, value in list(vars(module).items()):
-                    if id(value) in back and value is back[id(value)][0]:
-                        setattr(module, attr, back[id(value)][1])
+        _swap(kitchen, [(new, old) for old, new in pairs])
         kitchen._pipetrain_eager = False
 
 
