@@ -40,6 +40,15 @@ def init() -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
+def finish() -> None:
+    """Ends this rank's part in the process group once its work is done. Without it, gloo's worker threads may
+    still hold finished work at interpreter shutdown and abort the process (SIGABRT: "terminate called without an
+    active exception"), which turns a finished run into a failed one. Only after success: a rank whose peer failed
+    could wait here on a collective that never completes."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -95,7 +95,9 @@ class Trainer:
     # --- phases -----------------------------------------------------------------------------
     def run(self) -> int:
         with comfy_training_paths():   # ComfyUI's autograd-safe code paths where it has them (runtime.py)
-            return self._run()
+            code = self._run()
+        distributed.finish()
+        return code
 
     def _run(self) -> int:
         self.topology = self.setup_distributed()
