@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from pipetrain.backend.demo import make_dataset, write_configs
 from pipetrain.backend.commands import deepspeed_command
+from warm_ranks import WarmRanks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,7 +169,45 @@ def launch(config: Path, ranks: int, *extra: str, command: str = "train") -> sub
                             env=env, start_new_session=True)
 
 
+_WARM = WarmRanks()
+_REAL_LAUNCH = {"now": False}   # set for the tests marked deepspeed_launcher
+
+
+def pytest_sessionfinish(session):
+    _WARM.close()
+
+
+@pytest.fixture(autouse=True)
+def _launch_kind(request):
+    _REAL_LAUNCH["now"] = (request.node.get_closest_marker("deepspeed_launcher") is not None
+                           or os.environ.get("PIPETRAIN_TEST_REAL_LAUNCH") == "1")
+    yield
+    _REAL_LAUNCH["now"] = False
+
+
 def train(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:
+    """The CLI's ``train`` on ``ranks`` ranks: forked from a warm server (``warm_ranks.py``) where that is a fair
+    copy of a DeepSpeed launch, else (a GPU machine, a test of the launcher) through DeepSpeed's own launcher."""
+    root = config.parent
+    if not _REAL_LAUNCH["now"]:
+        fd, name = tempfile.mkstemp(prefix="pipetrain-warm-ranks-", suffix=".log")
+        os.close(fd)
+        log = Path(name)
+        try:
+            code = _WARM.run(["train", str(config), *extra, "--no-progress"], ranks, root,
+                             {**os.environ, "PYTHONUNBUFFERED": "1"}, log, timeout)
+            out = log.read_text(errors="replace")
+        except TimeoutError:
+            raise AssertionError(f"training timed out after {timeout} s\n{log.read_text(errors='replace')[-5000:]}")
+        finally:
+            log.unlink(missing_ok=True)
+        if code is not None:
+            return Run(code, out, root / "output")
+    return train_launched(config, ranks, *extra, timeout=timeout)
+
+
+def train_launched(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:
+    """``train`` through DeepSpeed's runner and launcher, always."""
     proc = launch(config, ranks, *extra)
     try:
         out, _ = proc.communicate(timeout=timeout)

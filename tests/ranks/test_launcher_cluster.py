@@ -23,6 +23,8 @@ from pipetrain.backend.config.patch import RunPatch
 from pipetrain.launcher.forms import adapter_patch, folder_patch, memory_patch, model_patch
 from pipetrain.launcher.specs import ClusterSpec, DatasetSpec, ParallelismSpec, TrainSpec
 
+pytestmark = pytest.mark.deepspeed_launcher   # tests/warm_ranks.py: why a real launch
+
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 

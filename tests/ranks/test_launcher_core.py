@@ -19,6 +19,8 @@ from pipetrain.backend.config.patch import RunPatch
 from pipetrain.launcher.forms import folder_patch, model_patch
 from pipetrain.launcher.specs import DatasetSpec, ParallelismSpec, TrainSpec
 
+pytestmark = pytest.mark.deepspeed_launcher   # tests/warm_ranks.py: why a real launch
+
 REPO = Path(__file__).resolve().parents[2]
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]

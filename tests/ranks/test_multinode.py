@@ -14,7 +14,7 @@ from pipetrain.backend.config import load_run_config
 from pipetrain.backend.commands import free_port
 from pipetrain.backend.verify import check_lora
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.deepspeed_launcher]   # tests/warm_ranks.py: why a real launch
 
 
 def _config(make_run, files, name, epochs):

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from pipetrain.backend.fsutil import FULL_AT_ENV, KILL_AT_ENV
 
+pytestmark = pytest.mark.deepspeed_launcher   # tests/warm_ranks.py: why a real launch
+
 # 4 images, global batch 1: epoch 1 is steps 1-4, epoch 2 steps 5-8; a LoRA, then a checkpoint, after each epoch
 SETUP = dict(stages=2, epochs=2, checkpoint_every_n_epochs=1, lr_scheduler="cosine", warmup_steps=2,
              optimizer={"type": "adamw", "lr": 5e-3})

@@ -11,7 +11,7 @@ import torch
 from conftest import Run, launch, train
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.deepspeed_launcher]   # tests/warm_ranks.py: why a real launch
 
 SETUP = dict(stages=2, epochs=3, checkpoint_every_n_epochs=1, lr_scheduler="cosine", warmup_steps=2,
              optimizer={"type": "adamw", "lr": 5e-3})

@@ -1,0 +1,243 @@
+"""Warm ranks: the model runs of the test suite without paying for four fresh interpreters each.
+
+A DeepSpeed launch on CPU starts DeepSpeed's runner, its ``launch.py`` and one interpreter per rank, each importing
+torch and DeepSpeed, and each rank then imports ComfyUI: most of a tiny run's time goes there. Here one server
+process per ComfyUI imports all of that once and forks the ranks of each run from itself: each rank is a fresh
+process (nothing of one run reaches the next), with the environment DeepSpeed's ``launch.py`` gives a rank, the same
+argv (``--local_rank=N`` first) and the same entry (``pipetrain.backend.cli.main``); the run waits on its ranks as
+``launch.py`` does (one failing rank ends the others, and its exit status is the run's).
+
+What it leaves out is what DeepSpeed's runner and launcher do, so tests of the launcher, of signals, of multi-node
+set-ups, of faults and of resume keep real launches (``conftest.launch``, or the ``deepspeed_launcher`` marker).
+A run whose config is trained by another ComfyUI than the one a server imported (the pinned copy in place of the
+host's) falls back to a real launch, as does any machine with a GPU (CUDA must not start before a fork).
+
+Run as a script, this file is the server: JSON requests on stdin, JSON answers on stdout."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# a rank's exit status when the config needs another ComfyUI than the one this server imported: run it for real
+OTHER_COMFYUI = 97
+_GRACE_S = 10.0   # the other ranks' time to end after one failed, before they are killed
+
+
+# --- the client: the test process ------------------------------------------------------------------------------
+class WarmRanks:
+    """One server per ComfyUI (the ``COMFYUI_PATH`` a run's environment names), started at first use."""
+
+    def __init__(self):
+        self._servers: dict[str, subprocess.Popen] = {}
+
+    def run(self, argv: list[str], ranks: int, cwd: Path, env: dict[str, str], log: Path,
+            timeout: float) -> int | None:
+        """Runs ``pipetrain ARGV`` on ``ranks`` forked ranks, their output into ``log``; returns the exit status as
+        DeepSpeed's runner would give it, or None where this run needs a real launch."""
+        server = self._server(env)
+        if server is None:
+            return None
+        request = {"argv": argv, "ranks": ranks, "cwd": str(cwd), "env": env, "log": str(log)}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        group = self._answer(server, 60.0)["group"]
+        try:
+            code = self._answer(server, timeout)["returncode"]
+        except TimeoutError:
+            os.killpg(group, signal.SIGKILL)
+            self._answer(server, 60.0)
+            raise
+        return None if code == OTHER_COMFYUI else code
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            if server.poll() is None:
+                server.stdin.close()
+                try:
+                    server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+        self._servers.clear()
+
+    def _server(self, env: dict[str, str]) -> subprocess.Popen | None:
+        key = env.get("COMFYUI_PATH", "")
+        server = self._servers.get(key)
+        if server is not None and server.poll() is None:
+            return server
+        server = subprocess.Popen([sys.executable, "-u", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, env=env, cwd=Path(__file__).parent)
+        try:
+            ready = self._answer(server, 300.0)
+        except (TimeoutError, ConnectionError):
+            server.kill()
+            raise
+        if not ready.get("ready"):
+            server.kill()
+            return None
+        self._servers[key] = server
+        return server
+
+    @staticmethod
+    def _answer(server: subprocess.Popen, timeout: float) -> dict:
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            raise TimeoutError(f"the warm-ranks server did not answer within {timeout:.0f} s")
+        line = server.stdout.readline()
+        if not line:
+            raise ConnectionError(f"the warm-ranks server ended (exit status {server.wait()})")
+        return json.loads(line)
+
+
+# --- the server --------------------------------------------------------------------------------------------------
+def _warm_up() -> bool:
+    """Imports what every rank imports before its work. False where forking ranks would not be a fair copy of a
+    launch (a GPU: CUDA cannot cross a fork)."""
+    import torch
+    if torch.cuda.is_available():
+        return False
+    import deepspeed  # noqa: F401
+    import deepspeed.runtime.pipe.engine  # noqa: F401
+
+    import pipetrain.backend.cli  # noqa: F401
+    import pipetrain.backend.train.trainer  # noqa: F401
+    from pipetrain.backend.models.registry import ADAPTERS  # noqa: F401
+    from pipetrain.backend.runtime import ensure_comfyui
+    ensure_comfyui()
+    import comfy.sd  # noqa: F401  (ComfyUI's loaders and with them its model code)
+    return True
+
+
+def _same_comfyui(argv: list[str]) -> bool:
+    """Whether the ComfyUI that trains this config is the one imported here (``backend/fallback.py`` decides)."""
+    if len(argv) < 2 or argv[0] not in ("train", "cache"):
+        return True
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.fallback import choose_comfyui
+    from pipetrain.backend.runtime import _already_imported
+    try:
+        model_type = load_run_config(Path(argv[1])).model.type
+        chosen = choose_comfyui(model_type)
+    except Exception:   # a config the CLI refuses: the rank itself says so
+        return True
+    return Path(chosen.path).resolve() == _already_imported()
+
+
+def _rank(argv: list[str], local_rank: int, ranks: int, port: int, request: dict, log_fd: int) -> None:
+    """In the forked child: become rank ``local_rank`` of a ``ranks``-rank DeepSpeed launch and run. Never returns."""
+    code = 1
+    try:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        sys.stdout.reconfigure(line_buffering=True)   # python -u, as DeepSpeed's launch.py starts ranks
+        sys.stderr.reconfigure(line_buffering=True)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks), CROSS_RANK="0",
+                          CROSS_SIZE="1", LOCAL_SIZE=str(ranks), RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not _same_comfyui(argv):
+            code = OTHER_COMFYUI
+        else:
+            from pipetrain.backend.cli import main
+            from pipetrain.backend.commands import ENTRY
+            sys.argv = [str(ENTRY), f"--local_rank={local_rank}", *argv]
+            try:
+                code = main(sys.argv[1:])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            import threading
+            threading._shutdown()   # an interpreter's exit waits for its non-daemon threads
+            import atexit
+            atexit._run_exitfuncs()
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code & 0xFF)
+
+
+def _launch(request: dict, answers) -> int:
+    """One run: fork its ranks into one process group (the client's timeout kills that group), wait as DeepSpeed's
+    ``launch.py`` does."""
+    from pipetrain.backend.commands import free_port
+
+    ranks, argv, port = int(request["ranks"]), list(request["argv"]), free_port()
+    log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    answers.flush()
+    pids: list[int] = []
+    for local_rank in range(ranks):
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, pids[0] if pids else 0)
+            _rank(argv, local_rank, ranks, port, request, log_fd)
+        try:   # in the parent too: the group exists before either process goes on
+            os.setpgid(pid, pids[0] if pids else pid)
+        except OSError:
+            pass
+        pids.append(pid)
+    os.close(log_fd)
+    print(json.dumps({"group": pids[0]}), file=answers, flush=True)
+    alive, failed = set(pids), None
+    killed_at = None
+    while alive:
+        for pid in list(alive):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                alive.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0 and failed is None:
+                    failed = code
+        if failed is not None and alive:
+            if killed_at is None:   # DeepSpeed's launch.py ends the other ranks of a failed one
+                killed_at = time.monotonic()
+                _signal(alive, signal.SIGTERM)
+            elif time.monotonic() - killed_at > _GRACE_S:
+                _signal(alive, signal.SIGKILL)
+        time.sleep(0.05)
+    if failed is None:
+        return 0
+    if failed == OTHER_COMFYUI:
+        return OTHER_COMFYUI
+    return failed if failed > 0 else 256 + failed   # sys.exit(-6) in launch.py: 250
+
+
+def _signal(pids, signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def serve() -> None:
+    # the answers get standard output's pipe to themselves: what ComfyUI and others print goes to standard error
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    from pipetrain.backend.commands import ENTRY
+    sys.path[0] = str(ENTRY.parent)   # a rank runs the entry file by its path: its folder comes first, not tests/
+    ready = _warm_up()
+    print(json.dumps({"ready": ready}), file=answers, flush=True)
+    if not ready:
+        return
+    for line in sys.stdin:
+        print(json.dumps({"returncode": _launch(json.loads(line), answers)}), file=answers, flush=True)
+
+
+if __name__ == "__main__":
+    serve()
