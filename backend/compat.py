@@ -69,6 +69,8 @@ DEFAULT_DIFFERENCES = [
     ("main", "model.dtype", "required", "'bfloat16'"),
     ("main", "adapter.dtype", "the model's dtype", "'float32'"),
     ("main", "adapter.alpha", "the key is refused (alpha = rank)", "rank (the key is allowed)"),
+    ("main", "save_dtype", "the trained weights' dtype (adapter.dtype)", "float32 for adapters, the model's dtype "
+     "for a full fine-tune"),
     ("dataset", "resolutions", "required", "[512]"),
     ("dataset", "min_ar, max_ar, num_ar_buckets", "required with enable_ar_bucket = true", "0.5, 2.0, 7"),
     ("dataset", "skip_empty_caption", "true (its docs say false)", "false: an image without a caption trains "
@@ -87,6 +89,14 @@ MEANING_DIFFERENCES = {
     "model.debiased_estimation_loss": "false is off (diffusion-pipe weighs the loss whenever the key is present, "
                                       "false included)",
 }
+
+# keys whose value is a file or folder path (any table): a relative one is read from the folder of the file that
+# names it, or from the working directory where only that holds it (diffusion-pipe: always the working directory);
+# check-config says which
+PATH_KEYS = {"output_dir", "dataset", "config", "lora_dir", "hostfile", "diffusion_model", "vae", "text_encoders",
+             "path", "paths", "clip_vision", "merge_adapters", "init_from_existing", "mask_path", "default_mask_file",
+             "control_path", "control_mask_path", "reference_path", "start_image", "end_image", "control_video",
+             *MODEL_RENAMES.keys() - {"transformer_dtype"}, *TEXT_ENCODER_KEYS, *model_folders.FOLDER_KEYS}
 
 _SINGLE = ("diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and text_encoder_path are read as "
            "these single files")

@@ -118,9 +118,18 @@ def make_optimizer(cfg, global_batch_size: int):
     kwargs = optimizer_kwargs(cfg, global_batch_size)
 
     def build(params):
-        params = list(params)
+        params = decay_groups(list(params))
         return klass(params, **kwargs, **fused_default(klass, kwargs, params))
     return build
+
+
+def decay_groups(params: list) -> list[dict]:
+    """diffusion-pipe's parameter groups: biases, norm scales and every other one-dimensional parameter without
+    weight decay (``weight_decay = 0`` in their group), the rest with the optimizer's. Only a full fine-tune has
+    such parameters: every adapter's are matrices."""
+    decayed = [p for p in params if p.ndim > 1]
+    plain = [p for p in params if p.ndim <= 1]
+    return [g for g in ({"params": decayed}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
 
 
 def fused_default(klass, kwargs: dict, params: list) -> dict:
