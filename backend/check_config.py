@@ -67,6 +67,9 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
                 lines.append(f"  {key}: read as is (diffusion-pipe's meaning where it has the key)")
         elif name in renames:
             lines.append(f"  {key}: read as {renames[name]}")
+        elif (cls.__name__ == "ModelConfig" and name == "lumina_shift"
+              and compat.TYPE_ALIASES.get(data.get("type"), data.get("type")) in compat.LUMINA_SHIFT_TYPES):
+            lines.append(f"  {key}: read as flux_shift (the same resolution-dependent shift)")
         elif cls.__name__ == "ModelConfig" and name == "first_frame_conditioning_p":
             lines.append(f"  {key}: 1 trains type 'ltx_video_i2v' (every clip's first frame given), 0 plain "
                          "text to video; other values are refused")
@@ -147,6 +150,11 @@ def report(path: str | Path) -> tuple[str, bool]:
         cfg, problem = None, e
     if cfg is not None and (shift := model_shift(cfg)) is not None:
         differing.append(("main", "model.shift", "none (timesteps unshifted)", shift))
+    te_rates = {"text_encoder_1_lr", "text_encoder_2_lr"} & set(main.get("model", {}) if isinstance(
+        main.get("model"), dict) else {})
+    if cfg is not None and cfg.model.type == "sdxl" and cfg.adapter is not None and not te_rates:
+        differing.append(("main", "model.text_encoder_1_lr, text_encoder_2_lr", "[optimizer] lr (LoRAs on both text "
+                          "encoders train)", "the text encoders stay frozen (diffusion-pipe's rate 0)"))
     if differing:
         out.append("Defaults that differ from diffusion-pipe's (keys these files leave out):")
         out += [f"  {key} ({file} file): diffusion-pipe {dp}; here {ours}" for file, key, dp, ours in differing]

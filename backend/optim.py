@@ -96,16 +96,25 @@ def _check_kwargs(klass, kwargs: dict, cfg) -> None:
                               key=f"optimizer.{p.name}")
 
 
+def _configured_kwargs(cfg) -> dict:
+    """``[optimizer]``'s constructor arguments; a UNet model's ``unet_lr`` is its ``lr`` (the UNet is all that
+    trains)."""
+    kwargs = cfg.optimizer.kwargs()
+    if getattr(cfg.model, "unet_lr", None) is not None:
+        kwargs["lr"] = cfg.model.unet_lr
+    return kwargs
+
+
 def resolve_optimizer(cfg):
     """(class, constructor kwargs) for the run, checked against the constructor's signature."""
     klass = optimizer_class(cfg)
-    kwargs = cfg.optimizer.kwargs()
+    kwargs = _configured_kwargs(cfg)
     _check_kwargs(klass, kwargs, cfg)
     return klass, kwargs
 
 
 def optimizer_kwargs(cfg, global_batch_size: int) -> dict:
-    kwargs = cfg.optimizer.kwargs()
+    kwargs = _configured_kwargs(cfg)
     half_life = cfg.optimizer.beta2_half_life
     if half_life:   # diffusion-pipe: beta2 from a half-life in samples
         kwargs["betas"] = (kwargs["betas"][0], 0.5 ** (global_batch_size / half_life))
