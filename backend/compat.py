@@ -31,8 +31,8 @@ RUN = {
                                    "'single_beginning')", inert=("single_beginning",)),
     "logging_steps": Unsupported("every step is logged", inert=ANY),
     "pseudo_huber_c": Unsupported("diffusion-pipe ignores it too", inert=ANY),
-    "regenerate_cache": Unsupported("pass --regenerate-cache on the command line (diffusion-pipe ignores this "
-                                    "key too)", inert=(False,)),
+    "regenerate_cache": Unsupported("diffusion-pipe ignores this key too (its command-line flag always wins); "
+                                    "pass --regenerate-cache on the command line", inert=ANY),
     "resume_from_checkpoint": Unsupported("pass --resume [RUN] on the command line", inert=(False,)),
     "force_constant_lr": Unsupported("set [optimizer] lr and lr_scheduler = 'constant' (a resumed run keeps "
                                      "the checkpoint's schedule)"),
@@ -46,6 +46,9 @@ EDIT_TYPES = {"flux": "flux_kontext", "qwen_image": "qwen_image_edit", "flux2": 
 # diffusion-pipe's other names for our keys: its single-file keys (ComfyUI files), and transformer_dtype (its
 # name for diffusion_model_dtype on its older models)
 MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "transformer_dtype": "diffusion_model_dtype"}
+# diffusion-pipe's Lumina 2 reads lumina_shift: Flux's resolution-dependent shift (our flux_shift), on the same token
+# count; its other models ignore the key
+LUMINA_SHIFT_TYPES = ("lumina2",)
 # diffusion-pipe's model-folder keys (``compat_folders``), as check-config describes them
 FOLDER_KEYS = model_folders.FOLDER_KEYS   # key -> the model types it is read for
 # both spellings diffusion-pipe's code and its example read
@@ -69,6 +72,8 @@ DEFAULT_DIFFERENCES = [
     ("main", "model.dtype", "required", "'bfloat16'"),
     ("main", "adapter.dtype", "the model's dtype", "'float32'"),
     ("main", "adapter.alpha", "the key is refused (alpha = rank)", "rank (the key is allowed)"),
+    ("main", "save_dtype", "the trained weights' dtype (adapter.dtype)", "float32 for adapters, the model's dtype "
+     "for a full fine-tune"),
     ("dataset", "resolutions", "required", "[512]"),
     ("dataset", "min_ar, max_ar, num_ar_buckets", "required with enable_ar_bucket = true", "0.5, 2.0, 7"),
     ("dataset", "skip_empty_caption", "true (its docs say false)", "false: an image without a caption trains "
@@ -88,6 +93,14 @@ MEANING_DIFFERENCES = {
                                       "false included)",
 }
 
+# keys whose value is a file or folder path (any table): a relative one is read from the folder of the file that
+# names it, or from the working directory where only that holds it (diffusion-pipe: always the working directory);
+# check-config says which
+PATH_KEYS = {"output_dir", "dataset", "config", "lora_dir", "hostfile", "diffusion_model", "vae", "text_encoders",
+             "path", "paths", "clip_vision", "merge_adapters", "init_from_existing", "mask_path", "default_mask_file",
+             "control_path", "control_mask_path", "reference_path", "start_image", "end_image", "control_video",
+             *MODEL_RENAMES.keys() - {"transformer_dtype"}, *TEXT_ENCODER_KEYS, *model_folders.FOLDER_KEYS}
+
 _SINGLE = ("diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and text_encoder_path are read as "
            "these single files")
 MODEL = {
@@ -98,18 +111,22 @@ MODEL = {
     **{key: Unsupported(f"not read by PipeTrain. {SINGLE_FILES_HINT}")
        for key in ("text_encoder", "audio_vae", "llm_adapter_path")},
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
+    "lumina_shift": Unsupported("diffusion-pipe reads it for lumina_2 only (flux_shift is the same shift for the "
+                                "other flow models)", inert=ANY),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
     "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
                                   "remove the key", inert=(0, 0.0)),
-    "unet_lr": Unsupported("one learning rate for everything that trains: set [optimizer] lr"),
-    "text_encoder_1_lr": Unsupported("text encoders are not trained; remove the key"),
-    "text_encoder_2_lr": Unsupported("text encoders are not trained; remove the key"),
+    # diffusion-pipe's SDXL trains LoRAs on both text encoders at these rates (default [optimizer] lr); here they
+    # stay frozen, which a rate of 0 means there
+    "text_encoder_1_lr": Unsupported("text encoders are not trained here (diffusion-pipe trains SDXL's at this "
+                                     "rate): set it to 0, or remove the key", inert=(0, 0.0)),
+    "text_encoder_2_lr": Unsupported("text encoders are not trained here (diffusion-pipe trains SDXL's at this "
+                                     "rate): set it to 0, or remove the key", inert=(0, 0.0)),
 }
 
 ADAPTER = {
     "rank_dropout": Unsupported("LoKr's rank dropout is not implemented; use dropout (on the adapter's input)",
                                 inert=(0, 0.0)),
-    "exclude_modules": Unsupported("list the modules to adapt as regexes in target_modules instead"),
     "fuse_adapters": Unsupported("merge the LoRA into the base model in ComfyUI and train on the merged file"),
 }
 
@@ -182,6 +199,8 @@ def preprocess_model(data: dict, file, prefix: str) -> dict:
         _first_frame_conditioning(data, file, prefix)
     for alias, target in MODEL_RENAMES.items():
         _rename(data, alias, target, file, prefix)
+    if data.get("type") in LUMINA_SHIFT_TYPES:
+        _rename(data, "lumina_shift", "flux_shift", file, prefix)
     given = [k for k in TEXT_ENCODER_KEYS if k in data]
     if given:
         if "text_encoders" in data:
@@ -212,6 +231,14 @@ def edit_type(model_type: str, has_control: bool) -> str:
 
 
 def preprocess_adapter(data: dict, file, prefix: str) -> dict:
+    """A whole-number float ``rank`` (diffusion-pipe's ``rank = 1e6``: LoKr's full-matrix second factor, which any
+    rank above half the layer's width gives here too) is that integer."""
+    rank = data.get("rank")
+    if isinstance(rank, float):
+        if not rank.is_integer():
+            raise ConfigError(f"got {rank}; a rank is a whole number (1e6 for LoKr's full matrix)", file=file,
+                              key=_key(prefix, "rank"))
+        data = {**data, "rank": int(rank)}
     return data
 
 

@@ -29,7 +29,7 @@ def inject_configured(cfg, diffusion_model: nn.Module, block_prefixes) -> list[s
 
     a = cfg.adapter
     spec = spec_from_config(a, seed=cfg.seed, dtype=DTYPES[a.dtype] if a.dtype else torch.float32)
-    return inject(diffusion_model, spec, block_prefixes, a.target_modules)
+    return inject(diffusion_model, spec, block_prefixes, a.target_modules, a.exclude_modules)
 
 
 def spec_from_config(adapter, seed: int = 0, dtype: torch.dtype | None = None) -> AdapterSpec:
@@ -82,9 +82,10 @@ def attach(linear: nn.Linear, name: str, spec: AdapterSpec) -> None:
 
 
 def inject(model: nn.Module, spec: AdapterSpec, block_prefixes: tuple[str, ...],
-           patterns: list[str] | None = None) -> list[str]:
+           patterns: list[str] | None = None, exclude: str | list[str] | None = None) -> list[str]:
     """Attach an adapter to every ``nn.Linear`` under ``block_prefixes`` (optionally filtered by regex
-    ``patterns`` on the module path). Freezes everything else. Returns the adapted module paths."""
+    ``patterns`` on the module path), except those ``exclude`` names (``excluded``). Freezes everything else.
+    Returns the adapted module paths."""
     model.requires_grad_(False)
     regexes = [re.compile(p) for p in patterns or []]
     adapted = [name for name, m in model.named_modules() if hasattr(m, "adapter_kind")]
@@ -96,7 +97,7 @@ def inject(model: nn.Module, spec: AdapterSpec, block_prefixes: tuple[str, ...],
             continue
         if not any(name == p or name.startswith(p + ".") for p in block_prefixes):
             continue
-        if regexes and not any(r.search(name) for r in regexes):
+        if (regexes and not any(r.search(name) for r in regexes)) or excluded(name, exclude):
             continue
         attach(module, name, spec)
         adapted.append(name)
@@ -104,6 +105,17 @@ def inject(model: nn.Module, spec: AdapterSpec, block_prefixes: tuple[str, ...],
     if not names:
         raise ValueError(f"no linear layer matched the LoRA targets {block_prefixes} / {patterns}")
     return names
+
+
+def excluded(name: str, exclude: str | list[str] | None) -> bool:
+    """diffusion-pipe's ``exclude_modules`` (PEFT's rule): a string is a regex the whole module path must match;
+    a list names modules by their whole path or its trailing dotted parts (``img_attn.qkv`` excludes
+    ``double_blocks.0.img_attn.qkv``, ``attn.qkv`` does not)."""
+    if exclude is None:
+        return False
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, name) is not None
+    return any(name == key or name.endswith("." + key) for key in exclude)
 
 
 def adapted_modules(model: nn.Module):

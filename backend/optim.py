@@ -96,16 +96,25 @@ def _check_kwargs(klass, kwargs: dict, cfg) -> None:
                               key=f"optimizer.{p.name}")
 
 
+def _configured_kwargs(cfg) -> dict:
+    """``[optimizer]``'s constructor arguments; a UNet model's ``unet_lr`` is its ``lr`` (the UNet is all that
+    trains)."""
+    kwargs = cfg.optimizer.kwargs()
+    if getattr(cfg.model, "unet_lr", None) is not None:
+        kwargs["lr"] = cfg.model.unet_lr
+    return kwargs
+
+
 def resolve_optimizer(cfg):
     """(class, constructor kwargs) for the run, checked against the constructor's signature."""
     klass = optimizer_class(cfg)
-    kwargs = cfg.optimizer.kwargs()
+    kwargs = _configured_kwargs(cfg)
     _check_kwargs(klass, kwargs, cfg)
     return klass, kwargs
 
 
 def optimizer_kwargs(cfg, global_batch_size: int) -> dict:
-    kwargs = cfg.optimizer.kwargs()
+    kwargs = _configured_kwargs(cfg)
     half_life = cfg.optimizer.beta2_half_life
     if half_life:   # diffusion-pipe: beta2 from a half-life in samples
         kwargs["betas"] = (kwargs["betas"][0], 0.5 ** (global_batch_size / half_life))
@@ -118,9 +127,18 @@ def make_optimizer(cfg, global_batch_size: int):
     kwargs = optimizer_kwargs(cfg, global_batch_size)
 
     def build(params):
-        params = list(params)
+        params = decay_groups(list(params))
         return klass(params, **kwargs, **fused_default(klass, kwargs, params))
     return build
+
+
+def decay_groups(params: list) -> list[dict]:
+    """diffusion-pipe's parameter groups: biases, norm scales and every other one-dimensional parameter without
+    weight decay (``weight_decay = 0`` in their group), the rest with the optimizer's. Only a full fine-tune has
+    such parameters: every adapter's are matrices."""
+    decayed = [p for p in params if p.ndim > 1]
+    plain = [p for p in params if p.ndim <= 1]
+    return [g for g in ({"params": decayed}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
 
 
 def fused_default(klass, kwargs: dict, params: list) -> dict:

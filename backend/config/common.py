@@ -18,11 +18,23 @@ def check_resolutions(resolutions: list[int], file, key: str) -> None:
                           file=file, key=key)
 
 
+def config_path(base: Path | None, value: str | Path) -> Path:
+    """A path a config file names: absolute as given; relative, from ``base`` (the folder of the file that names
+    it), or from the working directory where only that holds it: diffusion-pipe reads every relative path from
+    the working directory (its examples name ``examples/dataset.toml`` from its repository's root), and such a
+    config runs unchanged where it would run there, while ours keep working from any folder."""
+    p = Path(value).expanduser()
+    if p.is_absolute() or base is None:
+        return p
+    here = base / p
+    if not here.exists() and (Path.cwd() / p).exists():
+        return Path.cwd() / p
+    return here
+
+
 def check_folder(value: str, file, key: str) -> None:
     """A folder PipeTrain writes into: it, or the nearest part of its path that exists, must be a folder."""
-    path = Path(value).expanduser()
-    if not path.is_absolute() and file is not None:
-        path = Path(file).parent / path
+    path = config_path(Path(file).parent if file is not None else None, value)
     for part in (path, *path.parents):
         if part.exists():
             if not part.is_dir():

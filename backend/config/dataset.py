@@ -8,7 +8,8 @@ from typing import Literal, Optional, Union
 
 from .. import compat
 from ..errors import ConfigError
-from .common import MAX_RESOLUTION, check_caption_extension, check_frame_buckets, check_resolutions, replace
+from .common import (MAX_RESOLUTION, check_caption_extension, check_frame_buckets, check_resolutions, config_path,
+                     replace)
 
 @dataclass
 class DirectoryConfig:
@@ -178,7 +179,6 @@ class DatasetConfig:
         return None if d.reference_path is None else self._relative(d.reference_path)
 
     def _relative(self, path: str) -> Path:
-        p = Path(path).expanduser()
-        return p if p.is_absolute() or self._base is None else (self._base / p)
+        return config_path(self._base, path)
 
 

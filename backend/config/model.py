@@ -5,6 +5,7 @@ file, its text encoders' types) is the architecture's own check (``models/base.p
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -13,6 +14,9 @@ from ..errors import ConfigError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 WeightDtype = Literal["float32", "bfloat16", "float16", "float8", "float8_e4m3fn", "float8_e5m2"]
+
+
+UNET_TYPES = ("sdxl", "sd15", "sd2")   # the model types whose network is a UNet (model.unet_lr)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class ModelConfig:
     # (false: the control alone conditions, as the node runs without a start image; stills can train then)
     control_start_image: Optional[bool] = None
     merge_adapters: list[str] = field(default_factory=list)   # LoRAs merged into the base weights before training
+    unet_lr: Optional[float] = None     # UNet models: the UNet's learning rate, over [optimizer] lr (diffusion-pipe's)
 
     UNSUPPORTED = compat.MODEL
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_model(data, file, prefix))
@@ -66,6 +71,9 @@ class ModelConfig:
             raise ConfigError(f"got min_t = {self.min_t}, max_t = {self.max_t}; need 0 <= min_t < max_t <= 1 "
                               "(Wan 2.2 14B: high-noise expert min_t = 0.875, low-noise max_t = 0.875 for t2v, "
                               "0.9 for i2v)", file=file, key="model.min_t")
+        if self.unet_lr is not None and (self.type not in UNET_TYPES or not self.unet_lr > 0):
+            raise ConfigError(f"the UNet's learning rate, above 0, for {', '.join(UNET_TYPES)} (diffusion-pipe reads "
+                              "it for SDXL); set [optimizer] lr instead", file=file, key="model.unet_lr")
         if self.min_snr_gamma is not None and not self.min_snr_gamma > 0:
             raise ConfigError(f"got {self.min_snr_gamma}; must be > 0 (5 is the usual value), or leave it out",
                               file=file, key="model.min_snr_gamma")
@@ -107,11 +115,20 @@ class AdapterConfig:
     init_from_existing: Optional[str] = None   # a LoRA .safetensors, or a folder holding adapter_model.safetensors
     decompose_factor: int = -1          # lokr: Kronecker factor size (-1: as square as possible)
     dora: bool = False                  # lora: weight-decomposed (DoRA), saved with ComfyUI's dora_scale
+    # modules left without an adapter (diffusion-pipe's, PEFT's rule): a regex the whole module path matches, or a
+    # list of paths or their trailing dotted parts (lora.excluded)
+    exclude_modules: Union[str, list[str], None] = None
 
     UNSUPPORTED = compat.ADAPTER
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_adapter(data, file, prefix))
 
     def validate(self, file):
+        if isinstance(self.exclude_modules, str):
+            try:
+                re.compile(self.exclude_modules)
+            except re.error as e:
+                raise ConfigError(f"not a regular expression ({e}); give a regex or a list of module names",
+                                  file=file, key="adapter.exclude_modules") from None
         if self.rank < 1:
             raise ConfigError(f"got {self.rank}; must be 1 or more", file=file, key="adapter.rank")
         if not 0 <= self.dropout < 1:

@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 
 from .. import compat
 from ..errors import ConfigError
-from .common import check_folder, replace
+from .common import check_folder, config_path, replace
 from .dataset import DatasetConfig
 from .model import AdapterConfig, Dtype, ModelConfig
 from .patch import widget
@@ -241,11 +241,10 @@ class RunConfig:
                     raise ConfigError(f"{exc}. {compat.SINGLE_FILES_HINT}", file=self._file, key=key) from None
 
     def resolve(self, path: str | Path) -> Path:
-        """Resolve a path from this config relative to the TOML file it came from."""
-        p = Path(path).expanduser()
-        if p.is_absolute() or self._file is None:
-            return p
-        return (self._file.parent / p).resolve()
+        """A path from this config: relative ones from the TOML file's folder, or the working directory where only
+        that holds it (``common.config_path``)."""
+        p = config_path(self._file.parent if self._file is not None else None, path)
+        return p if p.is_absolute() or self._file is None else p.resolve()
 
     def with_absolute_paths(self) -> "RunConfig":
         """A copy whose file paths no longer depend on where the TOML lives (for copies in run folders)."""

@@ -138,6 +138,22 @@ def _probe_media(path: Path):
     return _probe_size(path)
 
 
+def _refuse_unread_sources(path: Path) -> None:
+    """What diffusion-pipe reads from a folder and this scan does not: its ``captions.json`` (several captions per
+    file) and ``.tar`` archives of images. Refused, naming them, rather than trained without."""
+    captions = path / "captions.json"
+    if captions.is_file():
+        raise DatasetError(f"{captions}: diffusion-pipe's captions.json (several captions per image) is not read "
+                           "here; write each image's caption to a .txt file of its name beside it (one caption an "
+                           "image), or move captions.json out of the folder")
+    with os.scandir(path) as entries:
+        archives = sorted(e.name for e in entries if e.name.lower().endswith(".tar") and e.is_file())
+    if archives:
+        raise DatasetError(f"dataset directory {path} holds .tar archives ({', '.join(archives[:5])}"
+                           f"{', ...' if len(archives) > 5 else ''}), which diffusion-pipe reads as images and "
+                           "this scan does not open; extract them into the folder (or another [[directory]])")
+
+
 def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: ThreadPoolExecutor,
                     videos: bool = False) -> _DirectoryScan:
     path = Path(os.path.abspath(cfg.directory_path(directory)))
@@ -149,6 +165,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     num_repeats = directory.num_repeats if directory.num_repeats is not None else cfg.num_repeats
     captions = cfg.caption_options(directory)
     scan = _DirectoryScan(path, controls=_control_dirs(cfg, directory))
+    _refuse_unread_sources(path)
     files = _candidate_files(path, caption_extension)
     frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
     probed = _probed(pool, _probe_media if videos else _probe_size, caption_extension, files)

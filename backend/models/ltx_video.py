@@ -85,6 +85,9 @@ class LTXFlowMatching(FlowMatching):
     """Rectified flow with LTX's resolution-dependent shift where no constant ``shift`` is configured;
     ``seq_len`` is the latent's token count (``LTXVideoAdapter.seq_len``)."""
 
+    def shift_text(self):
+        return super().shift_text() or "LTX's resolution-dependent shift (ComfyUI's ModelSamplingLTXV)"
+
     def _shift(self, t, seq_len):
         from comfy.model_sampling import time_snr_shift
 

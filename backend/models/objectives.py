@@ -34,10 +34,18 @@ class FlowMatching:
 
     @classmethod
     def from_model_config(cls, c, default_shift: float | None = None, multiplier: float = 1.0) -> "FlowMatching":
-        """The objective a ``[model]`` table asks for; ``default_shift`` applies when it sets no ``shift``."""
-        return cls(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale,
-                   shift=default_shift if c.shift is None else c.shift, flux_shift=c.flux_shift,
-                   multiplier=float(multiplier), min_t=c.min_t, max_t=c.max_t)
+        """The objective a ``[model]`` table asks for: its ``shift`` wins over ``flux_shift`` (diffusion-pipe's
+        order), and ``default_shift`` (the model's own) applies when it sets neither."""
+        shift = c.shift if c.shift is not None else (None if c.flux_shift else default_shift)
+        return cls(sample_method=c.timestep_sample_method, sigmoid_scale=c.sigmoid_scale, shift=shift,
+                   flux_shift=c.flux_shift and c.shift is None, multiplier=float(multiplier), min_t=c.min_t,
+                   max_t=c.max_t)
+
+    def shift_text(self) -> str | None:
+        """The shift applied to the drawn timesteps, in words (check-config); None: none."""
+        if self.shift is not None:
+            return f"a constant shift of {self.shift:.4g}"
+        return "Flux's resolution-dependent shift (flux_shift)" if self.flux_shift else None
 
     @property
     def ranged(self) -> bool:
@@ -91,11 +99,11 @@ class FlowMatching:
     def _shift(self, t: torch.Tensor, seq_len: int) -> torch.Tensor:
         from comfy.model_sampling import flux_time_shift, time_snr_shift
 
-        if self.flux_shift:
+        if self.shift is not None:   # a constant shift wins over flux_shift, as in diffusion-pipe
+            t = time_snr_shift(self.shift, t)
+        elif self.flux_shift:
             mu = flux_mu(seq_len)
             t = torch.tensor([flux_time_shift(mu, 1.0, float(v)) for v in t.clamp(1e-5, 1 - 1e-5)])
-        elif self.shift is not None:
-            t = time_snr_shift(self.shift, t)
         return t.float()
 
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from .eval import build_eval_sets, every_n_steps
 from .events import RunReporter
 from .feed import MicroBatchFeed
 from .parts import CachedData, EngineParts, GradNorm, Topology
-from .pipeline import StagedModule, stage_bounds
+from .pipeline import StagedModule
 from .preservation import PreservationLoss
 from .reg_loss import SplitLoss, StepSums
 from .schedule import lr_multiplier
@@ -137,9 +137,8 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
         ema=WeightAverage(engine.module, cfg.average_decay) if cfg.ema else None,   # the weights as they start
         loss_sums=loss_sums, preservation=cfg.diff_output_preservation)
     if topology.is_main:
-        bounds = stage_bounds(costs, cfg.pipeline_stages) if cfg.partition_method == "compute" else None
         reporter.event(
-            "engine", layers=len(layers), checkpointed_layers=checkpointed, stage_bounds=bounds,
+            "engine", layers=len(layers), checkpointed_layers=checkpointed, stage_bounds=[int(b) for b in module.parts],
             trainable_params=sum(p.numel() for p in params), steps_per_epoch=plan.steps_per_epoch(),
             total_steps=total_steps, blocks_swapped=swapped[::topology.dp_world])
     return parts

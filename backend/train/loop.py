@@ -107,7 +107,7 @@ def _end_of_epoch(t: Trainer, epoch: int) -> None:
     t.reporter.event("epoch", epoch=epoch, step=t.state.global_step)
     if cfg.save_every_n_epochs and epoch % cfg.save_every_n_epochs == 0:
         path = t.save_lora(epoch)
-        t.state.last_saved_epoch = epoch
+        t.state.last_saved_step = t.state.global_step
         t.render_samples(path, epoch)
     if cfg.checkpoint_every_n_epochs and epoch % cfg.checkpoint_every_n_epochs == 0:
         t.save_checkpoint()
@@ -229,9 +229,10 @@ def _finished(t: Trainer, bar) -> None:
         bar.close()
     _report_peak_memory(t)
     last_epoch = state.epoch - 1 if state.step_in_epoch == 0 else state.epoch
-    if state.last_saved_epoch != last_epoch and state.global_step > 0:
+    if state.last_saved_step != state.global_step and state.global_step > 0:
+        # a resume that ends inside the epoch it last saved rewrites that epoch's LoRA with the newer weights
         path = t.save_lora(last_epoch)
-        state.last_saved_epoch = last_epoch
+        state.last_saved_step = state.global_step
         t.render_samples(path, last_epoch)
     t.save_checkpoint()
     if t.topology.is_main:

@@ -88,13 +88,15 @@ class RunState:
     step_in_epoch: int = 0
     total_steps: int = 0
     last_checkpoint_step: int | None = None   # the step the newest checkpoint holds (restored or saved)
-    last_saved_epoch: int | None = None       # the newest epoch whose LoRA is written (kept in checkpoints)
+    # the global step whose weights the newest epoch LoRA holds (kept in checkpoints): the run's end writes one
+    # unless it holds this step's, so the steps a resume adds to an epoch already saved are saved too
+    last_saved_step: int | None = None
     last_checkpoint_time: float = 0.0         # time.monotonic() of the newest checkpoint (or the loop's start)
     base_lr: float | None = None              # a learning rate set while the run trained (run_control.py)
 
     def client_state(self, global_batch: int) -> dict:
         """What a checkpoint keeps of the position (``checkpoint.save``)."""
         state = {"global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                 "global_batch": global_batch, "last_saved_epoch": self.last_saved_epoch}
+                 "global_batch": global_batch, "last_saved_step": self.last_saved_step}
         return state | ({"base_lr": self.base_lr} if self.base_lr is not None else {})
 

@@ -1,8 +1,9 @@
 """The DeepSpeed ``PipelineModule`` over an adapter's layers, with compute-balanced partitioning.
 
-DeepSpeed's default ``parameters`` method balances parameter counts; Flux's double blocks hold 2.4x the
-parameters of a single block at the same per-token cost, so it splits badly. ``compute`` balances the
-adapter's per-layer cost estimates instead; ``manual`` takes layer indices from the config.
+``parameters`` balances parameter counts, every parameter counted, frozen or not (diffusion-pipe's meaning:
+DeepSpeed's own method counts trainable ones only, which for a LoRA are a sliver of each layer); Flux's double
+blocks hold 2.4x the parameters of a single block at the same per-token cost, so it splits badly. ``compute``
+balances the adapter's per-layer cost estimates instead; ``manual`` takes layer indices from the config.
 """
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from ..patches_deepspeed import partition_stages_with
 class StagedModule(PipelineModule):
     def __init__(self, layers, costs: list[float], num_stages: int, method: str, split: list[int] | None,
                  loss_fn):
-        if method == "compute":
-            partition_stages_with(self, lambda n, stages: stage_bounds(costs, stages))
-        elif method == "manual":
-            partition_stages_with(self, lambda n, stages: [0, *split, n])
+        if method in ("compute", "parameters", "manual"):
+            bounds = partition_bounds(method, layers, costs, num_stages, split)
+            partition_stages_with(self, lambda n, stages: bounds)
         super().__init__(layers=layers, num_stages=num_stages, loss_fn=loss_fn, dynamic_shape=True,
-                         partition_method="uniform" if method in ("compute", "manual") else method,
+                         partition_method=method if method == "uniform" else "uniform",
                          activation_checkpoint_interval=0)
 
     def forward(self, forward_input):
@@ -40,6 +40,17 @@ def sendable(t):
     if t.device.type == "cpu" and torch.cuda.is_available():
         t = t.to(torch.cuda.current_device())
     return t.contiguous()
+
+
+def partition_bounds(method: str, layers, costs: list[float], num_stages: int, split: list[int] | None) -> list[int]:
+    """The layer boundaries of each stage (first 0, last the layer count) for ``compute``, ``parameters`` and
+    ``manual`` partitioning."""
+    if method == "compute":
+        return stage_bounds(costs, num_stages)
+    if method == "parameters":
+        counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        return [int(b) for b in ds_utils.partition_balanced(weights=counts, num_parts=num_stages)]
+    return [0, *split, len(layers)]
 
 
 def stage_bounds(costs: list[float], num_stages: int) -> list[int]:

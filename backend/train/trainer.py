@@ -283,7 +283,8 @@ class Trainer:
             log.warning("checkpoint %s holds no moving average (saved without ema): it starts from the resumed "
                         "weights", tag)
         state.global_step = state.last_checkpoint_step = saved["global_step"]
-        state.last_saved_epoch = saved.get("last_saved_epoch")
+        # None from a checkpoint written before this was kept: the run's end then saves its LoRA again
+        state.last_saved_step = saved.get("last_saved_step")
         state.epoch = saved["epoch"]
         state.step_in_epoch = saved["step_in_epoch"]
         if saved.get("base_lr") is not None:   # set while it trained: the run goes on with it, not the config's

@@ -104,3 +104,24 @@ def test_resume_with_more_data_parallel_ranks(micro_flux_files, make_run):
     assert resumed.status()["state"] == "finished" and resumed.status()["step"] == 8   # + 2 epochs of 2 steps
     assert [e["epoch"] for e in resumed.events("lora_saved")][-2:] == [2, 3]
     assert resumed.events("start")[-1]["world_size"] == 4
+
+
+def test_resume_that_ends_in_the_last_saved_epoch_saves_its_weights(micro_flux_files, make_run):
+    """A run that stops at ``max_steps`` in epoch 2 writes that epoch's LoRA; resumed with a later ``max_steps``
+    still in epoch 2, the steps it trains end up in a LoRA too (the epoch's file, now holding the later step)."""
+    config = make_run(micro_flux_files, images=4, name="extend", stages=2, epochs=3, max_steps=6)
+    first = train(config, 2)
+    assert first.returncode == 0, first.output[-3000:]
+    assert [(e["epoch"], e["step"]) for e in first.events("lora_saved")] == [(1, 4), (2, 6)]
+    before = load_file(str(first.loras()[-1]))
+
+    config.write_text(config.read_text().replace("max_steps = 6", "max_steps = 7"))
+    resumed = train(config, 2, "--resume")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.status()["step"] == 7
+    resume_time = resumed.events("resume")[-1]["time"]
+    after_resume = [e for e in resumed.events("lora_saved") if e["time"] > resume_time]
+    assert [(e["epoch"], e["step"]) for e in after_resume] == [(2, 7)]
+    assert resumed.status()["loras"][-1]["step"] == 7
+    final = load_file(after_resume[0]["path"])
+    assert any(not torch.equal(final[k], before[k]) for k in before)   # step 7's weights, not step 6's

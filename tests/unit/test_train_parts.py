@@ -22,9 +22,9 @@ def test_topology_follows_deepspeeds_grid():
 
 
 def test_run_state_is_what_a_checkpoint_keeps():
-    state = RunState(global_step=12, epoch=3, step_in_epoch=2, last_saved_epoch=2)
+    state = RunState(global_step=12, epoch=3, step_in_epoch=2, last_saved_step=8)
     assert state.client_state(global_batch=8) == {"global_step": 12, "epoch": 3, "step_in_epoch": 2,
-                                                  "global_batch": 8, "last_saved_epoch": 2}
+                                                  "global_batch": 8, "last_saved_step": 8}
     state.base_lr = 3e-5   # a learning rate set while the run trained goes into its checkpoints
     assert state.client_state(global_batch=8)["base_lr"] == 3e-5
 
