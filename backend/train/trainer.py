@@ -43,6 +43,11 @@ class TrainOptions:
     trust_cache: bool = False
     cache_only: bool = False
     progress: bool = True
+    # diffusion-pipe's resume flags: keep the epoch but start its data again; load no optimizer / schedule state;
+    # load the optimizer's state but its settings from the config, the schedule from its start
+    reset_dataloader: bool = False
+    reset_optimizer: bool = False
+    reset_optimizer_params: bool = False
 
 
 # how long a rank whose launcher has gone waits for the checkpoint of a stop asked for at the same time
@@ -278,7 +283,9 @@ class Trainer:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
             self.replay_controls(state)
             return state
-        saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag)
+        opts = self.opts
+        saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag, optimizer=not opts.reset_optimizer,
+                                settings=not (opts.reset_optimizer or opts.reset_optimizer_params))
         if parts.ema is not None and not parts.ema.load(self.run_dir.checkpoints / tag) and is_main:
             log.warning("checkpoint %s holds no moving average (saved without ema): it starts from the resumed "
                         "weights", tag)
@@ -286,7 +293,10 @@ class Trainer:
         state.last_saved_epoch = saved.get("last_saved_epoch")
         state.epoch = saved["epoch"]
         state.step_in_epoch = saved["step_in_epoch"]
-        if saved.get("base_lr") is not None:   # set while it trained: the run goes on with it, not the config's
+        if opts.reset_dataloader:   # diffusion-pipe's --reset_dataloader: the epoch from its first step
+            state.step_in_epoch = 0
+        if saved.get("base_lr") is not None and not (opts.reset_optimizer or opts.reset_optimizer_params):
+            # set while it trained: the run goes on with it, not the config's
             state.base_lr = saved["base_lr"]
             set_base_lr(parts.engine.lr_scheduler, state.base_lr)
         global_batch, steps_per_epoch = parts.global_batch, parts.plan.steps_per_epoch()
