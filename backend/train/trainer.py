@@ -22,7 +22,7 @@ from ..models.registry import adapter_class
 from ..rundir import RunDir, cache_folder, check_unused, choose_run_dir
 from ..runtime import comfy_training_paths
 from ..versions import comfyui_info, range_warning
-from . import checkpoint, distributed
+from . import checkpoint, distributed, dp_layout
 from .events import RunReporter
 from .launcher_watch import POLL_S, LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
@@ -358,6 +358,8 @@ class Trainer:
         if self.topology.is_main:
             self.reporter.event("checkpoint", step=state.global_step, epoch=state.epoch, path=str(path))
             self.reporter.update(last_checkpoint=str(path))
+            if self.cfg.run_layout == dp_layout.LAYOUT:
+                dp_layout.link_checkpoint(self.run_dir.path, state.global_step, Path(path))
 
     def _save_ema(self, folder: Path) -> None:
         """Into a checkpoint being written: this stage's moving average (``ema``), from its data-parallel rank 0."""
@@ -395,6 +397,9 @@ class Trainer:
         # a resumed run that trains an epoch again (killed after its LoRA, before the checkpoint) rewrites the
         # same file, bit for bit, rather than adding a "-1" copy beside it
         path = write_lora(sd, folder, stem, adapter_cfg, run_toml, info, replace=replace)
+        if self.cfg.run_layout == dp_layout.LAYOUT and not ema:
+            dp_layout.write_save(run_dir.path, dp_layout.save_name(epoch, step, at_step), path, adapter_cfg,
+                                 self.cfg.file.name if self.cfg.file else "config.toml", run_toml)
         # trained on the pinned ComfyUI: announced only once the host's LoRA loader applies every key
         check_saved_lora(path, self.adapter.model_files()["diffusion_model"][0], self.reporter)
         if ema:   # its own event: the epoch list (and the loader node) keep to the plain LoRAs
