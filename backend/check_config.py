@@ -2,8 +2,9 @@
 
 For each key of the main file and its dataset files: read as is, read under another name, accepted but
 changing nothing, refused (with what to do), or unknown (a typo); then the defaults that differ from
-diffusion-pipe's for the keys the files leave out; then whether the pair loads, and the model type it trains.
-Values are never printed (a config's values are the user's; the key names say enough).
+diffusion-pipe's for the keys the files leave out; then what each model file's header says (``model_file_check``:
+its model type or kind, or why it cannot train); then whether the pair loads, and the model type it trains.
+Values are never printed (a config's values are the user's; the key names say enough), paths of model files are.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .config.common import config_path
 from .config.files import _read_toml
 from .config.patch import _section
 from .errors import PipeTrainError
+from .model_file_check import check_model_files
 from .process_inputs import shown
 
 _RENAMES = {"RunConfig": compat.RUN_RENAMES, "ModelConfig": compat.MODEL_RENAMES}
@@ -161,7 +163,16 @@ def report(path: str | Path) -> tuple[str, bool]:
     if problem is not None:
         out.append(f"Does not load: {problem}")
         return "\n".join(out), False
-    declared = main.get("model", {}).get("type") if isinstance(main.get("model"), dict) else None
+    raw_model = main.get("model") if isinstance(main.get("model"), dict) else {}
+    findings = check_model_files(cfg, raw_model)
+    out.append("Model files (their headers: no weights read, nothing unpickled):")
+    out += [finding.line() for finding in findings]
+    wrong = sum(finding.error is not None for finding in findings)
+    if wrong:
+        out.append(f"Does not load: {wrong} model file{'s' if wrong > 1 else ''} above {'are' if wrong > 1 else 'is'} "
+                   "wrong (ERROR: what to change)")
+        return "\n".join(out), False
+    declared = raw_model.get("type")
     note = ""
     if declared in compat.EDIT_TYPES and cfg.model.type != declared:
         note = f" (diffusion-pipe's {declared!r} with control images: the dataset sets control_path)"

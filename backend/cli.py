@@ -4,7 +4,8 @@ Commands: cache, train, launch, sample, check-config, memory-plan, doctor, demo.
 
 Run ``cache`` and ``train`` under DeepSpeed's launcher for several ranks, e.g.
 ``deepspeed --num_gpus 2 --module pipetrain train run.toml``; a plain ``python -m pipetrain train``
-runs one rank.
+runs one rank. diffusion-pipe's line ``deepspeed --num_gpus=1 train.py --deepspeed --config X`` runs as
+``python -m pipetrain deepspeed --num_gpus=1 train.py --deepspeed --config X`` (``dp_cli.py``).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import logging
 import sys
 
+from .dp_cli import add_train_options, check_train_args
 from .errors import PipeTrainError
 from .fsutil import OUT_OF_SPACE_EXIT, OutOfSpace
 
@@ -23,15 +25,20 @@ def _parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache", help="encode latents and text embeddings, then exit")
     cache.add_argument("config")
     cache.add_argument("--regenerate-cache", action="store_true", help="delete the cache and encode everything again")
-    train = sub.add_parser("train", help="cache what is missing, then train")
-    train.add_argument("config")
-    train.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN",
+    train = sub.add_parser("train", help="cache what is missing, then train (diffusion-pipe's flags too: "
+                                         "backend/dp_cli.py)")
+    train.add_argument("config", nargs="?", default=None)
+    train.add_argument("--resume", "--resume_from_checkpoint", nargs="?", const="", default=None, metavar="RUN",
                        help="resume the newest run with a checkpoint, or the named run directory")
-    train.add_argument("--regenerate-cache", action="store_true", help="delete the cache and encode everything again")
-    train.add_argument("--trust-cache", action="store_true",
+    train.add_argument("--regenerate-cache", "--regenerate_cache", dest="regenerate_cache", action="store_true",
+                       help="delete the cache and encode everything again")
+    train.add_argument("--trust-cache", "--trust_cache", dest="trust_cache", action="store_true",
                        help="use the previous cache manifest without re-reading the dataset files")
-    train.add_argument("--cache-only", action="store_true", help="stop after caching")
+    train.add_argument("--cache-only", "--cache_only", dest="cache_only", action="store_true",
+                       help="stop after caching")
     train.add_argument("--no-progress", action="store_true", help="no progress bar on the terminal")
+    add_train_options(train)
+    train.set_defaults(check=lambda args: check_train_args(args, train))   # its usage errors name train's usage
     launch = sub.add_parser("launch", help="start a multi-node run ([cluster] in the config) or one node of it")
     launch.add_argument("config", help="the run config, or <output_dir>/<run>/run.toml to join or resume that run")
     launch.add_argument("--node-rank", type=int, default=None, help="no_ssh: which node this machine is")
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         from .deepspeed_cli import main as deepspeed_main
         return deepspeed_main(argv[1:])
     args = _parser().parse_args(argv)
+    if hasattr(args, "check"):
+        args.check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "doctor":
@@ -124,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             opts = TrainOptions(resume=args.resume, regenerate_cache=args.regenerate_cache,
                                 trust_cache=args.trust_cache, cache_only=args.cache_only,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, reset_dataloader=args.reset_dataloader,
+                                reset_optimizer=args.reset_optimizer,
+                                reset_optimizer_params=args.reset_optimizer_params)
         return Trainer(cfg, opts).run()
     except PipeTrainError as e:
         print(f"pipetrain: error: {e}", file=sys.stderr)

@@ -87,6 +87,10 @@ def outcome(run_dir: str | None, launcher_status: int) -> tuple[int, str | None]
 def main(args: list[str]) -> int:
     from deepspeed.launcher import runner
 
+    from .commands import ENTRY
+    from .dp_cli import script_as_command
+
+    args = script_as_command(args, str(ENTRY))   # diffusion-pipe's `deepspeed ... train.py --deepspeed --config X`
     with tempfile.TemporaryDirectory(prefix="pipetrain-launch-") as tmp:
         note = Path(tmp) / "run_dir"
         os.environ[RUN_DIR_NOTE_ENV] = str(note)

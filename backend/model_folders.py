@@ -6,17 +6,70 @@ A component folder (``transformer/``, ``unet/``, ``vae/``, ``text_encoder*/`` of
 official checkpoint folder such as Wan's) is read as the union of its safetensors shards: the files its
 ``*.safetensors.index.json`` names, else every ``.safetensors`` file without a variant suffix
 (``model.fp16.safetensors`` is a second copy of ``model.safetensors``). The loaders (``models/loading.py``) give
-that state dict to ComfyUI's own loaders, which convert the Diffusers / Hugging Face keys. Nothing here imports
-torch or ComfyUI: the config checks use it too.
+that state dict to ComfyUI's own loaders, which convert the Diffusers / Hugging Face keys. A safetensors file's
+header (its tensors' names and shapes, and its metadata) is read here too, bounded and without the weights.
+Nothing here imports torch or ComfyUI: the config checks use it too.
 """
 from __future__ import annotations
 
 import json
+import os
+import stat
+import struct
 from pathlib import Path
 
 from .errors import ModelError
 
 INDEX_SUFFIX = ".safetensors.index.json"
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
+MAX_HEADER = 100_000_000   # the safetensors library's own limit on a header's length
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """A safetensors file's tensor shapes (name -> shape) and metadata, from its header alone: the 8-byte length,
+    then that much JSON. Only a regular file is opened for reading (a FIFO or a device would block or never end),
+    and a length over ``MAX_HEADER`` or past the file's end is refused before it is read. ModelError names the
+    file; no message quotes its bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelError(f"{path}: model file not found") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot open this model file ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelError(f"{path}: not a regular file; name a .safetensors model file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 2 <= length <= min(MAX_HEADER, info.st_size - 8):
+                raise ModelError(f"{path}: not a safetensors file (no header of a valid length); name a "
+                                 ".safetensors model file")
+            header = json.loads(f.read(length))
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read this model file ({exc.strerror})") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ModelError(f"{path}: not a safetensors file (its header is not JSON); name a .safetensors model "
+                         "file") from None
+    finally:
+        os.close(fd)
+    return _shapes(path, header)
+
+
+def _shapes(path: Path, header) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: not a safetensors file (its header is no table of tensors)")
+    metadata = header.pop("__metadata__", None) or {}
+    shapes = {}
+    for name, entry in sorted(header.items()):   # in name order, as the safetensors library lists them
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise ModelError(f"{path}: not a safetensors file (a tensor without a shape in its header)")
+        shapes[name] = tuple(shape)
+    if not isinstance(metadata, dict):
+        raise ModelError(f"{path}: not a safetensors file (its metadata is no table)")
+    return shapes, {str(k): str(v) for k, v in metadata.items()}
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -265,6 +265,10 @@ class ScheduleNode(CheckedNode):
                              min=1, max=1024, optional=True, tooltip="Eval micro batches per eval step"),
                 io.Int.Input("steps_per_print", default=start("steps_per_print"), min=1, max=100000, optional=True,
                              tooltip="DeepSpeed prints its step log every N steps"),
+                io.Combo.Input("run_layout", options=choices("run_layout"), default=start("run_layout"),
+                               optional=True, tooltip="diffusion-pipe: each save also as <run>/epochN/"
+                               "adapter_model.safetensors and each checkpoint as <run>/global_stepN, where "
+                               "diffusion-pipe's scripts look"),
                 io.Int.Input("eval_image_micro_batch_size_per_gpu",
                              default=start("eval_image_micro_batch_size_per_gpu"), min=0, max=256, optional=True, tooltip="Video models: the eval micro batch of images "
                              "(0: the eval micro batch)"),

@@ -93,6 +93,9 @@ class RunConfig:
     seed: int = 42
     lora_dir: Optional[str] = None
     run_name: Optional[str] = None
+    # "diffusion-pipe": each save also as <run>/epochN/adapter_model.safetensors (+ adapter_config.json, the config)
+    # and each checkpoint linked as <run>/global_stepN, where diffusion-pipe's scripts look (train/dp_layout.py)
+    run_layout: Literal["pipetrain", "diffusion-pipe"] = "pipetrain"
     adapter: Optional[AdapterConfig] = None      # no [adapter] table: full fine-tune (diffusion-pipe's meaning)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     cluster: Optional[ClusterConfig] = None

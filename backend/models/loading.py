@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..model_folders import is_wan_vae_folder, read_config, wan_vae_state_dict, weight_files
+from ..model_folders import (SAFETENSORS_SUFFIXES, is_wan_vae_folder, read_config, safetensors_header,
+                             wan_vae_state_dict, weight_files)
 from ..patches_comfyui import detection_from_config, narrowed_class
 from ..runtime import ensure_comfyui
 from .registry import ADAPTERS, arch_spec, arch_specs
@@ -59,16 +60,15 @@ def read_header(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     if path.is_dir():
         return _merged_shards(path, read_header)
     try:
-        if path.suffix.lower() in (".safetensors", ".sft"):
-            from safetensors import safe_open
-            with safe_open(str(path), framework="pt") as f:
-                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-                return shapes, dict(f.metadata() or {})
+        if path.suffix.lower() in SAFETENSORS_SUFFIXES:
+            return safetensors_header(path)
         ensure_comfyui()
         import comfy.utils
         sd = comfy.utils.load_torch_file(str(path), safe_load=True)
         return {k: tuple(v.shape) for k, v in sd.items() if hasattr(v, "shape")}, {}
-    except Exception as exc:  # safetensors/torch raise many types for a corrupt file
+    except ModelError:
+        raise
+    except Exception as exc:  # torch raises many types for a corrupt file
         raise ModelError(f"{path}: cannot read this model file ({exc})") from exc
 
 
@@ -150,9 +150,10 @@ def detect_architecture(path) -> str | None:
     return _arch_of(*read_header(path))
 
 
-def check_architecture(path, model_type: str) -> None:
+def check_architecture(path, model_type: str) -> str:
     """Before anything is cached or loaded: the diffusion-model file is of a kind ``model_type`` trains (the
-    header alone tells; types that share ComfyUI's model class, like Flux and Flux Kontext, share files)."""
+    header alone tells; types that share ComfyUI's model class, like Flux and Flux Kontext, share files). Returns
+    the model type the file is."""
     path = _require_file(path)
     shapes, metadata = read_header(path)
     found = _arch_of(shapes, metadata)
@@ -161,6 +162,7 @@ def check_architecture(path, model_type: str) -> None:
     if found != model_type and not set(arch_spec(found).comfy_configs) & set(arch_spec(model_type).comfy_configs):
         raise ModelError(f"{path}: model.type = {model_type!r}, but this file is a {arch_spec(found).title} "
                          f"diffusion model; set model.type = {found!r} or pick a {arch_spec(model_type).title} file")
+    return found
 
 
 def _arch_of(shapes: dict, metadata: dict) -> str | None:

@@ -61,8 +61,21 @@ def _patch_for(kinds: list[str]) -> None:
         patch()
 
 
-def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
-    """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny) or Hugging Face folders."""
+def check_text_encoder_kinds(paths: list[Path], arch: str) -> list[str]:
+    """The kind of each of ``arch``'s text-encoder files or folders, told from their headers (a folder's from its
+    config.json) as the loader tells them, and checked against the kinds ``arch`` needs (ModelError naming the
+    file): what ``check-config`` reports without loading a weight."""
+    paths, headers, given = _told(paths, arch)
+    kinds = [kind for kind, _ in given]
+    _check_kinds(paths, kinds, arch)
+    if not any(p.is_dir() for p in paths) and not any(META_TE in meta for _, meta in headers):
+        _check_vision_towers(paths, headers, kinds, arch)
+    return kinds
+
+
+def _told(paths: list[Path], arch: str) -> tuple[list[Path], list, list[tuple[str, dict | None]]]:
+    """(paths, their headers, (kind, config) of each): a folder's and a tiny file's config comes with it, a real
+    file's is ComfyUI's own (None)."""
     if arch not in ADAPTERS:
         raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     paths = [_require_file(p) for p in paths]
@@ -72,11 +85,16 @@ def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
         names = ", ".join(p.name for p, (_, meta) in zip(paths, headers) if META_TE in meta)
         raise ModelError(f"{names}: PipeTrain's tiny text encoders cannot be mixed with real ones")
     ensure_comfyui()
+    return paths, headers, [_given_kind(p, shapes, meta, arch) for p, (shapes, meta) in zip(paths, headers)]
+
+
+def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
+    """A ``comfy.sd.CLIP`` for ``arch`` from its text-encoder files (real or tiny) or Hugging Face folders."""
+    paths, headers, given = _told(paths, arch)
     folders = any(p.is_dir() for p in paths)
-    if folders or (all(tiny) and paths):
-        given = [_given_kind(p, shapes, meta, arch) for p, (shapes, meta) in zip(paths, headers)]
+    if folders or (paths and all(META_TE in meta for _, meta in headers)):
         return _load_given_text_encoders(paths, given, arch, dtype, whole=folders)
-    kinds = [_real_te_kind(shapes) for shapes, _ in headers]
+    kinds = [kind for kind, _ in given]
     _check_kinds(paths, kinds, arch)
     _check_vision_towers(paths, headers, kinds, arch)
     _patch_for(kinds)

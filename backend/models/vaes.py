@@ -30,6 +30,23 @@ class VAEKind:
     # tensors a file of this kind carries besides the module's state dict (name -> () -> tensor), e.g. a buffer
     # ComfyUI's detection looks for but the module does not save (the Cosmos tokenizer's wavelets)
     extras: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    # the channels its decoder's first convolution takes, where they are not latent_channels (Flux 2's latents are
+    # 2x2 patches of 32 channels): check-config tells a VAE of another kind by them (``decoder_channels``)
+    decoder_in: int | None = None
+
+    @property
+    def decoder_channels(self) -> int:
+        return self.decoder_in or self.latent_channels
+
+
+# the decoder's first convolution in each layout (ComfyUI's KL, Hunyuan / LTX causal, Wan; diffusers' VAE folders)
+DECODER_INPUTS = ("decoder.conv_in.weight", "decoder.conv_in.conv.weight", "decoder.conv1.weight")
+
+
+def decoder_channels(shapes: dict[str, tuple]) -> int | None:
+    """The channels a VAE file's decoder takes, from its header; None where its layout does not tell."""
+    shape = next((shapes[k] for k in DECODER_INPUTS if k in shapes), None)
+    return shape[1] if shape is not None and len(shape) >= 4 else None
 
 
 # The KL autoencoder ComfyUI builds for SD-family, SD3 and Flux VAEs.
@@ -229,7 +246,8 @@ VAES: dict[str, VAEKind] = {
     "kl16": VAEKind("16-channel KL VAE (Flux ae.safetensors, SD3 VAE)", 16, _kl_vae(16, quant_conv=False)),
     "kl4": VAEKind("SD/SDXL VAE", 4, _kl_vae(4, quant_conv=True)),
     "flux2": VAEKind("Flux 2 VAE", 128, _flux2_vae, sized=True, narrowed_class="comfy.sd:AutoencoderKL",
-                     widths=_flux2_vae_widths, init={"bn.running_mean": "zeros", "bn.running_var": "ones"}),
+                     decoder_in=32, widths=_flux2_vae_widths,
+                     init={"bn.running_mean": "zeros", "bn.running_var": "ones"}),
     "wan21": VAEKind("Wan 2.1 VAE", 16, _wan21_vae, latent_dim=3, sized=True),
     "wan22": VAEKind("Wan 2.2 VAE", 48, _wan22_vae, latent_dim=3, sized=True,
                      narrowed_class="comfy.ldm.wan.vae2_2:WanVAE", widths=WAN22_VAE_DIMS.__getitem__),

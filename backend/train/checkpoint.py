@@ -231,10 +231,17 @@ def sweep(ckpt_root: Path) -> None:
             path.rename(final)
 
 
-def load(engine, ckpt_root: Path, tag: str) -> dict:
+def load(engine, ckpt_root: Path, tag: str, optimizer: bool = True, settings: bool = True) -> dict:
+    """Load checkpoint ``tag`` into ``engine``; its client state. ``optimizer``: the optimizer's state (moments);
+    ``settings``: its parameter groups' settings (lr, betas, weight decay) and the learning-rate schedule's state,
+    else the config's and a schedule from its start (diffusion-pipe's --reset_optimizer / --reset_optimizer_params)."""
     load_checkpoints_weights_only(engine)
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
     _, client_state = engine.load_checkpoint(str(ckpt_root), tag=tag, load_module_strict=False,
-                                             load_optimizer_states=True, load_lr_scheduler_states=True)
+                                             load_optimizer_states=optimizer, load_lr_scheduler_states=settings)
+    if not settings:
+        for group, configured in zip(engine.optimizer.param_groups, groups):
+            group.update(configured)
     rng, legacy = rng_file(ckpt_root / tag, dist.get_rank()), ckpt_root / tag / f"rng_rank{dist.get_rank():05d}.pt"
     state = load_file(str(rng)) if rng.is_file() else load_weights_only(legacy) if legacy.is_file() else None
     if state is not None:

@@ -13,7 +13,7 @@ import torch
 
 from .. import lora, run_control
 from ..optim import prodigy_d
-from . import distributed
+from . import distributed, dp_layout
 from .control import Control, ControlFlags
 from .eval import eval_due, evaluate
 from .events import RunReporter
@@ -41,6 +41,7 @@ def _requests(t: Trainer) -> Control:
     """What rank 0 sees asked for now: a checkpoint (a stop checkpoints too), a stop, the control files' requests."""
     if not t.topology.is_main:
         return Control()
+    save = dp_layout.take_signals(t.run_dir)   # diffusion-pipe's save / save_quit files
     stop = t.stopping()
     minutes = t.cfg.checkpoint_every_n_minutes
     due = minutes is not None and time.monotonic() - t.state.last_checkpoint_time >= minutes * 60
@@ -48,7 +49,7 @@ def _requests(t: Trainer) -> Control:
     for problem in problems:
         t.reporter.event("warning", message=problem)
         log.warning(problem)
-    return Control(due or stop, stop, asked)
+    return Control(due or stop or save, stop, asked)
 
 
 def change_lr(t: Trainer, lr: float) -> None:

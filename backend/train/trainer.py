@@ -22,7 +22,7 @@ from ..models.registry import adapter_class
 from ..rundir import RunDir, cache_folder, check_unused, choose_run_dir
 from ..runtime import comfy_training_paths
 from ..versions import comfyui_info, range_warning
-from . import checkpoint, distributed
+from . import checkpoint, distributed, dp_layout
 from .events import RunReporter
 from .launcher_watch import POLL_S, LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
@@ -43,6 +43,11 @@ class TrainOptions:
     trust_cache: bool = False
     cache_only: bool = False
     progress: bool = True
+    # diffusion-pipe's resume flags: keep the epoch but start its data again; load no optimizer / schedule state;
+    # load the optimizer's state but its settings from the config, the schedule from its start
+    reset_dataloader: bool = False
+    reset_optimizer: bool = False
+    reset_optimizer_params: bool = False
 
 
 # how long a rank whose launcher has gone waits for the checkpoint of a stop asked for at the same time
@@ -278,7 +283,9 @@ class Trainer:
                 log.warning("no checkpoint in %s: starting from the beginning", self.run_dir)
             self.replay_controls(state)
             return state
-        saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag)
+        opts = self.opts
+        saved = checkpoint.load(parts.engine, self.run_dir.checkpoints, tag, optimizer=not opts.reset_optimizer,
+                                settings=not (opts.reset_optimizer or opts.reset_optimizer_params))
         if parts.ema is not None and not parts.ema.load(self.run_dir.checkpoints / tag) and is_main:
             log.warning("checkpoint %s holds no moving average (saved without ema): it starts from the resumed "
                         "weights", tag)
@@ -287,7 +294,10 @@ class Trainer:
         state.last_saved_step = saved.get("last_saved_step")
         state.epoch = saved["epoch"]
         state.step_in_epoch = saved["step_in_epoch"]
-        if saved.get("base_lr") is not None:   # set while it trained: the run goes on with it, not the config's
+        if opts.reset_dataloader:   # diffusion-pipe's --reset_dataloader: the epoch from its first step
+            state.step_in_epoch = 0
+        if saved.get("base_lr") is not None and not (opts.reset_optimizer or opts.reset_optimizer_params):
+            # set while it trained: the run goes on with it, not the config's
             state.base_lr = saved["base_lr"]
             set_base_lr(parts.engine.lr_scheduler, state.base_lr)
         global_batch, steps_per_epoch = parts.global_batch, parts.plan.steps_per_epoch()
@@ -349,6 +359,8 @@ class Trainer:
         if self.topology.is_main:
             self.reporter.event("checkpoint", step=state.global_step, epoch=state.epoch, path=str(path))
             self.reporter.update(last_checkpoint=str(path))
+            if self.cfg.run_layout == dp_layout.LAYOUT:
+                dp_layout.link_checkpoint(self.run_dir.path, state.global_step, Path(path))
 
     def _save_ema(self, folder: Path) -> None:
         """Into a checkpoint being written: this stage's moving average (``ema``), from its data-parallel rank 0."""
@@ -386,6 +398,9 @@ class Trainer:
         # a resumed run that trains an epoch again (killed after its LoRA, before the checkpoint) rewrites the
         # same file, bit for bit, rather than adding a "-1" copy beside it
         path = write_lora(sd, folder, stem, adapter_cfg, run_toml, info, replace=replace)
+        if self.cfg.run_layout == dp_layout.LAYOUT and not ema:
+            dp_layout.write_save(run_dir.path, dp_layout.save_name(epoch, step, at_step), path, adapter_cfg,
+                                 self.cfg.file.name if self.cfg.file else "config.toml", run_toml)
         # trained on the pinned ComfyUI: announced only once the host's LoRA loader applies every key
         check_saved_lora(path, self.adapter.model_files()["diffusion_model"][0], self.reporter)
         if ema:   # its own event: the epoch list (and the loader node) keep to the plain LoRAs

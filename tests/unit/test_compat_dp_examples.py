@@ -284,8 +284,11 @@ QWEN_24GB_OPTIMIZER = "[optimizer]\ntype = 'automagic'\nweight_decay = 0.01\n"
 def test_qwen_image_24gb_example_loads_its_folder_and_its_optimizer(tmp_path):
     from pipetrain.backend.optim import resolve_optimizer
     from pipetrain.backend.optim_automagic import Automagic
+    from dp_files import diffusers_folder
+
+    from pipetrain.backend.models.tiny import cached_model_files
     run = MAIN.replace("video_clip_mode = 'single_beginning'\n", "") + "blocks_to_swap = 8\n"
-    _qwen_image_folder(tmp_path)
+    diffusers_folder(cached_model_files("qwen_image"), tmp_path / "Qwen-Image", "qwen_image")
     model = _table("qwen_image", "diffusers_path=Qwen-Image", extra=FP8)
     path = _write(tmp_path, run + _model(None, model) + ADAPTER + QWEN_24GB_OPTIMIZER)
     cfg = load_run(path)
@@ -297,6 +300,7 @@ def test_qwen_image_24gb_example_loads_its_folder_and_its_optimizer(tmp_path):
     text, ok = report(path)
     assert ok, text
     assert "model.diffusers_path: a Diffusers Qwen-Image pipeline folder" in text and "REFUSED" not in text
+    assert "/Qwen-Image/text_encoder: a Qwen2.5-VL-7B text encoder folder" in text, text
     assert "optimizer.type: read as is" in text
 
 
@@ -377,11 +381,26 @@ def test_the_config_docs_list_every_default_difference():
         assert f"| `{key}` |" in docs, key
 
 
-def test_check_config_on_our_own_example_covers_its_eval_dataset():
+def test_check_config_on_our_own_example_covers_its_eval_dataset(tmp_path):
+    """examples/sdxl_lora.toml with its placeholder model paths pointed at the tiny SDXL files (as is, check-config
+    reports each placeholder missing)."""
+    import shutil
+
+    from pipetrain.backend.models.tiny import cached_model_files
     examples = Path(__file__).resolve().parents[2] / "examples"
     text, ok = report(examples / "sdxl_lora.toml")
-    assert ok and f"{examples / 'eval_dataset.toml'}:" in text and "Loads: trains model type 'sdxl'." in text
-    assert "REFUSED" not in text and "unknown key" not in text
+    assert not ok and "  model.vae: ERROR: /models/vae/sdxl_vae.safetensors: file or folder not found" in text
+    files = cached_model_files("sdxl")
+    for name in ("sdxl_lora.toml", "dataset.toml", "eval_dataset.toml"):
+        shutil.copy(examples / name, tmp_path / name)
+    run = tmp_path / "sdxl_lora.toml"
+    run.write_text(run.read_text().replace("/models/diffusion_models/sdxl_unet.safetensors", str(files.diffusion_model))
+                   .replace("/models/vae/sdxl_vae.safetensors", str(files.vae))
+                   .replace("/models/text_encoders/clip_l.safetensors", str(files.text_encoders[0]))
+                   .replace("/models/text_encoders/clip_g.safetensors", str(files.text_encoders[1])))
+    text, ok = report(run)
+    assert ok and f"{tmp_path / 'eval_dataset.toml'}:" in text and "Loads: trains model type 'sdxl'." in text
+    assert "REFUSED" not in text and "unknown key" not in text and "ERROR" not in text
 
 
 def test_cosmos_size_buckets_example_loads(tmp_path):
@@ -449,19 +468,14 @@ def test_supported_model_tables_with_a_diffusers_folder_load(tmp_path, flux_diff
 
 
 def _folders(root: Path) -> None:
-    """The layouts of an SD1.5 / SDXL Diffusers pipeline folder and Wan's official checkpoint folder (one small
-    tensor a component: check-config reads the layout, not the weights)."""
-    import json
+    """The tiny SDXL, SD1.5 and SD3 files as Diffusers pipeline folders and the tiny Wan as its official checkpoint
+    folder (check-config reads each file's header)."""
+    from dp_files import diffusers_folder, wan_checkpoint_folder
 
-    import torch
-    from safetensors.torch import save_file
-    for pipeline, subs in (("pipeline", ("unet", "vae", "text_encoder", "text_encoder_2", "Wan2.1-T2V-1.3B")),
-                           ("sd3", ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"))):
-        for sub in subs:
-            (root / pipeline / sub).mkdir(parents=True)
-            save_file({"w": torch.zeros(2)}, str(root / pipeline / sub / "model.safetensors"))
-        (root / pipeline / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline"}))
-    torch.save({"w": torch.zeros(2)}, root / "pipeline" / "Wan2.1-T2V-1.3B" / "Wan2.1_VAE.pth")
+    from pipetrain.backend.models.tiny import cached_model_files
+    for arch in ("sdxl", "sd15", "sd3"):
+        diffusers_folder(cached_model_files(arch), root / arch, arch)
+    wan_checkpoint_folder(cached_model_files("wan"), root / "Wan2.1-T2V-1.3B")
 
 
 NEW_SOURCES = [   # (case, [model] lines ({folder}: the tiny Flux folder), dataset, what check-config says, the type)
@@ -469,20 +483,26 @@ NEW_SOURCES = [   # (case, [model] lines ({folder}: the tiny Flux folder), datas
      ["  eval_micro_batch_size_per_gpu: a per-resolution list, read into eval_micro_batch_size_by_resolution",
       "  image_eval_micro_batch_size_per_gpu: a per-resolution list, read into "
       "eval_image_micro_batch_size_by_resolution"], "hunyuan_video"),
-    ("wan ckpt_path", _table("wan", "ckpt_path=pipeline/Wan2.1-T2V-1.3B", "llm_path"), "dataset",
-     ["  model.ckpt_path: Wan's official checkpoint folder: its transformer shards and VAE .pth"], "wan"),
+    ("wan ckpt_path", _table("wan", "ckpt_path=Wan2.1-T2V-1.3B", "llm_path"), "dataset",
+     ["  model.ckpt_path: Wan's official checkpoint folder: its transformer shards and VAE .pth",
+      "/Wan2.1-T2V-1.3B: a Wan 2.1 / 2.2 14B t2v diffusion model folder (model type 'wan')",
+      "/Wan2.1_VAE.pth: not read: a pickled file"], "wan"),
     ("chroma", _table("chroma", "diffusers_path={folder}", "transformer_path", extra=FP8), "dataset",
      ["  model.diffusers_path: a Flux Diffusers pipeline folder lending its vae and t5xxl text encoder",
       "  model.transformer_path: read as diffusion_model"], "chroma"),
     ("flux kontext", _table("flux", "diffusers_path={folder}", "transformer_path"), "kontext",
      ["  model.diffusers_path: a Diffusers pipeline folder", "(diffusion-pipe's 'flux' with control images"],
      "flux_kontext"),
-    ("sdxl checkpoint_path", _table("sdxl", "checkpoint_path=pipeline"), "dataset",
-     ["  model.checkpoint_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sdxl"),
+    ("sdxl checkpoint_path", _table("sdxl", "checkpoint_path=sdxl"), "dataset",
+     ["  model.checkpoint_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders",
+      "/sdxl/unet: a SDXL diffusion model folder (model type 'sdxl')", "/sdxl/text_encoder_2: a CLIP-G text encoder "
+      "folder"], "sdxl"),
     ("sd3 diffusers_path", _table("sd3", "diffusers_path=sd3"), "dataset",
-     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sd3"),
-    ("sd15 diffusers_path", _table("sd15", "diffusers_path=pipeline"), "dataset",
-     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders"], "sd15"),
+     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders",
+      "/sd3/text_encoder_3: a T5-XXL text encoder folder"], "sd3"),
+    ("sd15 diffusers_path", _table("sd15", "diffusers_path=sd15"), "dataset",
+     ["  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders",
+      "/sd15/vae: a VAE folder decoding 4-channel latents"], "sd15"),
 ]
 
 
@@ -502,7 +522,7 @@ def test_check_config_reports_the_new_sources(tmp_path, flux_diffusers_folder, c
     out = capsys.readouterr().out
     for line in lines:
         assert line in out, (line, out)
-    assert "REFUSED" not in out and "unknown key" not in out
+    assert "REFUSED" not in out and "unknown key" not in out and "ERROR" not in out
     assert f"Loads: trains model type '{ours}'" in out
 
 

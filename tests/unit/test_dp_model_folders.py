@@ -56,15 +56,16 @@ def _pipeline(root: Path, encoders=("text_encoder", "text_encoder_2"), unet: str
 
 
 # --- the config ------------------------------------------------------------------------------------------------
-def test_diffusers_path_fills_every_component_relative_to_the_toml(tmp_path):
-    _pipeline(tmp_path, encoders=("text_encoder_2", "text_encoder"))
+def test_diffusers_path_fills_every_component_relative_to_the_toml(tmp_path, model_files):
+    from dp_files import diffusers_folder
+    diffusers_folder(model_files("flux"), tmp_path / "FLUX.1-dev", "flux")
     cfg = load_run_config(_write(tmp_path, "type = 'flux'\ndiffusers_path = 'FLUX.1-dev'\ndtype = 'bfloat16'\n"))
     cfg.check_model_paths()
     assert (cfg.model.diffusion_model, cfg.model.vae) == ("FLUX.1-dev/transformer", "FLUX.1-dev/vae")
     assert cfg.model.text_encoder_files == ["FLUX.1-dev/text_encoder", "FLUX.1-dev/text_encoder_2"]
     assert cfg.resolve(cfg.model.vae) == tmp_path / "FLUX.1-dev" / "vae"
     text, ok = report(tmp_path / "run.toml")
-    assert ok and "model.diffusers_path: a Diffusers pipeline folder" in text
+    assert ok and "model.diffusers_path: a Diffusers pipeline folder" in text, text
 
 
 def test_single_file_keys_override_the_folders_parts_as_in_diffusion_pipe(tmp_path):
