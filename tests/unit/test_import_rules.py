@@ -2,7 +2,8 @@
 
 - ``backend`` runs headless and in the detached ranks: it never imports the launcher, the nodes, or ComfyUI's
   server side (``server``, ``execution``, ``comfy_api``, ``aiohttp``);
-- ``launcher`` owns processes and routes: it never imports the nodes;
+- ``launcher`` owns processes and routes: it never imports the nodes, and from the backend only its launcher
+  façade (``LAUNCHER_FACADE``);
 - ``nodes`` are forms: from the backend they import only its façade (``NODE_FACADE``);
 - only ``backend/runtime.py`` changes ``sys.path``;
 - our own modules import each other relatively (ComfyUI imports the extension under a module name made of its
@@ -23,6 +24,13 @@ SERVER_SIDE = ("server", "execution", "comfy_api", "comfy_execution", "aiohttp")
 # made in the graph (Images To Dataset)
 NODE_FACADE = ("backend.config", "backend.preflight", "backend.errors", "backend.schema", "backend.parity",
                "backend.models.registry", "backend.models.loading", "backend.data.graph_dataset")
+# what the launcher (in the ComfyUI process) may import from the backend: config and run folders, the commands and
+# environments of the processes it starts, the checks it runs before starting one, and the sample files it serves
+LAUNCHER_FACADE = ("backend.config", "backend.errors", "backend.schema", "backend.preflight", "backend.rundir",
+                   "backend.run_control", "backend.commands", "backend.deepspeed_cli", "backend.cluster",
+                   "backend.fallback", "backend.fsutil", "backend.data", "backend.models.registry", "backend.optim",
+                   "backend.memory_plan", "backend.memory_plan_cli", "backend.memory_plan_config",
+                   "backend.sampling", "backend.sample_host", "backend.sample_audio", "backend.sample_clips")
 
 
 def _modules():
@@ -67,6 +75,11 @@ def test_the_backend_imports_neither_the_launcher_nor_the_nodes_nor_the_server()
 
 def test_the_launcher_never_imports_the_nodes():
     assert _violations(lambda module, name: module.startswith("launcher.") and _within(name, _ours(("nodes",)))) == []
+
+
+def test_the_launcher_imports_only_the_backends_launcher_facade():
+    assert _violations(lambda module, name: module.startswith("launcher.") and _within(name, _ours(("backend",)))
+                       and not _within(name, _ours(LAUNCHER_FACADE))) == []
 
 
 def test_nodes_import_only_the_backends_facade():
