@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, train
+from conftest import eval_set, launch, train
 from safetensors.torch import load_file
 
 from pipetrain.backend.fsutil import FULL_AT_ENV, KILL_AT_ENV
@@ -297,3 +297,19 @@ def test_out_of_space_on_another_rank_or_in_the_sample_renderer_fails_the_run_na
     assert "Traceback" not in run.output, run.output[run.output.find("Traceback") - 2000:][:6000]
     left = sorted(p.name for p in folder.rglob("*") if p.suffix == ".tmp")
     assert left == []
+
+
+@pytest.mark.slow
+def test_an_eval_killed_after_its_epoch_is_done_again_on_resume(micro_flux_files, make_run, tmp_path):
+    """Killed in the middle of epoch 1's eval (which came after that epoch's checkpoint): the resume evaluates step
+    4 again rather than going on from the checkpoint as if the eval had run."""
+    config = make_run(micro_flux_files, images=4, name="evals", run_name="chain", **SETUP,
+                      eval_datasets=[eval_set(tmp_path / "evals")], eval_every_n_epochs=1,
+                      eval_before_first_step=False)
+    killed = _run(config, "eval-batch:1")
+    assert killed.returncode != 0, killed.output[-3000:]
+    assert killed.events("eval") == []
+    resumed = _run(config, resume=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [e["step"] for e in resumed.events("eval")] == [4, 8]
+
