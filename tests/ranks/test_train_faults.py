@@ -420,3 +420,35 @@ def test_a_frozen_rank_is_named_within_seconds_and_once_thawed_the_run_ends_as_a
     for got, want in zip(run.loras(), reference.loras(), strict=True):
         a, b = load_file(str(got)), load_file(str(want))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
+# The second schedule's kills, with ema: each resume is killed at the next one
+SECOND_KILLS = [
+    ("", "cache-written:text:1"),           # caching the captions: one text entry written, the rest not
+    ("resume", "lora-written:2"),           # epoch 1's EMA LoRA as a .tmp beside its plain LoRA, no checkpoint
+    ("resume", "write:pipetrain.json:1"),   # epoch 1's checkpoint: its completion mark being written
+]
+
+
+@pytest.mark.slow
+def test_second_kill_schedule_text_caching_ema_lora_and_checkpoint_mark(micro_flux_files, make_run):
+    setup = {**SETUP, "ema": True}
+    reference = train(make_run(micro_flux_files, images=4, name="reference", **setup), ranks=2)
+    assert reference.returncode == 0, reference.output[-3000:]
+    config = make_run(micro_flux_files, images=4, name="killed", run_name="chain", **setup)
+    run_dir = config.parent / "output" / "chain"
+    for resume, kill_at in SECOND_KILLS:
+        killed = _run(config, kill_at, resume=bool(resume))
+        assert killed.returncode != 0, f"{kill_at} was never reached:\n{killed.output[-3000:]}"
+    resumed = _run(config, resume=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.status()["state"] == "finished"
+    leftovers = [p.name for p in run_dir.rglob(".*") if p.name != ".lock"]
+    assert leftovers == [], leftovers
+    want = {Path(e["path"]).name: e["path"] for e in reference.events() if e["type"] in ("lora_saved", "ema_saved")}
+    got = sorted(p.name for p in (run_dir / "loras").glob("*.safetensors"))
+    assert got == ["chain-epoch0001-ema.safetensors", "chain-epoch0001.safetensors", "chain-epoch0002-ema.safetensors",
+                   "chain-epoch0002.safetensors"]
+    for name in got:
+        a, b = load_file(str(run_dir / "loras" / name)), load_file(want[name.replace("chain", reference.run_dir.name)])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
