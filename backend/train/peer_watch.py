@@ -52,6 +52,7 @@ class PeerWatch:
         self.silence = silence_s()
         self.beat_s = min(5.0, self.silence / 4)
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self._store = None
         self._last_ok = time.monotonic()   # the last time this rank's own heartbeat reached the store
 
@@ -61,8 +62,10 @@ class PeerWatch:
         self._store = _client()
         if self._store is None:
             return
-        threading.Thread(target=self._beat, name="pipetrain-peer-beat", daemon=True).start()
-        threading.Thread(target=self._judge, name="pipetrain-peer-watch", daemon=True).start()
+        self._threads = [threading.Thread(target=self._beat, name="pipetrain-peer-beat", daemon=True),
+                         threading.Thread(target=self._judge, name="pipetrain-peer-watch", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         """This rank ends its part on purpose: it is not named as silent after it (best effort)."""
@@ -74,6 +77,10 @@ class PeerWatch:
             self._store.add(_KEY.format(self.rank), _GONE)
         except Exception:   # noqa: BLE001  (rank 0, the store's host, ended first: nobody left to tell)
             pass
+        # the threads end before the interpreter does: one still inside a store call (native code) as the interpreter
+        # shuts down is ended there and aborts the process (a finished rank then exits on SIGABRT)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
 
     def _beat(self) -> None:
         while not self._stop.is_set():
