@@ -6,6 +6,7 @@ import sys
 
 from .cluster import launch_environment, node_commands, prepare_run_folder
 from .config import load_run_config, replace, save_toml
+from .deepspeed_cli import outcome
 from .errors import ConfigError
 from .preflight import load_run
 from .rundir import RunDir, new_run_id
@@ -35,7 +36,24 @@ def launch_cluster(config: str, node_rank: int | None, print_only: bool, resume:
         return 0 if print_only else 2
     command = commands[0] if node_rank is None else _node(commands, node_rank)
     print(f"[pipetrain] {command.shell()}", file=sys.stderr, flush=True)
-    return subprocess.run(command.argv, cwd=run_dir, env=launch_environment(cfg)).returncode
+    before = _identity(run.status_file)
+    code = subprocess.run(command.argv, cwd=run_dir, env=launch_environment(cfg)).returncode
+    if command.node_rank not in (None, 0):   # global rank 0, which writes the status, runs on node 0
+        return code
+    # DeepSpeed's runner exits 0 when its launch.py is killed: the run's status says whether it finished
+    # (``deepspeed_cli.outcome``); a status the run did not rewrite is the previous launch's, not this one's
+    status, why = outcome(str(run_dir) if _identity(run.status_file) != before else None, code)
+    if why is not None:
+        print(f"pipetrain: {why}", file=sys.stderr, flush=True)
+    return status
+
+
+def _identity(path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _node(commands, node_rank: int):

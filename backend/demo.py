@@ -62,7 +62,7 @@ def newest_run(output_dir: Path) -> RunDir:
 
 def run_demo(workdir: str | None, ranks: int) -> int:
     from .config import load_run_config
-    from .commands import deepspeed_command
+    from .commands import deepspeed_cli_command
     from .models.tiny import cached_model_files
     from .runtime import ensure_comfyui
     from .verify import check_lora
@@ -77,7 +77,7 @@ def run_demo(workdir: str | None, ranks: int) -> int:
     files = cached_model_files("flux", "micro")
     make_dataset(root / "dataset")
     config = write_configs(root, files, stages=min(2, ranks))
-    cmd = deepspeed_command("train", config, ranks)
+    cmd = deepspeed_cli_command("train", config, ranks)   # its exit status says whether the run finished
     print("[demo] $ " + " ".join(cmd), flush=True)
     rc = subprocess.run(cmd, cwd=root).returncode
     if rc != 0:

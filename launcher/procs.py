@@ -133,12 +133,14 @@ def child_env(comfyui_root: Path | None, base: dict[str, str] | None = None) -> 
 
 
 def deepspeed_argv(command: str, config: Path, devices: tuple[int, ...], extra: list[str] = ()) -> list[str]:
-    """``deepspeed --num_gpus N pipetrain COMMAND CONFIG ...`` (``--include`` for other GPU ids)."""
-    from ..backend.commands import deepspeed_command
+    """``python -m pipetrain deepspeed --num_gpus N pipetrain COMMAND CONFIG ...`` (``--include`` for other GPU
+    ids): DeepSpeed's runner, with an exit status that says whether the run finished (plain ``deepspeed`` exits 0
+    when its launch.py is killed) and SIGTERM passed to the ranks only (``backend/deepspeed_cli.py``)."""
+    from ..backend.commands import deepspeed_cli_command
 
+    argv = deepspeed_cli_command(command, config, len(devices), list(extra))
     if tuple(devices) == tuple(range(len(devices))):
-        return deepspeed_command(command, config, len(devices), list(extra))
-    argv = deepspeed_command(command, config, len(devices), list(extra))
+        return argv
     i = argv.index("--num_gpus")
     return argv[:i] + ["--include", "localhost:" + ",".join(map(str, devices))] + argv[i + 2:]
 

@@ -55,7 +55,8 @@ def summarize(runs: RunsRoot, run_id: str, alive: bool) -> dict:
         error = f"the training process exited without reporting; see {d.log_file}"
     keys = ("step", "total_steps", "epoch", "epochs", "loss", "lr", "samples_per_s", "eta_s", "last_checkpoint",
             "updated", "cache", "comfyui", "memory",   # comfyui: the ComfyUI that trains and its parity verdict;
-            "base_lr", "stop_after_epoch")   # memory: what memory = "auto" chose; the last two: run control
+            "base_lr", "stop_after_epoch",   # memory: what memory = "auto" chose; these two: run control
+            "warnings")   # what the run says is wrong while it goes on ({key: message})
     return {"id": run_id, "state": state, "alive": alive, "error": error,
             "loras": saved_loras(d, status), "step_samples": sampled_step_loras(d), "gpus": info.get("gpus", []),
             "created": info.get("created"), "name": info.get("name", run_id),

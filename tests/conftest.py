@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from pipetrain.backend.demo import make_dataset, write_configs
 from pipetrain.backend.commands import deepspeed_command
@@ -227,6 +228,16 @@ def make_run(tmp_path):
         make_dataset(root / "dataset", images)
         return write_configs(root, files, **overrides)
     return _make
+
+
+def eval_set(root: Path) -> dict:
+    """Two held-out images (make_dataset's 5th and 6th: other sizes of shapes than the training set's)."""
+    make_dataset(root / "eval_images", 6)
+    for i in range(4):
+        (root / "eval_images" / f"img{i:02d}.png").unlink()
+        (root / "eval_images" / f"img{i:02d}.txt").unlink()
+    (root / "eval.toml").write_text(tomli_w.dumps({"resolutions": [64], "directory": [{"path": "eval_images"}]}))
+    return {"name": "held", "config": str(root / "eval.toml")}
 
 
 # --- what every model's end-to-end test checks ------------------------------------------------------------

@@ -158,6 +158,8 @@ function runCard(run) {
   }
   if (run.alive && (run.node_commands || []).length) card.append(nodeCommands(run));
   if (run.error) card.append(el("div", { style: "color:#f77" }, run.error));
+  // what the run says is wrong while it goes on (a changed dataset, a rank that does not answer)
+  for (const message of Object.values(run.warnings || {})) card.append(el("div", { style: "color:#fb5" }, String(message)));
   if (run.alive && run.stop_after_epoch != null) card.append(el("div", { class: "pipetrain-pending" }, `stops after epoch ${run.stop_after_epoch}`));
   card.append(buttons);
   if (run.alive && ACTIVE.has(run.state) && run.state !== "stopping") card.append(controls(run));

@@ -20,6 +20,7 @@ from ..config import RunConfig
 from ..data import EpochPlan
 from ..data.epoch_plan import eval_batches_by_resolution
 from ..errors import DatasetError
+from ..fsutil import fault_point
 from . import distributed
 from .events import RunReporter
 from .feed import MicroBatchFeed
@@ -101,6 +102,7 @@ def _evaluate_set(engine, s: EvalSet, micro_batches: int) -> list[float]:
             engine.reset_activation_shape()
             loss = engine.eval_batch(s.feed.step_iter(step_batches, 0, i), num_micro_batches=micro_batches)
             total += float(loss.item()) if torch.is_tensor(loss) else float(loss)
+            fault_point("eval-batch")
         losses.append(total / len(batches))
     return losses
 

@@ -3,34 +3,60 @@ line), its status (the latest state, rewritten atomically) and TensorBoard scala
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
 
 from ..fsutil import OutOfSpace, atomic_write_json, rewrite_in_place, space_guard
-from ..rundir import RunDir
+from ..rundir import RunDir, read_events, read_object
+
+log = logging.getLogger("pipetrain")
+
+
+def with_entry(entries: list[dict], entry: dict) -> list[dict]:
+    """A status list of saved files with ``entry`` last, in place of an earlier entry of the same path (a file
+    a resumed run wrote again)."""
+    return [e for e in entries if e.get("path") != entry["path"]] + [entry]
 
 
 class RunReporter:
     def __init__(self, run_dir: RunDir, enabled: bool):
         self.run_dir = RunDir(run_dir)
         self.enabled = enabled
-        self.status: dict = {"state": "starting", "pid": os.getpid(), "started": time.time()}
-        if enabled:  # a resumed run keeps what it reported before (its epoch LoRAs above all)
-            try:
-                previous = json.loads(self.run_dir.status_file.read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                previous = {}
-            self.status = {**previous, **self.status, "error": None}
+        # warnings: what the run says is wrong while it goes on (a changed dataset, a rank that does not answer),
+        # by a key that clears it; each launch starts with none
+        self.status: dict = {"state": "starting", "pid": os.getpid(), "started": time.time(), "warnings": {}}
+        self._lock = threading.RLock()   # the peer watch thread reports beside the main thread
         self._line_start = False   # whether events.jsonl is known to end with a whole line
+        if enabled:  # a resumed run keeps what it reported before (its epoch LoRAs above all)
+            previous = read_object(self.run_dir.status_file)
+            unreadable = previous is None and self.run_dir.status_file.is_file()
+            if unreadable:   # cut, binary or not an object: what it listed comes back from the events
+                previous = self._saved_from_events()
+            self.status = {**(previous or {}), **self.status, "error": None}
+            if unreadable:
+                message = (f"{self.run_dir.status_file} could not be read (cut or damaged): it is written anew, its "
+                           "lists of saved LoRAs and models taken from the run's events")
+                log.warning("%s", message)
+                self.event("warning", message=message)
         self._tb = None
         self.wandb = None   # train/wandb_sink.py: the same scalars to Weights & Biases ([monitoring])
+
+    def _saved_from_events(self) -> dict:
+        saved: dict[str, list] = {}
+        for e in read_events(self.run_dir.events_file)[0]:
+            key = {"lora_saved": "loras", "model_saved": "models"}.get(e.get("type"))
+            if key and isinstance(e.get("path"), str):
+                saved[key] = with_entry(saved.get(key, []), {k: e.get(k) for k in ("epoch", "step", "path")})
+        return saved
 
     def event(self, type_: str, **fields) -> None:
         if not self.enabled:
             return
         record = {"type": type_, "time": time.time(), **fields}
         line = (json.dumps(record) + "\n").encode()
-        with space_guard(self.run_dir.path), open(self.run_dir.events_file, "ab+") as f:
+        with self._lock, space_guard(self.run_dir.path), open(self.run_dir.events_file, "ab+") as f:
             if not self._line_start:   # a run killed mid-write left a cut line: ours must not join it
                 f.seek(0, os.SEEK_END)
                 if f.tell() > 0:
@@ -42,9 +68,25 @@ class RunReporter:
     def update(self, **fields) -> None:
         if not self.enabled:
             return
-        self.status.update(fields, updated=time.time())
-        with space_guard(self.run_dir.path):
+        with self._lock, space_guard(self.run_dir.path):
+            self.status.update(fields, updated=time.time())
             atomic_write_json(self.run_dir.status_file, self.status, durable=False)   # rewritten every step
+
+    def warn(self, key: str, message: str, **fields) -> None:
+        """A ``warning`` event, and ``message`` in the status's warnings under ``key`` until ``clear_warning``."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self.event("warning", message=message, **fields)
+            self.update(warnings={**self.status.get("warnings", {}), key: message})
+
+    def clear_warning(self, key: str) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            warnings = dict(self.status.get("warnings", {}))
+            if warnings.pop(key, None) is not None:
+                self.update(warnings=warnings)
 
     def fail(self, message: str, state: str = "failed", **fields) -> None:
         """The run's last word: an ``error`` event and the ``state`` (with ``message`` as its error) in the

@@ -103,15 +103,17 @@ def _evaluate(t: Trainer) -> None:
              t.reporter)
 
 
-def _end_of_epoch(t: Trainer, epoch: int) -> None:
+def _end_of_epoch(t: Trainer, epoch: int) -> bool:
+    """The epoch's LoRA and samples; returns whether the epoch's checkpoint is due. The loop writes it only after
+    the step's eval: a checkpoint marks everything due at its step as done, so a run killed in an eval (or in the
+    samples) resumes from the checkpoint before and does them again."""
     cfg = t.cfg
     t.reporter.event("epoch", epoch=epoch, step=t.state.global_step)
     if cfg.save_every_n_epochs and epoch % cfg.save_every_n_epochs == 0:
         path = t.save_lora(epoch)
         t.state.last_saved_step = t.state.global_step
         t.render_samples(path, epoch)
-    if cfg.checkpoint_every_n_epochs and epoch % cfg.checkpoint_every_n_epochs == 0:
-        t.save_checkpoint()
+    return bool(cfg.checkpoint_every_n_epochs and epoch % cfg.checkpoint_every_n_epochs == 0)
 
 
 def run_loop(t: Trainer) -> None:
@@ -173,20 +175,20 @@ def run_loop(t: Trainer) -> None:
             path = t.save_lora(state.epoch, at_step=True)
             if asked.sample:
                 _sample_now(t, path)
-        finished_epoch = None
+        finished_epoch, epoch_checkpoint = None, False
         if state.step_in_epoch == steps_per_epoch:
             state.step_in_epoch = 0
             state.epoch += 1
             finished_epoch = state.epoch - 1
             reports.flush()
-            _end_of_epoch(t, finished_epoch)
+            epoch_checkpoint = _end_of_epoch(t, finished_epoch)
         if eval_due(parts.eval_every_steps, t.cfg.eval_every_n_epochs, state.global_step, finished_epoch):
             reports.flush()
             _evaluate(t)
         # "stop after this epoch" on the epoch's last step: the run ends at the boundary (unless it ends there anyway)
         stop_now = now.stop or (stop_after_epoch and finished_epoch is not None
                                 and state.global_step < state.total_steps)
-        if now.checkpoint or asked.save or stop_now:
+        if now.checkpoint or asked.save or stop_now or epoch_checkpoint:
             reports.flush()
             t.save_checkpoint()
         if stop_now:

@@ -13,7 +13,7 @@ from ..config import without_secrets
 from ..fsutil import atomic_write_bytes, space_guard
 from ..rundir import RunDir
 from . import distributed
-from .events import RunReporter
+from .events import RunReporter, with_entry
 from .parts import Topology
 
 
@@ -52,12 +52,6 @@ def write_lora(sd, folder: Path, stem: str, adapter_config: dict, run_toml: str,
         atomic_write_bytes(Path(f"{base}.adapter.json"), json.dumps(adapter_config, indent=1).encode())
         atomic_write_bytes(Path(f"{base}.run.toml"), run_toml.encode())
     return path
-
-
-def with_entry(entries: list[dict], entry: dict) -> list[dict]:
-    """A status list of saved files with ``entry`` last, in place of an earlier entry of the same path (a file
-    a resumed run wrote again)."""
-    return [e for e in entries if e.get("path") != entry["path"]] + [entry]
 
 
 def sweep_run_dir(run_dir: RunDir, lora_folder: Path) -> None:

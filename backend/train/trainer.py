@@ -22,11 +22,12 @@ from ..models.registry import adapter_class
 from ..rundir import RunDir, cache_folder, check_unused, choose_run_dir
 from ..runtime import comfy_training_paths
 from ..versions import comfyui_info, range_warning
-from . import checkpoint, distributed, dp_layout
-from .events import RunReporter
+from . import checkpoint, dataset_record, distributed, dp_layout
+from .events import RunReporter, with_entry
 from .launcher_watch import POLL_S, LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
-from .saving import gather_lora, save_full_model, sweep_run_dir, weights_stem, with_entry, write_lora
+from .peer_watch import PeerWatch
+from .saving import gather_lora, save_full_model, sweep_run_dir, weights_stem, write_lora
 from .schedule import set_base_lr
 from .stop_signals import StopSignals, describe
 
@@ -95,7 +96,9 @@ class Trainer:
         self.state = RunState()
         self.signals = None
         self.launcher_watch: LauncherWatch | None = None
+        self.peer_watch: PeerWatch | None = None
         self.run_dir_lock = None   # held until this process ends
+        self._dataset_record: dict | None = None   # what checkpoints keep of the dataset (dataset_record.py)
 
     # --- phases -----------------------------------------------------------------------------
     def run(self) -> int:
@@ -108,6 +111,8 @@ class Trainer:
         self.topology = self.setup_distributed()
         self.watch_launcher()
         self.run_dir, self.reporter = self.prepare_run_dir()
+        self.peer_watch = PeerWatch(self.topology.rank, self.topology.world, self._peer_silent, self._peer_answers)
+        self.peer_watch.start()
         try:
             self.adapter = self.load_adapter()
             self.check_model_code()
@@ -143,6 +148,7 @@ class Trainer:
                 distributed.tell_failure(explain_failure(e, self.run_dir.name))
             raise
         finally:
+            self.peer_watch.stop()
             self.reporter.close()
 
     def setup_distributed(self) -> Topology:
@@ -313,11 +319,33 @@ class Trainer:
         state.total_steps = state.global_step + remaining
         if self.cfg.max_steps:
             state.total_steps = min(state.total_steps, self.cfg.max_steps)
+        if is_main:
+            self.say_dataset_changes(saved, tag, steps_per_epoch, state.total_steps)
         self.replay_controls(state)   # before the resume event, which says the learning rate
         if is_main:
             self.reporter.event("resume", checkpoint=tag, step=state.global_step, epoch=state.epoch,
                                 global_batch=global_batch, saved_global_batch=saved_batch, base_lr=state.base_lr)
         return state
+
+    def say_dataset_changes(self, saved: dict, tag: str, steps_per_epoch: int, total_steps: int) -> None:
+        """Rank 0: a dataset changed since the checkpoint (pictures deleted, added or swapped) trains on what is there
+        now, which the status, an event and the log say (how many items, where, and the steps that makes)."""
+        said = dataset_record.changes(saved.get("dataset"), self.dataset_record())
+        if not said:
+            return
+        before = saved.get("total_steps")
+        steps = f"{total_steps} steps in all" + (f" instead of {before}" if isinstance(before, int) and
+                                                 before != total_steps else "")
+        message = (f"the dataset differs from the one checkpoint {tag} trained on: {'; '.join(said)}. The run goes "
+                   f"on with the items there now ({steps_per_epoch} steps an epoch, {steps}); put them back and "
+                   "resume again to train on the dataset it started with")
+        log.warning("%s", message)
+        self.reporter.warn("dataset", message, dataset_changes=said, step=saved["global_step"])
+
+    def dataset_record(self) -> dict:
+        if self._dataset_record is None:
+            self._dataset_record = dataset_record.record(self.data.entries)
+        return self._dataset_record
 
     def replay_controls(self, state: RunState) -> None:
         """A learning rate change the run acknowledged after the checkpoint it resumes from (killed before the next
@@ -353,8 +381,10 @@ class Trainer:
         if state.global_step == state.last_checkpoint_step:   # e.g. the last epoch's, again as the run ends
             return
         state.last_checkpoint_step = state.global_step
-        path = checkpoint.save(self.parts.engine, self.run_dir.checkpoints, state.global_step,
-                               state.client_state(self.parts.global_batch), extra=self._save_ema)
+        client_state = state.client_state(self.parts.global_batch) | {"dataset": self.dataset_record(),
+                                                                       "total_steps": state.total_steps}
+        path = checkpoint.save(self.parts.engine, self.run_dir.checkpoints, state.global_step, client_state,
+                               extra=self._save_ema)
         state.last_checkpoint_time = time.monotonic()
         if self.topology.is_main:
             self.reporter.event("checkpoint", step=state.global_step, epoch=state.epoch, path=str(path))
@@ -424,6 +454,23 @@ class Trainer:
 
         render_epoch_samples(self.cfg, self.run_dir, self.reporter, self.topology.is_main, lora_path, epoch,
                              self.state.global_step, self.stopping)
+
+    def _peer_silent(self, rank: int, seconds: float, again: bool) -> None:
+        """From the peer watch thread (``peer_watch.py``): ``rank`` has sent no heartbeat for ``seconds``."""
+        message = (f"rank {rank} has not answered for {seconds:.0f} s: its process may be stopped (SIGSTOP, a "
+                   "debugger), hung or out of memory; the other ranks wait for it until the process group's timeout")
+        if not self.topology.is_main:
+            log.warning("rank %d: %s", self.topology.rank, message)
+            return
+        log.warning("%s", message)
+        self.reporter.warn(f"rank-{rank}", message, rank=rank, silent_s=round(seconds))
+
+    def _peer_answers(self, rank: int, seconds: float) -> None:
+        message = f"rank {rank} answers again after {seconds:.0f} s"
+        log.warning("%s%s", "" if self.topology.is_main else f"rank {self.topology.rank}: ", message)
+        if self.topology.is_main:
+            self.reporter.event("peer", rank=rank, message=message, silent_s=round(seconds))
+            self.reporter.clear_warning(f"rank-{rank}")
 
     def _on_launcher_gone(self, pid: int) -> None:
         """From the watch thread: the launcher is gone, so nobody can stop this rank or gather the others; exit

@@ -283,7 +283,7 @@ def test_start_writes_the_run_and_spawns_deepspeed(tmp_path, launcher):
     la.kill(run_id)
     argv = info["command"]
     assert (run_dir / "run.toml").is_file() and (run_dir / "dataset.toml").is_file()
-    assert argv[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    assert argv[:4] == [sys.executable, "-u", str(REPO / "__main__.py"), "deepspeed"]   # exits by the run's status
     assert argv[argv.index("--num_gpus") + 1] == "1"
     assert argv[-3:] == [str(REPO / "__main__.py"), "train", str(run_dir / "run.toml")]   # the entry file, by path
     assert f'lora_dir = "{tmp_path / "loras" / run_id}"' in (run_dir / "run.toml").read_text()

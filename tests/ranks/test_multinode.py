@@ -36,6 +36,16 @@ def _both(config, *extra, timeout=900):
     return [p.returncode for p in nodes], outs
 
 
+def _started(config, name, event):
+    """Both nodes, once the run's events hold ``event``."""
+    nodes = [_node(config, 0), _node(config, 1)]
+    events = config.parent / "output" / name / "events.jsonl"
+    end = time.monotonic() + 600
+    while time.monotonic() < end and not (events.exists() and f'"{event}"' in events.read_text()):
+        time.sleep(0.2)
+    return nodes
+
+
 def test_print_gives_one_command_per_node(micro_flux_files, make_run):
     config = _config(make_run, micro_flux_files, "printed", epochs=1)
     out = subprocess.run([sys.executable, "-m", "pipetrain", "launch", str(config), "--print"], capture_output=True,
@@ -60,11 +70,7 @@ def test_two_nodes_train_and_lora_loads_in_comfyui(micro_flux_files, make_run):
 
 def test_losing_a_node_fails_clearly_and_resumes(micro_flux_files, make_run):
     config = _config(make_run, micro_flux_files, "lost", epochs=4)
-    nodes = [_node(config, 0), _node(config, 1)]
-    events = config.parent / "output" / "lost" / "events.jsonl"
-    end = time.monotonic() + 600
-    while time.monotonic() < end and not (events.exists() and '"checkpoint"' in events.read_text()):
-        time.sleep(0.2)
+    nodes = _started(config, "lost", "checkpoint")
     os.killpg(nodes[1].pid, signal.SIGKILL)
     out0 = nodes[0].communicate(timeout=300)[0]
     nodes[1].communicate()
@@ -79,3 +85,18 @@ def test_losing_a_node_fails_clearly_and_resumes(micro_flux_files, make_run):
     assert run.events("resume")[-1]["step"] >= checkpoint_step
     assert run.status()["state"] == "finished" and run.status()["step"] == 16
     json.loads((run.run_dir / "status.json").read_text())
+
+
+def test_a_killed_launcher_on_node_0_exits_non_zero(micro_flux_files, make_run):
+    """DeepSpeed's runner exits 0 when its launch.py is killed; ``launch`` on node 0 exits by the run's status."""
+    import psutil
+
+    config = _config(make_run, micro_flux_files, "killed", epochs=40)
+    nodes = _started(config, "killed", "step")
+    (launch_py,) = [p for p in psutil.Process(nodes[0].pid).children(recursive=True)
+                    if "deepspeed.launcher.launch" in " ".join(p.cmdline())]
+    launch_py.kill()
+    out0 = nodes[0].communicate(timeout=300)[0]
+    nodes[1].communicate(timeout=300)
+    assert nodes[0].returncode != 0, out0[-3000:]
+    assert f"pipetrain: the run in {config.parent / 'output' / 'killed'} did not finish" in out0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import tomli_w
-from conftest import train
+from conftest import eval_set, train
 from safetensors.torch import load_file, save_file
 
 from pipetrain.backend.demo import make_dataset
@@ -54,16 +54,6 @@ def test_examples_flux_pair_trains_as_is(micro_flux_files, tmp_path):
     assert lrs[:3] == pytest.approx([2e-6, 4e-6, 6e-6])                        # warmup_steps = 10, lr 2e-5
 
 
-def _eval_set(root: Path) -> dict:
-    """Two held-out images (make_dataset's 5th and 6th: other sizes of shapes than the training set's)."""
-    make_dataset(root / "eval_images", 6)
-    for i in range(4):
-        (root / "eval_images" / f"img{i:02d}.png").unlink()
-        (root / "eval_images" / f"img{i:02d}.txt").unlink()
-    (root / "eval.toml").write_text(tomli_w.dumps({"resolutions": [64], "directory": [{"path": "eval_images"}]}))
-    return {"name": "held", "config": str(root / "eval.toml")}
-
-
 def _tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -81,7 +71,7 @@ def captions_run(micro_flux_files, tmp_path_factory):
     root = tmp_path_factory.mktemp("captions")
     make_dataset(root / "dataset", 4)
     config = write_configs(root, micro_flux_files, stages=1, epochs=1, checkpoint_every_n_epochs=None,
-                           uncond_fraction=0.5, eval_datasets=[_eval_set(root)], eval_before_first_step=True,
+                           uncond_fraction=0.5, eval_datasets=[eval_set(root)], eval_before_first_step=True,
                            optimizer={"type": "Prodigy", "lr": 1.0, "d_coef": 2.0},
                            activation_checkpointing=True, activation_checkpointing_fraction=0.5)
     dataset = config.with_name("dataset.toml")
@@ -117,7 +107,7 @@ def test_caption_options_and_prodigy(captions_run):
 def test_eval_datasets_held_out_loss_per_quantile(micro_flux_files, make_run, captions_run, tmp_path):
     """Two pipeline stages on two ranks, 8-bit AdamW, selective activation checkpointing; evals before step 1, every
     3 steps and every epoch."""
-    held = _eval_set(tmp_path / "evals")
+    held = eval_set(tmp_path / "evals")
     config = make_run(micro_flux_files, images=4, name="evals", stages=2, epochs=2, checkpoint_every_n_epochs=None,
                       eval_datasets=[held], eval_every_n_steps=3, eval_every_n_epochs=1,
                       activation_checkpointing="selective",

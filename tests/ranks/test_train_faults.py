@@ -7,17 +7,20 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, train
+from conftest import eval_set, launch, train
 from safetensors.torch import load_file
 
 from pipetrain.backend.fsutil import FULL_AT_ENV, KILL_AT_ENV
+from pipetrain.backend.train.peer_watch import SILENCE_ENV
 
 pytestmark = pytest.mark.deepspeed_launcher   # tests/warm_ranks.py: why a real launch
 
@@ -299,3 +302,155 @@ def test_out_of_space_on_another_rank_or_in_the_sample_renderer_fails_the_run_na
     assert "Traceback" not in run.output, run.output[run.output.find("Traceback") - 2000:][:6000]
     left = sorted(p.name for p in folder.rglob("*") if p.suffix == ".tmp")
     assert left == []
+
+
+@pytest.mark.slow
+def test_an_eval_killed_after_its_epoch_is_done_again_on_resume(micro_flux_files, make_run, tmp_path):
+    """Killed in the middle of epoch 1's eval (which came after that epoch's checkpoint): the resume evaluates step
+    4 again rather than going on from the checkpoint as if the eval had run."""
+    config = make_run(micro_flux_files, images=4, name="evals", run_name="chain", **SETUP,
+                      eval_datasets=[eval_set(tmp_path / "evals")], eval_every_n_epochs=1,
+                      eval_before_first_step=False)
+    killed = _run(config, "eval-batch:1")
+    assert killed.returncode != 0, killed.output[-3000:]
+    assert killed.events("eval") == []
+    resumed = _run(config, resume=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [e["step"] for e in resumed.events("eval")] == [4, 8]
+
+
+@pytest.mark.slow
+def test_a_resume_on_a_dataset_with_pictures_deleted_says_so_and_trains_on_the_rest(micro_flux_files, make_run):
+    config = make_run(micro_flux_files, images=4, name="shrunk", run_name="chain", **SETUP)
+    killed = _run(config, "checkpoint-latest:1")              # epoch 1 (steps 1-4) saved
+    assert killed.returncode != 0, killed.output[-3000:]
+    dataset = config.parent / "dataset"
+    for name in ("img00", "img01"):
+        (dataset / f"{name}.png").unlink()
+        (dataset / f"{name}.txt").unlink()
+    resumed = _run(config, resume=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    said = (f"the dataset differs from the one checkpoint step00000004 trained on: 2 of its 4 items are gone from "
+            f"{dataset}. The run goes on with the items there now (2 steps an epoch, 6 steps in all instead of 8)")
+    (warning,) = [e for e in resumed.events("warning") if "dataset_changes" in e]
+    assert warning["message"].startswith(said) and warning["step"] == 4
+    assert said in resumed.output                              # the log
+    assert resumed.status()["warnings"]["dataset"] == warning["message"]
+    assert [e["step"] for e in resumed.events("step")][-2:] == [5, 6]
+
+
+class _Output:
+    """A launched run's output, read as it comes (a full pipe would block the ranks)."""
+    def __init__(self, proc):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True)
+        self.thread.start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def _rank_pid(config, local_rank: int) -> int:
+    (pid,) = [p for p in _rank_pids(config)
+              if f"--local_rank={local_rank}".encode() in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    return pid
+
+
+def _status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _steps(run_dir: Path) -> int:
+    return _status(run_dir).get("step") or 0
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_within_seconds_and_once_thawed_the_run_ends_as_an_uninterrupted_one(
+        micro_flux_files, make_run, monkeypatch):
+    """SIGSTOP on rank 1 mid-training: rank 0 names it (log, warning event, status) within a few seconds of the
+    silence set, not after the process group's timeout; SIGCONT: it says the rank answers again and clears the
+    status. Then the same with rank 0 (which hosts the store): rank 1 names it in the log. The run then ends with
+    the LoRAs of an uninterrupted run."""
+    setup = {**SETUP, "epochs": 3}
+    reference = train(make_run(micro_flux_files, images=4, name="reference", **setup), ranks=2)
+    assert reference.returncode == 0, reference.output[-3000:]
+    config = make_run(micro_flux_files, images=4, name="frozen", run_name="frozen", **setup)
+    run_dir = config.parent / "output" / "frozen"
+    monkeypatch.setenv(SILENCE_ENV, "3")
+    proc = launch(config, 2)
+    output = _Output(proc)
+    try:
+        _wait_for(lambda: _steps(run_dir) >= 1)
+        rank1 = _rank_pid(config, 1)
+        os.kill(rank1, signal.SIGSTOP)
+        frozen = time.monotonic()
+        _wait_for(lambda: "rank-1" in _status(run_dir).get("warnings", {}), timeout=60)
+        assert time.monotonic() - frozen < 20
+        step = _steps(run_dir)
+        time.sleep(3)
+        assert _steps(run_dir) == step                        # rank 0 waits for it
+        os.kill(rank1, signal.SIGCONT)
+        _wait_for(lambda: "rank-1" not in _status(run_dir).get("warnings", {}), timeout=60)
+        _wait_for(lambda: _steps(run_dir) > step, timeout=60)
+
+        rank0 = _rank_pid(config, 0)
+        os.kill(rank0, signal.SIGSTOP)
+        _wait_for(lambda: "rank 1: rank 0 has not answered for" in output.text(), timeout=60)
+        os.kill(rank0, signal.SIGCONT)
+        proc.wait(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        output.thread.join(10)
+    text = output.text()
+    assert proc.returncode == 0, text[-3000:]
+    assert re.search(r"rank 1 has not answered for \d+ s: its process may be stopped", text)
+    assert "rank 1 answers again after" in text and "rank 1: rank 0 answers again after" in text
+    run = reference.__class__(proc.returncode, text, config.parent / "output")
+    warnings = [e for e in run.events("warning") if e.get("rank") == 1]   # named again as the silence doubles
+    assert all(e["message"].startswith("rank 1 has not answered for") for e in warnings)
+    silences = [e["silent_s"] for e in warnings]
+    assert silences[0] >= 3 and all(b >= 2 * a - 1 for a, b in zip(silences, silences[1:])), silences
+    (answer,) = run.events("peer")
+    assert answer["rank"] == 1 and answer["time"] > warnings[-1]["time"]   # not named when rank 0 itself was stopped
+    assert run.status()["state"] == "finished" and run.status()["warnings"] == {}
+    for got, want in zip(run.loras(), reference.loras(), strict=True):
+        a, b = load_file(str(got)), load_file(str(want))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
+# The second schedule's kills, with ema: each resume is killed at the next one
+SECOND_KILLS = [
+    ("", "cache-written:text:1"),           # caching the captions: one text entry written, the rest not
+    ("resume", "lora-written:2"),           # epoch 1's EMA LoRA as a .tmp beside its plain LoRA, no checkpoint
+    ("resume", "write:pipetrain.json:1"),   # epoch 1's checkpoint: its completion mark being written
+]
+
+
+@pytest.mark.slow
+def test_second_kill_schedule_text_caching_ema_lora_and_checkpoint_mark(micro_flux_files, make_run):
+    setup = {**SETUP, "ema": True}
+    reference = train(make_run(micro_flux_files, images=4, name="reference", **setup), ranks=2)
+    assert reference.returncode == 0, reference.output[-3000:]
+    config = make_run(micro_flux_files, images=4, name="killed", run_name="chain", **setup)
+    run_dir = config.parent / "output" / "chain"
+    for resume, kill_at in SECOND_KILLS:
+        killed = _run(config, kill_at, resume=bool(resume))
+        assert killed.returncode != 0, f"{kill_at} was never reached:\n{killed.output[-3000:]}"
+    resumed = _run(config, resume=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.status()["state"] == "finished"
+    leftovers = [p.name for p in run_dir.rglob(".*") if p.name != ".lock"]
+    assert leftovers == [], leftovers
+    want = {Path(e["path"]).name: e["path"] for e in reference.events() if e["type"] in ("lora_saved", "ema_saved")}
+    got = sorted(p.name for p in (run_dir / "loras").glob("*.safetensors"))
+    assert got == ["chain-epoch0001-ema.safetensors", "chain-epoch0001.safetensors", "chain-epoch0002-ema.safetensors",
+                   "chain-epoch0002.safetensors"]
+    for name in got:
+        a, b = load_file(str(run_dir / "loras" / name)), load_file(want[name.replace("chain", reference.run_dir.name)])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name

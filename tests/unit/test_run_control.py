@@ -102,3 +102,8 @@ def test_an_applied_lr_is_kept_for_a_resume_and_a_bad_record_is_refused_naming_i
         run.controls_file.write_text(json.dumps(body))
         with pytest.raises(run_control.ControlValueError, match=str(run.controls_file)):
             run_control.applied_lr(run)
+    recorded = json.dumps({"lr": 7.5e-4, "from_step": 12}).encode()
+    for damaged in (recorded[:len(recorded) // 2], b"\xff\x00" + recorded):   # cut, or bytes that are no text
+        run.controls_file.write_bytes(damaged)
+        with pytest.raises(run_control.ControlValueError, match=f"{run.controls_file}: not a learning rate change"):
+            run_control.applied_lr(run)
