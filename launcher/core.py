@@ -193,6 +193,7 @@ class Launcher:
         if self.alive(run_id):
             raise LauncherError(f"run {run_id} is still running")
         run_dir.check_format()
+        self._check_own_config(run_dir)
         info = run_dir.read_launcher()
         summary = summarize(self.dirs, run_id, False)
         if run_dir.read_status().get("state") == "finished":
@@ -209,6 +210,20 @@ class Launcher:
         self._refuse_absent(devices)
         self.launch(run_id, deepspeed_argv("train", run_dir.run_toml, devices, ["--resume", run_id]), devices,
                     name=info.get("name", run_id))
+
+    def _check_own_config(self, run_dir: RunDir) -> None:
+        """A resume runs what the run folder holds: its config and checkpoints must be the folder's own files (no
+        link out of it), and the config must resume this very folder (its output_dir the runs root): a run.toml
+        put there naming another output_dir would resume, and run, a folder elsewhere."""
+        for path in (run_dir.run_toml, run_dir.dataset_toml, run_dir.checkpoints):
+            if path.is_symlink():
+                raise LauncherError(f"run {run_dir.name}: {path.name} is a link; a run folder holds its own files "
+                                    "(PipeTrain never links them): start a new run")
+        cfg = load_run_config(run_dir.run_toml, check_dataset=False)
+        if cfg.resolve(cfg.output_dir).resolve() != self.dirs.root:
+            raise LauncherError(f"run {run_dir.name}: its run.toml's output_dir is not {self.dirs.root}, the runs "
+                                "folder it lies in, so it would resume another folder: PipeTrain did not write "
+                                "that run.toml; start a new run")
 
     def _refuse_absent(self, devices) -> None:
         """A rank per GPU index: an index this machine does not have would fail in the rank as a CUDA error. A
