@@ -47,6 +47,21 @@ class LauncherError(PipeTrainError):
     pass
 
 
+def check_own_config(run_dir: RunDir, root: Path) -> None:
+    """Before a resume runs what the run folder holds: its config and checkpoints are the folder's own files (no
+    link out of it), and the config resumes this very folder (its output_dir is ``root``, the runs folder): a
+    run.toml put there naming another output_dir would resume, and run, a folder elsewhere."""
+    for path in (run_dir.run_toml, run_dir.dataset_toml, run_dir.checkpoints):
+        if path.is_symlink():
+            raise LauncherError(f"run {run_dir.name}: {path.name} is a link; a run folder holds its own files "
+                                "(PipeTrain never links them): start a new run")
+    cfg = load_run_config(run_dir.run_toml, check_dataset=False)
+    if cfg.resolve(cfg.output_dir).resolve() != Path(root).resolve():
+        raise LauncherError(f"run {run_dir.name}: its run.toml's output_dir is not {root}, the runs folder it lies "
+                            "in, so it would resume another folder: PipeTrain did not write that run.toml; start a "
+                            "new run")
+
+
 # what the Run Control node offers (nodes reach the backend through the launcher here)
 CONTROL_ACTIONS, CONTROL_LR, CONTROL_MAX_LR = run_control.ACTIONS, run_control.LR, run_control.MAX_LR
 
@@ -193,7 +208,6 @@ class Launcher:
         if self.alive(run_id):
             raise LauncherError(f"run {run_id} is still running")
         run_dir.check_format()
-        self._check_own_config(run_dir)
         info = run_dir.read_launcher()
         summary = summarize(self.dirs, run_id, False)
         if run_dir.read_status().get("state") == "finished":
@@ -201,6 +215,7 @@ class Launcher:
                                 "train more")
         if not summary["resumable"]:
             raise LauncherError(f"run {run_id} has no checkpoint to resume from")
+        check_own_config(run_dir, self.dirs.root)
         run_dir.clear_stop()
         run_control.clear(run_dir)   # asked of the run that stopped; the resumed one starts without them
         if info.get("cluster"):
@@ -210,20 +225,6 @@ class Launcher:
         self._refuse_absent(devices)
         self.launch(run_id, deepspeed_argv("train", run_dir.run_toml, devices, ["--resume", run_id]), devices,
                     name=info.get("name", run_id))
-
-    def _check_own_config(self, run_dir: RunDir) -> None:
-        """A resume runs what the run folder holds: its config and checkpoints must be the folder's own files (no
-        link out of it), and the config must resume this very folder (its output_dir the runs root): a run.toml
-        put there naming another output_dir would resume, and run, a folder elsewhere."""
-        for path in (run_dir.run_toml, run_dir.dataset_toml, run_dir.checkpoints):
-            if path.is_symlink():
-                raise LauncherError(f"run {run_dir.name}: {path.name} is a link; a run folder holds its own files "
-                                    "(PipeTrain never links them): start a new run")
-        cfg = load_run_config(run_dir.run_toml, check_dataset=False)
-        if cfg.resolve(cfg.output_dir).resolve() != self.dirs.root:
-            raise LauncherError(f"run {run_dir.name}: its run.toml's output_dir is not {self.dirs.root}, the runs "
-                                "folder it lies in, so it would resume another folder: PipeTrain did not write "
-                                "that run.toml; start a new run")
 
     def _refuse_absent(self, devices) -> None:
         """A rank per GPU index: an index this machine does not have would fail in the rank as a CUDA error. A
