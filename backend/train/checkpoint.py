@@ -195,15 +195,30 @@ def _expected(folder: Path) -> list[tuple[str, dict | None]]:
     return [(name, digests.get(name)) for name in sorted(names)]
 
 
+# what a resume reads of a checkpoint folder: DeepSpeed's and the moving average's states by pattern (``*.pt``),
+# the RNG states by name; a file of another name is never read, so one saved beside them is no damage
+_READ = re.compile(r"(.*\.pt|rng_rank\d+\.safetensors)")
+
+
+_FILE_NAME = re.compile(r"[\w.-]{1,200}(/[\w.-]{1,200}){0,4}")   # what DeepSpeed and PipeTrain name checkpoint files
+
+
+def _may_be_read(name: str) -> bool:
+    return _READ.fullmatch(Path(name).name) is not None
+
+
 def _check(folder: Path, expected: list[tuple[str, dict | None]]) -> list[str]:
     problems = []
     for name, want in expected:
         path = folder / name
         if name == DIGESTS and want == {"unreadable": True}:
             problems.append(f"{path} cannot be read as a list of digests")
-        elif want is None:
+        elif want is None and _may_be_read(name):
             problems.append(f"{path} is not among the files the checkpoint was saved with")
-        elif not isinstance(want, dict) or ".." in Path(name).parts or Path(name).is_absolute():
+        elif want is None:   # no resume reads it (e.g. an image ComfyUI's SaveImage wrote into the run folder)
+            continue
+        elif not isinstance(want, dict) or not _FILE_NAME.fullmatch(name) or ".." in Path(name).parts:
+            # a name from digests.json: quoted only when it is a name a checkpoint's file could have
             problems.append(f"{folder / DIGESTS} lists an entry that is not a file of the checkpoint")
         elif not path.is_file():
             problems.append(f"{path} is missing")

@@ -560,3 +560,30 @@ def test_the_server_answers_while_model_and_samples_nodes_name_slow_files(server
         zero.unlink()
     nothing_ran(server, marker)
 
+
+
+def test_what_comfyuis_save_nodes_write_into_a_checkpoint_costs_the_run_no_resume(server, marker):
+    """SaveImage (and every save node) may write under output/, so into a run's checkpoint: a file no resume reads
+    (an image, a latent) leaves the checkpoint resumable; a file a resume would read is still refused by name."""
+    from pipetrain.backend.train import checkpoint
+
+    checkpointed(server, "fab-saved-into", "stopped")
+    step = server.runs_root / "fab-saved-into" / "checkpoints" / "step5"
+    (step / "digests.json").write_text("{}")          # a checkpoint PipeTrain saved lists its files' digests
+    assert checkpoint.verify(step) is None
+    latent = {"1": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+              "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": ""}}}
+    for prompt, prefix in ((save_image(""), "pipetrain/fab-saved-into/checkpoints/step5/x"),
+                           (latent, "pipetrain/fab-saved-into/checkpoints/step5/mp_rank_00_model_states")):
+        prompt["2"]["inputs"]["filename_prefix"] = prefix
+        code, body = server.queue(prompt)
+        assert code == 200, body
+        assert server.wait_history(body["prompt_id"])["status"]["status_str"] == "success"
+    assert len([p for p in step.iterdir() if p.name.startswith(("x_", "mp_rank_00_model_states_"))]) == 2
+    assert checkpoint.verify(step) is None
+    code, run = server.get("/pipetrain/runs/fab-saved-into")
+    assert code == 200 and run["resumable"], run
+    (step / "layer_01-model_states.pt").write_bytes(b"planted")     # what DeepSpeed would load: still refused
+    assert checkpoint.verify(step) == f"{step / 'layer_01-model_states.pt'} is not among the files the checkpoint " \
+                                      "was saved with"
+    nothing_ran(server, marker)
