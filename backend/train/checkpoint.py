@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from ..fsutil import OutOfSpace, atomic_write_bytes, atomic_write_json, fault_point, space_guard
+from ..fsutil import (OutOfSpace, UnreadableFile, atomic_write_bytes, atomic_write_json, fault_point,
+                      read_regular, space_guard)
 from ..patches_deepspeed import load_checkpoints_weights_only, load_weights_only
 from . import distributed
 
@@ -102,9 +103,9 @@ def check_room(engine, ckpt_root: Path) -> None:
 def _named_by_latest(ckpt_root: Path) -> str | None:
     """The tag ``latest`` names, when it names a checkpoint folder of this run: anything else (a path, ``..``, an
     absolute name) is refused with a warning (the file's content is not quoted)."""
-    try:
-        tag = (ckpt_root / LATEST).read_text(errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError):
+    try:   # a regular file of a line: a FIFO or a device put in its place is not read
+        tag = read_regular(ckpt_root / LATEST, 4096).decode(errors="replace").strip()
+    except UnreadableFile:   # missing, or no file of a line: the newest complete checkpoint is taken
         return None
     if TAG.fullmatch(tag):
         return tag

@@ -67,6 +67,25 @@ def test_latest_names_only_a_checkpoint_inside_its_run(tmp_path):
     assert checkpoint.latest_tag(run) == "step00000003"
 
 
+
+def test_a_latest_that_is_no_file_of_a_line_is_not_read(tmp_path):
+    """``latest`` is read on every panel poll: a FIFO there would hold the reading thread for ever, /dev/zero fill its
+    memory; each is passed over for the newest complete checkpoint, unread."""
+    import threading
+
+    run = tmp_path / "checkpoints"
+    _saved(run, 2)
+    os.mkfifo(run / "latest")
+    found = []
+    reader = threading.Thread(target=lambda: found.append(checkpoint.latest_tag(run)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert found == ["step00000002"]
+    (run / "latest").unlink()
+    (run / "latest").symlink_to("/dev/zero")
+    assert checkpoint.latest_tag(run) == "step00000002"
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))
