@@ -221,6 +221,18 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.format_file, {"format": FORMAT})
 
+    def check_no_links(self) -> None:
+        """A run folder PipeTrain wrote holds no symbolic link (it makes none): a resume appends to its log and
+        events, rewrites its lock file and reads its config and checkpoints, so a link in a folder someone sent
+        (``.lock`` -> a file of yours) would have it write or read elsewhere. ``RunFormatError`` naming the first."""
+        for top, folders, files in os.walk(self.path):   # a linked folder is listed, never entered
+            for name in sorted(folders + files):
+                path = Path(top) / name
+                if path.is_symlink():
+                    raise RunFormatError(f"run folder {self.path}: {path.relative_to(self.path)} is a link; "
+                                         "PipeTrain makes none in a run folder, and a resume would write or read "
+                                         "through it: remove it, or start a new run")
+
     # --- one live writer ----------------------------------------------------------------------------
     def lock(self):
         """An exclusive lock on the folder's lock file holding this process's pid, kept while the returned file
@@ -381,8 +393,10 @@ def choose_run_dir(cfg, resume: str | None) -> RunDir:
         run = RunDir(path)
     elif resume:
         run = _resumable(RunDir(_resumed_folder(out, resume)), cfg)
+        run.check_no_links()
     elif cfg.run_name and (out / cfg.run_name).is_dir():
         run = _resumable(RunDir(_resumed_folder(out, cfg.run_name)), cfg)
+        run.check_no_links()
     else:
         runs = [RunDir(p) for p in sorted(out.iterdir()) if _in_root(out, p)] if out.is_dir() else []
         runs = [r for r in runs if r.latest_checkpoint() and not _nothing_left(r, cfg)]
@@ -390,5 +404,6 @@ def choose_run_dir(cfg, resume: str | None) -> RunDir:
             raise ConfigError(f"--resume: no unfinished run with a checkpoint under {out}; start a new run without "
                               "--resume")
         run = max(runs, key=lambda r: r.path.stat().st_mtime)
+        run.check_no_links()
     run.claim_format()
     return run

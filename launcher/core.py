@@ -48,13 +48,10 @@ class LauncherError(PipeTrainError):
 
 
 def check_own_config(run_dir: RunDir, root: Path) -> None:
-    """Before a resume runs what the run folder holds: its config and checkpoints are the folder's own files (no
-    link out of it), and the config resumes this very folder (its output_dir is ``root``, the runs folder): a
+    """Before a resume runs what the run folder holds: the folder holds no link (``RunDir.check_no_links``), and its
+    config resumes this very folder (its output_dir is ``root``, the runs folder): a
     run.toml put there naming another output_dir would resume, and run, a folder elsewhere."""
-    for path in (run_dir.run_toml, run_dir.dataset_toml, run_dir.checkpoints):
-        if path.is_symlink():
-            raise LauncherError(f"run {run_dir.name}: {path.name} is a link; a run folder holds its own files "
-                                "(PipeTrain never links them): start a new run")
+    run_dir.check_no_links()
     cfg = load_run_config(run_dir.run_toml, check_dataset=False)
     if cfg.resolve(cfg.output_dir).resolve() != Path(root).resolve():
         raise LauncherError(f"run {run_dir.name}: its run.toml's output_dir is not {root}, the runs folder it lies "

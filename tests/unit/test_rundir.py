@@ -218,14 +218,42 @@ def test_the_launcher_resumes_only_a_config_of_its_own_runs_folder(tmp_path):
     linked = run_folder("linked", la.dirs.root)
     linked.run_toml.rename(tmp_path / "outside.toml")
     linked.run_toml.symlink_to(tmp_path / "outside.toml")
-    with pytest.raises(LauncherError, match="run linked: run.toml is a link"):
+    with pytest.raises(RunFormatError, match=f"run folder {linked.path}: run.toml is a link"):
         la.resume("linked")
     ckpt = run_folder("ckpt-link", la.dirs.root)
     import shutil
     shutil.move(ckpt.checkpoints, elsewhere / "ckpts")
     ckpt.checkpoints.symlink_to(elsewhere / "ckpts", target_is_directory=True)
-    with pytest.raises(LauncherError, match="run ckpt-link: checkpoints is a link"):
+    with pytest.raises(RunFormatError, match=f"run folder {ckpt.path}: checkpoints is a link"):
         la.resume("ckpt-link")
     for run in (planted, linked, ckpt):
         assert not run.launcher_file.exists()                                  # nothing was started
     check_own_config(run_folder("own", la.dirs.root), la.dirs.root)          # what the launcher writes passes
+
+
+def test_a_resume_refuses_a_run_folder_holding_a_link(tmp_path):
+    """A run folder someone sent (a tarball keeps links): a resume appends to its log and events and rewrites its
+    lock file, so ``.lock`` linked to a file of the user's would have it truncated. Refused naming the link, by the
+    CLI's --resume and the panel's Resume alike; the linked file is untouched."""
+    from pipetrain.backend.config import save_toml
+    from pipetrain.launcher.core import Launcher
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    run = choose_run_dir(_cfg(tmp_path, run_name="sent"), None)
+    (run.checkpoints / "step5").mkdir(parents=True)
+    (run.checkpoints / "step5" / "pipetrain.json").write_text("{}")
+    (run.checkpoints / "latest").write_text("step5")
+    run.status_file.write_text(json.dumps({"state": "stopped"}))
+    save_toml(_cfg(tmp_path), run.run_toml)
+    for link in (run.lock_file, run.events_file, run.checkpoints / "step5" / "rng_rank00000.safetensors"):
+        link.symlink_to(victim)
+        name = link.relative_to(run.path)
+        for resume in ("sent", ""):
+            with pytest.raises(RunFormatError, match=f"run folder {run.path}: {name} is a link"):
+                choose_run_dir(_cfg(tmp_path), resume)
+        with pytest.raises(RunFormatError, match=f"{name} is a link"):
+            Launcher(tmp_path / "out").resume("sent")
+        link.unlink()
+    assert victim.read_text() == "keep me" and not run.launcher_file.exists()
+    assert choose_run_dir(_cfg(tmp_path), "sent") == run                      # without the links: resumed
