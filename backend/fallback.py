@@ -107,7 +107,7 @@ def _compare(host_file: str, pinned_file: str) -> tuple[str, float | None, float
 
     from .parity import TOLERANCE
 
-    host, pinned = torch.load(host_file), torch.load(pinned_file)
+    host, pinned = torch.load(host_file, weights_only=True), torch.load(pinned_file, weights_only=True)
     if host["weights"] != pinned["weights"]:
         names = sorted(set(host["weights"].items()) ^ set(pinned["weights"].items()))
         return (f"its model's weights are laid out differently ({len(names)} names or shapes differ, e.g. "

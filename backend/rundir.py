@@ -221,6 +221,18 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.format_file, {"format": FORMAT})
 
+    def check_no_links(self) -> None:
+        """A run folder PipeTrain wrote holds no symbolic link (it makes none): a resume appends to its log and
+        events, rewrites its lock file and reads its config and checkpoints, so a link in a folder someone sent
+        (``.lock`` -> a file of yours) would have it write or read elsewhere. ``RunFormatError`` naming the first."""
+        for top, folders, files in os.walk(self.path):   # a linked folder is listed, never entered
+            for name in sorted(folders + files):
+                path = Path(top) / name
+                if path.is_symlink():
+                    raise RunFormatError(f"run folder {self.path}: {path.relative_to(self.path)} is a link; "
+                                         "PipeTrain makes none in a run folder, and a resume would write or read "
+                                         "through it: remove it, or start a new run")
+
     # --- one live writer ----------------------------------------------------------------------------
     def lock(self):
         """An exclusive lock on the folder's lock file holding this process's pid, kept while the returned file
@@ -306,6 +318,29 @@ def cache_folder(output_dir: Path) -> Path:
     return Path(output_dir) / CACHE
 
 
+def _in_root(out: Path, folder: Path) -> bool:
+    """``folder`` is a run folder of the output folder ``out`` itself: a folder directly in it, not a link (which
+    could lead anywhere), named as a run id."""
+    return (RUN_ID.fullmatch(folder.name) is not None and folder.name not in RESERVED and not folder.is_symlink()
+            and folder.is_dir() and folder.resolve().parent == Path(out).resolve())
+
+
+def _resumed_folder(out: Path, resume: str) -> Path:
+    """The folder ``--resume <resume>`` names: a run id, or a path to a run folder directly in ``out`` (the
+    config's output_dir). A resume runs what its folder holds (its config, DeepSpeed's checkpoint): any other
+    folder, a link out of ``out`` among them, is refused naming ``out``."""
+    given = Path(resume).expanduser()
+    path = given if given.is_absolute() else out / given
+    if not path.is_dir():
+        raise ConfigError(f"--resume {resume}: no such run folder in {out} (output_dir); name a run there by its id")
+    if not _in_root(out, path):
+        raise ConfigError(f"--resume {resume}: not a run folder of the output folder {out} (output_dir): a resume "
+                          f"runs what its folder holds, so only runs PipeTrain writes there are resumed; name one "
+                          f"by its run id, or copy the run folder into {out} (not a link) and resume it by its "
+                          f"name")
+    return path
+
+
 def _nothing_left(run: RunDir, cfg) -> bool:
     """The run finished and this config asks for no more: no more epochs, no higher max_steps. (A finished run
     resumed with more epochs trains on: diffusion-pipe's way of extending a run.)"""
@@ -357,18 +392,18 @@ def choose_run_dir(cfg, resume: str | None) -> RunDir:
         path.mkdir(parents=True, exist_ok=True)
         run = RunDir(path)
     elif resume:
-        path = Path(resume) if Path(resume).is_absolute() else out / resume
-        if not path.is_dir():
-            raise ConfigError(f"--resume {resume}: no such run directory under {out}")
-        run = _resumable(RunDir(path), cfg)
+        run = _resumable(RunDir(_resumed_folder(out, resume)), cfg)
+        run.check_no_links()
     elif cfg.run_name and (out / cfg.run_name).is_dir():
-        run = _resumable(RunDir(out / cfg.run_name), cfg)
+        run = _resumable(RunDir(_resumed_folder(out, cfg.run_name)), cfg)
+        run.check_no_links()
     else:
-        runs = [RunDir(p) for p in sorted(out.iterdir()) if p.is_dir()] if out.is_dir() else []
+        runs = [RunDir(p) for p in sorted(out.iterdir()) if _in_root(out, p)] if out.is_dir() else []
         runs = [r for r in runs if r.latest_checkpoint() and not _nothing_left(r, cfg)]
         if not runs:
             raise ConfigError(f"--resume: no unfinished run with a checkpoint under {out}; start a new run without "
                               "--resume")
         run = max(runs, key=lambda r: r.path.stat().st_mtime)
+        run.check_no_links()
     run.claim_format()
     return run

@@ -23,33 +23,49 @@ def is_video(adapter) -> bool:
     return adapter.framerate is not None
 
 
-def image_problem(path: Path) -> str | None:
-    """Why ``path`` is not a readable image file, or None."""
+def image_problem(path: Path, whole: bool = True) -> str | None:
+    """Why ``path`` is not a readable image file, or None; ``whole=False``: only its header is read (Pillow tells
+    the format and size from it), not every chunk of it."""
     from PIL import Image
 
-    if not path.is_file():
+    if not path.is_file():   # a folder, a FIFO or a device: not opened
         return f"{path} is not a file"
     try:
         with Image.open(path) as image:
-            image.verify()
+            if whole:
+                image.verify()
     except Exception as e:  # Pillow raises many types for files that are no image
         return f"{path} is not a readable image ({type(e).__name__})"
     return None
 
 
-def media_problem(path: Path) -> str | None:
-    """Why ``path`` is neither a readable image nor a readable video (PyAV, or an animated WebP), or None."""
+def media_problem(path: Path, whole: bool = True) -> str | None:
+    """Why ``path`` is neither a readable image nor a readable video (PyAV, or an animated WebP), or None;
+    ``whole=False``: only headers are read (an image's, or the container's streams as PyAV opens it), not every
+    frame."""
     from .data.video import probe_video
     from .errors import DatasetError
 
-    problem = image_problem(path)
+    problem = image_problem(path, whole)
     if problem is None or not path.is_file():
         return problem
+    if not whole:
+        return None if _has_video_stream(path) else f"{path} is not a readable video or image"
     try:
         readable = probe_video(path) is not None
     except DatasetError:
         readable = False
     return None if readable else f"{path} is not a readable video or image"
+
+
+def _has_video_stream(path: Path) -> bool:
+    """PyAV opens the file as a container with a video stream: its header and the first megabytes it probes."""
+    import av
+    try:
+        with av.open(str(path)) as container:
+            return bool(container.streams.video)
+    except Exception:  # noqa: BLE001  (PyAV raises many types for files that are no video)
+        return False
 
 
 def check_samples(cfg: RunConfig) -> None:

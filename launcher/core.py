@@ -47,6 +47,18 @@ class LauncherError(PipeTrainError):
     pass
 
 
+def check_own_config(run_dir: RunDir, root: Path) -> None:
+    """Before a resume runs what the run folder holds: the folder holds no link (``RunDir.check_no_links``), and its
+    config resumes this very folder (its output_dir is ``root``, the runs folder): a
+    run.toml put there naming another output_dir would resume, and run, a folder elsewhere."""
+    run_dir.check_no_links()
+    cfg = load_run_config(run_dir.run_toml, check_dataset=False)
+    if cfg.resolve(cfg.output_dir).resolve() != Path(root).resolve():
+        raise LauncherError(f"run {run_dir.name}: its run.toml's output_dir is not {root}, the runs folder it lies "
+                            "in, so it would resume another folder: PipeTrain did not write that run.toml; start a "
+                            "new run")
+
+
 # what the Run Control node offers (nodes reach the backend through the launcher here)
 CONTROL_ACTIONS, CONTROL_LR, CONTROL_MAX_LR = run_control.ACTIONS, run_control.LR, run_control.MAX_LR
 
@@ -200,6 +212,7 @@ class Launcher:
                                 "train more")
         if not summary["resumable"]:
             raise LauncherError(f"run {run_id} has no checkpoint to resume from")
+        check_own_config(run_dir, self.dirs.root)
         run_dir.clear_stop()
         run_control.clear(run_dir)   # asked of the run that stopped; the resumed one starts without them
         if info.get("cluster"):

@@ -83,10 +83,15 @@ def folder_patch(path: str, **keys) -> RunPatch:
     return RunPatch.of({**keys, "path": path})
 
 
-def input_image(root: str | Path, name: str, widget: str, video: bool = False) -> Path:
+def input_image(root: str | Path, name: str, widget: str, video: bool = False, whole: bool = True) -> Path:
     """An image a widget names by its path under ComfyUI's input directory ``root`` (what LoadImage lists), as an
     absolute path: no absolute path, no ``..``, no link leading out of the folder, and a readable image
-    (ValueError naming ``widget`` otherwise); ``video``: a readable video or image (a control video)."""
+    (ValueError naming ``widget`` otherwise); ``video``: a readable video or image (a control video).
+
+    ``whole=False``: the queue-time check, on ComfyUI's event loop: a regular file whose header says it is an image
+    (or a video container with a video stream), whatever its size. Reading it whole (an image's every chunk, a
+    video's every frame) is for when the node runs, on ComfyUI's worker thread: a many-frame clip or a 100 MB
+    upload, named by many nodes of one prompt, would hold every request up meanwhile."""
     root = Path(root).resolve()
     relative = Path(name.strip())
     if relative.is_absolute() or ".." in relative.parts:
@@ -95,7 +100,7 @@ def input_image(root: str | Path, name: str, widget: str, video: bool = False) -
     path = (root / relative).resolve()
     if not path.is_relative_to(root):
         raise ValueError(f"{widget} {name!r}: leads out of ComfyUI's input directory")
-    problem = media_problem(path) if video else image_problem(path)
+    problem = media_problem(path, whole) if video else image_problem(path, whole)
     if problem:
         what = "video or image" if video else "image"
         raise ValueError(f"{widget} {name!r}: {problem}; upload the {what} to ComfyUI's input directory")

@@ -279,8 +279,10 @@ def diffusion_model_options() -> list[str]:
             + [CKPT_PREFIX + n for n in folder_paths.get_filename_list("checkpoints")])
 
 
-def model_input_error(diffusion_model=None, model_type=None, min_t=0.0, max_t=1.0) -> str | None:
-    """What is wrong with the Model node's file, type and timestep range (None: not checked), or None."""
+def model_input_error(diffusion_model=None, model_type=None, min_t=0.0, max_t=1.0,
+                      queue_time: bool = False) -> str | None:
+    """What is wrong with the Model node's file, type and timestep range (None: not checked), or None;
+    ``queue_time``: the check on ComfyUI's event loop, bounded (``header_is_quick``)."""
     from ..backend.errors import ModelError
     if min_t is not None and max_t is not None and min_t >= max_t:
         return f"min_t ({min_t}) must be below max_t ({max_t})"
@@ -289,11 +291,57 @@ def model_input_error(diffusion_model=None, model_type=None, min_t=0.0, max_t=1.
     path = model_path(diffusion_model)
     if path is None:
         return f"model file {diffusion_model} not found in models/diffusion_models or models/checkpoints"
+    if not Path(path).is_file():   # a FIFO or a device would block or never end: not opened
+        return f"model file {diffusion_model}: not a regular file; pick a model file"
+    if queue_time:
+        return _queue_time_verdict(path)
     try:
         detect(path, model_type)     # None: the file's architecture alone (whatever model_type says)
     except (ModelError, ValueError) as e:
         return str(e)
     return None
+
+
+_verdicts: dict[tuple, str | None] = {}   # (path, size, mtime) -> the queue-time check's answer
+
+
+def _queue_time_verdict(path: str) -> str | None:
+    """The file's architecture check on ComfyUI's event loop: once per version of the file (a prompt may name it
+    in many Model nodes), and only where its header tells it quickly (``header_is_quick``); else None, the check
+    being made when the node runs, on ComfyUI's worker thread."""
+    from ..backend.errors import ModelError
+    st = Path(path).stat()
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key not in _verdicts:
+        verdict = None
+        if header_is_quick(path):
+            try:
+                detect(path, None)
+            except (ModelError, ValueError) as e:
+                verdict = str(e)
+        if len(_verdicts) > 256:   # model files come and go: the memo stays small
+            _verdicts.clear()
+        _verdicts[key] = verdict
+    return _verdicts[key]
+
+
+# a safetensors header the queue-time check reads at most: a real diffusion model's lists a few thousand tensors
+# in well under this; the check runs on ComfyUI's event loop, which serves every request meanwhile
+QUEUE_TIME_HEADER = 2 << 20
+
+
+def header_is_quick(path: str) -> bool:
+    """Whether the file's architecture can be told on ComfyUI's event loop: a safetensors file whose header is at
+    most QUEUE_TIME_HEADER bytes. Any other format (.ckpt, .pt, .bin) lists its tensors only once unpickled
+    whole, seconds for a large file."""
+    if Path(path).suffix.lower() not in (".safetensors", ".sft"):
+        return False
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+    except OSError:
+        return True    # unreadable: the check says so at once
+    return size <= QUEUE_TIME_HEADER
 
 
 def model_path(name: str) -> str | None:
@@ -421,8 +469,9 @@ class ModelNode(CheckedNode):
     def validate_inputs(cls, diffusion_model=None):
         # Only the file and its architecture at queue time (ComfyUI repeats a failed check's message once per input
         # named here); whether model_type fits it and the timestep range are checked when the node runs, before
-        # Cache and Train.
-        return model_input_error(diffusion_model) or True
+        # Cache and Train. On ComfyUI's event loop: a file whose architecture takes long to tell (a pickled
+        # checkpoint, a huge header) is told then too.
+        return model_input_error(diffusion_model, queue_time=True) or True
 
     @classmethod
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,

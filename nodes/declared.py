@@ -40,17 +40,24 @@ def input_problem(spec, value) -> str | None:
     return None     # PipeTrain's own socket types: ComfyUI links only a matching output to them
 
 
+def check_declared(cls, values: dict) -> None:
+    """ValueError naming the first input of ``values`` that ``cls``'s schema does not declare."""
+    schema = cls.define_schema()
+    declared = {spec.id for spec in schema.inputs}
+    for name in values:
+        if name not in declared:
+            raise ValueError(f"{schema.display_name or schema.node_id}: {name!r} is not an input of this node; "
+                             "remove the link to it (only the node's own inputs are used)")
+
+
 def check_inputs(cls, values: dict) -> None:
     """ValueError naming the first input of ``values`` that ``cls``'s schema does not declare or bound."""
+    check_declared(cls, values)
     schema = cls.define_schema()
     declared = {spec.id: spec for spec in schema.inputs}
     node = schema.display_name or schema.node_id
     for name, value in values.items():
-        spec = declared.get(name)
-        if spec is None:
-            raise ValueError(f"{node}: {name!r} is not an input of this node; remove the link to it "
-                             "(only the node's own inputs are used)")
-        problem = input_problem(spec, value)
+        problem = input_problem(declared[name], value)
         if problem:
             shown = repr(value) if isinstance(value, (bool, int, float)) else "the value given"
             raise ValueError(f"{node}: input {name!r}: {shown} is refused ({problem}); set it on the "
@@ -71,6 +78,8 @@ class CheckedNode(io.ComfyNode):
 
         @functools.wraps(inner)
         def checked(klass, *args, **values):
+            # a name the signature would refuse (no catch-all) is refused by name first, as any undeclared one is
+            check_declared(klass, values)
             bound = signature.bind_partial(klass, *args, **values).arguments
             named = {}
             for name, param in list(signature.parameters.items())[1:]:

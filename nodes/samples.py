@@ -26,16 +26,16 @@ def parse_strengths(text: str) -> tuple[float, ...]:
     return values or (1.0,)
 
 
-def input_image_path(name: str, widget: str, video: bool = False) -> Path:
+def input_image_path(name: str, widget: str, video: bool = False, whole: bool = True) -> Path:
     """The Samples node's start or end image (``widget``; ``video``: a video or an image, the control video), a
-    file under ComfyUI's input directory, as an absolute path."""
+    file under ComfyUI's input directory, as an absolute path (``whole``: see ``input_image``)."""
     import folder_paths
-    return input_image(folder_paths.get_input_directory(), name, widget, video)
+    return input_image(folder_paths.get_input_directory(), name, widget, video, whole)
 
 
-def _image_file(name: str | None, widget: str, video: bool = False) -> str | None:
+def _image_file(name: str | None, widget: str, video: bool = False, whole: bool = True) -> str | None:
     """The absolute path of an image (``video``: or video) widget's file, or None where the widget is empty."""
-    return str(input_image_path(name, widget, video)) if name and name.strip() else None
+    return str(input_image_path(name, widget, video, whole)) if name and name.strip() else None
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -119,9 +119,10 @@ class SamplesNode(CheckedNode):
                 parse_prompts(prompts)
             if strengths is not None:
                 parse_strengths(strengths)
-            _image_file(start_image, "start_image")
-            _image_file(end_image, "end_image")
-            _image_file(control_video, "control_video", video=True)
+            # on ComfyUI's event loop: each file's header alone; read whole when the node runs (``input_image``)
+            _image_file(start_image, "start_image", whole=False)
+            _image_file(end_image, "end_image", whole=False)
+            _image_file(control_video, "control_video", video=True, whole=False)
         except ValueError as e:
             return str(e)
         return True

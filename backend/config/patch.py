@@ -9,6 +9,7 @@ lives in one place, the field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 from typing import Any, Mapping, Union, get_args, get_origin
@@ -82,8 +83,11 @@ def _section(tp):
     return tp if dataclasses.is_dataclass(tp) else None
 
 
+@functools.lru_cache(maxsize=None)
 def _resolve(root, key: str) -> tuple[type, dataclasses.Field]:
-    """The config class that holds ``key`` (dotted) under ``root``, and the key's field."""
+    """The config class that holds ``key`` (dotted) under ``root``, and the key's field. Memoised: the nodes'
+    schemas ask it for every widget, and ComfyUI builds a node's schema each time it validates one, on its event
+    loop (``typing.get_type_hints`` takes milliseconds: a prompt of many nodes held every request up)."""
     if root is None:
         from .run import RunConfig
         root = RunConfig
@@ -114,13 +118,19 @@ def default(key: str, root=None):
 
 def choices(key: str, root=None) -> list:
     """The values a ``Literal`` key accepts (``Optional`` unwrapped), for a combo."""
+    return list(_choices(root, key))
+
+
+@functools.lru_cache(maxsize=None)
+def _choices(root, key: str) -> tuple:
+    """``choices``, memoised as ``_resolve`` is."""
     cls, f = _resolve(root, key)
     tp = typing.get_type_hints(cls)[f.name]
     if get_origin(tp) is Union:
         (tp,) = [a for a in get_args(tp) if a is not type(None)]
     if get_origin(tp) is not typing.Literal:
         raise KeyError(f"{key} is not one of fixed values")
-    return list(get_args(tp))
+    return get_args(tp)
 
 
 def leaf_keys(root) -> list[str]:

@@ -59,12 +59,20 @@ def audio_bucket(seconds: float) -> tuple[int, int] | None:
 
 
 def read_lyrics(audio_path: Path) -> str:
-    """The lyrics beside an audio file (``song.lyrics.txt``), '' when there is none."""
+    """The lyrics beside an audio file (``song.lyrics.txt``), '' when there is none; ``DatasetError`` naming the file
+    for anything but a regular file of at most MAX_CAPTION bytes (a FIFO would block the scan, /dev/zero fill
+    memory)."""
+    from ..fsutil import UnreadableFile, read_regular
+    from .scan import MAX_CAPTION
+
     lyrics = audio_path.parent / (audio_path.stem + LYRICS_SUFFIX)
     try:
-        return lyrics.read_text(encoding="utf-8-sig").strip()
-    except FileNotFoundError:
-        return ""
+        data = read_regular(lyrics, MAX_CAPTION)
+    except UnreadableFile as e:
+        if e.missing:
+            return ""
+        raise DatasetError(f"{lyrics}: {e}; lyrics are a text file beside their song") from None
+    return data.decode("utf-8-sig", errors="replace").strip()
 
 
 def load_clip(path: Path, seconds: int) -> tuple[torch.Tensor, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -68,8 +69,17 @@ def read_header(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
         return {k: tuple(v.shape) for k, v in sd.items() if hasattr(v, "shape")}, {}
     except ModelError:
         raise
-    except Exception as exc:  # torch raises many types for a corrupt file
+    except pickle.UnpicklingError:
+        raise _pickled(path) from None
+    except Exception as exc:  # safetensors/torch raise many types for a corrupt file
         raise ModelError(f"{path}: cannot read this model file ({exc})") from exc
+
+
+def _pickled(path: Path) -> ModelError:
+    """torch's restricted unpickler met more than tensors and plain values: its message quotes the file's globals
+    and suggests loading it unrestricted, which would run them."""
+    return ModelError(f"{path}: holds more than tensors and plain values (loading it could run code), so it is not "
+                      "loaded; use a .safetensors file of these weights")
 
 
 def _load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -79,6 +89,8 @@ def _load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         return _merged_shards(path, _load_state_dict)
     try:
         sd, metadata = comfy.utils.load_torch_file(str(path), safe_load=True, return_metadata=True)
+    except pickle.UnpicklingError:
+        raise _pickled(path) from None
     except Exception as exc:
         raise ModelError(f"{path}: cannot read this model file ({exc})") from exc
     return sd, metadata or {}

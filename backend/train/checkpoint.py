@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from ..fsutil import OutOfSpace, atomic_write_bytes, atomic_write_json, fault_point, space_guard
+from ..fsutil import (OutOfSpace, UnreadableFile, atomic_write_bytes, atomic_write_json, fault_point,
+                      read_regular, space_guard)
 from ..patches_deepspeed import load_checkpoints_weights_only, load_weights_only
 from . import distributed
 
@@ -102,9 +103,9 @@ def check_room(engine, ckpt_root: Path) -> None:
 def _named_by_latest(ckpt_root: Path) -> str | None:
     """The tag ``latest`` names, when it names a checkpoint folder of this run: anything else (a path, ``..``, an
     absolute name) is refused with a warning (the file's content is not quoted)."""
-    try:
-        tag = (ckpt_root / LATEST).read_text(errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError):
+    try:   # a regular file of a line: a FIFO or a device put in its place is not read
+        tag = read_regular(ckpt_root / LATEST, 4096).decode(errors="replace").strip()
+    except UnreadableFile:   # missing, or no file of a line: the newest complete checkpoint is taken
         return None
     if TAG.fullmatch(tag):
         return tag
@@ -195,15 +196,30 @@ def _expected(folder: Path) -> list[tuple[str, dict | None]]:
     return [(name, digests.get(name)) for name in sorted(names)]
 
 
+# what a resume reads of a checkpoint folder: DeepSpeed's and the moving average's states by pattern (``*.pt``),
+# the RNG states by name; a file of another name is never read, so one saved beside them is no damage
+_READ = re.compile(r"(.*\.pt|rng_rank\d+\.safetensors)")
+
+
+_FILE_NAME = re.compile(r"[\w.-]{1,200}(/[\w.-]{1,200}){0,4}")   # what DeepSpeed and PipeTrain name checkpoint files
+
+
+def _may_be_read(name: str) -> bool:
+    return _READ.fullmatch(Path(name).name) is not None
+
+
 def _check(folder: Path, expected: list[tuple[str, dict | None]]) -> list[str]:
     problems = []
     for name, want in expected:
         path = folder / name
         if name == DIGESTS and want == {"unreadable": True}:
             problems.append(f"{path} cannot be read as a list of digests")
-        elif want is None:
+        elif want is None and _may_be_read(name):
             problems.append(f"{path} is not among the files the checkpoint was saved with")
-        elif not isinstance(want, dict) or ".." in Path(name).parts or Path(name).is_absolute():
+        elif want is None:   # no resume reads it (e.g. an image ComfyUI's SaveImage wrote into the run folder)
+            continue
+        elif not isinstance(want, dict) or not _FILE_NAME.fullmatch(name) or ".." in Path(name).parts:
+            # a name from digests.json: quoted only when it is a name a checkpoint's file could have
             problems.append(f"{folder / DIGESTS} lists an entry that is not a file of the checkpoint")
         elif not path.is_file():
             problems.append(f"{path} is missing")

@@ -24,6 +24,7 @@ from ..runtime import comfy_training_paths
 from ..versions import comfyui_info, range_warning
 from . import checkpoint, dataset_record, distributed, dp_layout
 from .events import RunReporter, with_entry
+from .failure import explain_failure, lost_peer
 from .launcher_watch import POLL_S, LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
 from .peer_watch import PeerWatch
@@ -53,24 +54,6 @@ class TrainOptions:
 
 # how long a rank whose launcher has gone waits for the checkpoint of a stop asked for at the same time
 STOP_GRACE_S = 120.0
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
-              "Broken pipe", "ProcessGroupNCCL", "Timed out")
-
-
-def lost_peer(e: BaseException) -> bool:
-    return not isinstance(e, PipeTrainError) and any(marker in str(e) for marker in _PEER_LOST)
-
-
-def explain_failure(e: BaseException, run_name: str, peer: tuple[int, str] | None = None) -> str:
-    """``peer``: (rank, reason) another rank told before it ended (``distributed.tell_failure``), the cause of a
-    lost contact."""
-    if lost_peer(e) and peer is not None:
-        return f"{peer[1]} (rank {peer[0]})"
-    text = str(e) if isinstance(e, PipeTrainError) else f"{type(e).__name__}: {e}"   # ours read as sentences
-    if lost_peer(e):
-        return (f"lost contact with another rank (a node or a training process stopped): {text.splitlines()[0]}. "
-                f"The run is resumable from its last checkpoint: launch it again with --resume {run_name}")
-    return text
 
 
 class PeerFailed(PipeTrainError):
@@ -135,7 +118,7 @@ class Trainer:
                 self._on_launcher_gone(pid)   # the peer went with the launcher: say so, not "lost contact"
             if self.topology.is_main and not isinstance(e, SystemExit):
                 peer = distributed.peer_failure() if lost_peer(e) else None
-                message = explain_failure(e, self.run_dir.name, peer)
+                message = explain_failure(e, self.run_dir.name, peer, self.own_paths())
                 self.reporter.fail(message)
                 log.error(message)
                 if peer is not None:   # the other rank's reason, not this rank's traceback of the lost contact
@@ -145,11 +128,31 @@ class Trainer:
                 log.error("rank %d stops: another rank has failed", self.topology.rank)
                 raise SystemExit(1) from None
             if not self.topology.is_main and not isinstance(e, SystemExit):
-                distributed.tell_failure(explain_failure(e, self.run_dir.name))
+                distributed.tell_failure(explain_failure(e, self.run_dir.name, own=self.own_paths()))
             raise
         finally:
             self.peer_watch.stop()
             self.reporter.close()
+
+    def own_paths(self) -> tuple[Path, ...]:
+        """What a failure message may name: the run's folders and the files and folders its config names."""
+        try:
+            return self._own_paths()
+        except Exception:   # noqa: BLE001  (the failure being reported matters more; nothing else is named then)
+            return (self.run_dir.path,) if self.run_dir is not None else ()
+
+    def _own_paths(self) -> tuple[Path, ...]:
+        cfg = self.cfg
+        paths = [self.run_dir.path, cfg.resolve(cfg.output_dir), *(cfg.resolve(p) for _, p in cfg.model.file_paths())]
+        if cfg.lora_dir:
+            paths.append(cfg.resolve(cfg.lora_dir))
+        for ds in (cfg._dataset, *(cfg._evals or {}).values()):
+            if ds is not None:
+                for d in ds.directory:
+                    paths += [ds.directory_path(d), *ds.control_paths(d)]
+                    paths += [p for p in (ds.mask_path(d), ds.default_mask_file(d), ds.control_mask_path(d),
+                                          ds.reference_path(d)) if p is not None]
+        return tuple(p.resolve() for p in paths)
 
     def setup_distributed(self) -> Topology:
         rank, world, local_rank = distributed.init()

@@ -123,6 +123,15 @@ def test_stop_escalates_to_sigterm(launcher):
     assert s["state"] == "stopped" and not s["resumable"]  # stopped before any checkpoint
 
 
+def run_toml_of(la: Launcher, run) -> None:
+    """A run.toml as the launcher writes one (its output_dir the runs folder; the model files need not exist)."""
+    from pipetrain.backend.config import RunConfig, save_toml
+    from pipetrain.backend.schema import from_dict
+
+    save_toml(from_dict(RunConfig, {"output_dir": str(la.dirs.root), "dataset": "dataset.toml",
+                                    "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}), run.run_toml)
+
+
 def test_control_requests_reach_a_live_run_only(launcher):
     from pipetrain.backend import run_control
     from pipetrain.backend.run_control import ControlValueError, Requests
@@ -152,6 +161,7 @@ def test_control_requests_reach_a_live_run_only(launcher):
     run_control.request(run, "stop_after_epoch")
     (run.checkpoints / "step00000001").mkdir(parents=True)
     (run.checkpoints / "step00000001" / "pipetrain.json").write_text("{}")
+    run_toml_of(la, run)                              # a resume runs a config of this runs folder only
     la.resume("run-c")                                                   # ... is forgotten by its resume
     assert run_control.take(run)[0] == Requests()
 

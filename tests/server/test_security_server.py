@@ -458,33 +458,132 @@ def test_the_server_answers_while_hostile_prompts_and_run_listings_are_served(se
         prompt[f"d{i}"] = {"class_type": "PipeTrainDataset", "inputs": {
             **prompt["1"]["inputs"], "folder": "big", **({"previous": [f"d{i - 1}", 0]} if i else {})}}
     prompt["4"]["inputs"]["dataset"] = ["d7", 0]
-    done = threading.Event()
-    answers: list[int] = []
 
     def hostile():
-        try:
-            for _ in range(3):
-                answers.append(server.queue(prompt)[0])
-                answers.append(send(server, "GET", "/pipetrain/runs")[0])
-                answers.append(send(server, "GET", "/object_info/PipeTrainRunStatus")[0])
-        finally:
-            done.set()
+        for _ in range(3):
+            yield server.queue(prompt)[0]
+            yield send(server, "GET", "/pipetrain/runs")[0]
+            yield send(server, "GET", "/object_info/PipeTrainRunStatus")[0]
 
-    worker = threading.Thread(target=hostile)
-    latencies = []
     try:
-        worker.start()
-        while not done.is_set():
-            start = time.monotonic()
-            status, _ = send(server, "GET", "/system_stats", timeout=60)
-            latencies.append(time.monotonic() - start)
-            assert status == 200
-            time.sleep(0.02)
-        worker.join(120)
+        answers, latencies = latencies_while(server, hostile)
     finally:
         for d in many:
             shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(big, ignore_errors=True)
     assert answers and set(answers) <= {200, 400}, answers
     assert len(latencies) > 5 and max(latencies) < 1.0, (max(latencies), len(latencies))
+    nothing_ran(server, marker)
+
+
+def latencies_while(server, requests) -> tuple[list[int], list[float]]:
+    """The answers of ``requests()`` (a generator of status codes, sent from another thread) and how long each
+    ``/system_stats`` asked meanwhile took to answer."""
+    done = threading.Event()
+    answers: list[int] = []
+
+    def hostile():
+        try:
+            answers.extend(requests())
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=hostile)
+    latencies = []
+    worker.start()
+    while not done.is_set():
+        start = time.monotonic()
+        status, _ = send(server, "GET", "/system_stats", timeout=120)
+        latencies.append(time.monotonic() - start)
+        assert status == 200
+        time.sleep(0.02)
+    worker.join(300)
+    return answers, latencies
+
+
+def big_png(megabytes: int) -> bytes:
+    """A PNG of a 16 x 16 picture whose one data chunk is ``megabytes`` long: its header is read at once, every
+    chunk (Pillow's verify) takes a while."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 16, 16, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", os.urandom(1 << 20) * megabytes)
+            + chunk(b"IEND", b""))
+
+
+def test_the_server_answers_while_model_and_samples_nodes_name_slow_files(server, marker):
+    """The Model and Samples nodes check their files at queue time, on ComfyUI's event loop: a pickled checkpoint
+    in models/checkpoints (its tensors are listed only once it is unpickled whole: seconds for this 10 MB one) named
+    by 4 Model nodes, and a 64 MB upload named by 12 Samples nodes' images, posted again and again, leave
+    ``/system_stats`` answering within a second. A FIFO or a device in a model folder is refused unopened."""
+    import torch
+
+    slow = server.base / "models" / "checkpoints" / "slow.ckpt"
+    slow.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"weight": torch.zeros(1), "pad": list(range(2_000_000))}, slow)
+    fifo = server.base / "models" / "diffusion_models" / "fifo.safetensors"
+    os.mkfifo(fifo)
+    zero = server.base / "models" / "diffusion_models" / "zero.safetensors"
+    zero.symlink_to("/dev/zero")
+    image = uploaded(server, "slow", "big.png", big_png(64))
+    name = f"{image['subfolder']}/{image['name']}"
+    try:
+        for dm in ("fifo.safetensors", "zero.safetensors"):
+            code, body = server.queue(graph(dm=dm, run_name="evil"))
+            assert code == 400 and dm in node_error(body, "2"), (dm, body)
+        prompt = graph(dm="checkpoints/slow.ckpt", run_name="evil")
+        for i in range(12):
+            prompt[f"s{i}"] = {"class_type": "PipeTrainSamples", "inputs": {
+                "prompts": "a photo", "negative_prompt": "", "seed": 0, "width": 64, "height": 64, "steps": 1,
+                "cfg": 1.0, "guidance": 1.0, "sampler": "euler", "scheduler": "simple", "start_image": name,
+                "end_image": name, "control_video": name}}
+            prompt[f"t{i}"] = {"class_type": "PipeTrainTrain", "inputs": {
+                **prompt["4"]["inputs"], "model": [f"m{i % 4}", 0], "samples": [f"s{i}", 0]}}
+        for i in range(4):
+            prompt[f"m{i}"] = {**prompt["2"], "inputs": dict(prompt["2"]["inputs"])}
+        answers, latencies = latencies_while(server, lambda: (server.queue(prompt)[0] for _ in range(5)))
+        assert answers and set(answers) <= {200, 400}, answers
+        assert latencies and max(latencies) < 1.0, (max(latencies), len(latencies))
+        # the slow file is still checked: when the Model node runs, on ComfyUI's worker thread
+        code, body = server.queue(graph(dm="checkpoints/slow.ckpt", run_name="evil"))
+        assert code == 200, body
+        history = server.wait_history(body["prompt_id"], timeout=120)
+        errors = [m[1] for m in history["status"]["messages"] if m[0] == "execution_error"]
+        assert errors and errors[0]["node_id"] == "2" and "slow.ckpt" in errors[0]["exception_message"], errors
+    finally:
+        slow.unlink()
+        fifo.unlink()
+        zero.unlink()
+    nothing_ran(server, marker)
+
+
+
+def test_what_comfyuis_save_nodes_write_into_a_checkpoint_costs_the_run_no_resume(server, marker):
+    """SaveImage (and every save node) may write under output/, so into a run's checkpoint: a file no resume reads
+    (an image, a latent) leaves the checkpoint resumable; a file a resume would read is still refused by name."""
+    from pipetrain.backend.train import checkpoint
+
+    checkpointed(server, "fab-saved-into", "stopped")
+    step = server.runs_root / "fab-saved-into" / "checkpoints" / "step5"
+    (step / "digests.json").write_text("{}")          # a checkpoint PipeTrain saved lists its files' digests
+    assert checkpoint.verify(step) is None
+    latent = {"1": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+              "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": ""}}}
+    for prompt, prefix in ((save_image(""), "pipetrain/fab-saved-into/checkpoints/step5/x"),
+                           (latent, "pipetrain/fab-saved-into/checkpoints/step5/mp_rank_00_model_states")):
+        prompt["2"]["inputs"]["filename_prefix"] = prefix
+        code, body = server.queue(prompt)
+        assert code == 200, body
+        assert server.wait_history(body["prompt_id"])["status"]["status_str"] == "success"
+    assert len([p for p in step.iterdir() if p.name.startswith(("x_", "mp_rank_00_model_states_"))]) == 2
+    assert checkpoint.verify(step) is None
+    code, run = server.get("/pipetrain/runs/fab-saved-into")
+    assert code == 200 and run["resumable"], run
+    (step / "layer_01-model_states.pt").write_bytes(b"planted")     # what DeepSpeed would load: still refused
+    assert checkpoint.verify(step) == f"{step / 'layer_01-model_states.pt'} is not among the files the checkpoint " \
+                                      "was saved with"
     nothing_ran(server, marker)

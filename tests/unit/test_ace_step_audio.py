@@ -41,6 +41,32 @@ def test_duration_buckets_and_lyrics(tmp_path):
     assert isinstance(probe_seconds(tmp_path / "bad.wav"), str)
 
 
+def test_lyrics_are_read_only_from_a_regular_file_of_bounded_size(tmp_path):
+    """A dataset folder is the workflow's choice: lyrics that are a FIFO (the scan would wait for ever) or /dev/zero
+    (it would fill memory) are refused naming the file."""
+    import os
+    import threading
+
+    from pipetrain.backend.data.audio import read_lyrics
+    from pipetrain.backend.errors import DatasetError
+
+    os.mkfifo(tmp_path / "fifo.lyrics.txt")
+    (tmp_path / "zero.lyrics.txt").symlink_to("/dev/zero")
+    (tmp_path / "long.lyrics.txt").write_bytes(b"la " * 1_000_000)
+    for stem, problem in (("fifo", "not a regular file"), ("zero", "not a regular file"), ("long", "larger than")):
+        raised = []
+
+        def read():
+            try:
+                read_lyrics(tmp_path / f"{stem}.wav")
+            except DatasetError as e:
+                raised.append(str(e))
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(10)
+        assert raised and raised[0].startswith(f"{tmp_path / stem}.lyrics.txt: {problem}"), (stem, raised)
+
+
 @pytest.fixture(scope="module")
 def ace_files(tmp_path_factory):
     from pipetrain.backend.models import tiny

@@ -67,6 +67,25 @@ def test_latest_names_only_a_checkpoint_inside_its_run(tmp_path):
     assert checkpoint.latest_tag(run) == "step00000003"
 
 
+
+def test_a_latest_that_is_no_file_of_a_line_is_not_read(tmp_path):
+    """``latest`` is read on every panel poll: a FIFO there would hold the reading thread for ever, /dev/zero fill its
+    memory; each is passed over for the newest complete checkpoint, unread."""
+    import threading
+
+    run = tmp_path / "checkpoints"
+    _saved(run, 2)
+    os.mkfifo(run / "latest")
+    found = []
+    reader = threading.Thread(target=lambda: found.append(checkpoint.latest_tag(run)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert found == ["step00000002"]
+    (run / "latest").unlink()
+    (run / "latest").symlink_to("/dev/zero")
+    assert checkpoint.latest_tag(run) == "step00000002"
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))
@@ -87,3 +106,18 @@ def test_a_pickle_that_runs_code_is_refused_by_name(tmp_path, monkeypatch):
     plain.write_bytes(plain.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=f"^{plain} cannot be read"):
         load_weights_only(plain)
+
+
+def test_a_digests_entry_is_quoted_only_as_a_file_name(tmp_path):
+    """``digests.json`` is a file of the run folder: an entry that is no checkpoint file's name (a line of another
+    file, a path out of the folder) is refused without being quoted into the run's warning events."""
+    import json
+
+    folder = _saved(tmp_path, 4)
+    digests = json.loads((folder / "digests.json").read_text())
+    for entry in ("root:x:0:0:root:/root:/bin/bash", "/etc/passwd", "../../../etc/passwd"):
+        (folder / "digests.json").write_text(json.dumps({**digests, entry: {"bytes": 1, "sha256": "0"}}))
+        problem = checkpoint.verify(folder)
+        assert problem == f"{folder / 'digests.json'} lists an entry that is not a file of the checkpoint", problem
+    (folder / "digests.json").write_text(json.dumps({**digests, "layer_07-model_states.pt": {"bytes": 1}}))
+    assert checkpoint.verify(folder) == f"{folder / 'layer_07-model_states.pt'} is missing"

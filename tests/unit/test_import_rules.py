@@ -103,6 +103,24 @@ def test_only_the_runtime_module_changes_sys_path():
     assert sorted(set(found)) == ["backend.runtime"]
 
 
+def test_every_torch_load_is_restricted_to_tensors_and_plain_values():
+    """A file PipeTrain unpickles may have been planted (a run folder, a cache, a model folder): each ``torch.load``
+    says ``weights_only=True`` itself (torch's default has changed before), and nothing calls ``pickle.load``."""
+    found = []
+    for folder in (*PACKAGES, "bench"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
+                restricted = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                                 for k in node.keywords)
+                if (owner, node.func.attr) in (("pickle", "load"), ("pickle", "loads")) or (
+                        (owner, node.func.attr) == ("torch", "load") and not restricted):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
+
+
 @pytest.mark.parametrize("source, module, expected", [
     ("from ..launcher.core import x", "backend.train.loop", ".backend.launcher.core.x"),
     ("from ...launcher import core", "backend.train.loop", ".launcher.core"),

@@ -277,3 +277,23 @@ def test_the_shared_cache_stores_identical_vae_and_text_encoder_files_once(model
     assert os.path.samefile(flux.vae, chroma.vae)
     assert os.path.samefile(flux.text_encoders[1], chroma.text_encoders[0])   # t5xxl
     assert not list(flux.vae.parent.glob(".*"))                                # no temporary files left
+
+
+class _Planted:
+    """A pickle that would call a function when loaded unrestricted."""
+
+    def __reduce__(self):
+        return (print, ("planted code ran",))
+
+
+def test_a_pickled_model_file_is_refused_without_quoting_it_or_advising_an_unrestricted_load(tmp_path):
+    """torch's restricted unpickler refuses the file, and its message names the pickle's globals and tells the
+    reader to load it with weights_only=False (which runs them): the refusal names the file alone."""
+    path = tmp_path / "model.ckpt"
+    torch.save({"weight": torch.zeros(2), "x": _Planted()}, path)
+    for read in (loading.read_header, loading._load_state_dict):
+        with pytest.raises(ModelError) as e:
+            read(path)
+        text = str(e.value)
+        assert text.startswith(f"{path}: holds more than tensors and plain values"), text
+        assert "weights_only" not in text and "print" not in text and "_Planted" not in text, text

@@ -161,3 +161,99 @@ def test_a_new_run_with_a_taken_run_name_is_refused_naming_resume(tmp_path):
                                           r"--resume chain, or give this run another run_name"):
         check_unused(again, cfg)
     assert sorted((p.name, p.read_bytes()) for p in prepared.path.iterdir() if p.is_file()) == before
+
+
+def test_a_resume_names_a_run_folder_of_the_output_folder_only(tmp_path):
+    """``--resume`` runs what its folder holds (config, checkpoints): a folder elsewhere, by path, by ``..`` or
+    through a link in the output folder, is refused naming the output folder; nothing is written there."""
+    import os
+
+    def with_checkpoint(run: RunDir) -> RunDir:
+        (run.path / "checkpoints" / "step5").mkdir(parents=True)
+        (run.path / "checkpoints" / "step5" / "pipetrain.json").write_text("{}")
+        (run.path / "checkpoints" / "latest").write_text("step5")
+        run.status_file.write_text(json.dumps({"state": "stopped"}))
+        return run
+
+    own = with_checkpoint(choose_run_dir(_cfg(tmp_path, run_name="own"), None))
+    elsewhere = with_checkpoint(RunDir(tmp_path / "elsewhere" / "sent"))
+    os.utime(elsewhere.path, (4_000_000_000, 4_000_000_000))      # newer than every run in the output folder
+    (tmp_path / "out" / "linked").symlink_to(elsewhere.path, target_is_directory=True)
+    out = tmp_path / "out"
+    for resume in (str(elsewhere.path), "../elsewhere/sent", "linked", str(out / "linked"), str(tmp_path / "out")):
+        with pytest.raises(ConfigError, match=rf"--resume {resume}: not a run folder of the output folder {out} "
+                                              r"\(output_dir\).*copy the run folder into"):
+            choose_run_dir(_cfg(tmp_path), resume)
+    with pytest.raises(ConfigError, match=r"--resume linked: not a run folder of the output folder"):
+        choose_run_dir(_cfg(tmp_path, run_name="linked"), "")        # a run_name that is a link out
+    assert sorted(p.name for p in elsewhere.path.iterdir()) == ["checkpoints", "status.json"]   # nothing written
+    assert choose_run_dir(_cfg(tmp_path), "") == own                 # a bare --resume passes the link over
+    assert choose_run_dir(_cfg(tmp_path), "own") == own
+    assert choose_run_dir(_cfg(tmp_path), str(own.path)) == own      # its own path is fine
+
+
+def test_the_launcher_resumes_only_a_config_of_its_own_runs_folder(tmp_path):
+    """The panel's Resume runs ``train <run>/run.toml --resume <id>``: a run.toml whose output_dir is another folder
+    would resume (and run the checkpoint of) a run there; one that is a link, or a checkpoints link, leads out of
+    the run folder. Each is refused naming the run and nothing starts."""
+    from pipetrain.backend.config import save_toml
+    from pipetrain.launcher.core import Launcher, LauncherError, check_own_config
+
+    la = Launcher(tmp_path / "runs")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "planted" / "checkpoints" / "step5").mkdir(parents=True)
+
+    def run_folder(name: str, output_dir: Path) -> RunDir:
+        run = la.dirs.run(name)
+        (run.checkpoints / "step5").mkdir(parents=True)
+        (run.checkpoints / "step5" / "pipetrain.json").write_text("{}")
+        (run.checkpoints / "latest").write_text("step5")
+        save_toml(_cfg(tmp_path, output_dir=str(output_dir), run_name="planted"), run.run_toml)
+        run.status_file.write_text(json.dumps({"state": "stopped"}))
+        return run
+
+    planted = run_folder("planted", elsewhere)
+    with pytest.raises(LauncherError, match=rf"run planted: its run.toml's output_dir is not {la.dirs.root}"):
+        la.resume("planted")
+    linked = run_folder("linked", la.dirs.root)
+    linked.run_toml.rename(tmp_path / "outside.toml")
+    linked.run_toml.symlink_to(tmp_path / "outside.toml")
+    with pytest.raises(RunFormatError, match=f"run folder {linked.path}: run.toml is a link"):
+        la.resume("linked")
+    ckpt = run_folder("ckpt-link", la.dirs.root)
+    import shutil
+    shutil.move(ckpt.checkpoints, elsewhere / "ckpts")
+    ckpt.checkpoints.symlink_to(elsewhere / "ckpts", target_is_directory=True)
+    with pytest.raises(RunFormatError, match=f"run folder {ckpt.path}: checkpoints is a link"):
+        la.resume("ckpt-link")
+    for run in (planted, linked, ckpt):
+        assert not run.launcher_file.exists()                                  # nothing was started
+    check_own_config(run_folder("own", la.dirs.root), la.dirs.root)          # what the launcher writes passes
+
+
+def test_a_resume_refuses_a_run_folder_holding_a_link(tmp_path):
+    """A run folder someone sent (a tarball keeps links): a resume appends to its log and events and rewrites its
+    lock file, so ``.lock`` linked to a file of the user's would have it truncated. Refused naming the link, by the
+    CLI's --resume and the panel's Resume alike; the linked file is untouched."""
+    from pipetrain.backend.config import save_toml
+    from pipetrain.launcher.core import Launcher
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    run = choose_run_dir(_cfg(tmp_path, run_name="sent"), None)
+    (run.checkpoints / "step5").mkdir(parents=True)
+    (run.checkpoints / "step5" / "pipetrain.json").write_text("{}")
+    (run.checkpoints / "latest").write_text("step5")
+    run.status_file.write_text(json.dumps({"state": "stopped"}))
+    save_toml(_cfg(tmp_path), run.run_toml)
+    for link in (run.lock_file, run.events_file, run.checkpoints / "step5" / "rng_rank00000.safetensors"):
+        link.symlink_to(victim)
+        name = link.relative_to(run.path)
+        for resume in ("sent", ""):
+            with pytest.raises(RunFormatError, match=f"run folder {run.path}: {name} is a link"):
+                choose_run_dir(_cfg(tmp_path), resume)
+        with pytest.raises(RunFormatError, match=f"{name} is a link"):
+            Launcher(tmp_path / "out").resume("sent")
+        link.unlink()
+    assert victim.read_text() == "keep me" and not run.launcher_file.exists()
+    assert choose_run_dir(_cfg(tmp_path), "sent") == run                      # without the links: resumed

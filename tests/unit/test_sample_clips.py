@@ -125,6 +125,12 @@ def test_the_samples_nodes_start_image_stays_in_comfyuis_input_folder(monkeypatc
                          ("text.png", "not a readable image")]:
         assert message in SamplesNode.validate_inputs(start_image=bad), bad
         assert f"end_image {bad!r}: " in SamplesNode.validate_inputs(end_image=bad), bad
+    # at queue time (ComfyUI's event loop) the header alone is read; the node, when it runs, reads the image whole
+    whole = (inputs / "sub" / "start.png").read_bytes()
+    (inputs / "damaged.png").write_bytes(whole[:-20])      # cut short: its header still reads
+    assert SamplesNode.validate_inputs(start_image="damaged.png") is True
+    with pytest.raises(ValueError, match="start_image 'damaged.png': .* is not a readable image"):
+        SamplesNode.execute("a fox", start_image="damaged.png")
     patch = SamplesNode.execute("a fox", start_image="sub/start.png", frames=33, fps=0.0).result[0]
     assert (patch.get("samples.start_image"), patch.get("samples.frames"), patch.get("samples.fps")) == (
         str(inputs / "sub" / "start.png"), 33, None)
