@@ -2,6 +2,9 @@
 """Run Status, Stop, Run Control and Load Epoch LoRA: nodes over existing runs (by id, or the Train node's RUN)."""
 from __future__ import annotations
 
+import threading
+import time
+
 from comfy_api.latest import io, ui
 
 from ..backend.errors import PipeTrainError
@@ -18,8 +21,42 @@ def _launcher():
     return get_launcher()
 
 
+class _RunIds:
+    """The run ids the Run combos offer. ComfyUI builds a node's schema on its event loop each time it validates one
+    (and for /object_info), and listing the runs folder takes a stat per folder in it: SaveImage can make any
+    number of folders there (100,000 took seconds a listing), and a prompt may hold many Run Status nodes. So a
+    listing is made on a thread and waited for ``ON_LOOP_S`` at most (a few milliseconds as a rule, so a run shows
+    at once); one that takes longer leaves the combos the last listing meanwhile, and is not waited for again while
+    it goes on. Only the first listing is waited for to its end."""
+    ON_LOOP_S = 0.05
+
+    def __init__(self):
+        self.ids: list[str] | None = None
+        self.lock = threading.Lock()
+        self.worker: threading.Thread | None = None
+
+    def get(self) -> list[str]:
+        with self.lock:
+            worker, started = self.worker, False
+            if worker is None or not worker.is_alive():
+                worker = self.worker = threading.Thread(target=self._list, name="pipetrain-run-ids", daemon=True)
+                worker.start()
+                started = True
+        if self.ids is None:
+            worker.join()
+        elif started:   # a listing already under way (a slow one): the last listing at once
+            worker.join(self.ON_LOOP_S)
+        return list(self.ids or [])
+
+    def _list(self) -> None:
+        self.ids = _launcher().dirs.ids()
+
+
+_run_ids = _RunIds()
+
+
 def run_options() -> list[str]:
-    return [NEWEST] + _launcher().dirs.ids()
+    return [NEWEST] + _run_ids.get()
 
 
 def run_inputs() -> list:

@@ -587,3 +587,32 @@ def test_what_comfyuis_save_nodes_write_into_a_checkpoint_costs_the_run_no_resum
     assert checkpoint.verify(step) == f"{step / 'layer_01-model_states.pt'} is not among the files the checkpoint " \
                                       "was saved with"
     nothing_ran(server, marker)
+
+
+def test_the_server_answers_while_the_runs_folder_holds_a_flood_of_folders(server, marker):
+    """SaveImage makes any number of folders in the runs folder; the Run combos list it each time ComfyUI validates
+    a Run Status node (its schema is built on the event loop): 60,000 folders and prompts of 20 Run Status nodes,
+    posted again and again, leave ``/system_stats`` answering within a second, and a run made meanwhile is offered."""
+    import shutil
+
+    flood = [server.runs_root / f"flood-{i:05d}" for i in range(60_000)]
+    for d in flood:
+        os.mkdir(d)
+    prompt = {f"{i}": {"class_type": "PipeTrainRunStatus", "inputs": {"run": "newest"}} for i in range(20)}
+    try:
+        answers, latencies = latencies_while(server, lambda: (server.queue(prompt)[0] for _ in range(6)))
+        assert answers and set(answers) <= {200, 400}, answers
+        assert latencies and max(latencies) < 1.0, (max(latencies), len(latencies))
+        fabricate_run(server, "fab-after-flood", "finished")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            code, body = server.queue({"1": {"class_type": "PipeTrainRunStatus", "inputs": {"run": "fab-after-flood"}}})
+            if code == 200:
+                break
+            time.sleep(0.5)
+        assert code == 200, body
+    finally:
+        for d in flood:
+            os.rmdir(d)
+        shutil.rmtree(server.runs_root / "fab-after-flood", ignore_errors=True)
+    nothing_ran(server, marker)
