@@ -174,8 +174,11 @@ def report(path: str | Path) -> tuple[str, bool]:
         return "\n".join(out), False
     declared = raw_model.get("type")
     note = ""
-    if declared in compat.EDIT_TYPES and cfg.model.type != declared:
+    if declared in compat.EDIT_TYPES and cfg.model.type == compat.EDIT_TYPES[declared]:
         note = f" (diffusion-pipe's {declared!r} with control images: the dataset sets control_path)"
+    elif declared in compat.FILE_TYPES and cfg.model.type != declared:
+        from .models.registry import arch_spec
+        note = f" (diffusion-pipe's {declared!r} with a {arch_spec(cfg.model.type).title} file: its header says so)"
     out.append(f"Loads: trains model type {cfg.model.type!r}{note}.")
     return "\n".join(out), True
 

@@ -43,6 +43,9 @@ TYPE_ALIASES = {"hunyuan-video": "hunyuan_video", "ltx-video": "ltx_video", "lum
                 "hunyuan_image": "hunyuan_image_21"}
 # diffusion-pipe declares an edit model as its base type plus a dataset with control images (control_path)
 EDIT_TYPES = {"flux": "flux_kontext", "qwen_image": "qwen_image_edit", "flux2": "flux2_edit"}
+# diffusion-pipe's types that name several of ours, told apart by the diffusion model's file as diffusion-pipe tells
+# them (its 'flux2' is Flux 2 dev or a Klein by the file's widths): the adapters' ``claims_file`` read the header
+FILE_TYPES = {"flux2": ("flux2_klein",)}
 # diffusion-pipe's other names for our keys: its single-file keys (ComfyUI files), and transformer_dtype (its
 # name for diffusion_model_dtype on its older models)
 MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "transformer_dtype": "diffusion_model_dtype"}
@@ -222,6 +225,27 @@ def _first_frame_conditioning(data: dict, file, prefix: str) -> None:
         raise ConfigError(f"got {p!r}; a run here trains every clip with its first frame given or none: set "
                           "type = 'ltx_video_i2v' (or first_frame_conditioning_p = 1.0) for image to video, or "
                           "remove the key for text to video", file=file, key=_key(prefix, "first_frame_conditioning_p"))
+
+
+def file_type(model_type: str, diffusion_model) -> str:
+    """The model type a diffusion-pipe type string trains with this diffusion-model file (``FILE_TYPES``): the
+    first of its other types whose adapter claims the file's safetensors header, else ``model_type``. A file that
+    cannot be read here (missing, a folder, pickled) keeps the type: the model-file checks name the problem."""
+    from pathlib import Path
+
+    from .errors import ModelError
+    from .model_folders import safetensors_header
+
+    path = Path(diffusion_model)
+    if model_type not in FILE_TYPES or not path.is_file() or path.suffix.lower() != ".safetensors":
+        return model_type
+    try:
+        shapes, metadata = safetensors_header(path)
+    except ModelError:
+        return model_type
+    from .models.registry import adapter_class
+
+    return next((t for t in FILE_TYPES[model_type] if adapter_class(t).claims_file(shapes, metadata)), model_type)
 
 
 def edit_type(model_type: str, has_control: bool) -> str:

@@ -63,6 +63,7 @@ class ParityResult:
     dtype: str = "float64"                 # the dtype of the comparison (float32 where the host's kernels refuse
     #                                        float64 on every path, or the model type's own parity_dtype)
     kernel_difference: float | None = None  # max |ours - ComfyUI's inference forward| in float32 (fused kernels)
+    needs_comfyui: str = ""                 # "lacks": the first ComfyUI release with the model's code, where known
     seconds: float = 0.0
     memoised: bool = False
 
@@ -87,6 +88,8 @@ class ParityResult:
                 "lacks": "lacks this model's code"}.get(self.verdict, self.verdict)
         head = (f"model type {self.model_type!r}: ComfyUI {self.comfyui_version} ({self.comfyui_path}) {what}: "
                 f"{self.detail}")
+        if self.needs_comfyui:   # no older ComfyUI (the pinned one included) trains it; the detail says what to do
+            return f"{head}. The run stops before caching."
         if self.where:
             head += f"; it arises at {self.where}"
         return (f"{head}. A LoRA trained here would not match what this ComfyUI generates, so the run stops before "
@@ -438,7 +441,7 @@ def _origin(e: BaseException, comfy_root: Path) -> str:
 
 def check_model_type(model_type: str, *, use_memo: bool = True) -> ParityResult:
     """The parity verdict of ``model_type`` on the ComfyUI this process imports (``runtime.ensure_comfyui``)."""
-    from .models.registry import ADAPTERS, unavailable_reason
+    from .models.registry import ADAPTERS, adapter_class, too_old_reason, unavailable_reason
     from .runtime import comfyui_version, ensure_comfyui
 
     root = ensure_comfyui()
@@ -454,8 +457,13 @@ def check_model_type(model_type: str, *, use_memo: bool = True) -> ParityResult:
             return ParityResult(**{**hit, "memoised": True})
     start = time.perf_counter()
     try:
-        missing = missing_comfy_code(model_type)
-        if missing:
+        # a model sharing a ComfyUI class an older ComfyUI has (Flux 2 Klein's Flux2) is too new for it by release
+        too_old = too_old_reason(model_type, version)
+        missing = "" if too_old else missing_comfy_code(model_type)
+        if too_old:
+            result.verdict, result.detail = "lacks", too_old
+            result.needs_comfyui = adapter_class(model_type).spec.min_comfyui
+        elif missing:
             result.verdict = "lacks"
             result.detail = f"this ComfyUI has no {missing} (the model's code arrived in a later ComfyUI)"
         else:

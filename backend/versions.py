@@ -12,7 +12,8 @@ import re
 # compatibility table in docs/models.md shows the verdict per model type
 TESTED_VERSIONS = ("0.3.52", "0.3.64", "0.3.75", "0.8.0", "0.33.0")
 TESTED_RANGE = f"{TESTED_VERSIONS[0]} to {TESTED_VERSIONS[-1]}"
-# the versions every model type passes on (older tested versions pass for some: docs/models.md's table)
+# the versions every model type passes on (older tested versions pass for some: docs/models.md's table), but the
+# types whose code a later ComfyUI brought (``ArchSpec.min_comfyui``: Flux 2 Klein), which pass from that one on
 EVERY_TYPE_PASSES_ON = "0.3.75, 0.8.0 and 0.33.0"
 
 

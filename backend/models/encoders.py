@@ -103,6 +103,13 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
                                 {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
                                  "num_attention_heads": 2, "num_key_value_heads": 1},
                                 comfy_text_model("comfy.text_encoders.llama:Qwen3_4B"), "QWEN3_4B"),
+    # Qwen3-8B (Flux 2 Klein 9B; ComfyUI 0.9.2 on, tokenizer shipped with ComfyUI): Klein reads the hidden states
+    # of layers 9, 18 and 27, so the tiny one keeps 28 layers at width 64 with the real vocabulary (the chat
+    # template's special ids sit near its end); the tiny Klein takes its 3 x 64 wide output
+    "qwen3_8b": TextEncoderKind("Qwen3-8B", _comfy_llm_config("Qwen3_8BConfig"),
+                                {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 28,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1},
+                                comfy_text_model("comfy.text_encoders.llama:Qwen3_8B"), "QWEN3_8B"),
     # Gemma-2-2B (Lumina 2): real files carry their SentencePiece model; the tiny one keeps the real width 2304
     # with a 2000-piece tokenizer of Gemma's special ids
     "gemma2_2b": TextEncoderKind("Gemma-2-2B", _comfy_llm_config("Gemma2_2B_Config"),

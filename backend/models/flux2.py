@@ -60,9 +60,19 @@ def flux2_config(size: str) -> dict:
     return dict(FLUX2_DEV if size == "full" else FLUX2_TINY)
 
 
+# ComfyUI builds every Flux 2 (dev, Klein) from its Flux2 class; the text width tells them apart: Mistral's 3 x 5120
+# for dev, Qwen3-4B's 3 x 2560 and Qwen3-8B's 3 x 4096 for Klein 4B and 9B (``flux2_klein.py``)
+KLEIN_TEXT_WIDTHS = (7680, 12288)
+
+
+def reads_mistral(unet_config: dict) -> bool:
+    """Whether a Flux 2 file ComfyUI detected is Flux 2 dev (the Mistral text) rather than a Klein."""
+    return unet_config.get("context_in_dim") not in KLEIN_TEXT_WIDTHS
+
+
 FLUX2_SPEC = ArchSpec(
     title="Flux 2 dev", comfy_configs=("Flux2",), unet_config=flux2_config, build=build_flux,
-    detected_sizes=("full",), text_encoders=("mistral3_24b",),
+    detected_sizes=("full",), text_encoders=("mistral3_24b",), accepts=reads_mistral,
     # ComfyUI's CLIPLoader "flux2" type has no CLIPType in 0.3.75 and falls back to this one; the Mistral
     # weights themselves select Flux 2's text encoder
     clip_type="STABLE_DIFFUSION", vae="flux2", text_encoder_types=("flux2",),
@@ -169,12 +179,12 @@ class Flux2Adapter(ModelAdapter):
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
-        return {"mistral": clip.encode_from_tokens(tokens, return_dict=True)["cond"][0].float().cpu()}
+        return {self.text_fields[0]: clip.encode_from_tokens(tokens, return_dict=True)["cond"][0].float().cpu()}
 
     def collate_text(self, items):
         """Each caption left-padded with zeros to 512 tokens (or to the longest, if longer), as ComfyUI pads
         Flux 2's text; the padding takes part in attention there too."""
-        ts = [it["mistral"] for it in items]
+        ts = [it[self.text_fields[0]] for it in items]
         n = max([TEXT_TOKENS] + [t.shape[0] for t in ts])
         return [torch.stack([torch.nn.functional.pad(t, (0, 0, n - t.shape[0], 0)) for t in ts])]
 
@@ -196,14 +206,14 @@ class Flux2Adapter(ModelAdapter):
     def sample_conditioning(self, text, guidance):
         """No pooled vector: ComfyUI's Flux 2 text encoding gives ``pooled_output`` None, and ``model_base.Flux``
         reads the key (without it sampling fails)."""
-        return [[text["mistral"][None], {"guidance": guidance, "pooled_output": None}]]
+        return [[text[self.text_fields[0]][None], {"guidance": guidance, "pooled_output": None}]]
 
     def empty_latent(self, width, height):
         return torch.zeros(1, 128, height // 16, width // 16)
 
     def probe_text(self, generator):
         caption = torch.randn(16, self.diffusion_model.params.context_in_dim, generator=generator)
-        return self.collate_text([{"mistral": caption}])
+        return self.collate_text([{self.text_fields[0]: caption}])
 
     def reference_forward(self, x_t, t, text):
         (context,) = text

@@ -16,6 +16,7 @@ ADAPTERS: dict[str, str] = {
     "flux2": ".flux2:Flux2Adapter",
     "flux_kontext": ".flux_kontext:FluxKontextAdapter",
     "flux2_edit": ".flux2_edit:Flux2EditAdapter",
+    "flux2_klein": ".flux2_klein:Flux2KleinAdapter",
     "hunyuan_video": ".hunyuan_video:HunyuanAdapter",
     "hunyuan_video_15": ".hunyuan_video:HunyuanVideo15Adapter",
     "hunyuan_image_21": ".hunyuan_video:HunyuanImage21Adapter",
@@ -44,7 +45,6 @@ ADAPTERS: dict[str, str] = {
 # release known to have it, or None when unknown). Once PipeTrain runs on such a ComfyUI, the model's adapter
 # module goes into ADAPTERS and its line leaves this table.
 NEEDS_NEWER_COMFYUI: dict[str, tuple[str, str | None]] = {
-    "flux2_klein": ("Flux 2 Klein (4B / 9B)", None),   # released 2026-01-15; ComfyUI had it on the day
     "anima": ("Anima", None),
     "ernie_image": ("Ernie-Image", "0.19.0"),
     "ltx2": ("LTX 2.3", None),
@@ -54,18 +54,45 @@ NEEDS_NEWER_COMFYUI: dict[str, tuple[str, str | None]] = {
 }
 
 
-def unavailable_reason(model_type: str) -> str | None:
-    """Why ``model_type`` cannot train here, or None when it can."""
+def unavailable_reason(model_type: str, comfyui_version: str | None = None) -> str | None:
+    """Why ``model_type`` cannot train here, or None when it can. A type whose code needs a newer ComfyUI than
+    ``comfyui_version`` (default: the version of the ComfyUI this process finds, read without importing it) is
+    refused naming both versions."""
     from ..runtime import PINNED_VERSION
 
     if model_type in ADAPTERS:
-        return None
+        return too_old_reason(model_type, comfyui_version)
     if model_type in NEEDS_NEWER_COMFYUI:
         name, version = NEEDS_NEWER_COMFYUI[model_type]
         needs = f"ComfyUI {version} or newer" if version else f"a ComfyUI newer than {PINNED_VERSION}"
         return (f"{model_type!r} ({name}) needs model code that ComfyUI {PINNED_VERSION}, which PipeTrain runs on, "
                 f"does not have; it is in {needs}. Supported model types: {', '.join(sorted(ADAPTERS))}")
     return f"got {model_type!r}; supported model types: {', '.join(sorted(ADAPTERS))}"
+
+
+def too_old_reason(model_type: str, comfyui_version: str | None = None) -> str | None:
+    """Why a supported ``model_type`` cannot train on the ComfyUI of ``comfyui_version`` (default: the one this
+    process finds; none found: None, the run's own search says so), or None."""
+    from ..versions import TESTED_VERSIONS, parse
+
+    needs = arch_spec(model_type).min_comfyui
+    if not needs:
+        return None
+    if comfyui_version is None:
+        from ..errors import RuntimeSetupError
+        from ..runtime import locate_comfyui
+        from ..versions import read_version
+
+        try:
+            comfyui_version = read_version(locate_comfyui())
+        except RuntimeSetupError:
+            return None
+    found = parse(comfyui_version)
+    if found is None or found >= parse(needs):
+        return None
+    return (f"{model_type!r} ({arch_spec(model_type).title}) needs ComfyUI {needs} or newer, whose model code "
+            f"loads it; this ComfyUI is {comfyui_version}. Point COMFYUI_PATH at ComfyUI {needs} or newer (PipeTrain "
+            f"is tested with {TESTED_VERSIONS[-1]}), or pick another model type")
 
 
 def adapter_class(model_type: str):

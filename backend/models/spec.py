@@ -46,6 +46,13 @@ class ArchSpec:
     # unet_config -> the context ComfyUI's classes are built in (``loading.build_model``, ``load_diffusion_model``,
     # ``tiny``): where ComfyUI fixes a submodule's width that a tiny config narrows (ACE-Step's lyric encoder)
     building: Callable[[dict], contextlib.AbstractContextManager] | None = None
+    # other text-encoder kind sets the model takes besides ``text_encoders`` (one per published size where sizes
+    # read different encoders: Flux 2 Klein 9B reads Qwen3-8B, Klein 4B Qwen3-4B); tiny files use ``text_encoders``
+    text_encoder_alternatives: tuple[tuple[str, ...], ...] = ()
+    # the first ComfyUI release with this model's code where the ComfyUI class it shares is older (Flux 2 Klein
+    # is ComfyUI's Flux2 class, which 0.3.75 has, with a text encoder only later releases load): "" where the
+    # class itself tells (``parity.missing_comfy_code``)
+    min_comfyui: str = ""
 
     def built_in(self, unet_config: dict) -> contextlib.AbstractContextManager:
         return self.building(unet_config) if self.building else contextlib.nullcontext()
@@ -63,6 +70,10 @@ class ArchSpec:
 
     def accepted_text_encoder_types(self) -> tuple[str, ...]:
         return self.text_encoder_types or (self.clip_type.lower(),)
+
+    def text_encoder_sets(self) -> tuple[tuple[str, ...], ...]:
+        """Every set of text-encoder kinds the model takes, ``text_encoders`` first."""
+        return (self.text_encoders, *self.text_encoder_alternatives)
 
 
 _MISSING_ARGS = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.+)$")

@@ -35,10 +35,10 @@ def _te_title(kind: str) -> str:
 
 
 def _check_kinds(paths: list[Path], kinds: list[str], arch: str) -> None:
-    want = arch_spec(arch).text_encoders
-    if sorted(kinds) != sorted(want):
+    sets = arch_spec(arch).text_encoder_sets()
+    if not any(sorted(kinds) == sorted(want) for want in sets):
         got = ", ".join(f"{p.name}: {_te_title(k)}" for p, k in zip(paths, kinds))
-        need = " + ".join(_te_title(k) for k in want)
+        need = " or ".join(" + ".join(_te_title(k) for k in want) for want in sets)
         raise ModelError(f"{arch} needs the text encoders {need}, one file each; got {got or 'no files'}")
 
 

@@ -137,8 +137,11 @@ def test_noise_offset_reaches_the_training_feed_not_the_eval_feed():
 
 # --- min_t / max_t on every flow model ----------------------------------------------------------------------
 def _flow_types():
-    from pipetrain.backend.models.registry import ADAPTERS, adapter_class
-    return [t for t in sorted(ADAPTERS) if adapter_class(t).timestep_range]
+    from pipetrain.backend.models.registry import ADAPTERS, adapter_class, unavailable_reason
+    from pipetrain.backend.runtime import PINNED_VERSION
+    # the types the pinned ComfyUI trains (Flux 2 Klein needs a newer one: check_model refuses it there)
+    return [t for t in sorted(ADAPTERS) if adapter_class(t).timestep_range
+            and not unavailable_reason(t, PINNED_VERSION)]
 
 
 def test_every_model_but_sdxl_takes_a_timestep_range():
