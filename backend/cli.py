@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         from .fallback import select_comfyui
         from .preflight import check_run
         from .runtime import ensure_comfyui
+        from .train import distributed
         from .train.trainer import Trainer, TrainOptions
 
         cfg = load_run_config(args.config)
@@ -136,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                                 progress=not args.no_progress, reset_dataloader=args.reset_dataloader,
                                 reset_optimizer=args.reset_optimizer,
                                 reset_optimizer_params=args.reset_optimizer_params)
-        return Trainer(cfg, opts).run()
+        code = Trainer(cfg, opts).run()
+        if code == 0 and distributed.started():
+            distributed.end_process(code)   # a finished rank: see end_process for why not the usual exit
+        return code
     except PipeTrainError as e:
         print(f"pipetrain: error: {e}", file=sys.stderr)
         return OUT_OF_SPACE_EXIT if isinstance(e, OutOfSpace) else 2

@@ -91,6 +91,9 @@ class AdapterNode(CheckedNode):
                                default=start("diff_output_preservation_multiplier"), min=0.0, max=100.0, step=0.05,
                                optional=True, tooltip="With diff_output_preservation: the weight of its loss against "
                                "the training loss"),
+                io.String.Input("exclude_modules", default="", optional=True,
+                                tooltip="Comma-separated modules left without an adapter: whole module paths or "
+                                "their last dotted parts (diffusion-pipe's exclude_modules); empty: none"),
             ],
             outputs=[t.Adapter.Output(display_name="adapter")],
         )
@@ -117,10 +120,11 @@ class AdapterNode(CheckedNode):
     def execute(cls, rank, alpha, dropout, target_modules, type=start("adapter.type"),  # noqa: A002
                 decompose_factor=start("adapter.decompose_factor"), dora=start("adapter.dora"), dtype=DEFAULT,
                 init_from_existing="none", save_dtype=DEFAULT, ema=start("ema"),
-                ema_decay=start("ema_decay"), **preservation) -> io.NodeOutput:
+                ema_decay=start("ema_decay"), exclude_modules="", **preservation) -> io.NodeOutput:
         # dora off leaves the key out (its default), so other types' tables carry no LoRA-only key
         patch = adapter_patch(dict(type=type, rank=rank, alpha=alpha, dropout=dropout, dora=dora or None,
                                    target_modules=words(target_modules), decompose_factor=decompose_factor,
+                                   exclude_modules=words(exclude_modules or "") or None,
                                    dtype=None if dtype == DEFAULT else dtype,
                                    init_from_existing=lora_path(init_from_existing)))
         run = {"save_dtype": None if save_dtype == DEFAULT else save_dtype, "ema": ema or None,

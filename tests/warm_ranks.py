@@ -26,12 +26,19 @@ from pathlib import Path
 
 # a rank's exit status when the config needs another ComfyUI than the one this server imported: run it for real
 OTHER_COMFYUI = 97
-_GRACE_S = 10.0   # the other ranks' time to end after one failed, before they are killed
+_GRACE_S = 10.0
+_MAX_SERVERS = 3   # the other ranks' time to end after one failed, before they are killed
 
 
 # --- the client: the test process ------------------------------------------------------------------------------
+# what an interpreter reads of its environment as it starts, before a rank's code runs: a run whose environment
+# differs in these gets a server of its own
+_START_ENV = ("COMFYUI_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONNOUSERSITE")
+
+
 class WarmRanks:
-    """One server per ComfyUI (the ``COMFYUI_PATH`` a run's environment names), started at first use."""
+    """One server per start environment (``_START_ENV``: the ComfyUI a run's environment names, its Python path),
+    started at first use."""
 
     def __init__(self):
         self._servers: dict[str, subprocess.Popen] = {}
@@ -57,19 +64,17 @@ class WarmRanks:
 
     def close(self) -> None:
         for server in self._servers.values():
-            if server.poll() is None:
-                server.stdin.close()
-                try:
-                    server.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
+            _close(server)
         self._servers.clear()
 
     def _server(self, env: dict[str, str]) -> subprocess.Popen | None:
-        key = env.get("COMFYUI_PATH", "")
-        server = self._servers.get(key)
+        key = "\0".join(env.get(name, "") for name in _START_ENV)
+        server = self._servers.pop(key, None)
         if server is not None and server.poll() is None:
+            self._servers[key] = server   # the most recently used last
             return server
+        while len(self._servers) >= _MAX_SERVERS:   # each holds a ComfyUI's worth of memory
+            _close(self._servers.pop(next(iter(self._servers))))
         server = subprocess.Popen([sys.executable, "-u", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env, cwd=Path(__file__).parent)
         try:
@@ -91,6 +96,15 @@ class WarmRanks:
         if not line:
             raise ConnectionError(f"the warm-ranks server ended (exit status {server.wait()})")
         return json.loads(line)
+
+
+def _close(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.stdin.close()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 # --- the server --------------------------------------------------------------------------------------------------

@@ -246,8 +246,10 @@ class RunConfig:
     def resolve(self, path: str | Path) -> Path:
         """A path from this config: relative ones from the TOML file's folder, or the working directory where only
         that holds it (``common.config_path``)."""
-        p = config_path(self._file.parent if self._file is not None else None, path)
-        return p if p.is_absolute() or self._file is None else p.resolve()
+        p = Path(path).expanduser()
+        if p.is_absolute() or self._file is None:
+            return p
+        return config_path(self._file.parent, p).resolve()
 
     def with_absolute_paths(self) -> "RunConfig":
         """A copy whose file paths no longer depend on where the TOML lives (for copies in run folders)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,29 @@ def init() -> tuple[int, int, int]:
 
 
 def finish() -> None:
-    """Ends this rank's part in the process group once its work is done. Without it, gloo's worker threads may
-    still hold finished work at interpreter shutdown and abort the process (SIGABRT: "terminate called without an
-    active exception"), which turns a finished run into a failed one. Only after success: a rank whose peer failed
-    could wait here on a collective that never completes."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """The run is over on this rank: wait for the others, so that nothing of theirs is still in flight to this one
+    when its process ends (``end_process``)."""
+    barrier()
+
+
+def end_process(code: int) -> NoReturn:
+    """Where a rank's process ends after a successful run: the interpreter's exit work that matters runs (atexit
+    handlers: logging, TensorBoard, W&B; the standard streams), then the process exits without the interpreter's
+    teardown. In that teardown the native threads of gloo and of the process group's store can abort a finished rank
+    (SIGABRT, "terminate called without an active exception"), which DeepSpeed's launcher reports as a failed run."""
+    import atexit
+    import sys
+
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def started() -> bool:
+    return dist.is_initialized()
 
 
 def device() -> torch.device:

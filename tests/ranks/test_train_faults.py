@@ -410,7 +410,8 @@ def test_a_frozen_rank_is_named_within_seconds_and_once_thawed_the_run_ends_as_a
     text = output.text()
     assert proc.returncode == 0, text[-3000:]
     assert re.search(r"rank 1 has not answered for \d+ s: its process may be stopped", text)
-    assert "rank 1 answers again after" in text and "rank 1: rank 0 answers again after" in text
+    # (that rank 0 answers again is logged only if rank 1's watch looks before the thawed run ends: not asserted)
+    assert "rank 1 answers again after" in text
     run = reference.__class__(proc.returncode, text, config.parent / "output")
     warnings = [e for e in run.events("warning") if e.get("rank") == 1]   # named again as the silence doubles
     assert all(e["message"].startswith("rank 1 has not answered for") for e in warnings)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipetrain.backend.config import OptimizerConfig
+from pipetrain.backend.config import ModelConfig, OptimizerConfig
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.optim import make_optimizer, resolve_optimizer
 
@@ -18,7 +18,7 @@ START = (torch.rand(64, 64, generator=torch.Generator().manual_seed(0)) * 0.5 + 
 def _cfg(type_="AdamW8bitKahan", **kw):
     opt = OptimizerConfig(type=type_, lr=1e-4, betas=[0.9, 0.99], weight_decay=0.0)
     opt._extra = {"min_8bit_size": 16, **kw}
-    return SimpleNamespace(optimizer=opt, file=None)
+    return SimpleNamespace(optimizer=opt, model=ModelConfig(type="flux", diffusion_model="flux.safetensors"), file=None)
 
 
 def _train(cfg, dtype, steps=60):
