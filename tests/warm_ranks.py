@@ -42,6 +42,7 @@ class WarmRanks:
 
     def __init__(self):
         self._servers: dict[str, subprocess.Popen] = {}
+        self._unfit: set[str] = set()   # start environments whose server said forking is no fair copy (a GPU)
 
     def run(self, argv: list[str], ranks: int, cwd: Path, env: dict[str, str], log: Path,
             timeout: float) -> int | None:
@@ -69,6 +70,8 @@ class WarmRanks:
 
     def _server(self, env: dict[str, str]) -> subprocess.Popen | None:
         key = "\0".join(env.get(name, "") for name in _START_ENV)
+        if key in self._unfit:
+            return None
         server = self._servers.pop(key, None)
         if server is not None and server.poll() is None:
             self._servers[key] = server   # the most recently used last
@@ -84,6 +87,7 @@ class WarmRanks:
             raise
         if not ready.get("ready"):
             server.kill()
+            self._unfit.add(key)
             return None
         self._servers[key] = server
         return server
@@ -170,18 +174,15 @@ def _rank(argv: list[str], local_rank: int, ranks: int, port: int, request: dict
                     print(e.code, file=sys.stderr)
             import threading
             threading._shutdown()   # an interpreter's exit waits for its non-daemon threads
-            import atexit
-            atexit._run_exitfuncs()
     except BaseException:
         import traceback
         traceback.print_exc()
         code = 1
+    try:
+        from pipetrain.backend.train.distributed import end_process
+        end_process(code & 0xFF)   # atexit handlers, the streams, then out (a finished rank's own way out)
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code & 0xFF)
+        os._exit(code & 0xFF)   # a forked rank never returns into the server
 
 
 def _launch(request: dict, answers) -> int:
