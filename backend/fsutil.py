@@ -127,6 +127,19 @@ def rewrite_in_place(path: Path, data: bytes) -> None:
         f.write(data)
 
 
+@contextmanager
+def exclusive(lock_file: Path):
+    """Hold an advisory lock on ``lock_file`` (made when missing) across processes: two processes that write the
+    same shared files (the tiny model files of two test workers, two demos) take turns, and the second sees the
+    first's finished result."""
+    import fcntl
+
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def temp_path_beside(path: Path) -> Path:
     """A unique temporary name in the same folder (so ``os.replace`` stays atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -76,11 +76,11 @@ if ! "$VPY" -c "import deepspeed" 2>/dev/null; then
 fi
 
 reqs_stamp=.venv/.pipetrain-requirements
-if ! cmp -s requirements.txt "$reqs_stamp" || ! "$VPY" -c "import pipetrain, pytest, diffusers, accelerate" 2>/dev/null; then
+if ! cmp -s requirements.txt "$reqs_stamp" || ! "$VPY" -c "import pipetrain, pytest, xdist, diffusers, accelerate" 2>/dev/null; then
   echo "[setup] installing PipeTrain (editable), its requirements and test tools"
   # diffusers and accelerate: the tests of the model folders bench/diffusion_pipe.py writes for diffusion-pipe
   # (they build each component empty, as diffusion-pipe's loaders do, with accelerate's init_empty_weights)
-  pipi -r requirements.txt pytest pytest-timeout diffusers accelerate
+  pipi -r requirements.txt pytest pytest-timeout pytest-xdist diffusers accelerate
   pipi --no-deps --no-build-isolation -e .
   cp requirements.txt "$reqs_stamp"
 fi

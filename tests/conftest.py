@@ -32,6 +32,18 @@ def pytest_runtest_logreport(report):
         _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
 
 
+# the order the test files are handed to the workers (scripts/test.sh): the tiers of long files first, so the many
+# short unit files fill the end and no worker is left alone with a long file at the end
+_TIER_ORDER = {"server": 0, "ranks": 1, "unit": 2}
+
+
+def pytest_collection_modifyitems(items):
+    def tier(item) -> int:
+        parts = item.nodeid.split("/")
+        return _TIER_ORDER.get(parts[1], len(_TIER_ORDER)) if len(parts) > 2 and parts[0] == "tests" else 0
+    items.sort(key=tier)   # stable: the files of a tier keep their order
+
+
 def pytest_terminal_summary(terminalreporter):
     from comfyui_copies import comfyui_cache, missing_newer_versions, other_comfyuis
 
@@ -90,11 +102,14 @@ def flux_diffusers_folder():
     from pipetrain.backend.runtime import REPO_ROOT, locate_comfyui
     from pipetrain.bench.diffusion_pipe_models import write_flux_folder
 
+    from pipetrain.backend.fsutil import exclusive
+
     folder = REPO_ROOT / ".work" / "tiny-models" / "flux-diffusers-comfy-v1"
-    if not (folder / "complete").is_file():
-        shutil.rmtree(folder, ignore_errors=True)
-        write_flux_folder(folder, "tiny", locate_comfyui(), comfy_widths=True)
-        (folder / "complete").write_text("")
+    with exclusive(folder.with_name(f".{folder.name}.writing")):   # test workers write it once, in turn
+        if not (folder / "complete").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            write_flux_folder(folder, "tiny", locate_comfyui(), comfy_widths=True)
+            (folder / "complete").write_text("")
     return folder
 
 

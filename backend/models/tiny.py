@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..fsutil import temp_path_beside
+from ..fsutil import exclusive, temp_path_beside
 from .registry import ADAPTERS, arch_spec
 from .encoders import TEXT_ENCODERS
 from .spec import SIZES
@@ -302,6 +302,11 @@ def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) 
 
     root = root or REPO_ROOT / ".work" / "tiny-models"
     folder = root / f"{arch}-{size}-v{TINY_FILES_VERSION}"
+    with exclusive(root / f".{folder.name}.writing"):
+        return _cached_model_files(arch, size, root, folder)
+
+
+def _cached_model_files(arch: str, size: str, root: Path, folder: Path) -> ModelFiles:
     marker = folder / "complete"
     if marker.is_file():
         data = json.loads(marker.read_text())
