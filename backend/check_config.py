@@ -81,6 +81,9 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
         elif cls.__name__ == "ModelConfig" and name in compat.FOLDER_KEYS:   # read or refused by model type
             model_type = compat.TYPE_ALIASES.get(data.get("type"), data.get("type"))
             lines.append(f"  {key}: {compat.model_folders.describe(name, model_type)}")
+        elif cls.__name__ == "RunConfig" and name == "resume_from_checkpoint":
+            lines.append(f"  {key}: read by the train command as its --resume_from_checkpoint (true: the newest run "
+                         "of output_dir; a name: that run; the flag on the command line wins, as in diffusion-pipe)")
         elif name in unsupported:
             rule = unsupported[name]
             if rule.accepts(value) and rule.inert is compat.ANY:

@@ -26,7 +26,7 @@ from .parts import CachedData, EngineParts, GradNorm, Topology
 from .pipeline import StagedModule
 from .preservation import PreservationLoss
 from .reg_loss import SplitLoss, StepSums
-from .schedule import lr_multiplier
+from .schedule import make_scheduler
 from .swap import enable_block_swap
 
 log = logging.getLogger("pipetrain")
@@ -112,8 +112,7 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     global_batch = plan.global_batch
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=params, optimizer=make_optimizer(cfg, global_batch),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_multiplier(cfg.lr_scheduler, cfg.warmup_steps, total_steps)),
+        lr_scheduler=make_scheduler(cfg, total_steps),
         config=ds_config(cfg))
     if cfg.fp8_compute:   # on this stage's layers, now on its GPU; compile traces them at the first step
         converted = fp8.convert(engine.module)

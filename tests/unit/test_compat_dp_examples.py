@@ -356,12 +356,12 @@ def test_check_config_reports_each_key_the_defaults_that_differ_and_the_refusals
     assert "epochs (main file)" not in out          # set in the file: its value applies
     assert out.count("dataset.toml:\n") == 1
     # a refused key and a typo, with the fix; the command fails
-    path.write_text("force_constant_lr = 1e-5\nepoch = 3\n" + path.read_text())
+    path.write_text("x_axis_examples = true\nepoch = 3\n" + path.read_text())
     assert cli_main(["check-config", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "  force_constant_lr: REFUSED: set [optimizer] lr and lr_scheduler = 'constant'" in out, out
+    assert "  x_axis_examples: REFUSED: TensorBoard's x-axis is the optimizer step" in out, out
     assert "  epoch: unknown key (a typo?)" in out
-    assert "Does not load:" in out and "key 'force_constant_lr'" in out
+    assert "Does not load:" in out and "key 'x_axis_examples'" in out
 
 
 def test_check_config_tells_what_first_frame_conditioning_p_trains(tmp_path, capsys):

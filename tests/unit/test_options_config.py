@@ -152,7 +152,6 @@ def test_the_flux_example_shows_every_option():
     (("enable_wandb = false", "enable_wandb = true"), "monitoring.enable_wandb", "pip install wandb"),
     (("eval_micro_batch_size_per_gpu = 1", "eval_micro_batch_size_per_gpu = [[512]]"),   # a pair lacks its batch
      "eval_micro_batch_size_per_gpu", "[[resolution, batch], ...]"),
-    (("epochs = 1000", "epochs = 1000\nforce_constant_lr = 1e-5"), "force_constant_lr", "lr_scheduler = 'constant'"),
     (("cache_text_embeddings = true", "cache_text_embeddings = false"), "model.cache_text_embeddings", "cached"),
     (("rank = 32", "rank = 32\nexclude_modules = '('"), "adapter.exclude_modules", "not a regular expression"),
     (("type = 'lora'", "type = 'lokr'\nrank_dropout = 0.1"), "adapter.rank_dropout", "use dropout"),
