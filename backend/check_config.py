@@ -160,6 +160,9 @@ def report(path: str | Path) -> tuple[str, bool]:
     if cfg is not None and cfg.model.type == "sdxl" and cfg.adapter is not None and not te_rates:
         differing.append(("main", "model.text_encoder_1_lr, text_encoder_2_lr", "[optimizer] lr (LoRAs on both text "
                           "encoders train)", "the text encoders stay frozen (diffusion-pipe's rate 0)"))
+    if cfg is not None and cfg.model.type == "auraflow" and cfg.model.max_sequence_length is None:
+        differing.append(("main", "model.max_sequence_length", "required (256 for AuraFlow, 768 for Pony V7)",
+                          "ComfyUI's: every token of a caption, padded to 256"))
     if differing:
         out.append("Defaults that differ from diffusion-pipe's (keys these files leave out):")
         out += [f"  {key} ({file} file): diffusion-pipe {dp}; here {ours}" for file, key, dp, ours in differing]

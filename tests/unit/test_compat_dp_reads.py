@@ -221,3 +221,55 @@ def test_a_tar_whose_members_claim_more_bytes_than_it_holds_is_refused(tmp_path)
     with pytest.raises(DatasetError, match="pack.tar: its members are larger than the archive"):
         _scan(folder)
     assert not any((folder / ".pipetrain-tar").rglob("*.png"))
+
+
+LONG_CAPTION = " ".join(f"word{i} of a long caption" for i in range(120))   # hundreds of tokens
+
+
+def _adapter(model_files, arch: str, **keys):
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models.registry import adapter_class
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    files = model_files(arch)
+    cfg = ModelConfig(type=arch, diffusion_model=str(files.diffusion_model), vae=str(files.vae),
+                      text_encoders=[str(p) for p in files.text_encoders], dtype="float32", **keys)
+    adapter = adapter_class(arch)(cfg)
+    return adapter, adapter.load_text_encoders()
+
+
+def test_auraflows_max_sequence_length_cuts_and_pads_its_t5_tokens_as_diffusion_pipe(model_files):
+    """diffusion-pipe's max_sequence_length: the caption's tokens cut to that many (the end token kept) and
+    zero-padded to it; left out, ComfyUI's own: every token, padded to 256."""
+    adapter, clip = _adapter(model_files, "auraflow")
+    assert adapter.encode_caption(clip, "a red cube")["cond"].shape[0] == 256
+    assert adapter.encode_caption(clip, LONG_CAPTION)["cond"].shape[0] > 600 and adapter.text_options() == {}
+    adapter, clip = _adapter(model_files, "auraflow", max_sequence_length=300)
+    short = adapter.encode_caption(clip, "a red cube")["cond"]
+    assert short.shape[0] == 300 and short[10:].abs().max() == 0 and short[:3].abs().min() > 0   # zero padding
+    adapter, clip = _adapter(model_files, "auraflow", max_sequence_length=12)
+    cut = adapter.encode_caption(clip, LONG_CAPTION)["cond"]
+    assert cut.shape[0] == 12 and cut.abs().amin(dim=1).min() > 0   # 11 text tokens and the end token
+    tokens = clip.tokenize(LONG_CAPTION)["pile_t5xl"][0]
+    from pipetrain.backend.models.token_lengths import fit_tokens
+    assert [t for t, _ in fit_tokens(tokens, 12, 1, keep_last=True)] == [t for t, _ in tokens[:11]] + [2]
+    assert adapter.text_options() == {"max_sequence_length": 12}   # another cache key than ComfyUI's length
+
+
+def test_hidreams_llama_tokens_are_cut_at_diffusion_pipes_128_or_its_max_llama3_sequence_length(model_files):
+    adapter, clip = _adapter(model_files, "hidream")
+    comfy_tokens = len(clip.tokenize(LONG_CAPTION)["llama"][0])
+    default = adapter.encode_caption(clip, LONG_CAPTION)["llama"]
+    short = adapter.encode_caption(clip, "a red cube")["llama"]
+    assert comfy_tokens > 500 and default.shape[1] == short.shape[1] < 130   # cut at 128 tokens, as a short one
+    adapter, clip = _adapter(model_files, "hidream", max_llama3_sequence_length=64)
+    assert adapter.encode_caption(clip, LONG_CAPTION)["llama"].shape[1] == default.shape[1] - 64
+    assert adapter.text_options() == {"llama_tokens": 64}
+
+
+@pytest.mark.parametrize("key", ["max_sequence_length", "max_llama3_sequence_length"])
+def test_a_token_length_of_another_model_is_refused_naming_the_key(tmp_path, key):
+    flux = _table("flux", "transformer_path", "vae_path", extra=f"text_encoders = ['{{te0}}', '{{te1}}']\n{key} = 256")
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        load_run(_write(tmp_path, MAIN + _model("flux", flux) + ADAPTER + OPTIMIZER))
