@@ -190,7 +190,8 @@ class Trainer:
         if message is not None:   # rank 0 reports it; the other ranks just stop
             raise SystemExit(2)
         run_dir = RunDir(Path(run_dir))
-        reporter = RunReporter(run_dir, enabled=is_main)
+        reporter = RunReporter(run_dir, enabled=is_main, tensorboard=run_dir.path
+                               if self.cfg.run_layout == dp_layout.LAYOUT else None)
         if is_main:
             if not self.opts.cache_only:
                 sweep_run_dir(run_dir, self.lora_folder(run_dir))
