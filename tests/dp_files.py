@@ -1,6 +1,30 @@
 """Pieces of diffusion-pipe-style config files shared by the compatibility tests: our own TOML, in the key
 structure of diffusion-pipe's examples/main_example.toml."""
 
+# examples/main_example.toml's top-level keys (its commented-out keys left out as it leaves them out)
+DP_MAIN = """
+output_dir = 'out'
+dataset = 'dataset.toml'
+epochs = 1000
+micro_batch_size_per_gpu = 1
+pipeline_stages = 1
+gradient_accumulation_steps = 1
+gradient_clipping = 1.0
+warmup_steps = 100
+eval_every_n_epochs = 1
+eval_before_first_step = true
+eval_micro_batch_size_per_gpu = 1
+eval_gradient_accumulation_steps = 1
+save_every_n_epochs = 2
+checkpoint_every_n_minutes = 120
+activation_checkpointing = true
+partition_method = 'parameters'
+save_dtype = 'bfloat16'
+caching_batch_size = 1
+steps_per_print = 1
+video_clip_mode = 'single_beginning'
+"""
+
 DP_OPTIMIZER = """
 [optimizer]
 type = 'adamw_optimi'

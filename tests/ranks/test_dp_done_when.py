@@ -10,36 +10,16 @@ from __future__ import annotations
 import tomllib
 
 import pytest
-from dp_files import DP_AR_BUCKETS, DP_MONITORING, DP_OPTIMIZER
+from dp_files import DP_AR_BUCKETS, DP_MAIN, DP_MONITORING, DP_OPTIMIZER
 from test_dp_command_line import _dp_line
 
 from pipetrain.backend.demo import make_dataset
 
 pytestmark = pytest.mark.slow
 
-# examples/main_example.toml, but for the two stages, one epoch and a save at its end (the commented keys left out)
-MAIN = """
-output_dir = 'output'
-dataset = 'dataset.toml'
-epochs = 1
-micro_batch_size_per_gpu = 1
-pipeline_stages = 2
-gradient_accumulation_steps = 1
-gradient_clipping = 1.0
-warmup_steps = 100
-eval_every_n_epochs = 1
-eval_before_first_step = true
-eval_micro_batch_size_per_gpu = 1
-eval_gradient_accumulation_steps = 1
-save_every_n_epochs = 1
-checkpoint_every_n_minutes = 120
-activation_checkpointing = true
-partition_method = 'parameters'
-save_dtype = 'bfloat16'
-caching_batch_size = 1
-steps_per_print = 1
-video_clip_mode = 'single_beginning'
-
+# examples/main_example.toml, but for the two stages, one epoch and a save at its end
+MAIN = DP_MAIN.replace("epochs = 1000", "epochs = 1").replace("pipeline_stages = 1", "pipeline_stages = 2").replace(
+    "save_every_n_epochs = 2", "save_every_n_epochs = 1").replace("output_dir = 'out'", "output_dir = 'output'") + """
 [model]
 {model}
 
