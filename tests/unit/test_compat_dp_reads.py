@@ -273,3 +273,13 @@ def test_a_token_length_of_another_model_is_refused_naming_the_key(tmp_path, key
     flux = _table("flux", "transformer_path", "vae_path", extra=f"text_encoders = ['{{te0}}', '{{te1}}']\n{key} = 256")
     with pytest.raises(ConfigError, match=f"model.{key}"):
         load_run(_write(tmp_path, MAIN + _model("flux", flux) + ADAPTER + OPTIMIZER))
+
+
+def test_a_folder_of_tar_archives_passes_the_nodes_dataset_folder_check(tmp_path):
+    from pipetrain.launcher.build import check_dataset_folder
+
+    _tar(tmp_path / "pack.tar", [("x.png", _png())])
+    check_dataset_folder(tmp_path)
+    (tmp_path / "pack.tar").rename(tmp_path / "pack.txt")
+    with pytest.raises(DatasetError, match="contains no images or videos"):
+        check_dataset_folder(tmp_path)
