@@ -102,7 +102,11 @@ def extract_archives(folder: Path, is_media) -> Extracted:
 
 
 def _extract(archive: Path, target: Path, is_media, out: Extracted) -> None:
-    fd = os.open(archive, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(archive, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise DatasetError(f"{archive}: cannot be read ({e.strerror}); make it readable, or move it out of the "
+                           "dataset folder") from None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
