@@ -254,7 +254,7 @@ def load(engine, ckpt_root: Path, tag: str, optimizer: bool = True, settings: bo
     else the config's and a schedule from its start (diffusion-pipe's --reset_optimizer / --reset_optimizer_params)."""
     load_checkpoints_weights_only(engine)
     groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
-    with regrouped_loads(engine, tag):
+    with RegroupedLoads(engine, tag):
         _, client_state = engine.load_checkpoint(str(ckpt_root), tag=tag, load_module_strict=False,
                                                  load_optimizer_states=optimizer, load_lr_scheduler_states=settings)
     if not settings:
@@ -277,7 +277,7 @@ def load(engine, ckpt_root: Path, tag: str, optimizer: bool = True, settings: bo
 # weight decay of 0. Any other difference in groups fails naming the checkpoint and the way out.
 
 
-class regrouped_loads:
+class RegroupedLoads:
     """While ``engine.load_checkpoint`` runs: the optimizer and schedule take a one-group state into their groups
     (above); a state of another layout fails as a ``CheckpointError`` saying what to do."""
 
