@@ -24,6 +24,17 @@ from .model_file_check import check_model_files
 from .process_inputs import shown
 
 _RENAMES = {"RunConfig": compat.RUN_RENAMES, "ModelConfig": compat.MODEL_RENAMES}
+# [model] keys whose default differs from diffusion-pipe's for some model types (the report names them where a config
+# trains such a type): key -> (diffusion-pipe, here)
+MODEL_DEFAULTS = {
+    "shift": ("none (timesteps unshifted)", "the model's own shift, as ComfyUI samples it (check-config names it; "
+              "shift = 1 trains unshifted)"),
+    "text_encoder_1_lr": ("[optimizer] lr (LoRAs on both text encoders train)",
+                          "the text encoders stay frozen (diffusion-pipe's rate 0)"),
+    "max_sequence_length": ("required (256 for AuraFlow, 768 for Pony V7)",
+                            "ComfyUI's: every token of a caption, padded to 256"),
+}
+MODEL_DEFAULTS["text_encoder_2_lr"] = MODEL_DEFAULTS["text_encoder_1_lr"]
 
 
 def _list_item_class(tp):
@@ -81,6 +92,9 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
         elif cls.__name__ == "ModelConfig" and name in compat.FOLDER_KEYS:   # read or refused by model type
             model_type = compat.TYPE_ALIASES.get(data.get("type"), data.get("type"))
             lines.append(f"  {key}: {compat.model_folders.describe(name, model_type)}")
+        elif cls.__name__ == "RunConfig" and name == "resume_from_checkpoint":
+            lines.append(f"  {key}: read by the train command as its --resume_from_checkpoint (true: the newest run "
+                         "of output_dir; a name: that run; the flag on the command line wins, as in diffusion-pipe)")
         elif name in unsupported:
             rule = unsupported[name]
             if rule.accepts(value) and rule.inert is compat.ANY:
@@ -151,12 +165,13 @@ def report(path: str | Path) -> tuple[str, bool]:
     except PipeTrainError as e:
         cfg, problem = None, e
     if cfg is not None and (shift := model_shift(cfg)) is not None:
-        differing.append(("main", "model.shift", "none (timesteps unshifted)", shift))
+        differing.append(("main", "model.shift", MODEL_DEFAULTS["shift"][0], shift))
     te_rates = {"text_encoder_1_lr", "text_encoder_2_lr"} & set(main.get("model", {}) if isinstance(
         main.get("model"), dict) else {})
     if cfg is not None and cfg.model.type == "sdxl" and cfg.adapter is not None and not te_rates:
-        differing.append(("main", "model.text_encoder_1_lr, text_encoder_2_lr", "[optimizer] lr (LoRAs on both text "
-                          "encoders train)", "the text encoders stay frozen (diffusion-pipe's rate 0)"))
+        differing.append(("main", "model.text_encoder_1_lr, text_encoder_2_lr", *MODEL_DEFAULTS["text_encoder_1_lr"]))
+    if cfg is not None and cfg.model.type == "auraflow" and cfg.model.max_sequence_length is None:
+        differing.append(("main", "model.max_sequence_length", *MODEL_DEFAULTS["max_sequence_length"]))
     if differing:
         out.append("Defaults that differ from diffusion-pipe's (keys these files leave out):")
         out += [f"  {key} ({file} file): diffusion-pipe {dp}; here {ours}" for file, key, dp, ours in differing]
@@ -200,3 +215,56 @@ def main(path: str) -> int:
     text, ok = report(path)
     print(text, file=sys.stdout)
     return 0 if ok else 1
+
+
+# --- docs/dp_keys.md: every key diffusion-pipe reads, and what it means here -------------------------------------
+_TABLES = {"main": ("RunConfig", ""), "monitoring": ("MonitoringConfig", "monitoring"), "model": ("ModelConfig", "model"),
+           "adapter": ("AdapterConfig", "adapter"), "optimizer": ("OptimizerConfig", "optimizer"),
+           "dataset": ("DatasetConfig", ""), "directory": ("DirectoryConfig", "directory[0]")}
+SAME = "same"
+RELATIVE = ("a relative path is read from the TOML's folder, or from the working directory where only that holds it "
+            "(diffusion-pipe: the working directory)")
+
+
+def dp_key_line(table: str, key: str, value, dp_type: str | None = None) -> str:
+    """What check-config says of diffusion-pipe's ``key`` in ``table`` (main, monitoring, model, adapter, optimizer,
+    dataset, directory) at ``value`` (a [model] key in a table of ``dp_type``): "same" where it trains as in
+    diffusion-pipe with its default, else the difference (its meaning, its default, where relative paths are
+    read from)."""
+    from . import config
+
+    name, prefix = _TABLES[table]
+    cls = getattr(config, name)
+    data = {key: value} if table != "model" or key == "type" else {"type": dp_type, key: value}
+    shown = f"{prefix}.{key}" if prefix else key
+    line = next(l for l in _key_lines(cls, data, prefix) if l.startswith(f"  {shown}:"))
+    said = line.split(": ", 1)[1]
+    notes = []
+    if said.startswith("accepted at this value"):
+        rule = cls.UNSUPPORTED[key]
+        said = f"accepted at {value!r}, which changes nothing here; another value is refused ({rule.reason})"
+    elif said.startswith("read as is"):
+        said = SAME
+    elif said.startswith("read as "):
+        said = f"{SAME} (here: {said[len('read as '):]})"
+    file = "dataset" if table == "dataset" else "main"
+    dotted = key if table in ("main", "dataset") else f"{table}.{key}"
+    for row_file, keys, dp, ours in compat.DEFAULT_DIFFERENCES if table != "directory" else ():   # its dataset's
+        if row_file == file and dotted in [k.strip() for k in keys.split(",")]:
+            notes.append(f"left out: diffusion-pipe {dp}; here {ours}")
+    if table == "model" and key in MODEL_DEFAULTS:
+        notes.append("left out: diffusion-pipe {}; here {}".format(*MODEL_DEFAULTS[key]))
+    if key in compat.PATH_KEYS and isinstance(value, (str, list)):
+        notes.append(RELATIVE)
+    if notes and said == SAME:
+        said = "same value meaning"
+    return "; ".join([said, *notes])
+
+
+def dp_key_table(keys) -> str:
+    """docs/dp_keys.md's body: a row per (table, key, value, dp type) of ``keys``."""
+    rows = ["| table | key | here |", "|---|---|---|"]
+    for table, key, value, dp_type in keys:
+        where = f"{table} ({dp_type})" if dp_type and table == "model" and key != "type" else table
+        rows.append(f"| {where} | `{key}` | {dp_key_line(table, key, value, dp_type).replace('|', '/')} |")
+    return "\n".join(rows) + "\n"

@@ -33,9 +33,9 @@ RUN = {
     "pseudo_huber_c": Unsupported("diffusion-pipe ignores it too", inert=ANY),
     "regenerate_cache": Unsupported("diffusion-pipe ignores this key too (its command-line flag always wins); "
                                     "pass --regenerate-cache on the command line", inert=ANY),
-    "resume_from_checkpoint": Unsupported("pass --resume [RUN] on the command line", inert=(False,)),
-    "force_constant_lr": Unsupported("set [optimizer] lr and lr_scheduler = 'constant' (a resumed run keeps "
-                                     "the checkpoint's schedule)"),
+    # read by the train command itself (dp_cli.config_resume), before the config loads: dropped here
+    "resume_from_checkpoint": Unsupported("true (the newest run) or a run's folder name in output_dir",
+                                          inert=lambda v: isinstance(v, (bool, str))),
 }
 
 # diffusion-pipe's type strings that name a model type here by another spelling

@@ -8,11 +8,14 @@ runs with ``python -m pipetrain`` in front: ``python -m pipetrain deepspeed --nu
 diffusion-pipe's flags with their meaning: ``--config``, ``--deepspeed`` (DeepSpeed's own switch, always on here),
 ``--resume_from_checkpoint [RUN]``, ``--regenerate_cache``, ``--cache_only``, ``--trust_cache``,
 ``--reset_dataloader``, ``--reset_optimizer`` and ``--reset_optimizer_params``; the flags whose work PipeTrain
-does elsewhere are refused naming what to use.
+does elsewhere are refused naming what to use. The config's ``resume_from_checkpoint`` key means what the flag means
+where the command line gives none (diffusion-pipe's order).
 """
 from __future__ import annotations
 
 import argparse
+
+from .errors import ConfigError, PipeTrainError
 
 SCRIPT = "train.py"   # diffusion-pipe's entry script: PipeTrain's train command
 # diffusion-pipe's flags of no equivalent here -> why, and what to use instead
@@ -52,10 +55,34 @@ def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("give the run config once: python -m pipetrain train CONFIG, or --config CONFIG "
                      "(diffusion-pipe's spelling)")
     args.config = args.config or args.config_option
+    if args.resume is None:
+        try:
+            args.resume = config_resume(args.config)
+        except PipeTrainError as e:
+            parser.error(str(e))
     resets = [name for name in ("reset_dataloader", "reset_optimizer", "reset_optimizer_params") if getattr(args, name)]
     if resets and args.resume is None:
         parser.error(f"--{resets[0]} changes what a resume loads; add --resume [RUN] (diffusion-pipe's "
                      "--resume_from_checkpoint [RUN])")
+
+
+def config_resume(path) -> str | None:
+    """The run config's ``resume_from_checkpoint`` as ``--resume``'s value: true is "" (the newest run with a
+    checkpoint), a string that run's folder name in ``output_dir``, false or left out None (no resume)."""
+    from .config.files import _read_toml
+
+    try:
+        value = _read_toml(path).get("resume_from_checkpoint", False)
+    except PipeTrainError:
+        return None   # loading the config names the problem
+    if value is False:
+        return None
+    if value is True:
+        return ""
+    if isinstance(value, str) and value:
+        return value
+    raise ConfigError(f"got a {type(value).__name__}; true resumes the newest run of output_dir, a run's folder name "
+                      "that run", file=path, key="resume_from_checkpoint")
 
 
 def script_as_command(args: list[str], entry: str) -> list[str]:

@@ -188,7 +188,8 @@ def _text(adapter, store: CacheStore, prompt: str, state: dict, controls: tuple[
     files = adapter.model_files()["text_encoders"]
     control, *more = controls or (None,)
     seen = caption_image(adapter, file_digest(control) if control else None, size, [file_digest(p) for p in more])
-    key = text_key(prompt, [store.fingerprint(p) for p in files], adapter.arch, seen, lyrics=lyrics)
+    key = text_key(prompt, [store.fingerprint(p) for p in files], adapter.arch, seen, lyrics=lyrics,
+                   options=adapter.text_options())
     if not store.has("text", key):
         if "clip" not in state:
             state["clip"] = adapter.load_text_encoders()

@@ -19,6 +19,7 @@ from .cluster_form import check_cluster, cluster_table
 from .specs import DatasetSpec, TrainSpec
 
 MEDIA_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".mp4", ".webm", ".mov"}
+ARCHIVES = {".tar"}   # diffusion-pipe's image archives: the scan reads their members (data/dp_sources.py)
 WHERE = "the PipeTrain nodes"
 
 
@@ -37,7 +38,7 @@ def check_dataset_folder(path: str | Path, caption_extension: str = ".txt", look
         for seen, e in enumerate(entries):
             if look_at is not None and seen >= look_at:
                 return
-            if (not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in MEDIA_SUFFIXES
+            if (not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in MEDIA_SUFFIXES | ARCHIVES
                     and e.is_file()):
                 return
     raise DatasetError(f"dataset folder {folder} contains no images or videos "

@@ -464,6 +464,12 @@ class ModelNode(CheckedNode):
                 io.Float.Input("unet_lr", default=0.0, min=0.0, max=1.0, step=1e-6, round=1e-8, optional=True,
                                tooltip="SDXL, SD 1.x, SD 2.x: the UNet's learning rate, over the Optimizer node's lr "
                                "(diffusion-pipe's unet_lr; 0: the Optimizer node's lr)"),
+                io.Int.Input("max_sequence_length", default=0, min=0, max=4096, optional=True,
+                             tooltip="AuraFlow: its T5 tokens cut to this many and padded to it (diffusion-pipe's "
+                             "key: 256 for AuraFlow, 768 for Pony V7; 0: ComfyUI's, every token)"),
+                io.Int.Input("max_llama3_sequence_length", default=0, min=0, max=4096, optional=True,
+                             tooltip="HiDream: its Llama 3 tokens cut to this many and padded to it (0: "
+                             "diffusion-pipe's 128)"),
             ],
             outputs=[t.Model.Output(display_name="model")],
         )
@@ -480,7 +486,7 @@ class ModelNode(CheckedNode):
     def execute(cls, diffusion_model, text_encoder_1, text_encoder_2, vae, weight_dtype,
                 compute_dtype, text_encoder_3=NONE, text_encoder_4=NONE, model_type=AUTO, clip_vision=NONE,
                 min_t=None, max_t=None, merge_lora=NONE, shift=None, min_snr_gamma=None, control_start_image=True,
-                unet_lr=None, **keys) -> io.NodeOutput:
+                unet_lr=None, max_sequence_length=0, max_llama3_sequence_length=0, **keys) -> io.NodeOutput:
         import folder_paths
         min_t = start("model.min_t") if min_t is None else min_t
         max_t = start("model.max_t") if max_t is None else max_t
@@ -505,6 +511,8 @@ class ModelNode(CheckedNode):
                              "shift": shift or None,   # 0: the model's own shift
                              "min_snr_gamma": min_snr_gamma or None,   # 0: off
                              "unet_lr": unet_lr or None,   # 0: the optimizer's lr
+                             "max_sequence_length": max_sequence_length or None,   # 0: the model's own
+                             "max_llama3_sequence_length": max_llama3_sequence_length or None,
                              "control_start_image": None if control_start_image in (None, True) else False,
                              "merge_adapters": [] if merge_lora in (NONE, None)
                              else [folder_paths.get_full_path_or_raise("loras", merge_lora)]}, "model")

@@ -284,6 +284,10 @@ class ScheduleNode(CheckedNode):
                                 "project (empty: pipetrain)"),
                 io.String.Input("wandb_run_name", default="", optional=True, tooltip="With enable_wandb: the W&B run "
                                 "name (empty: the run id)"),
+                io.Float.Input("force_constant_lr", default=0.0, min=0.0, max=1.0, step=1e-6, round=1e-8,
+                               optional=True, tooltip="diffusion-pipe's force_constant_lr: every parameter group "
+                               "at this learning rate, constant (no warm-up), a resumed run too (0: off, the "
+                               "schedule above)"),
             ],
             outputs=[t.Schedule.Output(display_name="schedule")],
         )
@@ -315,7 +319,7 @@ class ScheduleNode(CheckedNode):
 COUNTS = (("max_steps", "Stop after this many optimizer steps (0: after the epochs)"),
           ("save_every_n_examples", "Also write a LoRA every N training examples (0: off)"),
           ("eval_every_n_examples", "With an eval dataset: held-out loss every N training examples (0: off)"))
-UNSET_BY_ZERO = {"save_every_n_epochs", "checkpoint_every_n_epochs", "checkpoint_every_n_minutes",
+UNSET_BY_ZERO = {"force_constant_lr", "save_every_n_epochs", "checkpoint_every_n_epochs", "checkpoint_every_n_minutes",
                  "save_every_n_steps", "eval_every_n_epochs", "eval_every_n_steps", "eval_micro_batch_size_per_gpu",
                  "eval_image_micro_batch_size_per_gpu", *(k for k, _ in COUNTS)}
 

@@ -76,12 +76,15 @@ def latent_key(image_digest: str, bucket: tuple[int, int], preprocess_version: s
 
 
 def text_key(caption: str, te_fingerprints: list[str], arch: str, image: dict | None = None,
-             lyrics: str | None = None) -> str:
+             lyrics: str | None = None, options: dict | None = None) -> str:
     """``image``: what of a control image the text encoder reads with the caption (``caption_image``); ``lyrics``:
-    an audio model's lyrics, encoded with the caption (an empty string keys like no lyrics: instrumental)."""
+    an audio model's lyrics, encoded with the caption (an empty string keys like no lyrics: instrumental);
+    ``options``: the adapter's ``text_options`` (none: the key of a model without any)."""
     extra = {} if image is None else {"image": image}
     if lyrics:
         extra["lyrics"] = lyrics
+    if options:
+        extra["options"] = options
     return _sha({"kind": "text", "format": CACHE_FORMAT, "caption": caption, "te": te_fingerprints, "arch": arch,
                  **extra})
 

@@ -97,7 +97,7 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
                               mask=digests[mask] if mask else None),
             text=text_key(text, te_fps, adapter.arch,
                           caption_image(adapter, digests.get(control), s.bucket, more_digests),
-                          lyrics=s.item.lyrics if audio else None),
+                          lyrics=s.item.lyrics if audio else None, options=adapter.text_options()),
             control=str(control) if control else "", more_controls=tuple(map(str, more)), is_reg=s.item.is_reg,
             mask=str(mask) if mask else "", **{k: str(p) for k, p in vace.items()},
             lyrics=s.item.lyrics if audio else "", digest=digests[path]))

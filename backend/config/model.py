@@ -62,6 +62,12 @@ class ModelConfig:
     control_start_image: Optional[bool] = None
     merge_adapters: list[str] = field(default_factory=list)   # LoRAs merged into the base weights before training
     unet_lr: Optional[float] = None     # UNet models: the UNet's learning rate, over [optimizer] lr (diffusion-pipe's)
+    # diffusion-pipe's token lengths: a caption's tokens cut to this many and padded to it. AuraFlow's Pile-T5
+    # (max_sequence_length, the end token kept; diffusion-pipe requires it: 256 for AuraFlow, 768 for Pony V7; left
+    # out here, ComfyUI's: every token, padded to 256) and HiDream's Llama 3 (max_llama3_sequence_length, the start
+    # token counted; left out, diffusion-pipe's 128, which ComfyUI pads to without cutting)
+    max_sequence_length: Optional[int] = None
+    max_llama3_sequence_length: Optional[int] = None
 
     UNSUPPORTED = compat.MODEL
     preprocess = classmethod(lambda cls, data, file, prefix: compat.preprocess_model(data, file, prefix))
@@ -74,6 +80,12 @@ class ModelConfig:
         if self.unet_lr is not None and (self.type not in UNET_TYPES or not self.unet_lr > 0):
             raise ConfigError(f"the UNet's learning rate, above 0, for {', '.join(UNET_TYPES)} (diffusion-pipe reads "
                               "it for SDXL); set [optimizer] lr instead", file=file, key="model.unet_lr")
+        for key, model_type in (("max_sequence_length", "auraflow"), ("max_llama3_sequence_length", "hidream")):
+            value = getattr(self, key)
+            if value is not None and (self.type != model_type or value < 2):
+                raise ConfigError(f"{model_type}'s token count, 2 or more (diffusion-pipe reads the key for "
+                                  f"{model_type} only); leave it out for type {self.type!r}", file=file,
+                                  key=f"model.{key}")
         if self.min_snr_gamma is not None and not self.min_snr_gamma > 0:
             raise ConfigError(f"got {self.min_snr_gamma}; must be > 0 (5 is the usual value), or leave it out",
                               file=file, key="model.min_snr_gamma")

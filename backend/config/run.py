@@ -37,6 +37,9 @@ class RunConfig:
     gradient_clipping: float = 1.0
     warmup_steps: int = 0
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    # diffusion-pipe's: every parameter group trains at this rate on a constant schedule (no warm-up), a resumed run
+    # too (its checkpoint's schedule and rates are not taken, its optimizer state is); left out: the schedule above
+    force_constant_lr: Optional[float] = None
     save_every_n_epochs: Optional[int] = 1      # diffusion-pipe has no default (one save_every_* is required)
     save_every_n_steps: Optional[int] = None
     save_every_n_examples: Optional[int] = None  # converted to steps: // global batch size
@@ -125,6 +128,9 @@ class RunConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"got {value}; must be 1 or more (or leave it out)", file=file, key=key)
+        if self.force_constant_lr is not None and not self.force_constant_lr > 0:
+            raise ConfigError(f"got {self.force_constant_lr}; a learning rate above 0 (or leave it out)", file=file,
+                              key="force_constant_lr")
         if not 0 <= self.uncond_fraction < 1:
             raise ConfigError(f"got {self.uncond_fraction}; must be in [0, 1)", file=file, key="uncond_fraction")
         check_loss(self, file)

@@ -34,12 +34,14 @@ def caption_variants(caption: str, prefix: str, shuffle_num: int, delimiter: str
 
 
 def expand_captions(samples: list[Sample], seed: int) -> list[Sample]:
-    """One sample per (sample, caption variant), each with the exact text it trains on."""
+    """One sample per (sample, caption, caption variant), each with the exact text it trains on (a file's captions
+    from captions.json each make examples, as in diffusion-pipe)."""
     out = []
     for s in samples:
         o = s.item.captions
-        for text in caption_variants(s.item.caption, o.prefix, o.shuffle_num, o.delimiter, seed, s.item.path.name):
-            out.append(Sample(item=s.item, bucket=s.bucket, caption=text))
+        for caption in (s.item.caption, *s.item.more_captions):
+            for text in caption_variants(caption, o.prefix, o.shuffle_num, o.delimiter, seed, s.item.path.name):
+                out.append(Sample(item=s.item, bucket=s.bucket, caption=text))
     return out
 
 

@@ -29,6 +29,7 @@ class MediaItem:
     is_reg: bool = False  # from an is_reg directory: a regularisation image
     seconds: float = 0.0  # an audio file's duration (audio models)
     lyrics: str = ""      # an audio file's lyrics (its .lyrics.txt; audio models)
+    more_captions: tuple[str, ...] = ()   # captions.json's further captions of the file: each its own example
 
     @property
     def controls(self) -> tuple[Path, ...]:

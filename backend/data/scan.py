@@ -14,6 +14,7 @@ from ..config import DatasetConfig, DirectoryConfig
 from ..errors import DatasetError
 from ..fsutil import UnreadableFile, read_regular
 from .headers import EXIF_ORIENTATION_TAG, TRANSPOSING_ORIENTATIONS, size_from_header
+from .dp_sources import captions_for, extract_archives, read_captions_json
 from .items import MediaItem
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,12 @@ def _candidate_files(directory: Path, caption_extension: str) -> list[Path]:
     return [directory / name for name in sorted(names)]
 
 
-def _probe_with_caption(probe, caption_extension: str, file: Path):
+def _probe_with_caption(probe, caption_extension: str | None, file: Path):
     """(``probe``'s answer, the caption: its text, None when missing, or the error reading it); a file that cannot
-    be probed has its caption left unread."""
+    be probed, or any file where ``caption_extension`` is None (a folder of captions.json), has its caption left
+    unread."""
     size = probe(file)
-    if isinstance(size, str):
+    if isinstance(size, str) or caption_extension is None:
         return size, None
     try:
         return size, _read_caption(file.parent / (file.stem + caption_extension))
@@ -138,22 +140,6 @@ def _probe_media(path: Path):
     return _probe_size(path)
 
 
-def _refuse_unread_sources(path: Path) -> None:
-    """What diffusion-pipe reads from a folder and this scan does not: its ``captions.json`` (several captions per
-    file) and ``.tar`` archives of images. Refused, naming them, rather than trained without."""
-    captions = path / "captions.json"
-    if captions.is_file():
-        raise DatasetError(f"{captions}: diffusion-pipe's captions.json (several captions per image) is not read "
-                           "here; write each image's caption to a .txt file of its name beside it (one caption an "
-                           "image), or move captions.json out of the folder")
-    with os.scandir(path) as entries:
-        archives = sorted(e.name for e in entries if e.name.lower().endswith(".tar") and e.is_file())
-    if archives:
-        raise DatasetError(f"dataset directory {path} holds .tar archives ({', '.join(archives[:5])}"
-                           f"{', ...' if len(archives) > 5 else ''}), which diffusion-pipe reads as images and "
-                           "this scan does not open; extract them into the folder (or another [[directory]])")
-
-
 def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: ThreadPoolExecutor,
                     videos: bool = False) -> _DirectoryScan:
     path = Path(os.path.abspath(cfg.directory_path(directory)))
@@ -165,14 +151,21 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     num_repeats = directory.num_repeats if directory.num_repeats is not None else cfg.num_repeats
     captions = cfg.caption_options(directory)
     scan = _DirectoryScan(path, controls=_control_dirs(cfg, directory))
-    _refuse_unread_sources(path)
-    files = _candidate_files(path, caption_extension)
+    captions_json = read_captions_json(path)   # diffusion-pipe's: where present, the folder's only captions
+    archived = extract_archives(path, is_media_file)
+    scan.unreadable += archived.unreadable
+    files = _candidate_files(path, caption_extension) + archived.files
     frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
-    probed = _probed(pool, _probe_media if videos else _probe_size, caption_extension, files)
+    probed = _probed(pool, _probe_media if videos else _probe_size,
+                     None if captions_json is not None else caption_extension, files)
     for file, (size, caption) in zip(files, probed):
         if isinstance(size, str):
             scan.unreadable.append((file, size))
             continue
+        more = ()
+        if captions_json is not None:
+            given = captions_for(captions_json, archived.names.get(file, file.name), file, path)
+            caption, more = (given[0], tuple(given[1:])) if given else (None, ())
         video = {} if isinstance(size, tuple) else {"frames": size.frames, "fps": size.fps}
         size = size if isinstance(size, tuple) else (size.width, size.height)
         if isinstance(caption, (OSError, UnicodeDecodeError)):
@@ -188,7 +181,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
             scan.missing_captions.append(file)
         scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
                                     num_repeats=num_repeats, resolutions=resolutions, captions=captions,
-                                    frame_buckets=frame_buckets, is_reg=directory.is_reg, **video))
+                                    frame_buckets=frame_buckets, is_reg=directory.is_reg, more_captions=more, **video))
     if scan.controls:
         _pair_controls(scan, caption_extension)
     _pair_masks(scan, cfg, directory, caption_extension)

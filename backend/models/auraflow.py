@@ -28,10 +28,12 @@ from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .spec import ArchSpec, comfy_diffusion_model
+from .token_lengths import fit_tokens
 
 AURA_SHIFT = 1.73          # ComfyUI's sampling_settings for AuraFlow (supported_models.AuraFlow)
 AURA_MULTIPLIER = 1.0
 REGISTER_TOKENS = 8        # MMDiT.register_tokens, prepended to the text
+PILE_T5_PAD = 1            # ComfyUI's PT5XlTokenizer pad token (its encoder zeroes what it pads)
 
 
 def aura_config(max_seq: int, cond_seq_dim: int, n_double_layers: int, n_layers: int, **width) -> dict:
@@ -152,8 +154,15 @@ class AuraFlowAdapter(ModelAdapter):
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
+        if self.cfg.max_sequence_length is not None:   # diffusion-pipe's: cut and padded to this many
+            tokens["pile_t5xl"] = [fit_tokens(tokens["pile_t5xl"][0], self.cfg.max_sequence_length, PILE_T5_PAD,
+                                              keep_last=True)]
         out = clip.encode_from_tokens(tokens, return_dict=True)
         return {"cond": out["cond"][0].float().cpu()}
+
+    def text_options(self):
+        length = self.cfg.max_sequence_length
+        return {} if length is None else {"max_sequence_length": length}
 
     def objective(self):
         return self.flow_matching(AURA_SHIFT, AURA_MULTIPLIER)

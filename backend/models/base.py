@@ -227,6 +227,11 @@ class ModelAdapter(ABC):
         """Settings the cached conditioning depends on beyond its files (they enter its cache key); {}: none."""
         return {}
 
+    def text_options(self) -> dict:
+        """Settings a caption's cached embedding depends on beyond its text and files (its token length: they
+        enter its cache key); {}: none."""
+        return {}
+
     def extra_noise_shape(self, payload: dict) -> tuple[int, ...] | None:
         """The shape of further noise a sample's first layer takes after its conditioning (VACE: the noise of the
         reference image's latent frame), drawn by the feed (``train/feed.py``) from the sample's own seed; None:

@@ -224,3 +224,48 @@ class FluxAdapter(ModelAdapter):
         dm = self.diffusion_model
         guidance = torch.full_like(t, self.cfg.guidance) if dm.params.guidance_embed else None
         return dm(x_t.to(self.dtype), t, context.to(self.dtype), y=pooled.to(self.dtype), guidance=guidance)
+
+
+# --- diffusion-pipe's Flux LoRA saves (init_from_existing) ---------------------------------------------------------
+DIFFUSERS_LORA_PREFIX = "transformer."   # Diffusers' save_lora_weights names the transformer's tensors so
+
+
+def is_diffusers_lora(sd: dict) -> bool:
+    """A Diffusers-named Flux LoRA: what diffusion-pipe saves for its Diffusers-based Flux
+    (``transformer.transformer_blocks.N.attn.to_q.lora_A.weight`` ...)."""
+    return any(k.startswith(DIFFUSERS_LORA_PREFIX) and k.endswith(".lora_A.weight") and "transformer_blocks." in k
+               for k in sd)
+
+
+def diffusers_lora_parts(sd: dict, dm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A Diffusers-named Flux LoRA (its update ``B @ A`` at scale 1: diffusion-pipe saves alpha = rank) on ComfyUI's
+    modules: {ComfyUI module path: (A, B)}. Where ComfyUI fuses several Diffusers linears into one (a double block's
+    q, k and v into ``qkv``; a single block's q, k, v and MLP input into ``linear1``), A stacks the parts' A rows and
+    B puts each part's B at its output rows (ComfyUI's own ``flux_to_diffusers`` offsets), zero elsewhere: ``B @ A``
+    is each part's update at its rows, exactly, with the parts' ranks added up. ``ValueError`` names a tensor no
+    ComfyUI module takes."""
+    import comfy.utils
+
+    params = dm.params
+    key_map = comfy.utils.flux_to_diffusers({"depth": params.depth, "depth_single_blocks": params.depth_single_blocks,
+                                             "hidden_size": params.hidden_size})
+    parts: dict[str, list] = {}
+    for key in sorted(k for k in sd if k.endswith(".lora_A.weight")):
+        module = key[len(DIFFUSERS_LORA_PREFIX):-len(".lora_A.weight")]
+        target = key_map.get(f"{module}.weight")
+        if target is None or f"{DIFFUSERS_LORA_PREFIX}{module}.lora_B.weight" not in sd:
+            raise ValueError(f"{key}: no Flux module of ComfyUI's takes it (or its lora_B is missing)")
+        name, offset = (target, 0) if isinstance(target, str) else (target[0], target[1][1])
+        parts.setdefault(name[:-len(".weight")], []).append(
+            (offset, sd[key], sd[f"{DIFFUSERS_LORA_PREFIX}{module}.lora_B.weight"]))
+    out = {}
+    for name, pieces in parts.items():
+        rows = dm.get_submodule(name).weight.shape[0]
+        a = torch.cat([p[1] for p in pieces])
+        b = torch.zeros(rows, a.shape[0], dtype=pieces[0][2].dtype)
+        col = 0
+        for offset, part_a, part_b in pieces:
+            b[offset:offset + part_b.shape[0], col:col + part_a.shape[0]] = part_b
+            col += part_a.shape[0]
+        out[name] = (a, b)
+    return out

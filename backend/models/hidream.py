@@ -35,6 +35,10 @@ from .base import ModelAdapter
 from .carry import TupleLayer, hide, reveal, sizes, with_grad
 from .checkpointing import BlockLayer
 from .spec import ArchSpec, comfy_diffusion_model
+from .token_lengths import fit_tokens
+
+LLAMA_PAD = 128009         # ComfyUI's HiDreamTokenizer pad token for Llama 3
+DP_LLAMA_TOKENS = 128      # diffusion-pipe's max_llama3_sequence_length default (HiDream's own inference length)
 
 # HiDream-I1 as ComfyUI's detection gives it (model_detection pins every value).
 HIDREAM_FULL = {
@@ -181,9 +185,16 @@ class HiDreamAdapter(ModelAdapter):
 
     def encode_caption(self, clip, caption):
         tokens = clip.tokenize(caption)
+        # diffusion-pipe's max_llama3_sequence_length (default 128): the Llama tokens, its start token counted, cut
+        # and padded to this many
+        length = self.cfg.max_llama3_sequence_length or DP_LLAMA_TOKENS
+        tokens["llama"] = [fit_tokens(tokens["llama"][0], length, LLAMA_PAD, keep_last=False)]
         out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
         return {"t5": out["cond"][0].float().cpu(), "llama": out["conditioning_llama3"][0].float().cpu(),
                 "pooled": out["pooled_output"][0].float().cpu()}
+
+    def text_options(self):
+        return {"llama_tokens": self.cfg.max_llama3_sequence_length or DP_LLAMA_TOKENS}
 
     def collate_text(self, items):
         """T5 tokens [B, T, 4096] and Llama layers [B, layers, L, 4096] zero-padded along their tokens, pooled

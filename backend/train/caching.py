@@ -144,7 +144,8 @@ def replaced_captions(adapter, entries, store: CacheStore, replace) -> tuple[dic
                 digests[c] = file_digest(Path(c))
         more = [digests[c] for c in e.more_controls] if adapter.caption_sees_control else []
         caption = replace(e.caption)
-        key = text_key(caption, te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket, more))
+        key = text_key(caption, te_fps, adapter.arch, caption_image(adapter, digests.get(e.control), e.bucket, more),
+                       options=adapter.text_options())
         swap[e.text] = key
         work[key] = TextWork(caption, e.control, e.bucket, more_controls=e.more_controls)
     return swap, work

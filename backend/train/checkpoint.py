@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ..errors import CheckpointError
 from ..fsutil import (OutOfSpace, UnreadableFile, atomic_write_bytes, atomic_write_json, fault_point,
                       read_regular, space_guard)
 from ..patches_deepspeed import load_checkpoints_weights_only, load_weights_only
@@ -253,8 +254,9 @@ def load(engine, ckpt_root: Path, tag: str, optimizer: bool = True, settings: bo
     else the config's and a schedule from its start (diffusion-pipe's --reset_optimizer / --reset_optimizer_params)."""
     load_checkpoints_weights_only(engine)
     groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
-    _, client_state = engine.load_checkpoint(str(ckpt_root), tag=tag, load_module_strict=False,
-                                             load_optimizer_states=optimizer, load_lr_scheduler_states=settings)
+    with RegroupedLoads(engine, tag):
+        _, client_state = engine.load_checkpoint(str(ckpt_root), tag=tag, load_module_strict=False,
+                                                 load_optimizer_states=optimizer, load_lr_scheduler_states=settings)
     if not settings:
         for group, configured in zip(engine.optimizer.param_groups, groups):
             group.update(configured)
@@ -265,3 +267,73 @@ def load(engine, ckpt_root: Path, tag: str, optimizer: bool = True, settings: bo
         if state.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
     return client_state or {}
+
+
+# --- checkpoints of one parameter group ----------------------------------------------------------------------------
+# A full fine-tune's optimizer has two parameter groups since its one-dimensional parameters train without weight
+# decay (``optim.decay_groups``, diffusion-pipe's); a checkpoint written before that has one group holding every
+# trainable parameter of the stage, in the module's order. Its state (the moments) is each parameter's, so it is
+# put into the groups by parameter; the settings are the old group's, but the one-dimensional group keeps its
+# weight decay of 0. Any other difference in groups fails naming the checkpoint and the way out.
+
+
+class RegroupedLoads:
+    """While ``engine.load_checkpoint`` runs: the optimizer and schedule take a one-group state into their groups
+    (above); a state of another layout fails as a ``CheckpointError`` saying what to do."""
+
+    def __init__(self, engine, tag: str):
+        self.engine, self.tag = engine, tag
+
+    def __enter__(self):
+        optimizer, scheduler = self.engine.optimizer, self.engine.lr_scheduler
+        self.patched = []
+        if optimizer is not None and hasattr(optimizer, "param_groups"):
+            self._patch(optimizer, self._optimizer_state)
+        if scheduler is not None and hasattr(scheduler, "base_lrs"):
+            self._patch(scheduler, self._schedule_state)
+        return self
+
+    def __exit__(self, *exc):
+        for obj in self.patched:
+            del obj.load_state_dict   # the class's own again
+        return False
+
+    def _patch(self, obj, convert):
+        original = obj.load_state_dict
+
+        def load_state_dict(state, *args, **kwargs):
+            return original(convert(state), *args, **kwargs)
+        obj.load_state_dict = load_state_dict
+        self.patched.append(obj)
+
+    def _optimizer_state(self, state: dict) -> dict:
+        groups = self.engine.optimizer.param_groups
+        saved = state.get("param_groups", [])
+        if len(saved) == len(groups):
+            return state
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]   # the order a one-group one held
+        if len(saved) != 1 or len(saved[0]["params"]) != len(params):
+            raise CheckpointError(f"checkpoint {self.tag}: its optimizer state has {len(saved)} parameter group(s) "
+                                  f"of {sum(len(g['params']) for g in saved)} parameters, this stage trains "
+                                  f"{len(params)} in {len(groups)}: resume with --reset_optimizer (the weights "
+                                  "and the data position load, the optimizer starts afresh)")
+        index = {id(p): i for i, p in enumerate(q for group in groups for q in group["params"])}
+        position = {saved_id: i for i, saved_id in enumerate(saved[0]["params"])}
+        settings = {k: v for k, v in saved[0].items() if k != "params"}
+        log.warning("checkpoint %s holds one optimizer parameter group (written before one-dimensional parameters "
+                    "trained without weight decay): its state is loaded into this run's %d groups", self.tag,
+                    len(groups))
+        regrouped = []
+        for k, group in enumerate(groups):   # the first: the decayed matrices; the rest keep their own decay (0)
+            regrouped.append({**settings, **({"weight_decay": group["weight_decay"]} if k else {}),
+                              "params": [index[id(p)] for p in group["params"]]})
+        return {"state": {index[id(params[position[i]])]: value for i, value in state.get("state", {}).items()},
+                "param_groups": regrouped}
+
+    def _schedule_state(self, state: dict) -> dict:
+        count = len(self.engine.optimizer.param_groups)
+        base = state.get("base_lrs")
+        if not isinstance(base, list) or len(base) == count or len(base) != 1:
+            return state
+        last = state.get("_last_lr") or base
+        return {**state, "base_lrs": base * count, "_last_lr": list(last) * count}

@@ -14,6 +14,7 @@ from ..models.checkpointing import apply_checkpointing, selective_advice
 from ..models.losses import Loss
 from ..models import fp8
 from ..models.compiling import cuda_graphs_allowed
+from ..models.flux import diffusers_lora_parts, is_diffusers_lora
 from ..optim import make_optimizer
 from ..patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
 from . import distributed
@@ -26,9 +27,11 @@ from .parts import CachedData, EngineParts, GradNorm, Topology
 from .pipeline import StagedModule
 from .preservation import PreservationLoss
 from .reg_loss import SplitLoss, StepSums
-from .schedule import lr_multiplier
+from .schedule import make_scheduler
 from .swap import enable_block_swap
 
+# model types whose diffusion-pipe saves are Diffusers-named (its Flux, Flux Kontext: Diffusers' FluxPipeline)
+DIFFUSERS_FLUX_TYPES = ("flux", "flux_kontext")
 log = logging.getLogger("pipetrain")
 
 
@@ -56,14 +59,21 @@ def attach_lora(cfg: RunConfig, diffusion_model, block_prefixes, reporter: RunRe
 
 
 def load_existing(cfg: RunConfig, diffusion_model, names: list[str], reporter: RunReporter) -> None:
-    """``[adapter] init_from_existing``: a LoRA file, or a folder holding adapter_model.safetensors (what
-    diffusion-pipe saves), with ComfyUI keys for the same model and rank."""
-    path = cfg.resolve(cfg.adapter.init_from_existing)
-    if path.is_dir():
-        path = path / "adapter_model.safetensors"
+    """``[adapter] init_from_existing``: a LoRA file, or a folder holding one ``.safetensors`` (what diffusion-pipe
+    saves and reads): ComfyUI keys for the same model and rank, or diffusion-pipe's Diffusers-named Flux save
+    (``flux_from_diffusers``)."""
     where = dict(file=cfg.file, key="adapter.init_from_existing")
+    path = cfg.resolve(cfg.adapter.init_from_existing)
+    if path.is_dir():   # diffusion-pipe's rule: the folder's one .safetensors
+        found = sorted(path.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ConfigError(f"{path} holds {len(found)} .safetensors files; name the LoRA file, or a folder "
+                              "holding just one (a diffusion-pipe save folder)", **where)
+        path = found[0]
     sd = lora.read_file(path)
     rank = cfg.adapter.rank
+    if cfg.model.type in DIFFUSERS_FLUX_TYPES and cfg.adapter.type == "lora" and is_diffusers_lora(sd):
+        sd = flux_from_diffusers(diffusion_model, sd, path, where)
     ranks = {tuple(v.shape)[0] for k, v in sd.items() if k.endswith(".lora_A.weight")}
     if ranks and ranks != {rank}:
         raise ConfigError(f"{path} has LoRA rank {sorted(ranks)}, the config rank {rank}; set [adapter] rank to "
@@ -79,6 +89,39 @@ def load_existing(cfg: RunConfig, diffusion_model, names: list[str], reporter: R
                           **where)
     reporter.event("init_from_existing", path=str(path), modules_loaded=matched, modules=len(names))  # rank 0's
     log.info("init_from_existing: %d of %d adapted modules loaded from %s", matched, len(names), path)
+
+
+def flux_from_diffusers(diffusion_model, sd: dict, path, where: dict) -> dict:
+    """diffusion-pipe's Diffusers-named Flux LoRA as this run's adapter tensors (ComfyUI keys, the run's rank): each
+    ComfyUI module's parts (``flux.diffusers_lora_parts``) in the first rows of its rank, the rest of its A as
+    initialised and its B zero, B divided by the run's scale (alpha / rank): the module's update is the file's,
+    exactly. A fused module needs a rank of its parts' ranks added up (3x for qkv, 4x for a single block's linear1)."""
+    modules = {m.lora_name: m for m in lora.adapted_modules(diffusion_model)}
+    try:
+        parts = diffusers_lora_parts(sd, diffusion_model)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}", **where) from None
+    out, short = {}, {}
+    for name, (a, b) in parts.items():
+        m = modules.get(name)
+        if m is None:
+            raise ConfigError(f"{path} trains {name}, which this run's adapter leaves out (exclude_modules, "
+                              "target_modules); adapt it too, or start from another LoRA", **where)
+        rank = m.lora_A.weight.shape[0]
+        if a.shape[0] > rank:
+            short[name] = a.shape[0]
+            continue
+        a_init = m.lora_A.weight.detach().to("cpu", torch.float32)
+        out[f"{lora.KEY_PREFIX}{name}.lora_A.weight"] = torch.cat([a.float(), a_init[a.shape[0]:]])
+        out[f"{lora.KEY_PREFIX}{name}.lora_B.weight"] = torch.cat(
+            [b.float() / m.lora_scale, torch.zeros(b.shape[0], rank - a.shape[0])], dim=1)
+    if short:
+        need = max(short.values())
+        raise ConfigError(f"{path} is diffusion-pipe's Diffusers-named Flux LoRA: ComfyUI's Flux fuses its q, k, v "
+                          f"(and a single block's MLP input) into one linear, whose LoRA holds the parts exactly at "
+                          f"rank {need} ({len(short)} modules need more than this run's rank); set [adapter] rank = "
+                          f"{need}", **where)
+    return out
 
 
 def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
@@ -112,8 +155,7 @@ def build_engine(cfg: RunConfig, adapter, topology: Topology, data: CachedData,
     global_batch = plan.global_batch
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=params, optimizer=make_optimizer(cfg, global_batch),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_multiplier(cfg.lr_scheduler, cfg.warmup_steps, total_steps)),
+        lr_scheduler=make_scheduler(cfg, total_steps),
         config=ds_config(cfg))
     if cfg.fp8_compute:   # on this stage's layers, now on its GPU; compile traces them at the first step
         converted = fp8.convert(engine.module)

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 from ..fsutil import OutOfSpace, atomic_write_json, rewrite_in_place, space_guard
 from ..rundir import RunDir, read_events, read_object
@@ -21,9 +22,12 @@ def with_entry(entries: list[dict], entry: dict) -> list[dict]:
 
 
 class RunReporter:
-    def __init__(self, run_dir: RunDir, enabled: bool):
+    def __init__(self, run_dir: RunDir, enabled: bool, tensorboard: Path | None = None):
+        """``tensorboard``: the folder of the event files (default the run's ``tensorboard/``; diffusion-pipe's run
+        layout: the run folder itself, where its users' scripts read them)."""
         self.run_dir = RunDir(run_dir)
         self.enabled = enabled
+        self._tensorboard = tensorboard or self.run_dir.tensorboard
         # warnings: what the run says is wrong while it goes on (a changed dataset, a rank that does not answer),
         # by a key that clears it; each launch starts with none
         self.status: dict = {"state": "starting", "pid": os.getpid(), "started": time.time(), "warnings": {}}
@@ -114,7 +118,7 @@ class RunReporter:
             except ImportError:  # tensorboard is optional at run time
                 self._tb = False
                 return False
-            self._tb = SummaryWriter(log_dir=str(self.run_dir.tensorboard))
+            self._tb = SummaryWriter(log_dir=str(self._tensorboard))
         return self._tb
 
     def scalars(self, step: int, **values) -> None:
@@ -124,6 +128,16 @@ class RunReporter:
             return
         for name, value in values.items():
             self._tb.add_scalar(name, value, step)
+        self._tb.flush()
+
+    def epoch_scalar(self, epoch: int, step: int, name: str, value: float) -> None:
+        """A scalar of a whole epoch: TensorBoard's x is the epoch (diffusion-pipe's ``train/epoch_loss``), W&B's
+        the step (its steps only grow), with the epoch beside it."""
+        if self.enabled and self.wandb is not None:
+            self.wandb.log(step, {name: value, "epoch": epoch})
+        if not self.enabled or not self._writer():
+            return
+        self._tb.add_scalar(name, value, epoch)
         self._tb.flush()
 
     def image(self, tag: str, png_path, step: int) -> None:

@@ -127,8 +127,11 @@ def run_loop(t: Trainer) -> None:
     bar = _progress_bar(t.topology.is_main and t.opts.progress, state)
     started = time.monotonic()
 
+    epoch_losses: dict[int, list[float]] = {}   # rank 0: each epoch's step losses this process trained
+
     def report(s: FinishedStep) -> None:   # total_steps is fixed once the loop runs
         _report_step(t.reporter, t.cfg.epochs, parts.global_batch, state.total_steps, s, started, bar)
+        epoch_losses.setdefault(s.epoch, []).append(s.loss)
     reports = StepReports(report, started, timing_event())   # rank 0 feeds it
     batches, batches_epoch = None, None
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
@@ -181,6 +184,10 @@ def run_loop(t: Trainer) -> None:
             state.epoch += 1
             finished_epoch = state.epoch - 1
             reports.flush()
+            if losses := epoch_losses.pop(finished_epoch, None):
+                # diffusion-pipe's train/epoch_loss: the mean step loss, over the steps trained since the start or
+                # the resume (diffusion-pipe does not restore it either)
+                t.reporter.epoch_scalar(finished_epoch, state.global_step, "train/epoch_loss", sum(losses) / len(losses))
             epoch_checkpoint = _end_of_epoch(t, finished_epoch)
         if eval_due(parts.eval_every_steps, t.cfg.eval_every_n_epochs, state.global_step, finished_epoch):
             reports.flush()

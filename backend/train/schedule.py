@@ -31,3 +31,27 @@ def set_base_lr(scheduler, lr: float) -> None:
         group["initial_lr"] = base
         group["lr"] = base * multiplier(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+def make_scheduler(cfg, total_steps: int):
+    """The run's schedule, built on the optimizer DeepSpeed made: ``LambdaLR`` over ``lr_multiplier``, or with
+    ``force_constant_lr`` (diffusion-pipe's) a constant one with every group's rate set to it."""
+    import torch
+
+    def build(optimizer):
+        if cfg.force_constant_lr is None:
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg.lr_scheduler, cfg.warmup_steps,
+                                                                              total_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = cfg.force_constant_lr
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier("constant", 0, total_steps))
+    return build
+
+
+def force_rates(scheduler, lr: float) -> None:
+    """After a resume loaded a checkpoint's rates and schedule: every group at ``lr`` again, on the constant
+    schedule (diffusion-pipe's ``force_constant_lr`` on resume)."""
+    scheduler.base_lrs = [lr] * len(scheduler.optimizer.param_groups)
+    for group in scheduler.optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = lr
+    scheduler._last_lr = [lr] * len(scheduler.optimizer.param_groups)

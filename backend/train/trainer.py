@@ -29,7 +29,7 @@ from .launcher_watch import POLL_S, LauncherWatch
 from .parts import CachedData, EngineParts, RunState, Topology
 from .peer_watch import PeerWatch
 from .saving import gather_lora, save_full_model, sweep_run_dir, weights_stem, write_lora
-from .schedule import set_base_lr
+from .schedule import force_rates, set_base_lr
 from .stop_signals import StopSignals, describe
 
 if TYPE_CHECKING:
@@ -190,7 +190,8 @@ class Trainer:
         if message is not None:   # rank 0 reports it; the other ranks just stop
             raise SystemExit(2)
         run_dir = RunDir(Path(run_dir))
-        reporter = RunReporter(run_dir, enabled=is_main)
+        reporter = RunReporter(run_dir, enabled=is_main, tensorboard=run_dir.path
+                               if self.cfg.run_layout == dp_layout.LAYOUT else None)
         if is_main:
             if not self.opts.cache_only:
                 sweep_run_dir(run_dir, self.lora_folder(run_dir))
@@ -305,7 +306,9 @@ class Trainer:
         state.step_in_epoch = saved["step_in_epoch"]
         if opts.reset_dataloader:   # diffusion-pipe's --reset_dataloader: the epoch from its first step
             state.step_in_epoch = 0
-        if saved.get("base_lr") is not None and not (opts.reset_optimizer or opts.reset_optimizer_params):
+        if self.cfg.force_constant_lr is not None:   # diffusion-pipe's: the config's rate, whatever was saved
+            force_rates(parts.engine.lr_scheduler, self.cfg.force_constant_lr)
+        elif saved.get("base_lr") is not None and not (opts.reset_optimizer or opts.reset_optimizer_params):
             # set while it trained: the run goes on with it, not the config's
             state.base_lr = saved["base_lr"]
             set_base_lr(parts.engine.lr_scheduler, state.base_lr)

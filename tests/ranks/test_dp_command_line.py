@@ -39,3 +39,23 @@ def test_dp_command_line_trains_and_resumes_with_the_new_configs_optimizer_setti
     assert resumed.run_dir.name == run and resumed.events("resume")[-1]["step"] == 2
     steps = [e for e in resumed.events("step") if e["step"] > 2]
     assert [e["epoch"] for e in steps] == [2, 2] and {e["lr"] for e in steps} == {5e-4}
+
+
+def test_force_constant_lr_and_resume_from_checkpoint_as_keys(micro_flux_files, make_run):
+    """diffusion-pipe's ``force_constant_lr``: every step at that rate, no warm-up, a resumed run too (its
+    checkpoint's rate and schedule not taken); ``resume_from_checkpoint = true`` in the config resumes the newest
+    run as the flag does."""
+    config = make_run(micro_flux_files, images=2, name="dpk", stages=2, epochs=1)
+    table = _read_toml(config)
+    table["warmup_steps"], table["force_constant_lr"] = 4, 1e-3   # without the key: 5e-4, 1e-3 (the warm-up)
+    config.write_text(tomli_w.dumps(table))
+    first = _dp_line(config)
+    assert first.returncode == 0, first.output[-4000:]
+    assert [e["lr"] for e in first.events("step")] == [1e-3, 1e-3]
+
+    table["epochs"], table["force_constant_lr"], table["resume_from_checkpoint"] = 2, 2.5e-4, True
+    config.write_text(tomli_w.dumps(table))
+    resumed = _dp_line(config)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert resumed.run_dir.name == first.run_dir.name and resumed.events("resume")[-1]["step"] == 2
+    assert [e["lr"] for e in resumed.events("step") if e["step"] > 2] == [2.5e-4, 2.5e-4]

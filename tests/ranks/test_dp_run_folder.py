@@ -7,6 +7,7 @@ import json
 import sys
 import subprocess
 
+import pytest
 from conftest import train
 
 # what a diffusion-pipe user's script does with a run folder: the newest epoch's adapter and its rank
@@ -18,7 +19,11 @@ epoch = max(glob.glob(os.path.join(run, 'epoch*')), key=lambda p: int(p.rsplit('
 with safe_open(os.path.join(epoch, 'adapter_model.safetensors'), 'pt') as f:
     keys = list(f.keys())
 config = json.load(open(os.path.join(epoch, 'adapter_config.json')))
-print(json.dumps({'epoch': os.path.basename(epoch), 'keys': keys, 'r': config['r']}))
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+events = EventAccumulator(run)   # the event files in the run folder itself
+events.Reload()
+epoch_loss = [(e.step, e.value) for e in events.Scalars('train/epoch_loss')]
+print(json.dumps({'epoch': os.path.basename(epoch), 'keys': keys, 'r': config['r'], 'epoch_loss': epoch_loss}))
 """
 
 
@@ -29,6 +34,10 @@ def test_a_dp_script_finds_each_epochs_lora_in_dps_run_folder(micro_flux_files, 
     found = json.loads(subprocess.run([sys.executable, "-c", DP_USER_SCRIPT, str(run.run_dir)], check=True,
                                       capture_output=True, text=True).stdout)
     assert found["epoch"] == "epoch2" and found["r"] == 4
+    steps = run.events("step")   # train/epoch_loss: each epoch's mean step loss, at x = the epoch
+    means = [sum(e["loss"] for e in steps if e["epoch"] == k) / sum(e["epoch"] == k for e in steps) for k in (1, 2)]
+    assert [x for x, _ in found["epoch_loss"]] == [1, 2]
+    assert [v for _, v in found["epoch_loss"]] == pytest.approx(means, rel=1e-6)
     # diffusion-pipe's keys for ComfyUI's models (PipeTrain's file adds each module's alpha, here = rank)
     assert found["keys"] and all(k.startswith("diffusion_model.") and k.endswith((".lora_A.weight", ".lora_B.weight",
                                                                                    ".alpha")) for k in found["keys"])

@@ -146,3 +146,73 @@ def test_two_stage_full_fine_tune_saves_a_model_comfyui_reproduces(micro_flux_fi
         return sum(((a[k].float() - b[k].float()) ** 2).sum() for k in model) ** 0.5
     assert 0 < distance(average, original) < distance(model, original)
     assert distance(average, model) > 0.1 * distance(model, original)
+
+
+def _as_one_group(checkpoint, order: list[int]) -> None:
+    """Rewrite a checkpoint's optimizer and schedule state as a checkpoint of one parameter group holding every
+    trainable parameter in the module's order (what PipeTrain wrote before 1-D parameters trained without weight
+    decay); ``order``: each module parameter's index in today's two groups. Its digest is written anew."""
+    import hashlib
+    import json
+
+    path = checkpoint / "mp_rank_00_model_states.pt"
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    optimizer, schedule = saved["optimizer"], saved["lr_scheduler"]
+    assert len(optimizer["param_groups"]) == 2 and len(order) == sum(len(g["params"])
+                                                                      for g in optimizer["param_groups"])
+    first = {k: v for k, v in optimizer["param_groups"][0].items() if k != "params"}
+    optimizer["state"] = {j: optimizer["state"][i] for j, i in enumerate(order) if i in optimizer["state"]}
+    optimizer["param_groups"] = [{**first, "params": list(range(len(order)))}]
+    schedule["base_lrs"], schedule["_last_lr"] = schedule["base_lrs"][:1], schedule["_last_lr"][:1]
+    torch.save(saved, path)
+    digests = json.loads((checkpoint / "digests.json").read_text())
+    digests[path.name] = {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    (checkpoint / "digests.json").write_text(json.dumps(digests))
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_resumes_a_checkpoint_of_one_optimizer_group_as_one_of_two(micro_flux_files, make_run):
+    """A full fine-tune checkpoint from before its 1-D parameters trained without weight decay holds one optimizer
+    group. Resumed now, each parameter's moments go into today's groups (the 1-D ones without decay): the run trains
+    on exactly as from the same checkpoint written today."""
+    import shutil
+
+    import tomli_w
+    from conftest import train
+    from safetensors.torch import load_file
+
+    from pipetrain.backend.config.files import _read_toml
+    from pipetrain.backend.train.checkpoint import latest_tag
+
+    config = make_run(micro_flux_files, images=2, name="fft_groups", stages=1, epochs=1, adapter=None,
+                      optimizer={"type": "adamw", "lr": 1e-3, "weight_decay": 0.1})
+    first = train(config, ranks=1)
+    assert first.returncode == 0, first.output[-4000:]
+    checkpoints = first.run_dir / "checkpoints"
+    tag = latest_tag(checkpoints)
+    shutil.copytree(checkpoints / tag, config.parent / "kept")
+    status = (first.run_dir / "status.json").read_bytes()   # the run as it was after epoch 1
+    table = _read_toml(config)
+    table["epochs"] = 2
+    config.write_text(tomli_w.dumps(table))
+    today = train(config, 1, "--resume", first.run_dir.name)
+    assert today.returncode == 0, today.output[-4000:]
+    model = today.run_dir / "models" / f"{today.run_dir.name}-epoch0002.safetensors"
+    expected = load_file(model)
+
+    for folder in checkpoints.iterdir():   # back to the epoch-1 checkpoint, as one group
+        if folder.is_dir():
+            shutil.rmtree(folder)
+    shutil.copytree(config.parent / "kept", checkpoints / tag)
+    (checkpoints / "latest").write_text(tag)
+    (first.run_dir / "status.json").write_bytes(status)
+    params = list(dict.fromkeys(p for layer in _adapter("flux", micro_flux_files).to_layers()
+                                for p in layer.parameters()))
+    two_groups = [p for p in params if p.ndim > 1] + [p for p in params if p.ndim <= 1]
+    position = {id(p): i for i, p in enumerate(two_groups)}
+    _as_one_group(checkpoints / tag, [position[id(p)] for p in params])
+    old = train(config, 1, "--resume", first.run_dir.name)
+    assert old.returncode == 0, old.output[-4000:]
+    assert "holds one optimizer parameter group" in old.output
+    trained = load_file(model)
+    assert trained.keys() == expected.keys() and all(torch.equal(trained[k], expected[k]) for k in expected)

@@ -14,36 +14,14 @@ the Flux, Wan and Kontext ones.
 from pathlib import Path
 
 import pytest
-from dp_files import DP_AR_BUCKETS, DP_MONITORING, DP_OPTIMIZER
+from dp_files import DP_AR_BUCKETS, DP_MAIN, DP_MONITORING, DP_OPTIMIZER
 
 from pipetrain.backend.check_config import report
 from pipetrain.backend.cli import main as cli_main
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.preflight import load_run
 
-# examples/main_example.toml's top-level keys (its commented-out keys left out as it leaves them out)
-MAIN = """
-output_dir = 'out'
-dataset = 'dataset.toml'
-epochs = 1000
-micro_batch_size_per_gpu = 1
-pipeline_stages = 1
-gradient_accumulation_steps = 1
-gradient_clipping = 1.0
-warmup_steps = 100
-eval_every_n_epochs = 1
-eval_before_first_step = true
-eval_micro_batch_size_per_gpu = 1
-eval_gradient_accumulation_steps = 1
-save_every_n_epochs = 2
-checkpoint_every_n_minutes = 120
-activation_checkpointing = true
-partition_method = 'parameters'
-save_dtype = 'bfloat16'
-caching_batch_size = 1
-steps_per_print = 1
-video_clip_mode = 'single_beginning'
-"""
+MAIN = DP_MAIN
 ADAPTER = """
 [adapter]
 type = 'lora'
@@ -356,12 +334,12 @@ def test_check_config_reports_each_key_the_defaults_that_differ_and_the_refusals
     assert "epochs (main file)" not in out          # set in the file: its value applies
     assert out.count("dataset.toml:\n") == 1
     # a refused key and a typo, with the fix; the command fails
-    path.write_text("force_constant_lr = 1e-5\nepoch = 3\n" + path.read_text())
+    path.write_text("x_axis_examples = true\nepoch = 3\n" + path.read_text())
     assert cli_main(["check-config", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "  force_constant_lr: REFUSED: set [optimizer] lr and lr_scheduler = 'constant'" in out, out
+    assert "  x_axis_examples: REFUSED: TensorBoard's x-axis is the optimizer step" in out, out
     assert "  epoch: unknown key (a typo?)" in out
-    assert "Does not load:" in out and "key 'force_constant_lr'" in out
+    assert "Does not load:" in out and "key 'x_axis_examples'" in out
 
 
 def test_check_config_tells_what_first_frame_conditioning_p_trains(tmp_path, capsys):

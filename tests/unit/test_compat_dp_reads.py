@@ -101,18 +101,185 @@ def test_regenerate_cache_as_a_key_is_ignored_as_diffusion_pipe_ignores_it(tmp_p
     assert "  regenerate_cache: accepted, changes nothing here (diffusion-pipe ignores this key too" in report(path)[0]
 
 
-@pytest.mark.parametrize("name, fragment", [("captions.json", "captions.json"), ("more.tar", ".tar archives (more.tar)")])
-def test_what_a_folder_holds_and_the_scan_does_not_read_is_refused_by_name(tmp_path, name, fragment):
+def _folder_of_images(tmp_path, *names, size=(64, 48)):
     from PIL import Image
 
+    folder = tmp_path / "images"
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        Image.new("RGB", size, (200, 10, 10)).save(folder / name)
+    return folder
+
+
+def _scan(folder, **kwargs):
     from pipetrain.backend.config import DatasetConfig, DirectoryConfig
     from pipetrain.backend.data.scan import scan_dataset
 
-    folder = tmp_path / "images"
-    folder.mkdir()
-    Image.new("RGB", (64, 64)).save(folder / "a.png")
-    (folder / "a.txt").write_text("a caption")
-    (folder / name).write_bytes(b"{}")
-    with pytest.raises(DatasetError) as err:
-        scan_dataset(DatasetConfig(directory=[DirectoryConfig(path=str(folder))]))
-    assert fragment in str(err.value) and str(folder) in str(err.value)
+    return scan_dataset(DatasetConfig(directory=[DirectoryConfig(path=str(folder))], **kwargs))
+
+
+def test_captions_json_gives_each_file_its_captions_and_each_caption_is_an_example(tmp_path):
+    import json
+
+    from pipetrain.backend.data import expand_captions
+    from pipetrain.backend.data.items import Sample
+
+    folder = _folder_of_images(tmp_path, "a.png", "b.png", "c.png")
+    (folder / "a.txt").write_text("never read: captions.json gives this folder's captions")
+    (folder / "captions.json").write_text(json.dumps({"a.png": ["one", "two", "three"], "b.png": ["only"],
+                                                      "gone.png": ["no such file"]}))
+    result = _scan(folder)
+    by_name = {item.path.name: item for item in result.items}
+    assert (by_name["a.png"].caption, by_name["a.png"].more_captions) == ("one", ("two", "three"))
+    assert (by_name["b.png"].caption, by_name["b.png"].more_captions) == ("only", ())
+    assert by_name["c.png"].caption == "" and result.missing_captions == [folder / "c.png"]
+    samples = expand_captions([Sample(item=i, bucket=(64, 48)) for i in result.items], seed=1)
+    assert [(s.item.path.name, s.text) for s in samples] == [("a.png", "one"), ("a.png", "two"), ("a.png", "three"),
+                                                             ("b.png", "only"), ("c.png", "")]
+    assert _scan(folder, skip_empty_caption=True).skipped_empty == [folder / "c.png"]
+    (folder / "captions.json").write_text(json.dumps({"a.png": "one caption, not a list"}))
+    with pytest.raises(DatasetError, match="captions.json: the entry for .*a.png is not a list of strings"):
+        _scan(folder)
+    (folder / "captions.json").write_text("{not json")
+    with pytest.raises(DatasetError, match="captions.json: not JSON"):
+        _scan(folder)
+
+
+def _tar(path, members):
+    """A tar of (name, bytes | (TarInfo type,)) members."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, content in members:
+            info = tarfile.TarInfo(name)
+            if isinstance(content, bytes):
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+            else:
+                (info.type,), info.linkname = content, "/etc/passwd"
+                tar.addfile(info)
+
+
+def _png(size=(40, 24)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, (10, 200, 10)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_tar_archives_are_read_as_files_of_their_folder_and_extracted_safely(tmp_path):
+    import json
+    import tarfile
+
+    folder = _folder_of_images(tmp_path, "plain.png")
+    (folder / "plain.txt").write_text("unused: the folder has captions.json")
+    _tar(folder / "pack.tar", [("./x.png", _png()), ("sub/y.png", _png((24, 40))), ("notes.txt", b"skip me"),
+                               ("../escape.png", _png()), ("/abs.png", _png()),
+                               ("link.png", (tarfile.SYMTYPE,)), ("hard.png", (tarfile.LNKTYPE,))])
+    (folder / "captions.json").write_text(json.dumps({"plain.png": ["p"], "x.png": ["x1", "x2"], "sub/y.png": ["y"]}))
+    result = _scan(folder, on_unreadable="skip")
+    got = {item.path.relative_to(folder).as_posix(): (item.caption, item.more_captions, item.width, item.height)
+           for item in result.items}
+    assert got == {"plain.png": ("p", (), 64, 48), ".pipetrain-tar/pack.tar/x.png": ("x1", ("x2",), 40, 24),
+                   ".pipetrain-tar/pack.tar/sub/y.png": ("y", (), 24, 40)}
+    assert sorted(why.split(": ", 1)[1] for _, why in result.unreadable) == [
+        "a link, not extracted (only regular files are)", "a link, not extracted (only regular files are)",
+        "a name outside the archive's folder (absolute, or with '..'): not extracted",
+        "a name outside the archive's folder (absolute, or with '..'): not extracted"]
+    made = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if not p.is_dir()}
+    assert made == {"images/plain.png", "images/plain.txt", "images/pack.tar", "images/captions.json",
+                    "images/.pipetrain-tar/pack.tar/x.png", "images/.pipetrain-tar/pack.tar/sub/y.png",
+                    "images/.pipetrain-tar/pack.tar/.source.json"}   # nothing outside, no link, no notes.txt
+    with pytest.raises(DatasetError, match="pack.tar: member 3: a name outside"):
+        _scan(folder, on_unreadable="error")   # names what was left out
+    # an unchanged archive is not extracted again; a changed one is
+    extracted = folder / ".pipetrain-tar/pack.tar/x.png"
+    extracted.write_bytes(_png((16, 16)))
+    assert any(i.width == 16 for i in _scan(folder, on_unreadable="skip").items)
+    _tar(folder / "pack.tar", [("x.png", _png((32, 32)))])
+    assert [(i.path.name, i.width) for i in _scan(folder, on_unreadable="skip").items] == [("plain.png", 64),
+                                                                                          ("x.png", 32)]
+    (folder / "pack.tar").write_bytes(b"\x1f\x8b" + b"0" * 600)   # not a plain tar
+    with pytest.raises(DatasetError, match="pack.tar: not a plain tar archive"):
+        _scan(folder)
+
+
+def test_a_tar_whose_members_claim_more_bytes_than_it_holds_is_refused(tmp_path):
+    import tarfile
+
+    folder = _folder_of_images(tmp_path, "plain.png")
+    _tar(folder / "pack.tar", [("x.png", _png())])
+    data = bytearray((folder / "pack.tar").read_bytes())
+    info = tarfile.TarInfo("x.png")
+    info.size = 1 << 32     # 4 GiB claimed in a header of a file of a few KiB
+    data[:512] = info.tobuf(format=tarfile.USTAR_FORMAT)[:512]
+    (folder / "pack.tar").write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match="pack.tar: its members are larger than the archive"):
+        _scan(folder)
+    assert not any((folder / ".pipetrain-tar").rglob("*.png"))
+
+
+LONG_CAPTION = " ".join(f"word{i} of a long caption" for i in range(120))   # hundreds of tokens
+
+
+def _adapter(model_files, arch: str, **keys):
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models.registry import adapter_class
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    files = model_files(arch)
+    cfg = ModelConfig(type=arch, diffusion_model=str(files.diffusion_model), vae=str(files.vae),
+                      text_encoders=[str(p) for p in files.text_encoders], dtype="float32", **keys)
+    adapter = adapter_class(arch)(cfg)
+    return adapter, adapter.load_text_encoders()
+
+
+def test_auraflows_max_sequence_length_cuts_and_pads_its_t5_tokens_as_diffusion_pipe(model_files):
+    """diffusion-pipe's max_sequence_length: the caption's tokens cut to that many (the end token kept) and
+    zero-padded to it; left out, ComfyUI's own: every token, padded to 256."""
+    adapter, clip = _adapter(model_files, "auraflow")
+    assert adapter.encode_caption(clip, "a red cube")["cond"].shape[0] == 256
+    assert adapter.encode_caption(clip, LONG_CAPTION)["cond"].shape[0] > 600 and adapter.text_options() == {}
+    adapter, clip = _adapter(model_files, "auraflow", max_sequence_length=300)
+    short = adapter.encode_caption(clip, "a red cube")["cond"]
+    assert short.shape[0] == 300 and short[10:].abs().max() == 0 and short[:3].abs().min() > 0   # zero padding
+    adapter, clip = _adapter(model_files, "auraflow", max_sequence_length=12)
+    cut = adapter.encode_caption(clip, LONG_CAPTION)["cond"]
+    assert cut.shape[0] == 12 and cut.abs().amin(dim=1).min() > 0   # 11 text tokens and the end token
+    tokens = clip.tokenize(LONG_CAPTION)["pile_t5xl"][0]
+    from pipetrain.backend.models.token_lengths import fit_tokens
+    assert [t for t, _ in fit_tokens(tokens, 12, 1, keep_last=True)] == [t for t, _ in tokens[:11]] + [2]
+    assert adapter.text_options() == {"max_sequence_length": 12}   # another cache key than ComfyUI's length
+
+
+def test_hidreams_llama_tokens_are_cut_at_diffusion_pipes_128_or_its_max_llama3_sequence_length(model_files):
+    adapter, clip = _adapter(model_files, "hidream")
+    comfy_tokens = len(clip.tokenize(LONG_CAPTION)["llama"][0])
+    default = adapter.encode_caption(clip, LONG_CAPTION)["llama"]
+    short = adapter.encode_caption(clip, "a red cube")["llama"]
+    assert comfy_tokens > 500 and default.shape[1] == short.shape[1] < 130   # cut at 128 tokens, as a short one
+    adapter, clip = _adapter(model_files, "hidream", max_llama3_sequence_length=64)
+    assert adapter.encode_caption(clip, LONG_CAPTION)["llama"].shape[1] == default.shape[1] - 64
+    assert adapter.text_options() == {"llama_tokens": 64}
+
+
+@pytest.mark.parametrize("key", ["max_sequence_length", "max_llama3_sequence_length"])
+def test_a_token_length_of_another_model_is_refused_naming_the_key(tmp_path, key):
+    flux = _table("flux", "transformer_path", "vae_path", extra=f"text_encoders = ['{{te0}}', '{{te1}}']\n{key} = 256")
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        load_run(_write(tmp_path, MAIN + _model("flux", flux) + ADAPTER + OPTIMIZER))
+
+
+def test_a_folder_of_tar_archives_passes_the_nodes_dataset_folder_check(tmp_path):
+    from pipetrain.launcher.build import check_dataset_folder
+
+    _tar(tmp_path / "pack.tar", [("x.png", _png())])
+    check_dataset_folder(tmp_path)
+    (tmp_path / "pack.tar").rename(tmp_path / "pack.txt")
+    with pytest.raises(DatasetError, match="contains no images or videos"):
+        check_dataset_folder(tmp_path)

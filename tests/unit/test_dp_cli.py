@@ -55,3 +55,21 @@ def test_dp_script_is_the_train_command(launcher):
                                                        "--config", "train.py.toml"]
     for other in ([*launcher, "--module", "pipetrain", "train", "x.toml"], [*launcher, "my_train.py", "--config", "x"]):
         assert script_as_command(other, "/p/__main__.py") == other
+
+
+@pytest.mark.parametrize("value, resume", [("true", ""), ("'20261202-143950'", "20261202-143950"), ("false", None)])
+def test_the_configs_resume_from_checkpoint_is_the_flag_where_the_command_line_gives_none(tmp_path, value, resume):
+    config = tmp_path / "x.toml"
+    config.write_text(f"resume_from_checkpoint = {value}\n")
+    assert _train_args("--config", str(config)).resume == resume
+    assert _train_args("--config", str(config), "--resume_from_checkpoint", "other").resume == "other"   # flag wins
+    if resume is not None:   # a resume from the key takes the reset flags
+        assert _train_args("--config", str(config), "--reset_optimizer").reset_optimizer
+
+
+def test_a_resume_from_checkpoint_of_another_kind_is_refused_naming_the_key(tmp_path, capsys):
+    config = tmp_path / "x.toml"
+    config.write_text("resume_from_checkpoint = 3\n")
+    with pytest.raises(SystemExit):
+        _train_args("--config", str(config))
+    assert "key 'resume_from_checkpoint'" in capsys.readouterr().err

@@ -141,7 +141,8 @@ def test_the_flux_example_shows_every_option():
     for cls in (RunConfig, ModelConfig, AdapterConfig, OptimizerConfig):
         missing = {f.name for f in fields(cls) if not f.name.startswith("_")} - shown - {
             "adapter", "optimizer", "model", "cluster", "samples", "monitoring", "v_pred", "min_snr_gamma",
-            "debiased_estimation_loss", "unet_lr"}   # SDXL's: sdxl_lora.toml shows them
+            "debiased_estimation_loss", "unet_lr",   # SDXL's: sdxl_lora.toml shows them
+            "max_sequence_length", "max_llama3_sequence_length"}   # AuraFlow's, HiDream's: docs/config.md
         assert not missing, (cls.__name__, missing)
     dataset_shown = _commented_keys((EXAMPLES / "dataset.toml").read_text())
     missing = {f.name for f in fields(DatasetConfig) if not f.name.startswith("_")} - dataset_shown - {"directory"}
@@ -152,7 +153,6 @@ def test_the_flux_example_shows_every_option():
     (("enable_wandb = false", "enable_wandb = true"), "monitoring.enable_wandb", "pip install wandb"),
     (("eval_micro_batch_size_per_gpu = 1", "eval_micro_batch_size_per_gpu = [[512]]"),   # a pair lacks its batch
      "eval_micro_batch_size_per_gpu", "[[resolution, batch], ...]"),
-    (("epochs = 1000", "epochs = 1000\nforce_constant_lr = 1e-5"), "force_constant_lr", "lr_scheduler = 'constant'"),
     (("cache_text_embeddings = true", "cache_text_embeddings = false"), "model.cache_text_embeddings", "cached"),
     (("rank = 32", "rank = 32\nexclude_modules = '('"), "adapter.exclude_modules", "not a regular expression"),
     (("type = 'lora'", "type = 'lokr'\nrank_dropout = 0.1"), "adapter.rank_dropout", "use dropout"),
@@ -523,3 +523,68 @@ def test_fused_adamw_on_the_gpu_takes_the_steps_foreach_takes(dp):
         finals.append((opt.defaults.get("fused"), p.detach().cpu()))
     assert finals[0][0] is True and finals[1][0] in (None, False)
     torch.testing.assert_close(finals[0][1], finals[1][1], rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_existing_reads_diffusion_pipes_diffusers_named_flux_save_as_comfyui_applies_it(tmp_path,
+                                                                                                    micro_flux_files):
+    """diffusion-pipe's Flux saves are Diffusers-named (``transformer.transformer_blocks.N.attn.to_q.lora_A``: q, k,
+    v apart, where ComfyUI's Flux has one qkv linear). Loaded into the run's adapter, every module's update is the
+    one ComfyUI's own LoRA loader applies from that file; a rank too small to hold the fused parts is refused."""
+    from pipetrain.backend.runtime import ensure_comfyui
+
+    ensure_comfyui()
+    import comfy.lora
+    import comfy.utils
+
+    from pipetrain.backend import lora
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models.registry import adapter_class
+    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.train.engine import load_existing
+    from pipetrain.backend.train.events import RunReporter
+
+    files = micro_flux_files
+    adapter = adapter_class("flux")(ModelConfig(type="flux", diffusion_model=str(files.diffusion_model),
+                                                vae=str(files.vae), dtype="float32"))
+    adapter.load_diffusion_model()
+    dm = adapter.diffusion_model
+    unet_config = adapter.patcher.model.model_config.unet_config
+    key_map = comfy.utils.flux_to_diffusers(unet_config)
+    g, r, source = torch.Generator().manual_seed(3), 2, {}
+    for name, target in key_map.items():   # every linear diffusion-pipe adapts (its blocks' nn.Linear)
+        weight_key = target if isinstance(target, str) else target[0]
+        if not name.endswith(".weight") or "norm_" in name or "_blocks." not in weight_key:
+            continue
+        rows, cols = dm.get_submodule(weight_key[:-len(".weight")]).weight.shape
+        rows = rows if isinstance(target, str) else target[1][2]
+        module = f"transformer.{name[:-len('.weight')]}"
+        source[f"{module}.lora_A.weight"] = torch.randn(r, cols, generator=g) * 0.1
+        source[f"{module}.lora_B.weight"] = torch.randn(rows, r, generator=g) * 0.1
+    save = tmp_path / "epoch3"
+    save.mkdir()
+    save_file(source, str(save / "pytorch_lora_weights.safetensors"))   # Diffusers' save_lora_weights name
+
+    names = lora.inject(dm, lora.LoRASpec(rank=4 * r, alpha=2.0 * r, seed=1), adapter.lora_block_prefixes)
+    run_dir = RunDir(tmp_path / "report")
+    run_dir.path.mkdir()
+    load_existing(_cfg(save, rank=4 * r), dm, names, RunReporter(run_dir, enabled=False))
+
+    patches = comfy.lora.load_lora(source, comfy.lora.model_lora_keys_unet(adapter.patcher.model, {}))
+    patcher = adapter.patcher.clone()
+    assert len(patcher.add_patches(patches, 1.0)) == len(patches)
+    checked = 0
+    for m in lora.adapted_modules(dm):
+        key = f"diffusion_model.{m.lora_name}.weight"
+        base = m.weight.detach().float()
+        comfy_delta = comfy.lora.calculate_weight(patcher.patches[key], base.clone(), key) - base
+        ours = m.lora_scale * m.lora_B.weight.detach().float() @ m.lora_A.weight.detach().float()
+        assert comfy_delta.abs().max() > 1e-4 and torch.allclose(ours, comfy_delta, atol=1e-6), m.lora_name
+        checked += 1
+    assert checked == len(names) and any(".qkv" in n for n in names) and any("linear1" in n for n in names)
+
+    dm_small = adapter_class("flux")(ModelConfig(type="flux", diffusion_model=str(files.diffusion_model),
+                                                 vae=str(files.vae), dtype="float32"))
+    dm_small.load_diffusion_model()
+    small = lora.inject(dm_small.diffusion_model, lora.LoRASpec(rank=r, alpha=r, seed=1), adapter.lora_block_prefixes)
+    with pytest.raises(ConfigError, match=f"set \\[adapter\\] rank = {4 * r}"):
+        load_existing(_cfg(save, rank=r), dm_small.diffusion_model, small, RunReporter(run_dir, enabled=False))
