@@ -145,8 +145,8 @@ MODEL = {
     "lumina_shift": Unsupported("diffusion-pipe reads it for lumina_2 only (flux_shift is the same shift for the "
                                 "other flow models)", inert=ANY),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
-    "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
-                                  "remove the key", inert=(0, 0.0)),
+    "llm_adapter_lr": Unsupported("Anima's LLM adapter stays frozen here (LoRA trains its DiT blocks); set it to 0, "
+                                  "or remove the key", inert=(0, 0.0)),
     # diffusion-pipe's SDXL trains LoRAs on both text encoders at these rates (default [optimizer] lr); here they
     # stay frozen, which a rate of 0 means there
     "text_encoder_1_lr": Unsupported("text encoders are not trained here (diffusion-pipe trains SDXL's at this "
