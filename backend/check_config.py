@@ -72,8 +72,8 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
             elif items is not None and isinstance(value, list) and all(isinstance(v, dict) for v in value):
                 for i, v in enumerate(value):
                     lines += _key_lines(items, v, f"{key}[{i}]", base)
-            elif name == "type" and cls.__name__ == "ModelConfig" and value in compat.TYPE_ALIASES:
-                lines.append(f"  {key}: diffusion-pipe's {shown(value)} is {compat.TYPE_ALIASES[value]!r} here")
+            elif name == "type" and cls.__name__ == "ModelConfig" and value in compat.type_aliases():
+                lines.append(f"  {key}: diffusion-pipe's {shown(value)} is {compat.type_aliases()[value]!r} here")
             elif key in compat.MEANING_DIFFERENCES:
                 lines.append(f"  {key}: DIFFERENT: {compat.MEANING_DIFFERENCES[key]}")
             else:
@@ -81,16 +81,17 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
         elif name in renames:
             lines.append(f"  {key}: read as {renames[name]}")
         elif (cls.__name__ == "ModelConfig" and name == "lumina_shift"
-              and compat.TYPE_ALIASES.get(data.get("type"), data.get("type")) in compat.LUMINA_SHIFT_TYPES):
+              and compat.reads_lumina_shift(compat.type_aliases().get(data.get("type"), data.get("type")))):
             lines.append(f"  {key}: read as flux_shift (the same resolution-dependent shift)")
         elif cls.__name__ == "ModelConfig" and name == "first_frame_conditioning_p":
-            lines.append(f"  {key}: 1 trains type 'ltx_video_i2v' (every clip's first frame given), 0 plain "
+            given = compat.first_frame_types().get(compat.type_aliases().get(data.get("type"), data.get("type")))
+            lines.append(f"  {key}: 1 trains type {given!r} (every clip's first frame given), 0 plain "
                          "text to video; other values are refused")
         elif cls.__name__ == "ModelConfig" and name in compat.TEXT_ENCODER_KEYS:
             lines.append(f"  {key}: a text-encoder file, read into text_encoders (order: "
                          f"{', '.join(compat.TEXT_ENCODER_KEYS)})")
         elif cls.__name__ == "ModelConfig" and name in compat.FOLDER_KEYS:   # read or refused by model type
-            model_type = compat.TYPE_ALIASES.get(data.get("type"), data.get("type"))
+            model_type = compat.type_aliases().get(data.get("type"), data.get("type"))
             lines.append(f"  {key}: {compat.model_folders.describe(name, model_type)}")
         elif cls.__name__ == "RunConfig" and name == "resume_from_checkpoint":
             lines.append(f"  {key}: read by the train command as its --resume_from_checkpoint (true: the newest run "
@@ -168,7 +169,7 @@ def report(path: str | Path) -> tuple[str, bool]:
         differing.append(("main", "model.shift", MODEL_DEFAULTS["shift"][0], shift))
     te_rates = {"text_encoder_1_lr", "text_encoder_2_lr"} & set(main.get("model", {}) if isinstance(
         main.get("model"), dict) else {})
-    if cfg is not None and cfg.model.type == "sdxl" and cfg.adapter is not None and not te_rates:
+    if cfg is not None and dp_trains_text_encoders(cfg.model.type) and cfg.adapter is not None and not te_rates:
         differing.append(("main", "model.text_encoder_1_lr, text_encoder_2_lr", *MODEL_DEFAULTS["text_encoder_1_lr"]))
     if cfg is not None and cfg.model.type == "auraflow" and cfg.model.max_sequence_length is None:
         differing.append(("main", "model.max_sequence_length", *MODEL_DEFAULTS["max_sequence_length"]))
@@ -189,13 +190,20 @@ def report(path: str | Path) -> tuple[str, bool]:
         return "\n".join(out), False
     declared = raw_model.get("type")
     note = ""
-    if declared in compat.EDIT_TYPES and cfg.model.type == compat.EDIT_TYPES[declared]:
+    if declared in compat.edit_types() and cfg.model.type == compat.edit_types()[declared]:
         note = f" (diffusion-pipe's {declared!r} with control images: the dataset sets control_path)"
-    elif declared in compat.FILE_TYPES and cfg.model.type != declared:
+    elif declared in compat.file_types() and cfg.model.type != declared:
         from .models.registry import arch_spec
         note = f" (diffusion-pipe's {declared!r} with a {arch_spec(cfg.model.type).title} file: its header says so)"
     out.append(f"Loads: trains model type {cfg.model.type!r}{note}.")
     return "\n".join(out), True
+
+
+def dp_trains_text_encoders(model_type: str) -> bool:
+    """Whether diffusion-pipe trains LoRAs on this model's text encoders by default (its adapter's
+    ``dp_text_encoder_lora``: SDXL)."""
+    from .models.registry import dp_facts
+    return model_type in dp_facts("dp_text_encoder_lora")
 
 
 def model_shift(cfg) -> str | None:

@@ -38,20 +38,48 @@ RUN = {
                                           inert=lambda v: isinstance(v, (bool, str))),
 }
 
-# diffusion-pipe's type strings that name a model type here by another spelling
-TYPE_ALIASES = {"hunyuan-video": "hunyuan_video", "ltx-video": "ltx_video", "lumina_2": "lumina2",
-                "hunyuan_image": "hunyuan_image_21"}
-# diffusion-pipe declares an edit model as its base type plus a dataset with control images (control_path)
-EDIT_TYPES = {"flux": "flux_kontext", "qwen_image": "qwen_image_edit", "flux2": "flux2_edit"}
-# diffusion-pipe's types that name several of ours, told apart by the diffusion model's file as diffusion-pipe tells
-# them (its 'flux2' is Flux 2 dev or a Klein by the file's widths): the adapters' ``claims_file`` read the header
-FILE_TYPES = {"flux2": ("flux2_klein",)}
+
+
+def type_aliases() -> dict[str, str]:
+    """diffusion-pipe's type strings that name a model type here by another spelling (the adapters' ``dp_aliases``)."""
+    from .models.registry import dp_facts
+    return {alias: t for t, aliases in dp_facts("dp_aliases").items() for alias in aliases}
+
+
+def edit_types() -> dict[str, str]:
+    """diffusion-pipe declares an edit model as its base type plus a dataset with control images (control_path):
+    its type -> ours (the adapters' ``dp_edit_of``)."""
+    from .models.registry import dp_facts
+    return {base: t for t, base in dp_facts("dp_edit_of").items()}
+
+
+def file_types() -> dict[str, tuple[str, ...]]:
+    """diffusion-pipe's types that name several of ours, told apart by the diffusion model's file as diffusion-pipe
+    tells them (its Flux 2 type is dev or a Klein by the file's widths): its type -> the other types of ours,
+    whose adapters' ``claims_file`` read the header (the adapters' ``dp_file_of``)."""
+    from .models.registry import dp_facts
+    out: dict[str, tuple[str, ...]] = {}
+    for t, base in dp_facts("dp_file_of").items():
+        out[base] = (*out.get(base, ()), t)
+    return out
+
+
+def first_frame_types() -> dict[str, str]:
+    """diffusion-pipe's types whose ``first_frame_conditioning_p`` = 1 trains every clip with its first frame given:
+    its type -> ours (the adapters' ``dp_first_frame_of``)."""
+    from .models.registry import dp_facts
+    return {base: t for t, base in dp_facts("dp_first_frame_of").items()}
+
+
+def reads_lumina_shift(model_type) -> bool:
+    """diffusion-pipe's Lumina 2 reads lumina_shift: Flux's resolution-dependent shift (our flux_shift), on the same
+    token count; its other models ignore the key (the adapters' ``dp_lumina_shift``)."""
+    from .models.registry import dp_facts
+    return model_type in dp_facts("dp_lumina_shift")
+
 # diffusion-pipe's other names for our keys: its single-file keys (ComfyUI files), and transformer_dtype (its
 # name for diffusion_model_dtype on its older models)
 MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "transformer_dtype": "diffusion_model_dtype"}
-# diffusion-pipe's Lumina 2 reads lumina_shift: Flux's resolution-dependent shift (our flux_shift), on the same token
-# count; its other models ignore the key
-LUMINA_SHIFT_TYPES = ("lumina2",)
 # diffusion-pipe's model-folder keys (``compat_folders``), as check-config describes them
 FOLDER_KEYS = model_folders.FOLDER_KEYS   # key -> the model types it is read for
 # both spellings diffusion-pipe's code and its example read
@@ -117,8 +145,8 @@ MODEL = {
     "lumina_shift": Unsupported("diffusion-pipe reads it for lumina_2 only (flux_shift is the same shift for the "
                                 "other flow models)", inert=ANY),
     "bypass_guidance_embedding": Unsupported("not implemented", inert=(False,)),
-    "llm_adapter_lr": Unsupported("Anima's LLM adapter does not train here (and Anima needs a newer ComfyUI); "
-                                  "remove the key", inert=(0, 0.0)),
+    "llm_adapter_lr": Unsupported("Anima's LLM adapter stays frozen here (LoRA trains its DiT blocks); set it to 0, "
+                                  "or remove the key", inert=(0, 0.0)),
     # diffusion-pipe's SDXL trains LoRAs on both text encoders at these rates (default [optimizer] lr); here they
     # stay frozen, which a rate of 0 means there
     "text_encoder_1_lr": Unsupported("text encoders are not trained here (diffusion-pipe trains SDXL's at this "
@@ -197,12 +225,12 @@ def _rename(data: dict, alias: str, target: str, file, prefix: str) -> None:
 
 def preprocess_model(data: dict, file, prefix: str) -> dict:
     if isinstance(data.get("type"), str):
-        data["type"] = TYPE_ALIASES.get(data["type"], data["type"])
-    if data.get("type") == "ltx_video" and "first_frame_conditioning_p" in data:
+        data["type"] = type_aliases().get(data["type"], data["type"])
+    if "first_frame_conditioning_p" in data and data.get("type") in first_frame_types():
         _first_frame_conditioning(data, file, prefix)
     for alias, target in MODEL_RENAMES.items():
         _rename(data, alias, target, file, prefix)
-    if data.get("type") in LUMINA_SHIFT_TYPES:
+    if reads_lumina_shift(data.get("type")):
         _rename(data, "lumina_shift", "flux_shift", file, prefix)
     given = [k for k in TEXT_ENCODER_KEYS if k in data]
     if given:
@@ -215,20 +243,21 @@ def preprocess_model(data: dict, file, prefix: str) -> dict:
 
 
 def _first_frame_conditioning(data: dict, file, prefix: str) -> None:
-    """diffusion-pipe's LTX-Video ``first_frame_conditioning_p``: the share of clips trained with their first frame
-    given. Every clip (1) is the type ``ltx_video_i2v``, none (0) plain ``ltx_video``; a share of them is not
-    built (a run here trains one mode)."""
+    """diffusion-pipe's ``first_frame_conditioning_p`` (LTX-Video's): the share of clips trained with their first
+    frame given. Every clip (1) is the type ``first_frame_types`` names (``ltx_video_i2v``), none (0) the table's
+    own; a share of them is not built (a run here trains one mode)."""
     p = data.pop("first_frame_conditioning_p")
+    given = first_frame_types()[data["type"]]
     if p == 1:
-        data["type"] = "ltx_video_i2v"
+        data["type"] = given
     elif p != 0:
         raise ConfigError(f"got {p!r}; a run here trains every clip with its first frame given or none: set "
-                          "type = 'ltx_video_i2v' (or first_frame_conditioning_p = 1.0) for image to video, or "
+                          f"type = {given!r} (or first_frame_conditioning_p = 1.0) for image to video, or "
                           "remove the key for text to video", file=file, key=_key(prefix, "first_frame_conditioning_p"))
 
 
 def file_type(model_type: str, diffusion_model) -> str:
-    """The model type a diffusion-pipe type string trains with this diffusion-model file (``FILE_TYPES``): the
+    """The model type a diffusion-pipe type string trains with this diffusion-model file (``file_types``): the
     first of its other types whose adapter claims the file's safetensors header, else ``model_type``. A file that
     cannot be read here (missing, a folder, pickled) keeps the type: the model-file checks name the problem."""
     from pathlib import Path
@@ -237,7 +266,8 @@ def file_type(model_type: str, diffusion_model) -> str:
     from .model_folders import safetensors_header
 
     path = Path(diffusion_model)
-    if model_type not in FILE_TYPES or not path.is_file() or path.suffix.lower() != ".safetensors":
+    others = file_types().get(model_type)
+    if not others or not path.is_file() or path.suffix.lower() != ".safetensors":
         return model_type
     try:
         shapes, metadata = safetensors_header(path)
@@ -245,13 +275,13 @@ def file_type(model_type: str, diffusion_model) -> str:
         return model_type
     from .models.registry import adapter_class
 
-    return next((t for t in FILE_TYPES[model_type] if adapter_class(t).claims_file(shapes, metadata)), model_type)
+    return next((t for t in others if adapter_class(t).claims_file(shapes, metadata)), model_type)
 
 
 def edit_type(model_type: str, has_control: bool) -> str:
     """The model type a run trains: diffusion-pipe's ``flux`` / ``qwen_image`` with control images in the
     dataset (``control_path``) is Flux Kontext / Qwen-Image-Edit; its ``flux2`` with them is Flux 2 edit."""
-    return EDIT_TYPES.get(model_type, model_type) if has_control else model_type
+    return edit_types().get(model_type, model_type) if has_control else model_type
 
 
 def preprocess_adapter(data: dict, file, prefix: str) -> dict:

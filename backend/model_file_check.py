@@ -114,12 +114,13 @@ def _diffusion_model(path: Path, model_type: str, key: str) -> Finding:
 
 def _vae(path: Path, model_type: str, key: str) -> Finding:
     from .models.registry import arch_spec
-    from .models.vaes import VAES, decoder_channels
+    from .models import vaes
+    from .models.vaes import decoder_channels
 
     header, ended = _read(path, key)
     if ended is not None:
         return ended
-    kind = VAES[arch_spec(model_type).vae]
+    kind = vaes.kind(arch_spec(model_type).vae)
     channels = decoder_channels(header[0])
     if channels is None:
         return Finding(key, path, f"a VAE {_kind_of_path(path)} ({len(header[0])} tensors; its header does not tell "

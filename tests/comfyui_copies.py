@@ -83,3 +83,83 @@ def doctor(comfyui: Path, *model_types: str, timeout: float = 600, **env: str) -
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=python_env(comfyui, **env))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def newer_comfyui(version: str) -> Path:
+    """The cached ComfyUI ``version``; the test is skipped, saying how to get it, where the cache lacks it."""
+    import pytest
+
+    found = other_comfyuis().get(version)
+    if found is None:
+        pytest.skip(f"ComfyUI {version} is not in {comfyui_cache()} (scripts/comfyui_cache.sh writes it)")
+    return found
+
+
+def child_json(code: str, comfyui: Path, *args: str, timeout: float = 600) -> dict:
+    """``code`` in a Python importing ``comfyui``; its last stdout line as JSON."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                         env=python_env(comfyui))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# a child's check of epoch LoRAs (argv: the run's config, then the LoRA files) by that ComfyUI's own loader
+CHECK_LORAS = """
+import json, sys
+from pathlib import Path
+from pipetrain.backend.config import load_run_config
+from pipetrain.backend.runtime import comfyui_version
+from pipetrain.backend.verify import check_lora
+cfg = load_run_config(sys.argv[1])
+checks = [check_lora(cfg, Path(p)).__dict__ for p in sys.argv[2:]]
+print(json.dumps({"version": comfyui_version(), "type": cfg.model.type, "checks": checks}))
+"""
+
+
+def tiny_files_code(model_type: str) -> str:
+    """The start of a child's code that writes (once per machine) the tiny files of ``model_type`` with the ComfyUI it
+    imports and puts their paths in ``out["files"]``; ``files`` and ``loading`` are in scope after it."""
+    return f"""
+import json, sys, torch
+from pipetrain.backend.models import loading
+from pipetrain.backend.models.tiny import cached_model_files
+files = cached_model_files({model_type!r})
+out = {{"files": {{"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
+                 "text_encoders": [str(p) for p in files.text_encoders]}}}}
+"""
+
+
+def ranks_import(comfyui: Path, monkeypatch, memo: Path) -> None:
+    """The ranks a test starts import ``comfyui`` (and its extra packages), memoising parity verdicts in ``memo``."""
+    for name, value in python_env(comfyui).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(memo))
+
+
+def check_config_on(comfyui: Path, config: Path) -> str:
+    """``pipetrain check-config`` of ``config`` in a Python importing ``comfyui``: its output, the config loading."""
+    checked = subprocess.run([sys.executable, "-m", "pipetrain", "check-config", str(config)], capture_output=True,
+                             text=True, timeout=300, env=python_env(comfyui))
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    return checked.stdout
+
+
+def check_two_epoch_run_on(comfyui: Path, version: str, run, config: Path, model_type: str, keys: int) -> None:
+    """A finished 2-epoch run that trained ``model_type`` on ComfyUI ``version`` after its parity check passed, whose
+    each epoch LoRA that ComfyUI's LoraLoaderModelOnly applies (``keys`` linears patched), reproducing the training
+    side, with an effect."""
+    from conftest import MATCH_TOLERANCE, MIN_EFFECT
+
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.status()["state"] == "finished"
+    assert run.events("start")[0]["comfyui"]["version"] == version
+    (parity,) = run.events("parity")
+    assert parity["model_type"] == model_type and parity["verdict"] == "passes", parity
+    loras = run.loras()
+    assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2] and len(loras) == 2
+    got = child_json(CHECK_LORAS, comfyui, str(config), *map(str, loras))
+    assert got["version"] == version and got["type"] == model_type, got
+    for check in got["checks"]:
+        assert check["keys_loaded"] == keys, got
+        assert check["comfy_vs_training"] < MATCH_TOLERANCE * max(1.0, check["scale"]), got
+        assert check["lora_effect"] > MIN_EFFECT, got

@@ -51,7 +51,7 @@ def load_run_config(path: str | Path, *, check_dataset: bool = True) -> RunConfi
     cfg = from_dict(RunConfig, _read_toml(path), file=path)
     cfg._file = path
     cfg.check_model_paths()
-    if cfg.model.diffusion_model:   # diffusion-pipe's type strings that the file decides (its 'flux2' for Klein)
+    if cfg.model.diffusion_model:   # diffusion-pipe's type strings that the file decides (its Flux 2 type for Klein)
         cfg.model.type = compat.file_type(cfg.model.type, cfg.resolve(cfg.model.diffusion_model))
     if check_dataset:   # read once, here: a bad dataset file fails before anything starts
         cfg._dataset = load_dataset_config(cfg.resolve(cfg.dataset), named_in=path, key="dataset")

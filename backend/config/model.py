@@ -16,7 +16,10 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 WeightDtype = Literal["float32", "bfloat16", "float16", "float8", "float8_e4m3fn", "float8_e5m2"]
 
 
-UNET_TYPES = ("sdxl", "sd15", "sd2")   # the model types whose network is a UNet (model.unet_lr)
+def unet_types() -> list[str]:
+    """The model types whose network is a UNet (``model.unet_lr``): their adapters' ``unet``."""
+    from ..models.registry import types_with
+    return types_with("unet")
 
 
 @dataclass
@@ -77,8 +80,8 @@ class ModelConfig:
             raise ConfigError(f"got min_t = {self.min_t}, max_t = {self.max_t}; need 0 <= min_t < max_t <= 1 "
                               "(Wan 2.2 14B: high-noise expert min_t = 0.875, low-noise max_t = 0.875 for t2v, "
                               "0.9 for i2v)", file=file, key="model.min_t")
-        if self.unet_lr is not None and (self.type not in UNET_TYPES or not self.unet_lr > 0):
-            raise ConfigError(f"the UNet's learning rate, above 0, for {', '.join(UNET_TYPES)} (diffusion-pipe reads "
+        if self.unet_lr is not None and (self.type not in unet_types() or not self.unet_lr > 0):
+            raise ConfigError(f"the UNet's learning rate, above 0, for {', '.join(unet_types())} (diffusion-pipe reads "
                               "it for SDXL); set [optimizer] lr instead", file=file, key="model.unet_lr")
         for key, model_type in (("max_sequence_length", "auraflow"), ("max_llama3_sequence_length", "hidream")):
             value = getattr(self, key)

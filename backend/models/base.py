@@ -1,8 +1,22 @@
-"""The model adapter interface: one subclass per architecture family.
+"""The model adapter interface: one subclass per architecture, in one module (or folder) of its own.
 
 An adapter knows how to load its ComfyUI model, encode images and captions for the cache, split the
 network into pipeline layers, and turn a cached batch into first-stage inputs and last-stage labels.
-Facts about the architecture are class attributes.
+Facts about the architecture are class attributes; the shared modules (loading, tiny files, config, compat,
+check-config, parity) read them and hold no table or branch per model type.
+
+What a new model declares (ARCHITECTURE.md, "Adding a model"), in its own module plus one ``registry.ADAPTERS``
+line:
+1. ``arch`` and ``spec``: the type string, and an ``ArchSpec`` (``spec.py``): the ComfyUI classes its detection
+   gives, the diffusion-model config per size and how to build it (tiny files), its text-encoder and VAE kinds,
+   with the kinds no other model reads declared there too (``ArchSpec.text_encoder_kinds`` / ``vae_kinds``),
+   the first ComfyUI release with its code where its class is older (``min_comfyui``).
+2. ``latent_format``, ``lora_block_prefixes``, ``text_fields``: the latent scaling, where LoRAs go, the cached text.
+3. ``encode_caption``, ``objective``, ``to_layers``: caching, the training target, the pipeline layers;
+   ``reference_forward`` and ``probe_text``: ComfyUI's own forward on the same inputs (parity and tests).
+4. Only where they differ from the defaults below: the data facts (video, audio, edit / control inputs), the
+   sampling hooks, and diffusion-pipe's names for the model (``dp_aliases``, ``dp_edit_of``, ``dp_file_of`` with
+   ``claims_file``, ``dp_lumina_shift``), which ``compat.py`` and check-config read.
 """
 from __future__ import annotations
 
@@ -59,6 +73,26 @@ class ModelAdapter(ABC):
     memory_format: torch.memory_format = torch.contiguous_format  # how the engine stores 4-D weights in training
     samples_first: bool = True               # every adapted layer's input has the samples on its first dimension
     #                                          (outermost where flattened): diff_output_preservation relies on it
+    audio: bool = False                      # trains on audio files (data/audio.py), latents from encode_audio
+    unet: bool = False                       # a UNet: [model] unet_lr is its learning rate (diffusion-pipe's SDXL)
+    # --- diffusion-pipe's names for this model (compat.py, check-config); its own type string is ours. Each names
+    # one type: ``registry.dp_facts`` reads them from the class itself, never from a base class ---
+    dp_aliases: tuple[str, ...] = ()         # diffusion-pipe's type strings for this type by another spelling
+    dp_edit_of: str = ""                     # the diffusion-pipe type that trains this one when the dataset has
+    #                                          control images (control_path): its edit variant
+    dp_file_of: str = ""                     # the diffusion-pipe type that names this one too, told apart by the
+    #                                          diffusion model's file (``claims_file`` reads its header)
+    dp_first_frame_of: str = ""              # the diffusion-pipe type that trains this one when its
+    #                                          first_frame_conditioning_p is 1 (LTX-Video's image to video)
+    dp_lumina_shift: bool = False            # reads diffusion-pipe's lumina_shift as flux_shift (Lumina 2)
+    dp_text_encoder_lora: bool = False       # diffusion-pipe trains LoRAs on its text encoders by default (SDXL:
+    #                                          check-config says that here they stay frozen)
+
+    @staticmethod
+    def claims_file(shapes: dict, metadata: dict) -> bool:
+        """``dp_file_of`` models: whether a diffusion-model file's safetensors header (tensor shapes, metadata; no
+        weights read) is this model's rather than the one diffusion-pipe's type names first."""
+        return False
 
     @classmethod
     def check_config(cls, cfg: ModelConfig, file) -> None:

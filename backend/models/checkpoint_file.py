@@ -25,7 +25,7 @@ import torch
 from ..errors import ModelError
 from ..patches_comfyui import detection_from_config
 from ..runtime import ensure_comfyui
-from .encoders import TEXT_ENCODERS
+from . import encoders
 from .registry import arch_spec
 
 META_TE_CONFIGS = "pipetrain.te_configs"   # a tiny checkpoint's text-encoder configs, {kind: config}
@@ -96,7 +96,7 @@ def text_encoder_options(metadata: dict, dtype: torch.dtype | None) -> dict:
     """ComfyUI's text-encoder model options for a checkpoint: a tiny one's configs (``pipetrain.te_configs``) as
     each kind's ``<name>_model_config`` option, and the dtype."""
     configs = json.loads(metadata.get(META_TE_CONFIGS, "{}"))
-    options = {TEXT_ENCODERS[kind].model_option or f"{TEXT_ENCODERS[kind].comfy_name or kind}_model_config": config
+    options = {encoders.kind(kind).model_option or f"{encoders.kind(kind).comfy_name or kind}_model_config": config
                for kind, config in configs.items()}
     return options if dtype is None else {**options, "dtype": dtype}
 

@@ -46,7 +46,7 @@ CLIP_TEXT_MODEL = comfy_text_model("comfy.clip_model:CLIPTextModel")
 T5_MODEL = comfy_text_model("comfy.text_encoders.t5:T5")
 
 
-def _comfy_llm_config(name: str):
+def comfy_llm_config(name: str):
     """``config`` for an LLM text encoder: ComfyUI's dataclass config ``comfy.text_encoders.llama.<name>``."""
     def config() -> dict:
         import dataclasses
@@ -86,33 +86,26 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
     # near its end) at width 64, so the tiny Qwen-Image takes that width; tiny files leave out the vision tower
     # (fixed at 1280 x 32 layers in ComfyUI, 0.6B parameters), which text-only encoding never runs
     # (4 layers: HunyuanImage 2.1 / HunyuanVideo 1.5 read the third-last one)
-    "qwen25_7b": TextEncoderKind("Qwen2.5-VL-7B", _comfy_llm_config("Qwen25_7BVLI_Config"),
+    "qwen25_7b": TextEncoderKind("Qwen2.5-VL-7B", comfy_llm_config("Qwen25_7BVLI_Config"),
                                  {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                                   "num_attention_heads": 2, "num_key_value_heads": 1},
                                  comfy_text_model("comfy.text_encoders.llama:Qwen25_7BVLI"), "QWEN25_7B",
                                  tiny_omits=("visual",)),
     # Qwen2.5-VL-3B's language model (OmniGen2; tokenizer shipped with ComfyUI): the tiny one keeps the real
     # vocabulary (the chat template's special ids sit near its end) at width 64, so the tiny OmniGen2 takes it
-    "qwen25_3b": TextEncoderKind("Qwen2.5-VL-3B", _comfy_llm_config("Qwen25_3BConfig"),
+    "qwen25_3b": TextEncoderKind("Qwen2.5-VL-3B", comfy_llm_config("Qwen25_3BConfig"),
                                  {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                   "num_attention_heads": 2, "num_key_value_heads": 1},
                                  comfy_text_model("comfy.text_encoders.llama:Qwen25_3B"), "QWEN25_3B"),
     # Qwen3-4B (Z-Image; tokenizer shipped with ComfyUI): the tiny one keeps the real vocabulary (the chat
     # template's special ids sit near its end) at width 64, so the tiny Z-Image takes that width
-    "qwen3_4b": TextEncoderKind("Qwen3-4B", _comfy_llm_config("Qwen3_4BConfig"),
+    "qwen3_4b": TextEncoderKind("Qwen3-4B", comfy_llm_config("Qwen3_4BConfig"),
                                 {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
                                  "num_attention_heads": 2, "num_key_value_heads": 1},
                                 comfy_text_model("comfy.text_encoders.llama:Qwen3_4B"), "QWEN3_4B"),
-    # Qwen3-8B (Flux 2 Klein 9B; ComfyUI 0.9.2 on, tokenizer shipped with ComfyUI): Klein reads the hidden states
-    # of layers 9, 18 and 27, so the tiny one keeps 28 layers at width 64 with the real vocabulary (the chat
-    # template's special ids sit near its end); the tiny Klein takes its 3 x 64 wide output
-    "qwen3_8b": TextEncoderKind("Qwen3-8B", _comfy_llm_config("Qwen3_8BConfig"),
-                                {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 28,
-                                 "num_attention_heads": 2, "num_key_value_heads": 1},
-                                comfy_text_model("comfy.text_encoders.llama:Qwen3_8B"), "QWEN3_8B"),
     # Gemma-2-2B (Lumina 2): real files carry their SentencePiece model; the tiny one keeps the real width 2304
     # with a 2000-piece tokenizer of Gemma's special ids
-    "gemma2_2b": TextEncoderKind("Gemma-2-2B", _comfy_llm_config("Gemma2_2B_Config"),
+    "gemma2_2b": TextEncoderKind("Gemma-2-2B", comfy_llm_config("Gemma2_2B_Config"),
                                  {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
                                   "intermediate_size": 256, "vocab_size": GEMMA2_TINY_VOCAB},
                                  comfy_text_model("comfy.text_encoders.llama:Gemma2_2B"), "GEMMA_2_2B",
@@ -120,7 +113,7 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
     # HunyuanVideo's LLaVA-Llama-3-8B text model: the tiny one keeps the real vocabulary (the chat template's
     # ids sit at its end) at width 64 with 4 layers (ComfyUI reads the third-last layer); the tiny HunyuanVideo
     # takes that width
-    "llama": TextEncoderKind("LLaVA-Llama-3-8B", _comfy_llm_config("Llama2Config"),
+    "llama": TextEncoderKind("LLaVA-Llama-3-8B", comfy_llm_config("Llama2Config"),
                              {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                               "num_attention_heads": 1, "num_key_value_heads": 1},
                              comfy_text_model("comfy.text_encoders.llama:Llama2"), "LLAMA3_8"),
@@ -132,7 +125,7 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
     # Mistral-Small-3.1-24B (Flux 2): ComfyUI reads the hidden states of layers 10, 20 and 30, so the tiny one
     # keeps 30 layers (like ComfyUI's pruned Flux 2 file) at width 64 with a byte-level tekken tokenizer; the
     # tiny Flux 2 takes its 3 x 64 wide output
-    "mistral3_24b": TextEncoderKind("Mistral-Small-3.1-24B", _comfy_llm_config("Mistral3Small24BConfig"),
+    "mistral3_24b": TextEncoderKind("Mistral-Small-3.1-24B", comfy_llm_config("Mistral3Small24BConfig"),
                                     {"vocab_size": MISTRAL_TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128,
                                      "num_hidden_layers": 30, "num_attention_heads": 1, "num_key_value_heads": 1,
                                      "final_norm": False},
@@ -141,6 +134,19 @@ TEXT_ENCODERS: dict[str, TextEncoderKind] = {
                                     comfy_patch=mistral_tokenizer_for_transformers5,
                                     also_detected_as=("MISTRAL3_24B_PRUNED_FLUX2",)),
 }
+
+
+def kinds() -> dict[str, TextEncoderKind]:
+    """Every text-encoder kind by name: the shared ones above and those a model declares in its own spec."""
+    from .registry import declared_kinds
+    return {**TEXT_ENCODERS, **declared_kinds("text_encoder_kinds")}
+
+
+def kind(name: str) -> TextEncoderKind:
+    """The text-encoder kind ``name`` (``kinds``)."""
+    return TEXT_ENCODERS[name] if name in TEXT_ENCODERS else kinds()[name]
+
+
 # ComfyUI's detection calls UMT5 files T5_XXL too; UMT5 has a relative-attention bias in every layer
 UMT5_MARKER = "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight"
 

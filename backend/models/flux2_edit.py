@@ -54,6 +54,7 @@ class Flux2EditInput(Flux2Input):
 
 class Flux2EditAdapter(Flux2Adapter):
     arch = "flux2_edit"
+    dp_edit_of = "flux2"
     spec = FLUX2_EDIT_SPEC
     conditioning_fields = ("references",)
     needs_control = True

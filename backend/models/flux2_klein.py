@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from .encoders import TextEncoderKind, comfy_llm_config
 from .flux2 import FLUX2_DEV, FLUX2_SPEC, KLEIN_TEXT_WIDTHS, Flux2Adapter
+from .spec import comfy_text_model
 
 # Klein as ComfyUI's detection gives it (Flux 2's fixed fields; widths and depths from the weights)
 _KLEIN = {**FLUX2_DEV, "guidance_embed": False}
@@ -45,15 +47,26 @@ def reads_qwen3(unet_config: dict) -> bool:
     return unet_config.get("context_in_dim") in KLEIN_TEXT_WIDTHS
 
 
+# Qwen3-8B (Klein 9B; ComfyUI 0.9.2 on, tokenizer shipped with ComfyUI): Klein reads the hidden states of layers
+# 9, 18 and 27, so the tiny one keeps 28 layers at width 64 with the real vocabulary (the chat template's special
+# ids sit near its end); the tiny Klein takes its 3 x 64 wide output
+QWEN3_8B = TextEncoderKind("Qwen3-8B", comfy_llm_config("Qwen3_8BConfig"),
+                           {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 28,
+                            "num_attention_heads": 2, "num_key_value_heads": 1},
+                           comfy_text_model("comfy.text_encoders.llama:Qwen3_8B"), "QWEN3_8B")
+
+
 FLUX2_KLEIN_SPEC = dataclasses.replace(
     FLUX2_SPEC, title="Flux 2 Klein", unet_config=klein_config, accepts=reads_qwen3,
     # the tiny files and the "full" size are Klein 9B's; Klein 4B's Qwen3-4B is the other set ComfyUI reads
     text_encoders=("qwen3_8b",), text_encoder_alternatives=(("qwen3_4b",),), clip_type="FLUX2",
+    text_encoder_kinds={"qwen3_8b": QWEN3_8B},
     text_encoder_types=("flux2",), example_file="flux-2-klein-base-4b.safetensors", min_comfyui=MIN_COMFYUI)
 
 
 class Flux2KleinAdapter(Flux2Adapter):
     arch = "flux2_klein"
+    dp_file_of = "flux2"
     spec = FLUX2_KLEIN_SPEC
     text_fields = ("qwen3",)
 

@@ -233,6 +233,7 @@ class HunyuanAdapter(ModelAdapter):
     4k + 1 frames gives k + 1 latent frames; an image is a one-frame clip), LLaVA-Llama-3 text + CLIP-L pooled,
     distilled guidance ``guidance`` (as Flux-dev's; 1.0 unless set)."""
     arch = "hunyuan_video"
+    dp_aliases = ("hunyuan-video",)
     spec = HV_SPEC
     comfy_config = "HunyuanVideo"            # comfy.supported_models class: its sampling shift is the default
     latent_format = "HunyuanVideo"
@@ -386,6 +387,7 @@ class HunyuanVideo15Adapter(GlyphAdapter):
 class HunyuanImage21Adapter(GlyphAdapter):
     """HunyuanImage 2.1 t2i: 64-channel 2-D latents of its 32x VAE."""
     arch = "hunyuan_image_21"
+    dp_aliases = ("hunyuan_image",)
     spec = HI21_SPEC
     comfy_config = "HunyuanImage21"
     latent_format = "HunyuanImage21"

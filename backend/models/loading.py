@@ -27,7 +27,7 @@ from ..model_folders import (SAFETENSORS_SUFFIXES, is_wan_vae_folder, read_confi
 from ..patches_comfyui import detection_from_config, narrowed_class
 from ..runtime import ensure_comfyui
 from .registry import ADAPTERS, arch_spec, arch_specs
-from .vaes import VAES
+from . import vaes
 
 SUPPORTED_ARCHS = tuple(ADAPTERS)
 META_ARCH, META_UNET, META_TE_KIND, META_TE = (
@@ -369,7 +369,7 @@ def load_clip_vision(path):
 def _narrowed_vae_class(metadata: dict):
     """A tiny file of a VAE whose width ComfyUI fixes (``VAEKind.widths``, e.g. Wan 2.2's) names its widths in
     its metadata: while ComfyUI's detection builds the VAE, its class takes them."""
-    kind = VAES.get(metadata.get(META_VAE_KIND, ""))
+    kind = vaes.kinds().get(metadata.get(META_VAE_KIND, ""))
     if META_VAE not in metadata or kind is None or not kind.narrowed_class:
         return contextlib.nullcontext()
     widths = json.loads(metadata[META_VAE])
@@ -404,7 +404,7 @@ def load_vae(path, *, arch: str | None = None):
 
 def check_vae(vae, path, arch: str) -> None:
     """The VAE's latent channels and dimensions are those of ``arch``'s (its spec's VAE kind)."""
-    kind = VAES[arch_spec(arch).vae]
+    kind = vaes.kind(arch_spec(arch).vae)
     if vae.latent_channels != kind.latent_channels:
         raise ModelError(f"{path}: a {arch} VAE ({kind.title}) has {kind.latent_channels} latent channels, "
                          f"this one has {vae.latent_channels}")

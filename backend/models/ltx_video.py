@@ -253,6 +253,7 @@ class LTXOutput(TupleLayer):
 
 class LTXVideoAdapter(VideoLatents, ModelAdapter):
     arch = "ltx_video"
+    dp_aliases = ("ltx-video",)
     spec = LTXV_SPEC
     latent_format = "LTXV"
     lora_block_prefixes = ("transformer_blocks",)
@@ -315,6 +316,7 @@ class LTXVideoAdapter(VideoLatents, ModelAdapter):
 class LTXVideoI2VAdapter(GivenFirstFrame, LTXVideoAdapter):
     """LTX-Video image to video: the clip's first frame given, as ComfyUI's LTXVImgToVideo (strength 1) gives it."""
     arch = "ltx_video_i2v"
+    dp_first_frame_of = "ltx_video"
     still_type = "ltx_video"
 
     def reference_forward(self, x_t, t, text):

@@ -266,6 +266,8 @@ class ZImageAdapter(NextDiTAdapter):
 
 class Lumina2Adapter(NextDiTAdapter):
     arch = "lumina2"
+    dp_aliases = ("lumina_2",)
+    dp_lumina_shift = True
     spec = LUMINA2_SPEC
 
     def caption_text(self, caption):

@@ -256,6 +256,7 @@ class QwenImageAdapter(ModelAdapter):
 class QwenImageEditAdapter(QwenImageAdapter):
     """Qwen-Image-Edit: the control image's latent goes in as reference tokens (``ref_latents``)."""
     arch = "qwen_image_edit"
+    dp_edit_of = "qwen_image"
     spec = QWEN_IMAGE_EDIT_SPEC
     conditioning_fields = ("reference",)
     needs_control = True

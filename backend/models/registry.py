@@ -1,4 +1,5 @@
-"""Model type string -> adapter class. Adding a model is one line here plus its module."""
+"""Model type string -> adapter class. Adding a model is one line here plus its module (``base.py`` lists what the
+module declares); the shared modules ask this registry for the declared facts instead of keeping tables by type."""
 from __future__ import annotations
 
 import importlib
@@ -39,13 +40,13 @@ ADAPTERS: dict[str, str] = {
     "z_image": ".lumina:ZImageAdapter",
     "lumina2": ".lumina:Lumina2Adapter",
     "ace_step": ".ace_step:AceStepAdapter",
+    "anima": ".anima:AnimaAdapter",
 }
 
 # Models whose code the pinned ComfyUI (0.3.75) does not have: type string -> (name, the first ComfyUI
 # release known to have it, or None when unknown). Once PipeTrain runs on such a ComfyUI, the model's adapter
 # module goes into ADAPTERS and its line leaves this table.
 NEEDS_NEWER_COMFYUI: dict[str, tuple[str, str | None]] = {
-    "anima": ("Anima", None),
     "ernie_image": ("Ernie-Image", "0.19.0"),
     "ltx2": ("LTX 2.3", None),
     "ideogram4": ("Ideogram 4", None),
@@ -121,3 +122,24 @@ def types_with(fact: str) -> list[str]:
 
 def arch_specs() -> dict:
     return {name: arch_spec(name) for name in ADAPTERS}
+
+
+def dp_facts(fact: str) -> dict[str, object]:
+    """Supported type -> its value of one of diffusion-pipe's naming facts (``ModelAdapter.dp_*``), for the types
+    whose adapter class sets it itself: each names one type, so a subclass (Qwen-Image-Edit-Plus of Qwen-Image-Edit)
+    does not inherit its base's."""
+    out = {}
+    for t in ADAPTERS:
+        value = vars(adapter_class(t)).get(fact)
+        if value:
+            out[t] = value
+    return out
+
+
+def declared_kinds(table: str) -> dict:
+    """The text-encoder (``table`` "text_encoder_kinds") or VAE ("vae_kinds") kinds the supported models declare in
+    their own ``ArchSpec`` (the ones no other model reads), by kind name."""
+    out = {}
+    for t in ADAPTERS:
+        out.update(getattr(arch_spec(t), table))
+    return out

@@ -376,6 +376,8 @@ class SDXLOutput(TupleLayer):
 
 class SDXLAdapter(ModelAdapter):
     arch = "sdxl"
+    unet = True
+    dp_text_encoder_lora = True
     spec = SDXL_SPEC
     latent_format = "SDXL"
     lora_block_prefixes = SDXL_TRANSFORMERS

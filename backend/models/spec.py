@@ -4,15 +4,15 @@
 Each adapter class carries one ``ArchSpec`` (its ``spec`` attribute, defined beside the adapter): which
 ``comfy.supported_models`` classes ComfyUI's detection gives for it, its diffusion-model config per size
 (``micro`` / ``tiny`` / ``full``) and the ComfyUI class built from one, its text-encoder kinds and VAE kind.
-Text encoders and VAEs are shared between architectures: their kinds are the tables of ``encoders.py`` and
-``vaes.py``. ComfyUI's objects are named as ``module:name`` strings and resolved by ``comfy_object`` when used.
+Text encoders and VAEs shared between architectures are the tables of ``encoders.py`` and ``vaes.py``; a kind
+one model alone reads is declared in its own spec (``text_encoder_kinds``, ``vae_kinds``). ComfyUI's objects are named as ``module:name`` strings and resolved by ``comfy_object`` when used.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -53,6 +53,11 @@ class ArchSpec:
     # is ComfyUI's Flux2 class, which 0.3.75 has, with a text encoder only later releases load): "" where the
     # class itself tells (``parity.missing_comfy_code``)
     min_comfyui: str = ""
+    # the text-encoder and VAE kinds this model brings that no other model reads, by kind name (``encoders.
+    # TextEncoderKind``, ``vaes.VAEKind``), declared beside the adapter; shared kinds live in ``encoders.py`` and
+    # ``vaes.py``. ``text_encoders`` and ``vae`` name either
+    text_encoder_kinds: dict = field(default_factory=dict, hash=False, compare=False)
+    vae_kinds: dict = field(default_factory=dict, hash=False, compare=False)
 
     def built_in(self, unet_config: dict) -> contextlib.AbstractContextManager:
         return self.building(unet_config) if self.building else contextlib.nullcontext()

@@ -13,7 +13,8 @@ from ..errors import ModelError
 from ..model_folders import qwen_vl_state_dict, read_config, text_config, text_encoder_kind
 from ..patches_comfyui import text_encoder_kinds
 from ..runtime import ensure_comfyui
-from .encoders import TEXT_ENCODERS, UMT5_MARKER
+from . import encoders
+from .encoders import UMT5_MARKER
 from .loading import (META_TE, META_TE_KIND, SUPPORTED_ARCHS, _load_state_dict, _meta_state_dict,
                       _require_file, read_header)
 from .registry import ADAPTERS, arch_spec
@@ -26,12 +27,12 @@ def _real_te_kind(shapes: dict) -> str:
         return "unknown"
     if kind.name == "T5_XXL" and UMT5_MARKER in shapes:
         return "umt5xxl"
-    return next((k for k, spec in TEXT_ENCODERS.items() if kind.name in (spec.te_model, *spec.also_detected_as)),
+    return next((k for k, spec in encoders.kinds().items() if kind.name in (spec.te_model, *spec.also_detected_as)),
                 kind.name.lower())
 
 
 def _te_title(kind: str) -> str:
-    return TEXT_ENCODERS[kind].title if kind in TEXT_ENCODERS else kind
+    return encoders.kinds()[kind].title if kind in encoders.kinds() else kind
 
 
 def _check_kinds(paths: list[Path], kinds: list[str], arch: str) -> None:
@@ -48,7 +49,7 @@ def _check_vision_towers(paths: list[Path], headers, kinds: list[str], arch: str
     if not arch_spec(arch).text_encoders_read_images:
         return
     for path, (shapes, _), kind in zip(paths, headers, kinds):
-        for name in TEXT_ENCODERS[kind].tiny_omits:
+        for name in encoders.kind(kind).tiny_omits:
             if not any(k.startswith(f"{name}.") or f".{name}." in k for k in shapes):
                 raise ModelError(f"{path}: this {_te_title(kind)} file has no vision tower ('{name}.*' weights); "
                                  f"{arch_spec(arch).title} reads each caption together with its control image: "
@@ -57,7 +58,7 @@ def _check_vision_towers(paths: list[Path], headers, kinds: list[str], arch: str
 
 def _patch_for(kinds: list[str]) -> None:
     """What ComfyUI needs patched before it builds these kinds' tokenizers (``TextEncoderKind.comfy_patch``)."""
-    for patch in {TEXT_ENCODERS[kind].comfy_patch for kind in kinds} - {None}:
+    for patch in {encoders.kind(kind).comfy_patch for kind in kinds} - {None}:
         patch()
 
 
@@ -163,13 +164,13 @@ def _load_given_text_encoders(paths: list[Path], given: list[tuple[str, dict | N
     kinds = [kind for kind, _ in given]
     _check_kinds(paths, kinds, arch)
     _patch_for(kinds)
-    options = {TEXT_ENCODERS[kind].model_option or f"{TEXT_ENCODERS[kind].comfy_name or kind}_model_config": config
+    options = {encoders.kind(kind).model_option or f"{encoders.kind(kind).comfy_name or kind}_model_config": config
                for kind, config in given if config is not None}
     if dtype is not None:
         options["dtype"] = dtype
     state_dicts = [_folder_keys(kind, _load_state_dict(path)[0]) if path.is_dir() else _load_state_dict(path)[0]
                    for path, kind in zip(paths, kinds)]
-    kind_of = {id(sd): (TEXT_ENCODERS[kind].te_model, TEXT_ENCODERS[kind].comfy_name or kind)
+    kind_of = {id(sd): (encoders.kind(kind).te_model, encoders.kind(kind).comfy_name or kind)
                for kind, sd in zip(kinds, state_dicts)}
     loaded: dict[int, object] = {}
     clip_type = getattr(comfy.sd.CLIPType, arch_spec(arch).clip_type)
@@ -181,8 +182,8 @@ def _load_given_text_encoders(paths: list[Path], given: list[tuple[str, dict | N
     for path, kind, sd in zip(paths, kinds, state_dicts):
         missing = loaded[id(sd)][0]
         # then no part may be left out; a model that reads captions alone never runs a VL encoder's vision tower
-        reads_images = arch_spec(arch).text_encoders_read_images or (whole and not TEXT_ENCODERS[kind].tiny_omits)
-        omitted = () if reads_images else tuple(name + "." for name in TEXT_ENCODERS[kind].tiny_omits)
+        reads_images = arch_spec(arch).text_encoders_read_images or (whole and not encoders.kind(kind).tiny_omits)
+        omitted = () if reads_images else tuple(name + "." for name in encoders.kind(kind).tiny_omits)
         missing = [k for k in missing if not k.startswith(omitted)] if omitted else missing
         if path.is_dir():
             missing = [k for k in missing if k not in FOLDER_OPTIONAL.get(kind, ())]

@@ -36,9 +36,8 @@ import torch
 from ..errors import ModelError
 from ..fsutil import exclusive, temp_path_beside
 from .registry import ADAPTERS, arch_spec
-from .encoders import TEXT_ENCODERS
+from . import encoders, vaes
 from .spec import SIZES
-from .vaes import VAES
 
 ARCHS = tuple(ADAPTERS)
 TINY_FILES_VERSION = "3"   # bump when the files written for a size change (3: the tiny ACE vocoder decodes)
@@ -63,7 +62,7 @@ def build_diffusion_model(arch: str, size: str) -> torch.nn.Module:
 
 def build_vae(arch: str, size: str = "tiny") -> torch.nn.Module:
     """The module ``comfy.sd.VAE`` builds for this arch's VAE file (same class, same state-dict keys)."""
-    return VAES[arch_spec(arch).vae].build(size)
+    return vaes.kind(arch_spec(arch).vae).build(size)
 
 
 SHALLOW = "shallow"   # text encoders for benchmarks: the real width (what the diffusion model reads), tiny depth
@@ -71,7 +70,7 @@ SHALLOW = "shallow"   # text encoders for benchmarks: the real width (what the d
 
 def text_encoder_config(kind: str, size: str) -> dict:
     from ..runtime import locate_comfyui
-    spec = TEXT_ENCODERS[kind]
+    spec = encoders.kind(kind)
     config = spec.config() if callable(spec.config) else json.loads((locate_comfyui() / spec.config).read_text())
     if size == SHALLOW:
         return {**config, **{key: value for key, value in spec.tiny.items() if "layers" in key}}
@@ -80,7 +79,7 @@ def text_encoder_config(kind: str, size: str) -> dict:
 
 def build_text_encoder(kind: str, config: dict) -> torch.nn.Module:
     """The module whose state dict is a text-encoder file (``SDClipModel.transformer``)."""
-    return TEXT_ENCODERS[kind].build(config)
+    return encoders.kind(kind).build(config)
 
 
 # --- streaming a meta module to safetensors ------------------------------------------------------
@@ -194,21 +193,21 @@ def _write_text_encoder(kind: str, size: str, path: Path, dtype, seed, device: s
     meta = {"pipetrain.te_kind": kind, "pipetrain.size": size}
     if size in ("tiny", SHALLOW):
         meta["pipetrain.te_config"] = json.dumps(config)
-    extras = {name: make() for name, make in TEXT_ENCODERS[kind].extras.items()}
+    extras = {name: make() for name, make in encoders.kind(kind).extras.items()}
     module = build_text_encoder(kind, config)
     # e.g. a VL model's vision tower: text-only encoding never runs it
     if size in ("tiny", SHALLOW) and not reads_images:
-        for name in TEXT_ENCODERS[kind].tiny_omits:
+        for name in encoders.kind(kind).tiny_omits:
             delattr(module, name)
     return write_safetensors(module, path, dtype, seed, meta, extras, device)
 
 
 def _vae_metadata(kind: str, size: str) -> dict[str, str]:
     """A VAE whose width ComfyUI fixes (``VAEKind.widths``): a narrower file names its widths for loading.py."""
-    widths = VAES[kind].widths(size) if VAES[kind].widths else {}
+    widths = vaes.kind(kind).widths(size) if vaes.kind(kind).widths else {}
     meta = {"pipetrain.vae_kind": kind, "pipetrain.vae_config": json.dumps(widths)} if widths else {}
-    if VAES[kind].file_metadata:   # what ComfyUI reads from the file itself (e.g. the LTX VAE's config)
-        meta.update(VAES[kind].file_metadata(size))
+    if vaes.kind(kind).file_metadata:   # what ComfyUI reads from the file itself (e.g. the LTX VAE's config)
+        meta.update(vaes.kind(kind).file_metadata(size))
     return meta
 
 
@@ -225,17 +224,17 @@ def write_model_files(arch: str, out_dir: Path, size: str = "tiny", dtype=torch.
     spec = arch_spec(arch)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    vae_kind = VAES[spec.vae]
+    vae = vaes.kind(spec.vae)
     files = ModelFiles(out_dir / f"{arch}_{size}_diffusion_model.safetensors",
-                       out_dir / (f"{arch}_{size}_vae.safetensors" if vae_kind.sized else f"{arch}_vae.safetensors"),
+                       out_dir / (f"{arch}_{size}_vae.safetensors" if vae.sized else f"{arch}_vae.safetensors"),
                        [out_dir / f"{arch}_{text_encoder_size or size}_{kind}.safetensors"
                         for kind in spec.text_encoders])
     _write_diffusion_model(arch, size, files.diffusion_model, dtype, seed, init_device, unet_config)
     # VAEs and text encoders are seeded by their kind, not their place in the architecture, so the same
     # component is the same file in every architecture (the shared cache stores it once)
-    write_safetensors(vae_kind.build(size), files.vae, dtype, seed + 1, _vae_metadata(spec.vae, size),
-                      {name: make() for name, make in vae_kind.extras.items()}, device=init_device,
-                      init=vae_kind.init)
+    write_safetensors(vae.build(size), files.vae, dtype, seed + 1, _vae_metadata(spec.vae, size),
+                      {name: make() for name, make in vae.extras.items()}, device=init_device,
+                      init=vae.init)
     for kind, path in zip(spec.text_encoders, files.text_encoders):
         _write_text_encoder(kind, text_encoder_size or size, path, dtype, seed + 2 + zlib.crc32(kind.encode()) % 997,
                             init_device, spec.text_encoders_read_images)

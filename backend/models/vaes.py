@@ -267,3 +267,14 @@ VAES: dict[str, VAEKind] = {
                                extras={"encoder.patcher3d.wavelets": _haar_wavelets,
                                        "decoder.unpatcher3d.wavelets": _haar_wavelets}),
 }
+
+
+def kinds() -> dict[str, VAEKind]:
+    """Every VAE kind by name: the shared ones above and those a model declares in its own spec."""
+    from .registry import declared_kinds
+    return {**VAES, **declared_kinds("vae_kinds")}
+
+
+def kind(name: str) -> VAEKind:
+    """The VAE kind ``name`` (``kinds``)."""
+    return VAES[name] if name in VAES else kinds()[name]

@@ -10,13 +10,12 @@ trains on 2 ranks as a 2-stage pipeline, and each epoch LoRA loads in 0.33.0's L
 applied, reproducing the training side."""
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from comfyui_copies import comfyui_cache, doctor, other_comfyuis, python_env
-from conftest import MATCH_TOLERANCE, MIN_EFFECT, train
+from comfyui_copies import (check_config_on, check_two_epoch_run_on, child_json, doctor, newer_comfyui,
+                            ranks_import, tiny_files_code)
+from conftest import train
 
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.preflight import load_run
@@ -26,18 +25,7 @@ NEWER = "0.33.0"
 
 
 def _comfyui() -> Path:
-    found = other_comfyuis().get(NEWER)
-    if found is None:
-        pytest.skip(f"ComfyUI {NEWER} is not in {comfyui_cache()} (scripts/comfyui_cache.sh writes it)")
-    return found
-
-
-def _child(code: str, comfyui: Path, *args: str, timeout: float = 600) -> dict:
-    """``code`` in a Python importing ``comfyui``; its last stdout line as JSON."""
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                         env=python_env(comfyui))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return newer_comfyui(NEWER)
 
 
 def _klein_header_file(path: Path, text_width: int = 7680) -> Path:
@@ -127,7 +115,7 @@ print(json.dumps(out))
 
 
 def test_comfyui_033_detects_klein_4b_and_9b_and_their_qwen3_text_encoders():
-    got = _child(_DETECTION, _comfyui())
+    got = child_json(_DETECTION, _comfyui())
     for name in ("4b", "9b"):
         assert got[name]["class"] == "Flux2" and got[name]["config_agrees"], got
         assert got[name]["arch"] == "flux2_klein" and got[name]["claims"], got
@@ -136,13 +124,7 @@ def test_comfyui_033_detects_klein_4b_and_9b_and_their_qwen3_text_encoders():
     assert got["qwen3_4b"] == "qwen3_4b" and got["qwen3_8b"] == "qwen3_8b", got
 
 
-_TINY = """
-import json, sys, torch
-from pipetrain.backend.models import loading
-from pipetrain.backend.models.tiny import cached_model_files
-files = cached_model_files("flux2_klein")
-out = {"files": {"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
-                 "text_encoders": [str(p) for p in files.text_encoders]}}
+_TINY = tiny_files_code("flux2_klein") + """
 if sys.argv[1:] == ["load"]:
     patcher = loading.load_diffusion_model(files.diffusion_model, torch.float32)
     params = patcher.model.diffusion_model.params
@@ -165,13 +147,13 @@ print(json.dumps(out))
 def _tiny_files(comfyui: Path) -> dict:
     """The tiny Klein files, written once per machine by a process importing ``comfyui`` (the pinned one lacks
     Qwen3-8B)."""
-    return _child(_TINY, comfyui)["files"]
+    return child_json(_TINY, comfyui)["files"]
 
 
 def test_tiny_klein_files_load_through_comfyui_033():
     """The network from its metadata; Qwen3-8B through ComfyUI's Klein tokenizer (its chat template) and encoder
     (layers 9, 18, 27 side by side: 3 x 64), padded to 512 tokens; Flux 2's VAE (16x, 128 channels)."""
-    got = _child(_TINY, _comfyui(), "load")
+    got = child_json(_TINY, _comfyui(), "load")
     assert got["model"] == ["Flux2", 192, False] and got["arch"] == "flux2_klein", got
     assert got["template"].startswith("<|im_start|>user\na red cube<|im_end|>"), got
     assert got["cond"] == [1, 512, 192] and got["captions_differ"], got
@@ -186,52 +168,25 @@ def test_klein_passes_the_parity_check_on_comfyui_033(tmp_path):
     assert r["lora_keys"] == 20 and r["lora_difference"] <= 1e-12 * r["scale"], r
 
 
-_CHECK_LORA = """
-import json, sys
-from pathlib import Path
-from pipetrain.backend.config import load_run_config
-from pipetrain.backend.runtime import comfyui_version
-from pipetrain.backend.verify import check_lora
-cfg = load_run_config(sys.argv[1])
-checks = [check_lora(cfg, Path(p)).__dict__ for p in sys.argv[2:]]
-print(json.dumps({"version": comfyui_version(), "type": cfg.model.type, "checks": checks}))
-"""
-
-
 @pytest.mark.slow
 def test_diffusion_pipes_klein_config_trains_two_stages_on_comfyui_033_to_loras_its_loader_applies(make_run,
                                                                                                   monkeypatch,
                                                                                                   tmp_path):
     comfyui = _comfyui()
     files = _tiny_files(comfyui)
-    for name, value in python_env(comfyui).items():   # the ranks import 0.33.0 (and its comfy-kitchen)
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(tmp_path / "memo"))
+    ranks_import(comfyui, monkeypatch, tmp_path / "memo")
 
     class Files:   # diffusion-pipe's own config: type 'flux2', the text encoder as a table of type 'flux2'
         diffusion_model, vae, text_encoders = files["diffusion_model"], files["vae"], files["text_encoders"]
     config = make_run(Files, images=8, stages=2, epochs=2, micro_batch_size_per_gpu=2, optimizer={"lr": 2e-2},
                       model={"type": "flux2", "shift": 3, "timestep_sample_method": "logit_normal",
                              "text_encoders": [{"path": files["text_encoders"][0], "type": "flux2"}]})
-    checked = subprocess.run([sys.executable, "-m", "pipetrain", "check-config", str(config)], capture_output=True,
-                             text=True, timeout=300, env=python_env(comfyui))
-    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    checked = check_config_on(comfyui, config)
     assert ("Loads: trains model type 'flux2_klein' (diffusion-pipe's 'flux2' with a Flux 2 Klein file"
-            in checked.stdout), checked.stdout
-    assert "a Qwen3-8B text encoder file" in checked.stdout, checked.stdout
+            in checked), checked
+    assert "a Qwen3-8B text encoder file" in checked, checked
 
     run = train(config, ranks=2)
-    assert run.returncode == 0, run.output[-4000:]
-    assert run.status()["state"] == "finished"
-    assert run.events("start")[0]["comfyui"]["version"] == NEWER
-    (parity,) = run.events("parity")
-    assert parity["model_type"] == "flux2_klein" and parity["verdict"] == "passes", parity
+    # 0.33.0's LoraLoaderModelOnly patches all 20 adapted linears
+    check_two_epoch_run_on(comfyui, NEWER, run, config, "flux2_klein", keys=20)
     assert run.events("engine")[0]["stage_bounds"] == [0, 3, 7]   # input + 2 double | join + 2 single + output
-    loras = run.loras()
-    assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2] and len(loras) == 2
-    got = _child(_CHECK_LORA, comfyui, str(config), *map(str, loras))
-    assert got["version"] == NEWER and got["type"] == "flux2_klein", got
-    for check in got["checks"]:   # 0.33.0's LoraLoaderModelOnly patches all 20 adapted linears
-        assert check["keys_loaded"] == 20, got
-        assert check["comfy_vs_training"] < MATCH_TOLERANCE * max(1.0, check["scale"]), got
-        assert check["lora_effect"] > MIN_EFFECT, got

@@ -5,9 +5,8 @@ import pytest
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.models import registry
 from pipetrain.backend.preflight import load_run
-from pipetrain.backend.models.encoders import TEXT_ENCODERS
+from pipetrain.backend.models import encoders, vaes
 from pipetrain.backend.models.spec import SIZES
-from pipetrain.backend.models.vaes import VAES
 from pipetrain.backend.runtime import PINNED_VERSION
 from pipetrain.backend.versions import TESTED_VERSIONS
 
@@ -50,7 +49,8 @@ def test_every_adapter_declares_its_files(model_type):
     cls = registry.adapter_class(model_type)
     assert cls.arch == model_type and not set(registry.NEEDS_NEWER_COMFYUI) & {model_type}
     spec = registry.arch_spec(model_type)
-    assert spec.vae in VAES and spec.text_encoders and all(k in TEXT_ENCODERS for k in spec.text_encoders)
+    assert spec.vae in vaes.kinds() and spec.text_encoders
+    assert all(k in encoders.kinds() for kinds in spec.text_encoder_sets() for k in kinds)
     assert spec.comfy_configs and set(spec.detected_sizes) <= set(SIZES)
     assert all(isinstance(spec.unet_config(size), dict) for size in SIZES)
     # on the newest tested ComfyUI every type trains (a type whose code a later ComfyUI brought names the release)
@@ -60,14 +60,17 @@ def test_every_adapter_declares_its_files(model_type):
 
 def test_only_adapters_and_the_registry_name_architectures():
     """Adding a model touches its adapter file and one registry line: the loaders, the tiny-file writer, the
-    data, cache and training code never branch on a model type."""
+    data, cache and training code, the config, diffusion-pipe's spellings and check-config never branch on a model
+    type (they read the adapters' declared facts)."""
     from pathlib import Path
 
     backend = Path(registry.__file__).resolve().parents[1]
     generic = [backend / "models" / "loading.py", backend / "models" / "checkpoint_file.py",
                backend / "models" / "tiny.py", backend / "sampling.py", backend / "sample_audio.py",
                backend / "verify.py", backend / "parity.py", backend / "doctor.py", backend / "patches_comfyui.py",
-               backend / "patches_deepspeed.py", *(backend / "data").glob("*.py"),
+               backend / "patches_deepspeed.py", backend / "compat.py", backend / "check_config.py",
+               backend / "model_file_check.py", backend / "models" / "te_loading.py",
+               *(backend / "config").glob("*.py"), *(backend / "data").glob("*.py"),
                *(backend / "cache").glob("*.py"),
                *(backend / "train").glob("*.py")]
     for path in generic:

@@ -30,9 +30,16 @@ def memo(tmp_path, monkeypatch):
 def test_every_model_type_passes_on_the_pinned_comfyui_and_the_verdict_is_memoised(memo):
     ensure_comfyui()
     results = {t: parity.check_model_type(t) for t in ADAPTERS}
-    # but the types whose code a later ComfyUI brought (Flux 2 Klein): refused by name (test_flux2_klein.py)
+    # but the types whose code a later ComfyUI brought: refused by name, by the release their adapter names (Flux 2
+    # Klein, test_flux2_klein.py) or by the ComfyUI class this one lacks (Anima, test_anima.py)
     newer = {t for t in ADAPTERS if adapter_class(t).spec.min_comfyui}
     assert {t for t in newer if results.pop(t).needs_comfyui} == newer
+    import comfy.supported_models as sm
+    absent = {t for t in ADAPTERS if not any(hasattr(sm, c) for c in adapter_class(t).spec.comfy_configs)}
+    assert absent == {"anima"}   # what 0.3.75 lacks: a type added here is named in this line
+    for t in absent:
+        r = results.pop(t)
+        assert r.verdict == "lacks" and f"no comfy.supported_models.{adapter_class(t).spec.comfy_configs[0]}" in r.detail
     failed = {t: r.summary() for t, r in results.items() if not r.ok}
     assert not failed
     for t, r in results.items():

@@ -19,8 +19,8 @@ from pipetrain.backend.models.registry import ADAPTERS
 COMFYUIS = other_comfyuis()
 
 # model type -> verdict where it is not "passes" (docs/models.md's compatibility table, and why)
-# Flux 2 Klein's text encoder arrived in 0.9.2
-_BEFORE_KLEIN = {"flux2_klein": "lacks"}
+# Flux 2 Klein's text encoder arrived in 0.9.2, Anima's class after 0.8.0
+_BEFORE_KLEIN = {"flux2_klein": "lacks", "anima": "lacks"}
 _BEFORE_FLUX2 = {**_BEFORE_KLEIN, "flux2": "lacks", "flux2_edit": "lacks", "hunyuan_video_15": "lacks",
                  "z_image": "lacks",
                  "lumina2": "fails",           # NextDiT takes no rope_theta yet
