@@ -17,6 +17,7 @@ from typing import get_args, get_origin
 from . import compat
 from .config import DatasetConfig, RunConfig
 from .config.common import config_path
+from .config.model import token_length_keys
 from .config.files import _read_toml
 from .config.patch import _section
 from .errors import PipeTrainError
@@ -171,8 +172,9 @@ def report(path: str | Path) -> tuple[str, bool]:
         main.get("model"), dict) else {})
     if cfg is not None and dp_trains_text_encoders(cfg.model.type) and cfg.adapter is not None and not te_rates:
         differing.append(("main", "model.text_encoder_1_lr, text_encoder_2_lr", *MODEL_DEFAULTS["text_encoder_1_lr"]))
-    if cfg is not None and cfg.model.type == "auraflow" and cfg.model.max_sequence_length is None:
-        differing.append(("main", "model.max_sequence_length", *MODEL_DEFAULTS["max_sequence_length"]))
+    length_key = token_length_keys().get(cfg.model.type) if cfg is not None else None
+    if length_key in MODEL_DEFAULTS and getattr(cfg.model, length_key) is None:   # AuraFlow's: dp requires it
+        differing.append(("main", f"model.{length_key}", *MODEL_DEFAULTS[length_key]))
     if differing:
         out.append("Defaults that differ from diffusion-pipe's (keys these files leave out):")
         out += [f"  {key} ({file} file): diffusion-pipe {dp}; here {ours}" for file, key, dp, ours in differing]

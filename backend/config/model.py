@@ -22,6 +22,12 @@ def unet_types() -> list[str]:
     return types_with("unet")
 
 
+def token_length_keys() -> dict[str, str]:
+    """Model type -> the [model] key of diffusion-pipe's caption token length it reads (``dp_token_length_key``)."""
+    from ..models.registry import dp_facts
+    return dp_facts("dp_token_length_key")
+
+
 @dataclass
 class TextEncoderConfig:
     """diffusion-pipe's table form of a text encoder entry: {path = ...} or {paths = [...]}, with a type."""
@@ -83,7 +89,7 @@ class ModelConfig:
         if self.unet_lr is not None and (self.type not in unet_types() or not self.unet_lr > 0):
             raise ConfigError(f"the UNet's learning rate, above 0, for {', '.join(unet_types())} (diffusion-pipe reads "
                               "it for SDXL); set [optimizer] lr instead", file=file, key="model.unet_lr")
-        for key, model_type in (("max_sequence_length", "auraflow"), ("max_llama3_sequence_length", "hidream")):
+        for model_type, key in token_length_keys().items():
             value = getattr(self, key)
             if value is not None and (self.type != model_type or value < 2):
                 raise ConfigError(f"{model_type}'s token count, 2 or more (diffusion-pipe reads the key for "

@@ -147,6 +147,7 @@ class AuraOutput(TupleLayer):
 class AuraFlowAdapter(ModelAdapter):
     arch = "auraflow"
     spec = AURA_SPEC
+    dp_token_length_key = "max_sequence_length"
     latent_format = "SDXL"
     lora_block_prefixes = ("double_layers", "single_layers")
     text_fields = ("cond",)

@@ -87,6 +87,10 @@ class ModelAdapter(ABC):
     dp_lumina_shift: bool = False            # reads diffusion-pipe's lumina_shift as flux_shift (Lumina 2)
     dp_text_encoder_lora: bool = False       # diffusion-pipe trains LoRAs on its text encoders by default (SDXL:
     #                                          check-config says that here they stay frozen)
+    dp_diffusers_lora: bool = False          # diffusion-pipe saves its LoRA by Diffusers' names (Flux's pipeline):
+    #                                          init_from_existing reads such a save (``flux.diffusers_lora_parts``)
+    dp_token_length_key: str = ""            # the [model] key of diffusion-pipe's caption token length this model
+    #                                          reads (AuraFlow's max_sequence_length, HiDream's Llama one)
 
     @staticmethod
     def claims_file(shapes: dict, metadata: dict) -> bool:

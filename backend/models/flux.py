@@ -192,6 +192,7 @@ def unpatchify(out: torch.Tensor, grid, patch_size: int) -> torch.Tensor:
 class FluxAdapter(ModelAdapter):
     arch = "flux"
     spec = FLUX_SPEC
+    dp_diffusers_lora = True
     latent_format = "Flux"
     lora_block_prefixes = ("double_blocks", "single_blocks")
     text_fields = ("t5", "pooled")

@@ -48,6 +48,7 @@ class KontextInput(FluxInput):
 class FluxKontextAdapter(FluxAdapter):
     arch = "flux_kontext"
     dp_edit_of = "flux"
+    dp_diffusers_lora = True
     spec = FLUX_KONTEXT_SPEC
     input_layer = KontextInput
     conditioning_fields = ("reference",)

@@ -178,6 +178,7 @@ class HiDreamOutput(TupleLayer):
 class HiDreamAdapter(ModelAdapter):
     arch = "hidream"
     spec = HIDREAM_SPEC
+    dp_token_length_key = "max_llama3_sequence_length"
     latent_format = "Flux"
     lora_block_prefixes = ("double_stream_blocks", "single_stream_blocks")
     samples_first = False   # the routed experts' linears see the tokens each expert picked, from any sample

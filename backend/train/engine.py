@@ -15,6 +15,7 @@ from ..models.losses import Loss
 from ..models import fp8
 from ..models.compiling import cuda_graphs_allowed
 from ..models.flux import diffusers_lora_parts, is_diffusers_lora
+from ..models.registry import dp_facts
 from ..optim import make_optimizer
 from ..patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
 from . import distributed
@@ -30,8 +31,6 @@ from .reg_loss import SplitLoss, StepSums
 from .schedule import make_scheduler
 from .swap import enable_block_swap
 
-# model types whose diffusion-pipe saves are Diffusers-named (its Flux, Flux Kontext: Diffusers' FluxPipeline)
-DIFFUSERS_FLUX_TYPES = ("flux", "flux_kontext")
 log = logging.getLogger("pipetrain")
 
 
@@ -72,7 +71,7 @@ def load_existing(cfg: RunConfig, diffusion_model, names: list[str], reporter: R
         path = found[0]
     sd = lora.read_file(path)
     rank = cfg.adapter.rank
-    if cfg.model.type in DIFFUSERS_FLUX_TYPES and cfg.adapter.type == "lora" and is_diffusers_lora(sd):
+    if cfg.model.type in dp_facts("dp_diffusers_lora") and cfg.adapter.type == "lora" and is_diffusers_lora(sd):
         sd = flux_from_diffusers(diffusion_model, sd, path, where)
     ranks = {tuple(v.shape)[0] for k, v in sd.items() if k.endswith(".lora_A.weight")}
     if ranks and ranks != {rank}:

@@ -73,7 +73,7 @@ def test_round_trip(files, tmp_path):
 @pytest.mark.parametrize("edit, key, expected", [
     (("epochs = 3", "epochs = 3\ngrandient_accumulation_steps = 2"), "grandient_accumulation_steps",
      "accepted keys: activation_checkpointing"),
-    (('type = "flux"', 'type = "fluxx"'), "model.type", "supported model types: ace_step, auraflow, chroma, cosmos, cosmos_predict2"),
+    (('type = "flux"', 'type = "fluxx"'), "model.type", "supported model types: ace_step, anima, auraflow, chroma, cosmos, cosmos_predict2"),
     (('dtype = "bfloat16"', 'dtype = "bf16"'), "model.dtype", "accepted values: 'float32', 'bfloat16'"),
     (("rank = 32", "rank = 0"), "adapter.rank", "must be 1 or more"),
     (("epochs = 3", 'epochs = "three"'), "epochs", "expected an integer"),
