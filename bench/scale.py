@@ -11,7 +11,7 @@ process's CPU time (user and system, all threads) and peak resident memory (``ru
 imports is reported too). The wall time depends on what else the machine runs; the CPU time much less:
 
 - ``samples``: scanning the folder (each picture's size and orientation, each caption), aspect-ratio buckets and
-  caption variants (``train.caching._samples``);
+  caption variants (``train.caching._examples``);
 - ``manifest``: every file's digest and cache keys, written as the cache manifest (``build_or_load_manifest``);
 - ``missing``: the manifest read back and the cache looked up for every key (``CacheManifest.load``,
   ``missing_work``);
@@ -81,7 +81,7 @@ def measure(config: Path, profile: Path | None = None) -> dict:
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.data import EpochPlan
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.train.caching import _samples
+    from pipetrain.backend.train.caching import _examples
     from pipetrain.backend.train.events import RunReporter
 
     cfg = load_run_config(config)
@@ -96,7 +96,7 @@ def measure(config: Path, profile: Path | None = None) -> dict:
     times, out = {}, {}
 
     def samples():
-        out["samples"] = _samples(cfg.dataset_config, cfg.seed, reporter, "dataset", adapter)
+        out["samples"] = _examples(cfg.dataset_config, cfg.seed, reporter, "dataset", adapter)
 
     def manifest_phase():
         build_or_load_manifest(manifest, lambda: out["samples"], adapter, files, False, store.fingerprint)

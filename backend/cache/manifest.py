@@ -1,4 +1,4 @@
-"""The manifest maps each training sample to its cache keys; it is rebuilt from the files on every run
+"""The manifest maps each training example to its cache keys; it is rebuilt from the files on every run
 unless the user asks to trust the previous one (``--trust-cache``)."""
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def manifest_path(cache_dir: Path, dataset_file: Path, arch: str) -> Path:
     return cache_dir / "manifests" / f"{arch}-{tag}.json"
 
 
-def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=model_fingerprint) -> list[CacheEntry]:
+def build_entries(examples, adapter, files: dict[str, list[Path]], fingerprint=model_fingerprint) -> list[CacheEntry]:
     """``fingerprint``: a model file's identity (``CacheStore.fingerprint`` remembers the digests)."""
     from ..data import PREPROCESS_VERSION
     from ..data.audio import AUDIO_PREPROCESS_VERSION
@@ -74,14 +74,14 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
     cond_models = {"models": [fingerprint(p) for p in files["conditioning"]]} if files.get("conditioning") else {}
     digests: dict[Path, str] = {}
     entries = []
-    for s in samples:
+    for s in examples:
         path = s.item.path
         control, mask, more = s.item.control, s.item.mask, s.item.more_controls
         vace = {k: getattr(s.item, k) for k in ("control_mask", "reference") if getattr(s.item, k) is not None}
         for p in (path, control, mask, *more, *vace.values()):
             if p is not None and p not in digests:
                 digests[p] = file_digest(p)
-        text = getattr(s, "text", s.item.caption)   # the caption variant this sample trains on
+        text = getattr(s, "text", s.item.caption)   # the caption variant this example trains on
         audio = getattr(adapter, "audio", False)
         preprocess = AUDIO_PREPROCESS_VERSION if audio else \
             PREPROCESS_VERSION if len(s.bucket) == 2 else VIDEO_PREPROCESS
@@ -104,11 +104,11 @@ def build_entries(samples, adapter, files: dict[str, list[Path]], fingerprint=mo
     return entries
 
 
-def build_or_load_manifest(path: Path, samples_fn, adapter, files, trust_cache: bool,
+def build_or_load_manifest(path: Path, examples_fn, adapter, files, trust_cache: bool,
                            fingerprint=model_fingerprint) -> CacheManifest:
     if trust_cache:
         log.info("trusting the cache manifest %s without re-reading the dataset", path)
         return CacheManifest.load(path)
-    manifest = CacheManifest(arch=adapter.arch, entries=build_entries(samples_fn(), adapter, files, fingerprint))
+    manifest = CacheManifest(arch=adapter.arch, entries=build_entries(examples_fn(), adapter, files, fingerprint))
     manifest.save(path)
     return manifest

@@ -128,18 +128,18 @@ def scan_audio(cfg):
     return scan
 
 
-def audio_samples(items) -> list:
-    """One sample per clip at its duration bucket; clips shorter than the first bucket are left out."""
-    from .items import Sample
+def audio_examples(items) -> list:
+    """One example per clip at its duration bucket; clips shorter than the first bucket are left out."""
+    from .items import Example
 
-    samples, short = [], []
+    examples, short = [], []
     for item in items:
         bucket = audio_bucket(item.seconds)
         if bucket is None:
             short.append(item)
         else:
-            samples.append(Sample(item=item, bucket=bucket))
+            examples.append(Example(item=item, bucket=bucket))
     if short:
         log.warning("leaving out %d audio file(s) shorter than %d s:%s", len(short), AUDIO_BUCKETS[0],
                     "".join(f"\n  {i.path}: {i.seconds:.2f} s" for i in short))
-    return samples
+    return examples

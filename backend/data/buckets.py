@@ -6,7 +6,7 @@ import math
 
 from ..config import DatasetConfig
 from ..errors import DatasetError
-from .items import MediaItem, Sample
+from .items import MediaItem, Example
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,9 @@ def check_frame_buckets(items: list[MediaItem], frame_multiple: int, size_bucket
                            f"({fits}, ...); change the dataset's frame_buckets")
 
 
-def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float | None = None,
-                  side_multiple: int = SIDE_MULTIPLE) -> list[Sample]:
-    """One sample per item and resolution, at the item's bucket; repeats are expanded later. A video (video
+def build_examples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float | None = None,
+                  side_multiple: int = SIDE_MULTIPLE) -> list[Example]:
+    """One example per item and resolution, at the item's bucket; repeats are expanded later. A video (video
     models: ``model_fps`` set) trains as one clip: its bucket is (width, height, frames), the frames the
     largest of its frame buckets it fills at ``model_fps`` (see ``video.py``). Bucket sides are multiples of
     ``side_multiple`` (the model's ``spatial_multiple``)."""
@@ -94,7 +94,7 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
 
     buckets_by_resolution: dict[int, list[tuple[int, int]]] = {}
     assigned: dict[tuple[int, int, int], tuple[int, int]] = {}   # (width, height, resolution): pictures share sizes
-    samples, too_short = [], []
+    examples, too_short = [], []
     for item in items:
         if cfg.size_buckets:
             clip = frames_at_rate(item.frames, item.fps, model_fps) if item.frames > 1 and model_fps else None
@@ -102,7 +102,7 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
             if bucket is None:
                 too_short.append(item)
             else:
-                samples.append(Sample(item=item, bucket=bucket))
+                examples.append(Example(item=item, bucket=bucket))
             continue
         frames = None
         if item.frames > 1 and model_fps:
@@ -119,7 +119,7 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
             if size not in assigned:
                 assigned[size] = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
             bucket = assigned[size]
-            samples.append(Sample(item=item, bucket=bucket if frames is None else (*bucket, frames)))
+            examples.append(Example(item=item, bucket=bucket if frames is None else (*bucket, frames)))
     if too_short and cfg.size_buckets:
         log.warning("leaving out %d item(s) that no size bucket of their kind (stills: 1 frame, clips: up to "
                     "their length) takes:%s", len(too_short), "".join(f"\n  {i.path}" for i in too_short))
@@ -127,4 +127,4 @@ def build_samples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float |
         log.warning("leaving out %d video(s) shorter than every frame bucket above 1 at %g fps:%s", len(too_short),
                     model_fps, "".join(f"\n  {i.path}: {frames_at_rate(i.frames, i.fps, model_fps)} frames, "
                                        f"frame_buckets {list(i.frame_buckets)}" for i in too_short))
-    return samples
+    return examples

@@ -8,7 +8,7 @@ Captions are cached as text embeddings, so every text a run can train on is fixe
   grows N-fold, every variant shares the image's latent), exactly as diffusion-pipe does. Unlike
   diffusion-pipe, variant k of an image is a pure function of (seed, file name, caption, k), so the same
   run config always trains on the same texts and the cache is reused.
-- ``uncond_fraction`` (main config) trains a sample with the empty caption's embedding; the draw is a pure
+- ``uncond_fraction`` (main config) trains a example with the empty caption's embedding; the draw is a pure
   function of (seed, epoch, step, position in the global batch), so it is the same on every rank and in
   a resumed run (see ``train/feed.py``).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from .items import Sample
+from .items import Example
 
 
 def shuffled_variant(caption: str, delimiter: str, seed: int, name: str, k: int) -> str:
@@ -33,20 +33,20 @@ def caption_variants(caption: str, prefix: str, shuffle_num: int, delimiter: str
     return [prefix + shuffled_variant(caption, delimiter, seed, name, k) for k in range(shuffle_num)]
 
 
-def expand_captions(samples: list[Sample], seed: int) -> list[Sample]:
-    """One sample per (sample, caption, caption variant), each with the exact text it trains on (a file's captions
+def expand_captions(examples: list[Example], seed: int) -> list[Example]:
+    """One example per (example, caption, caption variant), each with the exact text it trains on (a file's captions
     from captions.json each make examples, as in diffusion-pipe)."""
     out = []
-    for s in samples:
+    for s in examples:
         o = s.item.captions
         for caption in (s.item.caption, *s.item.more_captions):
             for text in caption_variants(caption, o.prefix, o.shuffle_num, o.delimiter, seed, s.item.path.name):
-                out.append(Sample(item=s.item, bucket=s.bucket, caption=text))
+                out.append(Example(item=s.item, bucket=s.bucket, caption=text))
     return out
 
 
 def drops_caption(seed: int, epoch: int, step: int, position: int, fraction: float) -> bool:
-    """Whether the sample at ``position`` of this global batch trains with the empty caption."""
+    """Whether the example at ``position`` of this global batch trains with the empty caption."""
     if fraction <= 0:
         return False
     digest = hashlib.sha256(f"pipetrain-uncond:{seed}:{epoch}:{step}:{position}".encode()).digest()

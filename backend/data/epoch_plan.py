@@ -6,7 +6,7 @@ import random
 from collections import defaultdict
 
 from ..errors import DatasetError
-from .items import Sample
+from .items import Example
 
 Bucket = tuple[int, ...]   # (width, height), or (width, height, frames) for video clips
 
@@ -63,25 +63,25 @@ def _lists(general, image, image_batch) -> dict[str, list]:
 class EpochPlan:
     """Deterministic batches for one epoch for one data-parallel rank.
 
-    Every rank builds the same plan from the same samples and seed, so the ranks agree on the order of
+    Every rank builds the same plan from the same examples and seed, so the ranks agree on the order of
     global batches; each rank then takes its own slice of every micro batch. A global batch never
     mixes buckets, so every micro batch stacks into one tensor. ``image_micro_batch_size`` (default
     ``micro_batch_size``) is the micro batch of one-frame buckets (images), as diffusion-pipe's
     ``image_micro_batch_size_per_gpu``: a video model can batch several images where one clip fills the GPU.
 
-    ``reg`` marks regularisation samples (``is_reg`` directories): they are not all in every epoch, but drawn so
+    ``reg`` marks regularisation examples (``is_reg`` directories): they are not all in every epoch, but drawn so
     that they make ``reg_ratio`` of it (``RegDraw``), each bucket the same number every epoch (so every epoch has
-    the same steps), shuffled in with the training samples of their bucket.
+    the same steps), shuffled in with the training examples of their bucket.
     """
 
-    def __init__(self, samples: list[Sample], repeats: list[int] | None, micro_batch_size: int,
+    def __init__(self, examples: list[Example], repeats: list[int] | None, micro_batch_size: int,
                  grad_accum_steps: int, dp_rank: int, dp_world: int, seed: int,
                  image_micro_batch_size: int | None = None, reg: list[bool] | None = None,
                  reg_ratio: float = 0.5, by_resolution: dict[str, list] | None = None):
         if repeats is None:
-            repeats = [sample.item.num_repeats for sample in samples]
-        if len(repeats) != len(samples):
-            raise ValueError(f"got {len(repeats)} repeat counts for {len(samples)} samples")
+            repeats = [example.item.num_repeats for example in examples]
+        if len(repeats) != len(examples):
+            raise ValueError(f"got {len(repeats)} repeat counts for {len(examples)} examples")
         if image_micro_batch_size is None:
             image_micro_batch_size = micro_batch_size
         if min(micro_batch_size, image_micro_batch_size, grad_accum_steps, dp_world) < 1:
@@ -95,10 +95,10 @@ class EpochPlan:
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.seed = seed
-        reg = reg or [False] * len(samples)
-        self._by_bucket = self._expand_and_group([s for s, r in zip(samples, reg) if not r],
+        reg = reg or [False] * len(examples)
+        self._by_bucket = self._expand_and_group([s for s, r in zip(examples, reg) if not r],
                                                  [n for n, r in zip(repeats, reg) if not r])
-        pool = self._expand_and_group([s for s, r in zip(samples, reg) if r], [n for n, r in zip(repeats, reg) if r])
+        pool = self._expand_and_group([s for s, r in zip(examples, reg) if r], [n for n, r in zip(repeats, reg) if r])
         self.reg = RegDraw(pool, sum(map(len, self._by_bucket.values())), reg_ratio, seed)
         for bucket in self.reg.counts:   # a bucket of regularisation images alone
             self._by_bucket.setdefault(bucket, [])
@@ -111,14 +111,14 @@ class EpochPlan:
             raise DatasetError(self._no_steps_message())
 
     @staticmethod
-    def _expand_and_group(samples: list[Sample], repeats: list[int]) -> dict[Bucket, list[Sample]]:
-        grouped: dict[Bucket, list[Sample]] = defaultdict(list)
-        for sample, count in zip(samples, repeats):
-            grouped[sample.bucket].extend([sample] * count)
+    def _expand_and_group(examples: list[Example], repeats: list[int]) -> dict[Bucket, list[Example]]:
+        grouped: dict[Bucket, list[Example]] = defaultdict(list)
+        for example, count in zip(examples, repeats):
+            grouped[example.bucket].extend([example] * count)
         return {bucket: grouped[bucket] for bucket in sorted(grouped)}
 
     def micro_batch_size_of(self, bucket: Bucket) -> int:
-        """A one-frame bucket (an image) batches ``image_micro_batch_size`` samples, a clip ``micro_batch_size``;
+        """A one-frame bucket (an image) batches ``image_micro_batch_size`` examples, a clip ``micro_batch_size``;
         a per-resolution list for its kind (``by_resolution``) decides first."""
         image = _is_image(bucket)
         pairs = self.by_resolution.get("image" if image else "clip")
@@ -130,27 +130,27 @@ class EpochPlan:
         return self.micro_batch_size_of(bucket) * self.grad_accum_steps * self.dp_world
 
     def _sizes(self) -> dict[Bucket, int]:
-        """Samples of each bucket in every epoch: its training samples and the regularisation ones drawn."""
+        """Examples of each bucket in every epoch: its training examples and the regularisation ones drawn."""
         return {bucket: len(group) + self.reg.counts.get(bucket, 0) for bucket, group in self._by_bucket.items()}
 
     def steps_per_epoch(self) -> int:
         return sum(n // self.global_batch_of(bucket) for bucket, n in self._sizes().items())
 
     def dropped(self) -> dict[Bucket, int]:
-        """Samples (after repeats) left out of each bucket every epoch because they fill no global batch."""
+        """Examples (after repeats) left out of each bucket every epoch because they fill no global batch."""
         return {bucket: n % self.global_batch_of(bucket) for bucket, n in self._sizes().items()}
 
     def warnings(self) -> list[str]:
         """One message for each bucket too small to give even one global batch."""
         return [
-            f"bucket {_bucket_name(bucket)} has {_plural(n, 'sample')}, fewer than one global batch of "
+            f"bucket {_bucket_name(bucket)} has {_plural(n, 'example')}, fewer than one global batch of "
             f"{self.global_batch_of(bucket)}: it is not trained; add images of this shape, raise its num_repeats, "
             "or lower the global batch (micro batch size x gradient accumulation steps x data-parallel GPUs)"
             for bucket, n in self._sizes().items() if n < self.global_batch_of(bucket)
         ]
 
-    def epoch(self, epoch: int) -> list[list[list[Sample]]]:
-        """This rank's batches as [step][micro batch][sample]; the same for the same (seed, epoch)."""
+    def epoch(self, epoch: int) -> list[list[list[Example]]]:
+        """This rank's batches as [step][micro batch][example]; the same for the same (seed, epoch)."""
         # A string seed is hashed with SHA-512, so the order does not depend on PYTHONHASHSEED or platform.
         rng = random.Random(f"pipetrain-epoch:{self.seed}:{epoch}")
         global_batches = []
@@ -163,7 +163,7 @@ class EpochPlan:
         rng.shuffle(global_batches)
         return [self._rank_slice(batch) for batch in global_batches]
 
-    def _rank_slice(self, global_batch: list[Sample]) -> list[list[Sample]]:
+    def _rank_slice(self, global_batch: list[Example]) -> list[list[Example]]:
         """This rank's micro batches of one global batch: micro batch m holds ranks' slices side by side."""
         size = len(global_batch) // (self.grad_accum_steps * self.dp_world)
         starts = ((m * self.dp_world + self.dp_rank) * size for m in range(self.grad_accum_steps))
@@ -173,10 +173,10 @@ class EpochPlan:
         sizes = self._sizes()
         total = sum(sizes.values())
         if total == 0:
-            return "the dataset has no samples, so an epoch has no steps; check the dataset directories"
+            return "the dataset has no examples, so an epoch has no steps; check the dataset directories"
         counts = ", ".join(f"{_bucket_name(b)}: {n}" for b, n in sizes.items())
         return (
-            f"the dataset has {_plural(total, 'sample')} (after repeats) in "
+            f"the dataset has {_plural(total, 'example')} (after repeats) in "
             f"{_plural(len(sizes), 'bucket')} ({counts}), but the global batch size is "
             f"{self.global_batch} (micro batch {self.micro_batch_size} x gradient accumulation "
             f"{self.grad_accum_steps} x {_plural(self.dp_world, 'data-parallel GPU')}) and no bucket fills one "
@@ -187,15 +187,15 @@ class EpochPlan:
 
 
 class RegDraw:
-    """Which regularisation samples each epoch trains on. ``reg_ratio`` of the epoch's samples: with ``n`` training
-    samples, ``round(n * ratio / (1 - ratio))`` of them, split over the buckets in proportion to the samples each
-    holds (largest remainders first), the same counts every epoch. Each bucket's samples come in turn from its
+    """Which regularisation examples each epoch trains on. ``reg_ratio`` of the epoch's examples: with ``n`` training
+    examples, ``round(n * ratio / (1 - ratio))`` of them, split over the buckets in proportion to the examples each
+    holds (largest remainders first), the same counts every epoch. Each bucket's examples come in turn from its
     pool, shuffled anew on every pass through it: every one is drawn once before any is drawn again."""
 
-    def __init__(self, pool: dict[Bucket, list], training_samples: int, ratio: float, seed: int):
+    def __init__(self, pool: dict[Bucket, list], training_examples: int, ratio: float, seed: int):
         self.pool, self.seed = pool, seed
         total = sum(map(len, pool.values()))
-        wanted = round(training_samples * ratio / (1 - ratio)) if total else 0
+        wanted = round(training_examples * ratio / (1 - ratio)) if total else 0
         exact = {bucket: wanted * len(group) / total for bucket, group in pool.items()}
         self.counts = {bucket: int(share) for bucket, share in exact.items()}
         left = wanted - sum(self.counts.values())
@@ -204,7 +204,7 @@ class RegDraw:
         self.counts = {bucket: n for bucket, n in self.counts.items() if n}
 
     def draw(self, bucket: Bucket, epoch: int) -> list:
-        """This epoch's regularisation samples of ``bucket`` (epochs count from 1, as the trainer's do)."""
+        """This epoch's regularisation examples of ``bucket`` (epochs count from 1, as the trainer's do)."""
         n = self.counts.get(bucket, 0)
         if not n:
             return []

@@ -1,4 +1,4 @@
-"""The two records the data room hands to the rest of the backend: a media file and a training sample."""
+"""The two records the data room hands to the rest of the backend: a media file and a training example."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +37,7 @@ class MediaItem:
 
 
 @dataclass(frozen=True)
-class Sample:
+class Example:
     """One training example: an item at one bucket size (pixels, multiples of 16)."""
 
     item: MediaItem

@@ -1,4 +1,4 @@
-"""The cache phase of a run: rank 0 maps the samples of the train dataset and of every eval dataset to
+"""The cache phase of a run: rank 0 maps the examples of the train dataset and of every eval dataset to
 cache keys (one manifest per dataset file), every rank encodes its share of what is missing."""
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from .parts import CachedData, Topology
 log = logging.getLogger("pipetrain")
 
 
-def _samples(ds, seed: int, reporter, label: str, adapter=None):
-    from ..data import build_samples, check_control_paths, expand_captions, scan_dataset
+def _examples(ds, seed: int, reporter, label: str, adapter=None):
+    from ..data import build_examples, check_control_paths, expand_captions, scan_dataset
     from ..data.buckets import check_frame_buckets
 
     fps = getattr(adapter, "framerate", None)   # video models read videos, resampled to their frame rate
@@ -43,10 +43,10 @@ def _samples(ds, seed: int, reporter, label: str, adapter=None):
         reporter.event("warning", message=f"{label}: {len(scan.unreadable)} files could not be read and are skipped",
                        files=[f"{p}: {why}" for p, why in scan.unreadable])
     if audio:
-        from ..data.audio import audio_samples
-        return expand_captions(audio_samples(scan.items), seed)
+        from ..data.audio import audio_examples
+        return expand_captions(audio_examples(scan.items), seed)
     multiple = getattr(adapter, "spatial_multiple", 16)
-    return expand_captions(build_samples(ds, scan.items, model_fps=fps, side_multiple=multiple), seed)
+    return expand_captions(build_examples(ds, scan.items, model_fps=fps, side_multiple=multiple), seed)
 
 
 def _datasets(cfg) -> dict[str, tuple]:
@@ -74,7 +74,7 @@ def prepare_cache(cfg: RunConfig, adapter, topology: Topology, reporter: RunRepo
             for name, (ds, _) in datasets.items():
                 label = "dataset" if name is None else f"eval dataset {name!r}"
                 with space_guard(store.root):
-                    build_or_load_manifest(paths[name], lambda ds=ds, label=label: _samples(ds, cfg.seed, reporter,
+                    build_or_load_manifest(paths[name], lambda ds=ds, label=label: _examples(ds, cfg.seed, reporter,
                                                                                             label, adapter),
                                            adapter, files, trust, store.fingerprint)
         except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
@@ -110,7 +110,7 @@ def prepare_cache(cfg: RunConfig, adapter, topology: Topology, reporter: RunRepo
 
 def empty_captions(adapter, entries, store: CacheStore) -> tuple[dict[str, str], dict[str, TextWork]]:
     """Caption dropout: each training caption's key -> the key of the empty caption that replaces it (one for
-    every sample, or one per control image and bucket where the text encoder reads that image too), and the
+    every example, or one per control image and bucket where the text encoder reads that image too), and the
     encoding work for those keys."""
     return replaced_captions(adapter, entries, store, lambda caption: "")
 
@@ -127,7 +127,7 @@ def preservation_captions(cfg: RunConfig, adapter, entries, store: CacheStore,
     without = sorted({e.path for e in entries if not has_trigger(e.caption, trigger)})
     if without and reporter is not None:
         message = (f"diff_output_preservation: {len(without)} captions do not contain the trigger word {trigger!r}; "
-                   "their preservation caption is the caption itself, which holds those samples to the base model")
+                   "their preservation caption is the caption itself, which holds those examples to the base model")
         reporter.event("warning", message=message, files=without[:20])
         log.warning(message)
     return replaced_captions(adapter, entries, store, lambda caption: preservation_caption(caption, trigger, cls))

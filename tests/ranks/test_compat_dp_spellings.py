@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.data import EpochPlan, MediaItem, Sample
+from pipetrain.backend.data import EpochPlan, MediaItem, Example
 from pipetrain.backend.errors import ConfigError
 
 MODEL = """
@@ -121,8 +121,8 @@ def test_adamw8bitkahan_stabilize(tmp_path):
     assert "key 'optimizer.stabilize'" in message and "stableadamw" in message, message
 
 
-def _samples(count: int, bucket: tuple[int, ...], prefix: str) -> list[Sample]:
-    return [Sample(MediaItem(Path(f"/data/{prefix}{i}.png"), "", 1, 1, 1, (512,)), bucket) for i in range(count)]
+def _samples(count: int, bucket: tuple[int, ...], prefix: str) -> list[Example]:
+    return [Example(MediaItem(Path(f"/data/{prefix}{i}.png"), "", 1, 1, 1, (512,)), bucket) for i in range(count)]
 
 
 def test_the_image_micro_batch_applies_to_image_buckets_only(tmp_path):

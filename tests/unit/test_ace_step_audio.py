@@ -124,7 +124,7 @@ def test_audio_dataset_scan_and_cache_keys_follow_the_audio_and_lyrics(tmp_path)
     the lyrics (and not for a song without lyrics vs empty ones), the latent key with the audio bytes."""
     from pipetrain.backend.cache.manifest import build_entries
     from pipetrain.backend.config import DatasetConfig, DirectoryConfig, ModelConfig
-    from pipetrain.backend.data.audio import audio_samples, scan_audio
+    from pipetrain.backend.data.audio import audio_examples, scan_audio
     from pipetrain.backend.models.ace_step import AceStepAdapter
 
     songs = tmp_path / "songs"
@@ -141,13 +141,13 @@ def test_audio_dataset_scan_and_cache_keys_follow_the_audio_and_lyrics(tmp_path)
     assert [(i.path.name, i.caption, i.lyrics) for i in scan.items] == [
         ("a.wav", "rock, guitar", ""), ("b.wav", "rock, guitar", "[verse]\nhello"), ("short.wav", "", "")]
     assert [p.name for p in scan.missing_captions] == ["short.wav"]
-    samples = audio_samples(scan.items)
+    samples = audio_examples(scan.items)
     assert [(s.item.path.name, s.bucket) for s in samples] == [("a.wav", (2, 1)), ("b.wav", (5, 1))]
     adapter = AceStepAdapter(ModelConfig(type="ace_step", diffusion_model="unused", vae="unused"))
     files = {"vae": [tmp_path / "vae"], "text_encoders": [tmp_path / "te"]}
 
     def entries():
-        return build_entries(audio_samples(scan_audio(cfg).items), adapter, files, fingerprint=str)
+        return build_entries(audio_examples(scan_audio(cfg).items), adapter, files, fingerprint=str)
     a, b = entries()
     assert a.text != b.text and b.lyrics == "[verse]\nhello" and a.lyrics == ""
     (songs / "a.lyrics.txt").write_text("")            # empty lyrics: the same as none (instrumental)

@@ -122,7 +122,7 @@ def test_captions_json_gives_each_file_its_captions_and_each_caption_is_an_examp
     import json
 
     from pipetrain.backend.data import expand_captions
-    from pipetrain.backend.data.items import Sample
+    from pipetrain.backend.data.items import Example
 
     folder = _folder_of_images(tmp_path, "a.png", "b.png", "c.png")
     (folder / "a.txt").write_text("never read: captions.json gives this folder's captions")
@@ -133,7 +133,7 @@ def test_captions_json_gives_each_file_its_captions_and_each_caption_is_an_examp
     assert (by_name["a.png"].caption, by_name["a.png"].more_captions) == ("one", ("two", "three"))
     assert (by_name["b.png"].caption, by_name["b.png"].more_captions) == ("only", ())
     assert by_name["c.png"].caption == "" and result.missing_captions == [folder / "c.png"]
-    samples = expand_captions([Sample(item=i, bucket=(64, 48)) for i in result.items], seed=1)
+    samples = expand_captions([Example(item=i, bucket=(64, 48)) for i in result.items], seed=1)
     assert [(s.item.path.name, s.text) for s in samples] == [("a.png", "one"), ("a.png", "two"), ("a.png", "three"),
                                                              ("b.png", "only"), ("c.png", "")]
     assert _scan(folder, skip_empty_caption=True).skipped_empty == [folder / "c.png"]

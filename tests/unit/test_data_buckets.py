@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig
-from pipetrain.backend.data import MediaItem, Sample, assign_bucket, build_samples, make_buckets
+from pipetrain.backend.data import MediaItem, Example, assign_bucket, build_examples, make_buckets
 
 
 def test_square_bucket_when_ar_bucketing_is_off():
@@ -78,10 +78,10 @@ def test_build_samples_gives_one_sample_per_item_and_resolution():
     wide = item("wide", 1600, 1000, resolutions=(256, 512))
     square = item("square", 300, 300)
 
-    assert build_samples(cfg, [wide, square]) == [
-        Sample(wide, (320, 208)),
-        Sample(wide, (640, 400)),
-        Sample(square, (512, 512)),
+    assert build_examples(cfg, [wide, square]) == [
+        Example(wide, (320, 208)),
+        Example(wide, (640, 400)),
+        Example(square, (512, 512)),
     ]
 
 
@@ -89,7 +89,7 @@ def test_build_samples_without_ar_buckets_is_square_at_each_resolution():
     cfg = DatasetConfig(directory=[DirectoryConfig("/data")], enable_ar_bucket=False)
     wide = item("wide", 1920, 1080, resolutions=(256, 1024))
 
-    assert build_samples(cfg, [wide]) == [Sample(wide, (256, 256)), Sample(wide, (1024, 1024))]
+    assert build_examples(cfg, [wide]) == [Example(wide, (256, 256)), Example(wide, (1024, 1024))]
 
 
 def test_bucket_sides_follow_the_models_spatial_multiple():
@@ -113,7 +113,7 @@ def test_ar_buckets_replace_the_spaced_ratios_and_pairs_become_ratios(tmp_path):
     assert cfg.resolutions == [960] and cfg.ar_buckets == [1.0, pytest.approx(1216 / 832)]
     assert make_buckets(960, True, 0.5, 2.0, 7, ratios=cfg.ar_buckets) == [(960, 960), (1168, 800)]
     wide = MediaItem(path=tmp_path / "a.png", caption="", num_repeats=1, width=1500, height=1000, resolutions=(960,))
-    [sample] = build_samples(cfg, [wide])
+    [sample] = build_examples(cfg, [wide])
     assert sample.bucket == (1168, 800)
 
 
@@ -130,7 +130,7 @@ def test_size_buckets_give_stills_and_clips_the_nearest_ratio_and_the_longest_cl
     portrait = MediaItem(path=tmp_path / "b.png", caption="", num_repeats=1, width=900, height=1600, resolutions=(512,))
     clip = MediaItem(path=tmp_path / "c.mp4", caption="", num_repeats=1, width=1920, height=1080, resolutions=(512,), frames=30, fps=16.0)
     short = MediaItem(path=tmp_path / "d.mp4", caption="", num_repeats=1, width=1920, height=1080, resolutions=(512,), frames=20, fps=16.0)
-    buckets = [s.bucket for s in build_samples(cfg, [still, portrait, clip, short], model_fps=16.0)]
+    buckets = [s.bucket for s in build_examples(cfg, [still, portrait, clip, short], model_fps=16.0)]
     assert buckets == [(832, 480), (480, 832), (832, 480, 17), (832, 480, 17)]
     with pytest.raises(DatasetError, match=r"size_buckets frames \[34\]"):
         check_frame_buckets([], 4, [[832, 480, 34]])

@@ -6,7 +6,7 @@ from test_data_scan import dataset, write_image
 from pipetrain.backend.cache import CacheStore
 from pipetrain.backend.cache.manifest import build_entries
 from pipetrain.backend.config import DirectoryConfig, load_dataset_config
-from pipetrain.backend.data import build_samples, check_control_paths, scan_dataset
+from pipetrain.backend.data import build_examples, check_control_paths, scan_dataset
 from pipetrain.backend.errors import ConfigError, DatasetError
 
 
@@ -61,6 +61,9 @@ class _Adapter:
         self.needs_control = needs_control
         self.caption_sees_control = caption_sees_control
 
+    def text_options(self) -> dict:
+        return {}
+
 
 def test_edit_models_need_a_control_path_and_other_models_refuse_one(tmp_path):
     directory = _edit_folder(tmp_path)
@@ -77,7 +80,7 @@ def test_cache_key_covers_the_control_image(tmp_path, micro_flux_files):
     files = {"vae": [micro_flux_files.vae], "text_encoders": micro_flux_files.text_encoders}
 
     def keys(adapter=_Adapter()):
-        samples = build_samples(cfg, scan_dataset(cfg).items)
+        samples = build_examples(cfg, scan_dataset(cfg).items)
         return {e.path.rsplit("/", 1)[-1]: (e.latent, e.control, e.text) for e in build_entries(samples, adapter, files)}
 
     before, seeing_before = keys(), keys(_Adapter(caption_sees_control=True))
@@ -97,7 +100,7 @@ def test_caption_dropout_keeps_the_control_image_where_the_text_encoder_reads_it
     cfg = dataset(_edit_folder(tmp_path), resolutions=[64])
     write_image(tmp_path / "controls" / "a.jpg", (33, 32))       # the two control images differ
     files = {"vae": [micro_flux_files.vae], "text_encoders": micro_flux_files.text_encoders}
-    samples = build_samples(cfg, scan_dataset(cfg).items)
+    samples = build_examples(cfg, scan_dataset(cfg).items)
     for sees in (False, True):
         adapter = _Adapter(caption_sees_control=sees)
         adapter.model_files = lambda: files
@@ -129,7 +132,7 @@ def test_several_control_folders_pair_in_order_and_each_image_is_in_the_keys(tmp
     adapter = _Adapter(caption_sees_control=True)
 
     def keys():
-        entries = build_entries(build_samples(cfg, scan_dataset(cfg).items), adapter, files)
+        entries = build_entries(build_examples(cfg, scan_dataset(cfg).items), adapter, files)
         return {e.path.rsplit("/", 1)[-1]: (e.latent, e.text, e.more_controls) for e in entries}
 
     before = keys()

@@ -4,19 +4,19 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.backend.data import EpochPlan, MediaItem, Sample
+from pipetrain.backend.data import EpochPlan, MediaItem, Example
 from pipetrain.backend.errors import DatasetError
 
 SQUARE, WIDE = (512, 512), (640, 400)
 
 
-def samples(count: int, bucket=SQUARE, repeats: int = 1, prefix: str = "img") -> list[Sample]:
-    return [Sample(MediaItem(Path(f"/data/{prefix}{i}.png"), "", 1, 1, repeats, (512,)), bucket)
+def examples(count: int, bucket=SQUARE, repeats: int = 1, prefix: str = "img") -> list[Example]:
+    return [Example(MediaItem(Path(f"/data/{prefix}{i}.png"), "", 1, 1, repeats, (512,)), bucket)
             for i in range(count)]
 
 
-def flatten(steps) -> list[Sample]:
-    return [sample for step in steps for micro in step for sample in micro]
+def flatten(steps) -> list[Example]:
+    return [example for step in steps for micro in step for example in micro]
 
 
 def plans(data, *, micro=1, accum=1, world=1, seed=0, repeats=None) -> list[EpochPlan]:
@@ -24,26 +24,26 @@ def plans(data, *, micro=1, accum=1, world=1, seed=0, repeats=None) -> list[Epoc
 
 
 def test_each_sample_appears_num_repeats_times_per_epoch():
-    data = samples(2, repeats=3) + samples(1, repeats=1, prefix="once")
+    data = examples(2, repeats=3) + examples(1, repeats=1, prefix="once")
     [plan] = plans(data)
 
-    counts = Counter(sample.item.path.name for sample in flatten(plan.epoch(0)))
+    counts = Counter(example.item.path.name for example in flatten(plan.epoch(0)))
 
     assert counts == {"img0.png": 3, "img1.png": 3, "once0.png": 1}
     assert plan.steps_per_epoch() == 7
 
 
 def test_explicit_repeats_override_the_items():
-    data = samples(2, repeats=3)
+    data = examples(2, repeats=3)
     [plan] = plans(data, repeats=[1, 4])
 
-    counts = Counter(sample.item.path.name for sample in flatten(plan.epoch(0)))
+    counts = Counter(example.item.path.name for example in flatten(plan.epoch(0)))
 
     assert counts == {"img0.png": 1, "img1.png": 4}
 
 
 def test_steps_have_grad_accum_micro_batches_of_micro_batch_size():
-    [plan] = plans(samples(24), micro=2, accum=3)
+    [plan] = plans(examples(24), micro=2, accum=3)
 
     steps = plan.epoch(0)
 
@@ -52,7 +52,7 @@ def test_steps_have_grad_accum_micro_batches_of_micro_batch_size():
 
 
 def test_order_differs_between_epochs_and_repeats_for_the_same_seed_and_epoch():
-    data = samples(32)
+    data = examples(32)
     [plan] = plans(data, micro=2, seed=7)
     [same] = plans(data, micro=2, seed=7)
     [other_seed] = plans(data, micro=2, seed=8)
@@ -65,7 +65,7 @@ def test_order_differs_between_epochs_and_repeats_for_the_same_seed_and_epoch():
 
 
 def test_data_parallel_ranks_get_disjoint_slices_that_cover_each_global_batch():
-    data = samples(32) + samples(16, WIDE, prefix="wide")
+    data = examples(32) + examples(16, WIDE, prefix="wide")
     ranks = plans(data, micro=2, accum=2, world=2, seed=3)
     assert [plan.steps_per_epoch() for plan in ranks] == [6, 6]
 
@@ -76,12 +76,12 @@ def test_data_parallel_ranks_get_disjoint_slices_that_cover_each_global_batch():
         rank1 = flatten([per_rank[1][step_index]])
         assert len(rank0) == len(rank1) == 4
         assert not set(rank0) & set(rank1)
-        assert len({sample.bucket for sample in rank0 + rank1}) == 1  # both ranks train the same bucket
+        assert len({example.bucket for example in rank0 + rank1}) == 1  # both ranks train the same bucket
     assert sorted(flatten(per_rank[0]) + flatten(per_rank[1]), key=str) == sorted(data, key=str)
 
 
 def test_every_micro_batch_holds_one_bucket():
-    data = samples(9) + samples(7, WIDE, prefix="wide") + samples(5, (400, 640), prefix="tall")
+    data = examples(9) + examples(7, WIDE, prefix="wide") + examples(5, (400, 640), prefix="tall")
     [plan] = plans(data, micro=3, seed=1)
 
     steps = plan.epoch(0)
@@ -89,12 +89,12 @@ def test_every_micro_batch_holds_one_bucket():
     assert len(steps) == 3 + 2 + 1
     for step in steps:
         for micro in step:
-            assert len({sample.bucket for sample in micro}) == 1
+            assert len({example.bucket for example in micro}) == 1
     assert Counter(step[0][0].bucket for step in steps) == {SQUARE: 3, WIDE: 2, (400, 640): 1}
 
 
 def test_remainders_are_dropped_per_bucket():
-    data = samples(10) + samples(3, WIDE, prefix="wide")
+    data = examples(10) + examples(3, WIDE, prefix="wide")
     [plan] = plans(data, micro=2, accum=2)
 
     assert plan.steps_per_epoch() == 2
@@ -103,32 +103,32 @@ def test_remainders_are_dropped_per_bucket():
 
 
 def test_warns_about_each_bucket_smaller_than_one_global_batch():
-    data = samples(3) + samples(8, WIDE, prefix="wide") + samples(1, (400, 640), prefix="tall")
+    data = examples(3) + examples(8, WIDE, prefix="wide") + examples(1, (400, 640), prefix="tall")
     [plan, _] = plans(data, micro=1, accum=2, world=2)
 
     warnings = plan.warnings()
 
     assert len(warnings) == 2
     assert warnings[0].startswith(
-        "bucket 400x640 has 1 sample, fewer than one global batch of 4: it is not trained; ")
+        "bucket 400x640 has 1 example, fewer than one global batch of 4: it is not trained; ")
     assert warnings[1].startswith(
-        "bucket 512x512 has 3 samples, fewer than one global batch of 4: it is not trained; ")
+        "bucket 512x512 has 3 examples, fewer than one global batch of 4: it is not trained; ")
 
 
 def test_no_warnings_when_every_bucket_trains():
-    [plan] = plans(samples(4) + samples(4, WIDE, prefix="wide"), micro=2, accum=2)
+    [plan] = plans(examples(4) + examples(4, WIDE, prefix="wide"), micro=2, accum=2)
 
     assert plan.warnings() == []
 
 
 def test_a_dataset_with_no_full_global_batch_is_an_error():
-    data = samples(3, repeats=1) + samples(1, WIDE, repeats=2, prefix="wide")
+    data = examples(3, repeats=1) + examples(1, WIDE, repeats=2, prefix="wide")
 
     with pytest.raises(DatasetError) as raised:
         EpochPlan(data, None, 2, 1, 0, 2, 0)
 
     message = str(raised.value)
-    assert "the dataset has 5 samples (after repeats) in 2 buckets (512x512: 3, 640x400: 2)" in message
+    assert "the dataset has 5 examples (after repeats) in 2 buckets (512x512: 3, 640x400: 2)" in message
     assert "the global batch size is 4 (micro batch 2 x gradient accumulation 1 x 2 data-parallel GPUs)" in message
     for advice in ("fewer GPUs", "micro_batch_size_per_gpu", "gradient_accumulation_steps", "num_repeats",
                    "fewer buckets"):
@@ -136,13 +136,13 @@ def test_a_dataset_with_no_full_global_batch_is_an_error():
 
 
 def test_an_empty_sample_list_is_an_error():
-    with pytest.raises(DatasetError, match="the dataset has no samples"):
+    with pytest.raises(DatasetError, match="the dataset has no examples"):
         EpochPlan([], None, 1, 1, 0, 1, 0)
 
 
 @pytest.mark.parametrize("kwargs", [dict(dp_rank=2, dp_world=2), dict(micro_batch_size=0), dict(repeats=[1, 1])])
 def test_programming_errors_are_value_errors(kwargs):
-    arguments = dict(samples=samples(4), repeats=None, micro_batch_size=1, grad_accum_steps=1, dp_rank=0,
+    arguments = dict(examples=examples(4), repeats=None, micro_batch_size=1, grad_accum_steps=1, dp_rank=0,
                      dp_world=1, seed=0) | kwargs
     with pytest.raises(ValueError):
         EpochPlan(**arguments)
@@ -161,8 +161,8 @@ def test_per_resolution_batches_follow_the_nearest_resolution_of_each_bucket(tmp
     assert cfg.micro_batch_size_per_gpu == 4 and cfg.micro_batch_size_by_resolution == [[512, 4], [1024, 1]]
     by_res = batches_by_resolution(cfg)
     assert by_res == {"clip": [[512, 4], [1024, 1]], "image": [[512, 4], [1024, 1]]}
-    small, large = samples(8, (512, 512), prefix="s"), samples(3, (1024, 1024), prefix="l")
-    odd = samples(2, (832, 640), prefix="o")   # sqrt(832 x 640) = 730: nearer 512
+    small, large = examples(8, (512, 512), prefix="s"), examples(3, (1024, 1024), prefix="l")
+    odd = examples(2, (832, 640), prefix="o")   # sqrt(832 x 640) = 730: nearer 512
     plan = EpochPlan(small + large + odd, None, cfg.micro_batch_size_per_gpu, 1, 0, 1, 0, by_resolution=by_res)
     assert [plan.micro_batch_size_of(b) for b in ((512, 512), (1024, 1024), (832, 640))] == [4, 1, 4]
     assert plan.steps_per_epoch() == 8 // 4 + 3 // 1 + 0        # the two 832x640 fill no batch of 4

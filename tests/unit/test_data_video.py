@@ -8,7 +8,7 @@ from media import gray_frames, write_video
 from PIL import Image
 
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig
-from pipetrain.backend.data import EpochPlan, build_samples, scan_dataset
+from pipetrain.backend.data import EpochPlan, build_examples, scan_dataset
 from pipetrain.backend.data.buckets import check_frame_buckets
 from pipetrain.backend.data.video import frame_bucket, frames_at_rate, load_video, probe_video
 from pipetrain.backend.errors import DatasetError
@@ -72,12 +72,12 @@ def test_images_and_videos_mixed_in_one_dataset(tmp_path, caplog):
     frames = {item.path.name: item.frames for item in scan.items}
     assert frames == {"long.mp4": 17, "fast.webm": 20, "anim.webp": 10, "short.mkv": 4, "still.png": 1}
     with caplog.at_level(logging.WARNING):
-        samples = build_samples(ds, scan.items, model_fps=16)
-    buckets = {s.item.path.name: s.bucket for s in samples}
+        examples = build_examples(ds, scan.items, model_fps=16)
+    buckets = {s.item.path.name: s.bucket for s in examples}
     assert buckets == {"long.mp4": (64, 64, 17), "fast.webm": (64, 64, 9), "anim.webp": (64, 64, 9),
                        "still.png": (64, 64)}
     assert "short.mkv: 4 frames" in caplog.text                    # left out, named with the reason
-    assert EpochPlan(samples, None, 1, 1, 0, 1, seed=0).steps_per_epoch() == 4
+    assert EpochPlan(examples, None, 1, 1, 0, 1, seed=0).steps_per_epoch() == 4
 
 
 def test_an_image_model_reads_videos_as_before(tmp_path):
@@ -98,6 +98,6 @@ def test_frame_buckets_must_fit_the_model(tmp_path):
 
 def test_the_epoch_plan_names_video_buckets(tmp_path):
     ds = _dataset(tmp_path)
-    samples = build_samples(ds, scan_dataset(ds, videos=True).items, model_fps=16)
-    plan = EpochPlan(samples, None, 2, 1, 0, 1, seed=0)
+    examples = build_examples(ds, scan_dataset(ds, videos=True).items, model_fps=16)
+    plan = EpochPlan(examples, None, 2, 1, 0, 1, seed=0)
     assert any("64x64, 17 frames" in w for w in plan.warnings())

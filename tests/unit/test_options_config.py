@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from pipetrain.backend import optim
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig, load_dataset_config, load_run_config, save_toml
 from pipetrain.backend.data import caption_variants, drops_caption, expand_captions, scan_dataset
-from pipetrain.backend.data.buckets import build_samples
+from pipetrain.backend.data.buckets import build_examples
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.preflight import load_run
 from pipetrain.backend.train.eval import every_n_steps
@@ -306,7 +306,7 @@ def test_dataset_caption_options_per_directory(tmp_path):
                         resolutions=[64], caption_prefix="p ", cache_shuffle_num=3, skip_empty_caption=True)
     scan = scan_dataset(cfg)
     assert scan.skipped_empty == [tmp_path / "a" / "nocap.png"]
-    texts = [s.text for s in expand_captions(build_samples(cfg, scan.items), seed=1)]
+    texts = [s.text for s in expand_captions(build_examples(cfg, scan.items), seed=1)]
     assert len(texts) == 3 + 2     # a/x.png in 3 variants; b keeps its captions as they are (nocap: empty)
     assert all(t.startswith("p ") for t in texts[:3]) and texts[3:] == ["", "one, two, three"]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipetrain.backend.config import DatasetConfig
-from pipetrain.backend.data import EpochPlan, MediaItem, Sample
+from pipetrain.backend.data import EpochPlan, MediaItem, Example
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.schema import from_dict
 from pipetrain.backend.train.reg_loss import SplitLoss, group_losses
@@ -20,21 +20,21 @@ from pipetrain.backend.train.reg_loss import SplitLoss, group_losses
 SQUARE, WIDE = (512, 512), (640, 400)
 
 
-def _samples(count: int, bucket=SQUARE, prefix: str = "img") -> list[Sample]:
-    return [Sample(MediaItem(Path(f"/data/{prefix}{i}.png"), "", 1, 1, 1, (512,)), bucket) for i in range(count)]
+def _examples(count: int, bucket=SQUARE, prefix: str = "img") -> list[Example]:
+    return [Example(MediaItem(Path(f"/data/{prefix}{i}.png"), "", 1, 1, 1, (512,)), bucket) for i in range(count)]
 
 
 def _names(steps) -> list[str]:
     return [s.item.path.name for step in steps for micro in step for s in micro]
 
 
-def _plan(train: list[Sample], reg: list[Sample], ratio: float, micro: int = 1, rank: int = 0, world: int = 1):
+def _plan(train: list[Example], reg: list[Example], ratio: float, micro: int = 1, rank: int = 0, world: int = 1):
     return EpochPlan(train + reg, None, micro, 1, rank, world, seed=3, reg=[False] * len(train) + [True] * len(reg),
                      reg_ratio=ratio)
 
 
 def test_each_epoch_holds_the_share_and_every_reg_image_comes_before_repeats():
-    plan = _plan(_samples(6), _samples(10, prefix="reg"), ratio=0.25)    # 6 * 0.25 / 0.75 = 2 a epoch
+    plan = _plan(_examples(6), _examples(10, prefix="reg"), ratio=0.25)    # 6 * 0.25 / 0.75 = 2 a epoch
     assert plan.steps_per_epoch() == 8
     seen = []
     for epoch in range(1, 6):
@@ -48,8 +48,8 @@ def test_each_epoch_holds_the_share_and_every_reg_image_comes_before_repeats():
 
 
 def test_the_reg_share_splits_over_buckets_by_their_size_the_same_every_epoch():
-    reg = _samples(2, SQUARE, "reg_sq") + _samples(1, WIDE, "reg_wide")
-    plan = _plan(_samples(4), reg, ratio=0.5)     # 4 wanted: 2.67 square, 1.33 wide -> 3 + 1 (largest remainder)
+    reg = _examples(2, SQUARE, "reg_sq") + _examples(1, WIDE, "reg_wide")
+    plan = _plan(_examples(4), reg, ratio=0.5)     # 4 wanted: 2.67 square, 1.33 wide -> 3 + 1 (largest remainder)
     assert plan.reg.counts == {SQUARE: 3, WIDE: 1}
     assert plan.steps_per_epoch() == 8
     for epoch in (1, 2, 3):
@@ -57,12 +57,12 @@ def test_the_reg_share_splits_over_buckets_by_their_size_the_same_every_epoch():
         assert Counter(n[:3] for n in names) == {"img": 4, "reg": 4}
         assert sum(n.startswith("reg_wide") for n in names) == 1
     # buckets are batched apart: 7 square samples give 3 batches of 2, the lone wide one none
-    pairs = _plan(_samples(4), reg, ratio=0.5, micro=2)
+    pairs = _plan(_examples(4), reg, ratio=0.5, micro=2)
     assert pairs.steps_per_epoch() == 3 and pairs.dropped() == {SQUARE: 1, WIDE: 1}
 
 
 def test_the_data_parallel_ranks_split_the_same_epoch():
-    train, reg = _samples(4), _samples(8, prefix="reg")
+    train, reg = _examples(4), _examples(8, prefix="reg")
     ranks = [_plan(train, reg, ratio=0.5, rank=r, world=2) for r in (0, 1)]
     names = [_names(p.epoch(2)) for p in ranks]
     assert not set(names[0]) & set(names[1])
@@ -70,7 +70,7 @@ def test_the_data_parallel_ranks_split_the_same_epoch():
 
 
 def test_a_plan_without_reg_samples_is_unchanged():
-    data = _samples(5) + _samples(3, WIDE, "w")
+    data = _examples(5) + _examples(3, WIDE, "w")
     plain = EpochPlan(data, None, 1, 1, 0, 1, seed=3)
     marked = EpochPlan(data, None, 1, 1, 0, 1, seed=3, reg=[False] * 8, reg_ratio=0.3)
     assert marked.reg.counts == {} and marked.epoch(2) == plain.epoch(2)

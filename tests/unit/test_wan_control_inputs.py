@@ -219,7 +219,7 @@ def test_masks_and_references_pair_by_stem_and_enter_the_cache_key(tmp_path):
 
     from pipetrain.backend.cache.manifest import build_entries
     from pipetrain.backend.data import scan_dataset
-    from pipetrain.backend.data.items import Sample
+    from pipetrain.backend.data.items import Example
 
     items = scan_dataset(_dataset(tmp_path, control_mask_path=str(tmp_path / "masks"),
                                   reference_path=str(tmp_path / "refs"))).items
@@ -234,12 +234,12 @@ def test_masks_and_references_pair_by_stem_and_enter_the_cache_key(tmp_path):
     with pytest.raises(DatasetError, match="directory.reference_path"):
         scan_dataset(_dataset(tmp_path, reference_path=str(tmp_path / "nowhere")))
 
-    adapter = SimpleNamespace(conditioning_fields=("vace_context",), arch="wan_vace", latent_format="Wan21",
+    adapter = SimpleNamespace(conditioning_fields=("vace_context",), text_options=dict, arch="wan_vace", latent_format="Wan21",
                               caption_sees_control=False, conditioning_options=dict)
     files = {"vae": [tmp_path / "one.png"], "text_encoders": []}
 
     def key(item):
-        return build_entries([Sample(item, (32, 32))], adapter, files, fingerprint=lambda p: "fp")[0]
+        return build_entries([Example(item, (32, 32))], adapter, files, fingerprint=lambda p: "fp")[0]
     plain, with_ref = key(items[0].__class__(**{**vars(items[0]), "reference": None})), key(items[0])
     assert with_ref.reference.endswith("refs/a.png") and with_ref.control_mask.endswith("masks/a.png")
     assert plain.latent != with_ref.latent
