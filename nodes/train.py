@@ -74,7 +74,7 @@ class TrainNode(CheckedNode):
                 t.Schedule.Input("schedule", optional=True, tooltip="Epochs, LR schedule, save and checkpoint "
                                  "frequency (default: as the Schedule node starts)"),
                 t.Parallelism.Input("parallelism", optional=True, tooltip="GPUs, pipeline stages and batch "
-                                    "(default: 1 GPU)"),
+                                    "(default: every GPU of this machine, stages chosen by the memory planner)"),
                 t.Memory.Input("memory", optional=True, tooltip="Activation checkpointing and block swapping "
                                "(default: as the Memory node starts: neither)"),
                 io.String.Input("run_name", default="lora", tooltip="Prefix of the run id; the run folder is "

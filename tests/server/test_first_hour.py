@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""A ComfyUI user's first hour (issue 38), through a real server's ``/prompt``: the training template queued
+unchanged on the machine it finds (one GPU, simulated where none is present, or only a CPU), a Cancel during
+caching, Load Epoch LoRA on a LoRA of another model, the Samples node's defaults."""
+from __future__ import annotations
+
+import pytest
+from server_fixtures import (install_test_shims, kill_runs, link_model_files, load_example, queued_text,
+                             simulate_gpus, start_server, workflow_to_prompt)
+
+from pipetrain.backend.rundir import read_json
+
+IMAGES = 2
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.models.tiny import cached_model_files
+
+    base = tmp_path_factory.mktemp("first-hour")
+    files = cached_model_files("flux", "tiny")
+    link_model_files(base, files, names={files.diffusion_model: "flux1-dev.safetensors",
+                                         files.vae: "ae.safetensors", files.text_encoders[0]: "clip_l.safetensors",
+                                         files.text_encoders[1]: "t5xxl_fp16.safetensors"})
+    make_dataset(base / "input" / "my_dataset", IMAGES)
+    install_test_shims(base)
+    server = start_server(base)
+    try:
+        yield server
+    finally:
+        server.stop()
+        kill_runs(base / "output" / "pipetrain")
+
+
+def template_prompt(server, name: str = "train_a_lora", widgets: dict | None = None) -> dict:
+    _, object_info = server.get("/object_info")
+    return workflow_to_prompt(load_example(name), object_info, widgets=widgets)
+
+
+# the template as the user has it, at a size this CPU encodes in a moment (the only change)
+SMALL = {"1": {"resolutions": "64"}}
+
+
+@pytest.mark.parametrize("gpus", [1, 0], ids=["one-gpu", "cpu"])
+def test_training_template_runs_unchanged_on_this_machine(user, gpus):
+    simulate_gpus(user, gpus)
+    # a second queue of the same graph would be ComfyUI's cached result: another run name
+    text = queued_text(user, template_prompt(user, widgets={**SMALL, "9": {"run_name": f"my_lora_{gpus}"}}), "9",
+                       timeout=300)
+    run_id = text.split()[2]
+    try:
+        run = user.runs_root / run_id
+        info = read_json(run / "launcher.json")
+        assert info["gpus"] == [0], info            # every GPU of the machine: one (or one CPU rank)
+        assert "--num_gpus" in info["command"] and info["command"][info["command"].index("--num_gpus") + 1] == "1"
+        assert "pipeline_stages = 1\n" in (run / "run.toml").read_text()
+        assert "pipeline_stages 1 of 1 rank(s)" in text, text
+        assert ("on the CPU (1 rank(s))" in text) == (gpus == 0) and ("on GPU(s) [0]" in text) == (gpus == 1), text
+    finally:
+        user.post(f"/pipetrain/runs/{run_id}/stop", {"kill": True})
+        kill_runs(user.runs_root)
