@@ -103,3 +103,62 @@ def test_cancel_during_caching_stops_within_seconds_cleanly(user):
     text = queued_text(user, {k: v for k, v in template_prompt(user, widgets=SMALL).items() if k in ("1", "2", "8")},
                        "8", timeout=300)
     assert text.startswith(f"cache ready: {IMAGES} entries; "), text
+
+
+def fabricate_lora_run(runs_root, run_id: str, tensors: dict) -> None:
+    """A finished run as the launcher lists it, newest of all, whose epoch 1 saved ``tensors`` as its LoRA (the
+    files a run writes: its launcher record and the ``lora_saved`` event naming a file in its folder)."""
+    import json
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pipetrain.backend.rundir import RunDir
+
+    run = RunDir(runs_root / run_id)
+    run.path.mkdir(parents=True)
+    lora = run.path / f"{run_id}-epoch0001.safetensors"
+    save_file({k: torch.full(shape, 0.01) for k, shape in tensors.items()}, str(lora))
+    run.write_launcher({"id": run_id, "name": run_id, "created": time.time(), "gpus": [0]})
+    with open(run.path / "events.jsonl", "a") as f:
+        f.write(json.dumps({"type": "lora_saved", "epoch": 1, "step": 2, "path": str(lora), "time": time.time()}) + "\n")
+
+
+# ComfyUI's names for a rank-1 LoRA on the tiny Flux's first double block's qkv (Flux-dev's width), an SDXL UNet's
+# first attention, and a module no model has
+FLUX_QKV = {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": (1, 3072),
+            "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": (9216, 1)}
+SDXL_ATTN = {"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight": (1, 640),
+             "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_up.weight": (640, 1)}
+NOWHERE = {"diffusion_model.no_such_block.lora_A.weight": (1, 8), "diffusion_model.no_such_block.lora_B.weight": (8, 1)}
+
+
+def epoch_lora_prompt(user) -> dict:
+    """The test template as the user has it (run 'newest', epoch 0), rendering 64x64 in one step."""
+    from server_fixtures import SHIM_NODE
+
+    _, object_info = user.get("/object_info")
+    return workflow_to_prompt(load_example("test_an_epoch_lora"), object_info, replace_types={
+        "DualCLIPLoader": SHIM_NODE}, widgets={"7": {"width": 64, "height": 64}, "8": {"steps": 1}})
+
+
+def test_load_epoch_lora_checks_the_lora_against_the_model_and_says_what_it_loaded(user):
+    fabricate_lora_run(user.runs_root, "sdxl-lora", SDXL_ATTN)
+    code, body = user.queue(epoch_lora_prompt(user))
+    assert code == 200, body
+    hist = user.wait_history(body["prompt_id"], timeout=300)
+    errors = [m[1] for m in hist["status"]["messages"] if m[0] == "execution_error"]
+    assert errors and errors[0]["node_id"] == "4", hist["status"]
+    message = errors[0]["exception_message"]
+    assert ("run sdxl-lora, epoch 1: sdxl-lora-epoch0001.safetensors applies to none of this model's weights"
+            in message and "another base model" in message), message
+
+    fabricate_lora_run(user.runs_root, "flux-lora", {**FLUX_QKV, **NOWHERE})
+    code, body = user.queue(epoch_lora_prompt(user))
+    assert code == 200, body
+    hist = user.wait_history(body["prompt_id"], timeout=300)
+    assert hist["status"]["status_str"] == "success", hist["status"]
+    text = hist["outputs"]["4"]["text"][0]
+    assert text.startswith("loaded run flux-lora, epoch 1: flux-lora-epoch0001.safetensors at strength 1\n"), text
+    assert "warning: 2 of 4 tensors of this LoRA do not apply to this model" in text, text
