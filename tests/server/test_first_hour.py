@@ -4,13 +4,17 @@ unchanged on the machine it finds (one GPU, simulated where none is present, or 
 caching, Load Epoch LoRA on a LoRA of another model, the Samples node's defaults."""
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import pytest
-from server_fixtures import (install_test_shims, kill_runs, link_model_files, load_example, queued_text,
-                             simulate_gpus, start_server, workflow_to_prompt)
+from server_fixtures import (REPO, comfy_page, install_test_shims, kill_runs, link_model_files, load_example,
+                             needs_chromium, queued_text, simulate_gpus, start_server, workflow_to_prompt)
 
 from pipetrain.backend.rundir import read_json
 
 IMAGES = 2
+SHOTS = Path("/work/briefs/ux38-shots") if Path("/work/briefs").is_dir() else REPO / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,11 @@ def test_training_template_runs_unchanged_on_this_machine(user, gpus):
         info = read_json(run / "launcher.json")
         assert info["gpus"] == [0], info            # every GPU of the machine: one (or one CPU rank)
         assert "--num_gpus" in info["command"] and info["command"][info["command"].index("--num_gpus") + 1] == "1"
-        assert "pipeline_stages = 1\n" in (run / "run.toml").read_text()
+        config = (run / "run.toml").read_text()
+        assert "pipeline_stages = 1\n" in config
+        # the template's Samples node: each epoch at strength 0 (the base model) and 1, one fixed seed
+        samples = tomllib.loads(config)["samples"]
+        assert samples["strengths"] == [0.0, 1.0] and samples["seed"] == 0, samples
         assert "pipeline_stages 1 of 1 rank(s)" in text, text
         assert ("on the CPU (1 rank(s))" in text) == (gpus == 0) and ("on GPU(s) [0]" in text) == (gpus == 1), text
     finally:
@@ -162,3 +170,30 @@ def test_load_epoch_lora_checks_the_lora_against_the_model_and_says_what_it_load
     text = hist["outputs"]["4"]["text"][0]
     assert text.startswith("loaded run flux-lora, epoch 1: flux-lora-epoch0001.safetensors at strength 1\n"), text
     assert "warning: 2 of 4 tensors of this LoRA do not apply to this model" in text, text
+
+
+@needs_chromium
+def test_samples_seed_stays_fixed_in_the_page(user):
+    """The training template in ComfyUI's page: its Samples node has no "control after generate" widget (the
+    frontend's default re-randomises a seed at every queue), and the seed is the same after the frontend's
+    after-queue step."""
+    import asyncio
+    import json
+
+    async def drive() -> dict:
+        async with comfy_page(user, user.base / "chromium-profile") as page:
+            await page.js(f"(async () => {{ await app.loadGraphData({json.dumps(load_example('train_a_lora'))}); "
+                          "return true; })()")
+            seed = "app.graph.getNodeById(12).widgets.find((w) => w.name === 'seed').value"
+            before = await page.js(seed)
+            names = await page.js("app.graph.getNodeById(12).widgets.map((w) => w.name)")
+            # what the frontend does to every widget once a prompt is queued (a control widget acts here)
+            await page.js("(() => { for (const n of app.graph.nodes) for (const w of n.widgets ?? []) "
+                          "w.afterQueued?.(); return true; })()")
+            await page.screenshot(SHOTS / "train_a_lora-samples.png")
+            return {"before": before, "after": await page.js(seed), "names": names}
+
+    out = asyncio.run(asyncio.wait_for(drive(), 300))
+    assert out["before"] == out["after"] == 0, out
+    assert "control_after_generate" not in out["names"] and out["names"][:4] == [
+        "prompts", "negative_prompt", "seed", "width"], out["names"]

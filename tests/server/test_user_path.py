@@ -209,7 +209,7 @@ def as_queued(prompt: dict) -> dict:
 
 
 TRAIN_CHANGES = {"1": {"resolutions": "64"}, "2": {"compute_dtype": "float32"}, "4": {"lr": 2e-3},
-                 "5": {"epochs": EPOCHS}}
+                 "5": {"epochs": EPOCHS}, "12": {"width": 64, "height": 64, "steps": 1}}
 TEST_CHANGES = {"7": {"width": 64, "height": 64}, "8": {"steps": 2}}
 
 
