@@ -197,3 +197,58 @@ def test_samples_seed_stays_fixed_in_the_page(user):
     assert out["before"] == out["after"] == 0, out
     assert "control_after_generate" not in out["names"] and out["names"][:4] == [
         "prompts", "negative_prompt", "seed", "width"], out["names"]
+
+
+def fabricate_stopped_run(runs_root, run_id: str, name: str, created: float, cpu: bool) -> None:
+    """A run stopped at step 4 of 20 as its files say it (the launcher's record, the backend's status with the ETA
+    it last wrote)."""
+    import json
+
+    from pipetrain.backend.rundir import RunDir
+
+    run = RunDir(runs_root / run_id)
+    run.path.mkdir(parents=True)
+    run.write_launcher({"id": run_id, "name": name, "created": created, "gpus": [0], "cpu": cpu})
+    run.status_file.write_text(json.dumps({"state": "stopped", "step": 4, "total_steps": 20, "eta_s": 120.0,
+                                           "started": created}))
+
+
+@needs_chromium
+def test_the_panel_tells_runs_apart_and_follows_the_run_just_queued(user):
+    import asyncio
+    import json
+    import time
+
+    from server_fixtures import card, panel_page
+
+    now = time.time()
+    fabricate_stopped_run(user.runs_root, "same-a", "my_lora", now - 7200, cpu=True)
+    fabricate_stopped_run(user.runs_root, "same-b", "my_lora", now - 3600, cpu=False)
+    simulate_gpus(user, 0)
+
+    async def drive() -> dict:
+        out = {}
+        async with panel_page(user, user.base / "chromium-profile") as page:
+            await page.wait_for(f"!!{card('same-a', '.pipetrain-ident')} && !!{card('same-b', '.pipetrain-ident')}",
+                                30, "showing both runs")
+            out["cards"] = await page.js("Object.fromEntries(['same-a', 'same-b'].map((id) => [id, document"
+                                         ".querySelector(`#pipetrain-panel [data-run=\"${id}\"]`).innerText]))")
+            await page.screenshot(SHOTS / "panel-same-named-runs.png")
+            text = queued_text(user, template_prompt(user, widgets={**SMALL, "9": {"run_name": "followed"}}), "9",
+                               timeout=300)
+            out["queued"] = text.split()[2]
+            out["selected"] = await page.wait_for(
+                f"(() => {{ const id = document.querySelector('#pipetrain-panel .pipetrain-run.sel')?.dataset.run; "
+                f"return id === {json.dumps(out['queued'])} ? id : null; }})()", 60, "selecting the run just queued")
+            await page.screenshot(SHOTS / "panel-follows-queued-run.png")
+        return out
+
+    try:
+        out = asyncio.run(asyncio.wait_for(drive(), 400))
+    finally:
+        kill_runs(user.runs_root)
+    a, b = out["cards"]["same-a"], out["cards"]["same-b"]
+    assert a != b and "same-a" in a and "same-b" in b and "started " in a and "started " in b, (a, b)
+    assert "CPU, 1 rank" in a and "GPU 0" in b, (a, b)
+    assert "ETA" not in a + b, (a, b)            # stopped: no time left to estimate
+    assert out["selected"] == out["queued"]
