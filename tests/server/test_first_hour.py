@@ -181,7 +181,7 @@ def test_samples_seed_stays_fixed_in_the_page(user):
     import json
 
     async def drive() -> dict:
-        async with comfy_page(user, user.base / "chromium-profile") as page:
+        async with comfy_page(user, user.base / "chromium-samples") as page:
             await page.js(f"(async () => {{ await app.loadGraphData({json.dumps(load_example('train_a_lora'))}); "
                           "return true; })()")
             seed = "app.graph.getNodeById(12).widgets.find((w) => w.name === 'seed').value"
@@ -228,7 +228,7 @@ def test_the_panel_tells_runs_apart_and_follows_the_run_just_queued(user):
 
     async def drive() -> dict:
         out = {}
-        async with panel_page(user, user.base / "chromium-profile") as page:
+        async with panel_page(user, user.base / "chromium-panel") as page:
             await page.wait_for(f"!!{card('same-a', '.pipetrain-ident')} && !!{card('same-b', '.pipetrain-ident')}",
                                 30, "showing both runs")
             out["cards"] = await page.js("Object.fromEntries(['same-a', 'same-b'].map((id) => [id, document"
