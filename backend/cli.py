@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .dp_cli import add_train_options, check_train_args
@@ -18,8 +19,13 @@ from .errors import PipeTrainError
 from .fsutil import OUT_OF_SPACE_EXIT, OutOfSpace
 
 
+DESCRIPTION = ("Train diffusion-model LoRAs with DeepSpeed pipeline parallelism on ComfyUI's model code. Each command "
+               "takes -h; the ComfyUI used is COMFYUI_PATH, --comfyui PATH, or the one this package or this Python "
+               "sits in.")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipetrain", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pipetrain", description=DESCRIPTION)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
     cache = sub.add_parser("cache", help="encode latents and text embeddings, then exit")
@@ -76,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                                           "unless the run finished or was stopped as asked")
     ds.add_argument("args", nargs=argparse.REMAINDER, help="what `deepspeed` takes, e.g. --num_gpus 2 --module "
                     "pipetrain train run.toml")
+    for command in (cache, train, launch, sample, check, plan):
+        command.add_argument("--comfyui", dest="comfyui_path", default=None, metavar="PATH",
+                             help="your ComfyUI folder (default: COMFYUI_PATH, the ComfyUI this package sits in, "
+                                  "the one holding this Python's environment or the current folder)")
     demo = sub.add_parser("demo", help="tiny Flux model + generated dataset -> cache -> 2-rank pipeline -> LoRA in ComfyUI")
     demo.add_argument("--workdir", default=None, help="where the demo writes (default .work/demo in the repo)")
     demo.add_argument("--ranks", type=int, default=2)
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         args.check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        say_comfyui(args)
         if args.command == "doctor":
             from .doctor import main as doctor_main
             if args.comfyui and len(args.comfyui) > 1:
@@ -144,6 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     except PipeTrainError as e:
         print(f"pipetrain: error: {e}", file=sys.stderr)
         return OUT_OF_SPACE_EXIT if isinstance(e, OutOfSpace) else 2
+
+
+# the commands that run ComfyUI's code in this process
+USES_COMFYUI = {"cache", "train", "sample", "memory-plan", "doctor"}
+
+
+def say_comfyui(args) -> None:
+    """``--comfyui`` taken, and one line on stderr saying which ComfyUI the command uses and how it was found (by
+    rank 0 alone; none where none is found: the command says so itself, or needs none)."""
+    from . import runtime
+    from .errors import RuntimeSetupError
+
+    if getattr(args, "comfyui_path", None):
+        runtime.use_comfyui(args.comfyui_path)
+    doctor_paths = args.comfyui if args.command == "doctor" else None
+    if args.command not in USES_COMFYUI or doctor_paths or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        print(f"pipetrain: {runtime.found_comfyui()}", file=sys.stderr)
+    except RuntimeSetupError:
+        pass
 
 
 if __name__ == "__main__":

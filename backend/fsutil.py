@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,9 +50,25 @@ def read_regular(path: str | Path, limit: int) -> bytes:
     return data
 
 
+# held while a file is written under a temporary name and renamed into place: a process that must end at once
+# (caching cancelled, ``exit_between_writes``) takes it first, so no temporary file is left behind
+WRITES = threading.RLock()
+
+
+def exit_between_writes(code: int) -> None:
+    """End this process now (no clean-up, no atexit work), but not in the middle of an atomic write."""
+    WRITES.acquire()
+    os._exit(code)
+
+
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     """``durable=False`` skips the fsync: for files rewritten every step (status.json), where a reader needs a
     whole file, not one that survives a power cut, and an fsync costs milliseconds (more on network storage)."""
+    with WRITES:
+        _atomic_write_bytes(path, data, durable)
+
+
+def _atomic_write_bytes(path: Path, data: bytes, durable: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

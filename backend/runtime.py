@@ -1,8 +1,11 @@
 """Locate and import ComfyUI. The only module in PipeTrain that changes ``sys.path``.
 
-Search order: a ComfyUI already imported in this process; ``COMFYUI_PATH``; the ComfyUI whose
-``custom_nodes/`` holds this repository; the pinned headless copy that ``scripts/setup.sh`` installs
-at ``.comfyui/ComfyUI``.
+Search order: a ComfyUI already imported in this process; the CLI's ``--comfyui`` (``use_comfyui``, which sets
+``COMFYUI_PATH`` for the processes a command starts); ``COMFYUI_PATH``; the ComfyUI whose ``custom_nodes/`` holds
+this package; the ComfyUI folder holding this Python's virtual environment (``ComfyUI/venv``, as a
+``pip install .`` into ComfyUI's own environment leaves it); the current folder or the ComfyUI above it (run from
+``ComfyUI/`` or ``ComfyUI/custom_nodes/<x>``); the pinned headless copy that ``scripts/setup.sh`` installs at
+``.comfyui/ComfyUI``. ``found_comfyui`` says in one sentence which was found, and how.
 """
 from __future__ import annotations
 
@@ -27,31 +30,69 @@ def _already_imported() -> Path | None:
     return Path(list(mod.__path__)[0]).resolve().parent
 
 
+_flag: Path | None = None    # the CLI's --comfyui
+
+
+def use_comfyui(path: str) -> None:
+    """The CLI's ``--comfyui PATH``: first in the search, and ``COMFYUI_PATH`` for the processes a command starts
+    (DeepSpeed's ranks)."""
+    global _flag
+    _flag = Path(path).expanduser().resolve()
+    os.environ["COMFYUI_PATH"] = str(_flag)
+
+
 def _candidates() -> list[tuple[str, Path]]:
     found = []
+    if _flag is not None:
+        found.append(("--comfyui", _flag))
     env = os.environ.get("COMFYUI_PATH")
-    if env:
+    if env and (_flag is None or Path(env).expanduser().resolve() != _flag):
         found.append(("COMFYUI_PATH", Path(env).expanduser()))
     if REPO_ROOT.parent.name == "custom_nodes":
-        found.append(("the ComfyUI holding custom_nodes/", REPO_ROOT.parent.parent))
+        found.append(("the ComfyUI this package sits in (custom_nodes/)", REPO_ROOT.parent.parent))
+    if sys.prefix != sys.base_prefix:
+        found.append(("the ComfyUI holding this Python's environment", Path(sys.prefix).parent))
+    cwd = Path.cwd()
+    found.append(("the current folder", cwd))
+    if cwd.parent.name == "custom_nodes":
+        found.append(("the ComfyUI above the current folder", cwd.parent.parent))
     found.append(("the pinned headless copy", PINNED_COMFYUI))
     return found
 
 
-def locate_comfyui() -> Path:
-    """Return ComfyUI's root folder without importing it."""
+def is_comfyui(path: Path) -> bool:
+    return (path / "comfy" / "model_management.py").is_file()
+
+
+def _locate() -> tuple[Path, str]:
     imported = _already_imported()
     if imported is not None:
-        return imported
+        return imported, "the ComfyUI already imported"
     tried = []
     for origin, path in _candidates():
-        if (path / "comfy" / "model_management.py").is_file():
-            return path.resolve()
+        if is_comfyui(path):
+            return path.resolve(), origin
         tried.append(f"{origin}: {path}")
+    if _flag is not None or os.environ.get("COMFYUI_PATH"):
+        given = _flag or Path(os.environ["COMFYUI_PATH"]).expanduser()
+        raise RuntimeSetupError(f"ComfyUI not found at {given}: a ComfyUI folder holds comfy/model_management.py "
+                                "(give the folder with main.py)")
     raise RuntimeSetupError(
         "ComfyUI not found. Tried " + "; ".join(tried)
-        + ". Set COMFYUI_PATH to a ComfyUI folder, or run scripts/setup.sh to install the pinned copy."
+        + ". Pass --comfyui PATH or set COMFYUI_PATH to your ComfyUI folder (the one with main.py), or install "
+        "PipeTrain into ComfyUI/custom_nodes/ (a clone of the repository: scripts/setup.sh installs a pinned copy)"
     )
+
+
+def locate_comfyui() -> Path:
+    """Return ComfyUI's root folder without importing it."""
+    return _locate()[0]
+
+
+def found_comfyui() -> str:
+    """One sentence: which ComfyUI a command uses and how it was found (``RuntimeSetupError`` where none)."""
+    path, origin = _locate()
+    return f"using the ComfyUI at {path} (found through {origin})"
 
 
 def ensure_comfyui(cpu: bool | None = None) -> Path:

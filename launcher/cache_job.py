@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -41,6 +42,20 @@ def run_cache(spec: TrainSpec, runs_root: Path, *, comfyui_root: Path | None, pr
     log.write_bytes(b"")
     env = child_env(comfyui_root)
     ref = spawn(python_argv("cache", str(run_toml)), cwd=folder, log_path=log, env=env)
+    try:
+        result = follow(ref, cache, offset, progress, cancelled, poll)
+    except BaseException:
+        # Cancel, or ComfyUI's progress hook raising its interrupt, or anything else: the child goes too
+        stop(ref)
+        raise
+    code = ref.popen.wait()
+    if code != 0 or not result:
+        raise failure(log, code)
+    return result
+
+
+def follow(ref, cache: RunDir, offset: int, progress: Progress, cancelled: Callable[[], bool], poll: float) -> dict:
+    """Relay the child's progress until it exits; its ``cached`` event (empty if none came)."""
     result: dict = {}
     while True:
         done = not ref.leader_alive()
@@ -51,16 +66,26 @@ def run_cache(spec: TrainSpec, runs_root: Path, *, comfyui_root: Path | None, pr
             elif e.get("type") == "cached":
                 result = e
         if done:
-            break
+            return result
         if cancelled():
-            ref.signal_group(signal.SIGTERM)
-            ref.popen.wait(10)
-            raise CacheError("caching cancelled")
+            raise CacheError("caching cancelled; what was cached so far is kept")
         time.sleep(poll)
-    code = ref.popen.wait()
-    if code != 0 or not result:
-        raise failure(log, code)
-    return result
+
+
+STOP_GRACE_S = 15.0   # the child stops after the batch it encodes (a caching_batch_size of large images)
+
+
+def stop(ref) -> None:
+    """End the caching child: SIGTERM (it stops after the entry it stores, ``backend/train/caching.py``), then
+    SIGKILL to its group past ``STOP_GRACE_S``; reaped either way, so no zombie stays behind ComfyUI."""
+    if ref.popen.poll() is not None:
+        return
+    ref.signal_group(signal.SIGTERM)
+    try:
+        ref.popen.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        ref.signal_group(signal.SIGKILL)
+        ref.popen.wait()
 
 
 ERROR_LINE = "pipetrain: error: "   # how ``backend/cli.py`` reports a refusal

@@ -20,6 +20,7 @@ the user to run. Only this machine's slots count as held GPUs. The shared ``stop
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import signal
@@ -34,9 +35,10 @@ from ..backend.config import load_run_config
 from ..backend.errors import PipeTrainError
 from ..backend.rundir import RunDir, RunsRoot, new_run_id
 from .build import write_config
-from .cluster_form import cluster_hosts, join_command, local_devices
+from .auto_parallel import planned_stages
+from .cluster_form import check_cluster, cluster_hosts, join_command, local_devices
 from .procs import ProcessRef, child_env, deepspeed_argv, package_path, spawn, visible_gpu_count
-from .queue_plan import plan_queued_run
+from .queue_plan import MEMO_FOLDER, plan_queued_run
 from .summaries import details, file_identity, summarize
 from .specs import TrainSpec
 
@@ -144,6 +146,8 @@ class Launcher:
     # --- starting ----------------------------------------------------------------------------
     def start(self, spec: TrainSpec, name: str = "") -> str:
         """Validate, write the run directory and launch ``deepspeed ... pipetrain train``; returns the run id."""
+        gpu_count = self.gpu_count()
+        spec = dataclasses.replace(spec, parallelism=spec.parallelism.on_machine(gpu_count))
         cluster = spec.parallelism.cluster
         devices = local_devices(cluster.launcher, cluster_hosts(cluster)) if cluster else spec.parallelism.devices
         if cluster is None:
@@ -156,16 +160,26 @@ class Launcher:
         try:
             run_toml = write_config(spec, run_dir.path, output_dir=self.dirs.root, run_name=run_id,
                                     lora_dir=lora_dir)
+            layout = ""
+            if spec.parallelism.auto_stages:
+                world = check_cluster(cluster, 1) if cluster else len(devices)
+                stages, why = planned_stages(run_toml, None if cluster else tuple(devices), world,
+                                             self.dirs.root / MEMO_FOLDER)
+                layout = f"pipeline_stages {stages} of {world} rank(s) ({why})\n"
+                if stages != spec.parallelism.pipeline_stages:
+                    spec = dataclasses.replace(spec, parallelism=spec.parallelism.with_stages(stages))
+                    run_toml = write_config(spec, run_dir.path, output_dir=self.dirs.root, run_name=run_id,
+                                            lora_dir=lora_dir)
             plan = plan_queued_run(run_toml, None if cluster else tuple(devices), self.dirs.root)
             if plan.refusal:
                 raise LauncherError(plan.refusal)
-            self.queue_plans[run_id] = plan.text
+            self.queue_plans[run_id] = layout + plan.text
             run_dir.claim_format()
             if cluster is not None:
                 self._launch_cluster(run_id, run_toml, resume=False, name=name or run_id)
             else:
                 self.launch(run_id, deepspeed_argv("train", run_toml, devices), devices, name=name or run_id,
-                            env=env, info={**info, "memory_plan": plan.text})
+                            env=env, info={**info, "memory_plan": layout + plan.text, "cpu": not gpu_count})
         except BaseException:
             # refused before any process started: the folder holds only what was just written (nothing of the
             # user's is lost), and left behind it would be listed as a run
@@ -268,10 +282,11 @@ class Launcher:
         info = self._require(run_id).read_launcher()
         if not info.get("cluster"):
             comfyui = info.get("comfyui") or {}
+            ranks = info.get("gpus", [])
+            on = f"on the CPU ({len(ranks)} rank(s))" if info.get("cpu") else f"on GPU(s) {ranks}"
             if comfyui.get("pinned"):
-                return (f"on GPU(s) {info.get('gpus', [])}, with PipeTrain's pinned ComfyUI {comfyui.get('version')} "
-                        f"({comfyui.get('reason')})")
-            return f"on GPU(s) {info.get('gpus', [])}"
+                return f"{on}, with PipeTrain's pinned ComfyUI {comfyui.get('version')} ({comfyui.get('reason')})"
+            return on
         return nodes_text(info["cluster"], info.get("node_commands") or [], info.get("gpus", []))
 
     def launch(self, run_id: str, argv: list[str], devices: tuple[int, ...], name: str | None = None, *,

@@ -8,7 +8,7 @@ can cache node outputs on them, and free of ComfyUI or torch imports.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ..backend.config import DatasetConfig
@@ -50,7 +50,8 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    gpus: int = 1
+    # 0: every GPU of the machine the run starts on, or one CPU rank where it has none (``on_machine``)
+    gpus: int = 0
     gpu_ids: tuple[int, ...] = ()   # empty: the first ``gpus`` devices
     cluster: Optional[ClusterSpec] = None       # None: this machine only (``gpus``/``gpu_ids``)
     run: RunPatch = RunPatch()                  # pipeline_stages, micro_batch_size_per_gpu, partition_method, ...
@@ -60,8 +61,22 @@ class ParallelismSpec:
         return self.gpu_ids or tuple(range(self.gpus))
 
     @property
+    def auto_stages(self) -> bool:
+        """No pipeline_stages set: the launcher's planner chooses them (``launcher/auto_parallel.py``)."""
+        return "pipeline_stages" not in self.run.as_dict()
+
+    @property
     def pipeline_stages(self) -> int:
         return self.run.get("pipeline_stages", default("pipeline_stages"))
+
+    def on_machine(self, gpu_count: int) -> "ParallelismSpec":
+        """``gpus`` 0 made concrete for a machine showing ``gpu_count`` GPUs (gpu_ids given: their count)."""
+        if self.gpus or self.cluster is not None:
+            return self
+        return replace(self, gpus=len(self.gpu_ids) or max(gpu_count, 1))
+
+    def with_stages(self, stages: int) -> "ParallelismSpec":
+        return replace(self, run=self.run | RunPatch.of({"pipeline_stages": stages}))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ def summarize(runs: RunsRoot, run_id: str, alive: bool) -> dict:
             "warnings")   # what the run says is wrong while it goes on ({key: message})
     return {"id": run_id, "state": state, "alive": alive, "error": error,
             "loras": saved_loras(d, status), "step_samples": sampled_step_loras(d), "gpus": info.get("gpus", []),
+            "cpu": bool(info.get("cpu")),   # ranks on the CPU: the machine had no GPU when it started
             "created": info.get("created"), "name": info.get("name", run_id),
             # a finished run has nothing left to train: resuming it would only write its last epoch again
             # (by the backend's word: a Kill in its last moments must not make it resumable)

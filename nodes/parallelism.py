@@ -51,11 +51,13 @@ class ParallelismNode(CheckedNode):
         return io.Schema(
             node_id="PipeTrainParallelism", display_name="PipeTrain Parallelism", category=t.CATEGORY,
             inputs=[
-                io.Int.Input("gpus", default=1, min=1, max=64, tooltip="Number of GPUs (DeepSpeed ranks) for the run "
-                             "on this machine; with a cluster the hosts' slots decide instead"),
-                io.Int.Input("pipeline_stages", default=start("pipeline_stages"), min=1, max=64,
+                io.Int.Input("gpus", default=0, min=0, max=64, tooltip="Number of GPUs (DeepSpeed ranks) for the run "
+                             "on this machine. 0: every GPU it has (one CPU rank where it has none); with a cluster "
+                             "the hosts' slots decide instead"),
+                io.Int.Input("pipeline_stages", default=0, min=0, max=64,
                              tooltip="Split the model over this many "
-                             "GPUs; must divide gpus, or a cluster's total slots (the rest is data parallel)"),
+                             "GPUs; must divide gpus, or a cluster's total slots (the rest is data parallel). 0: the "
+                             "memory planner chooses the fewest stages the model fits in"),
                 io.Int.Input("micro_batch_size_per_gpu", default=start("micro_batch_size_per_gpu"), min=1, max=256,
                              tooltip="Images per micro batch"),
                 io.Int.Input("gradient_accumulation_steps", default=start("gradient_accumulation_steps"), min=1,
@@ -119,15 +121,15 @@ class ParallelismNode(CheckedNode):
                                     master_addr=master_addr or "", env=env or "",
                                     nccl_socket_ifname=nccl_socket_ifname or "",
                                     master_port=29500 if master_port is None else master_port)
-                if stages is not None:
+                if stages:
                     check_cluster(spec, stages)
             except (PipeTrainError, ValueError) as e:
                 return str(e)
             return True
-        if gpus is not None and stages is not None and gpus % stages:
+        if gpus and stages and gpus % stages:   # 0: decided when the run starts
             return (f"pipeline_stages={stages} does not divide gpus={gpus}; use a GPU count that is a multiple of "
                     f"{stages}")
-        if ids and gpus is not None and len(ids) != gpus:
+        if ids and gpus and len(ids) != gpus:
             return f"gpu_ids lists {len(ids)} GPUs but gpus={gpus}"
         return True
 
@@ -140,7 +142,7 @@ class ParallelismNode(CheckedNode):
         spec = cluster_form(cluster, hostfile=hostfile_path(hostfile), hosts=hosts, master_addr=master_addr,
                             master_port=master_port, env=env, nccl_socket_ifname=nccl_socket_ifname,
                             nccl_ib_disable=nccl_ib_disable, nccl_p2p_disable=nccl_p2p_disable)
-        run = RunPatch.of(dict(pipeline_stages=pipeline_stages, micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+        run = RunPatch.of(dict(pipeline_stages=unset_if_zero(pipeline_stages), micro_batch_size_per_gpu=micro_batch_size_per_gpu,
                                gradient_accumulation_steps=gradient_accumulation_steps,
                                partition_method=partition_method, partition_split=parse_split(partition_split),
                                image_micro_batch_size_per_gpu=unset_if_zero(image_micro_batch_size_per_gpu),

@@ -196,10 +196,9 @@ class RunControlNode(_LiveRunNode):
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 
 
-def _lora_file(run: str, epoch: int, run_handle=None) -> dict:
+def _lora_file(run_id: str, epoch: int) -> dict:
     from ..launcher.summaries import lora_for_epoch
     launcher = _launcher()
-    run_id = resolve_run(run, run_handle)
     found = lora_for_epoch(launcher.dirs, run_id, epoch, launcher.lora_root)
     if found is None:
         which = f"epoch {epoch}" if epoch else "any epoch"
@@ -229,7 +228,7 @@ class LoadEpochLoRANode(CheckedNode):
     @classmethod
     def fingerprint_inputs(cls, **kw):
         try:
-            found = _lora_file(kw.get("run", NEWEST), kw.get("epoch", 0), kw.get("run_handle"))
+            found = _lora_file(resolve_run(kw.get("run", NEWEST), kw.get("run_handle")), kw.get("epoch", 0))
         except (ValueError, KeyError, PipeTrainError):
             return float("nan")
         return (found["path"], found.get("step"), kw.get("strength"))
@@ -238,12 +237,35 @@ class LoadEpochLoRANode(CheckedNode):
     def execute(cls, model, run, epoch, strength, run_handle=None) -> io.NodeOutput:
         import os
 
+        import comfy.lora
         import comfy.sd
         import comfy.utils
-        found = _lora_file(run, epoch, run_handle)
+        run_id = resolve_run(run, run_handle)
+        found = _lora_file(run_id, epoch)
         key = (found["path"], os.path.getmtime(found["path"]))
         if key not in _lora_cache:
             _lora_cache.clear()
             _lora_cache[key] = comfy.utils.load_torch_file(found["path"], safe_load=True)
-        patched, _ = comfy.sd.load_lora_for_models(model, None, _lora_cache[key], strength, 0)
-        return io.NodeOutput(patched)
+        lora = _lora_cache[key]
+        where = f"run {run_id}, epoch {found.get('epoch')}: {os.path.basename(found['path'])}"
+        # ComfyUI applies the keys its map of this model names and only logs the others to its console
+        skipped = unapplied(lora, comfy.lora.model_lora_keys_unet(model.model, {}))
+        if len(skipped) == len(lora):
+            raise ValueError(f"the LoRA of {where} applies to none of this model's weights: it was trained on "
+                             "another base model. Load the model files that run trained on, or choose a run "
+                             "trained on this model")
+        patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)
+        text = f"loaded {where} at strength {strength:g}"
+        if skipped:
+            text += (f"\nwarning: {len(skipped)} of {len(lora)} tensors of this LoRA do not apply to this model "
+                     "and are left out; was it trained on these model files?")
+        return io.NodeOutput(patched, ui=ui.PreviewText(text))
+
+
+def unapplied(lora: dict, key_map: dict) -> list[str]:
+    """The LoRA file's tensors that no weight of the model takes: those whose name has no prefix in ComfyUI's key
+    map of the model (``model_lora_keys_unet``), the names ``comfy.lora.load_lora`` logs as not loaded."""
+    def applies(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:i]) in key_map for i in range(len(parts) - 1, 0, -1))
+    return [name for name in lora if not applies(name)]

@@ -59,9 +59,11 @@ class SamplesNode(CheckedNode):
                 io.String.Input("negative_prompt", default=start("samples.negative_prompt"), multiline=True,
                                 tooltip="Negative prompt (used "
                                 "when cfg > 1)"),
-                io.Int.Input("seed", default=start("samples.seed"), min=0, max=2**63 - 1,
-                             tooltip="Noise seed (the same for every "
-                             "epoch, so the images are comparable)"),
+                # no "control after generate" widget: the frontend's would re-randomise the seed at every queue,
+                # and two runs' grids compare only at one seed
+                io.Int.Input("seed", default=start("samples.seed"), min=0, max=2**63 - 1, control_after_generate=False,
+                             tooltip="Noise seed (the same for every epoch and run until you change it, so the "
+                             "images are comparable)"),
                 io.Int.Input("width", default=start("samples.width"), min=16, max=8192, step=16, tooltip="Image width"),
                 io.Int.Input("height", default=start("samples.height"), min=16, max=8192, step=16,
                              tooltip="Image height"),
@@ -80,8 +82,9 @@ class SamplesNode(CheckedNode):
                                "the GPU with your prompts; the run waits, and renders them itself if ComfyUI does "
                                "not answer within host_timeout_s); training run: the run's rank 0 does"),
                 io.String.Input("strengths", default=", ".join(map(str, start("samples.strengths"))), optional=True,
-                                tooltip="LoRA strengths to render every prompt at, comma separated (e.g. 0.6, 0.8, "
-                                "1.0): the panel shows epoch x strength x prompt, to pick the epoch and strength"),
+                                tooltip="LoRA strengths to render every prompt at, comma separated (e.g. 0, 0.8, "
+                                "1.0; 0 is the base model): the panel shows epoch x strength x prompt, to pick the "
+                                "epoch and strength"),
                 io.Float.Input("host_timeout_s", default=start("samples.host_timeout_s"), min=1.0, max=86400.0,
                                step=60.0, optional=True, tooltip="render_on host ComfyUI: how long the run waits for "
                                "this ComfyUI's samples before it renders them itself (seconds)"),

@@ -2,6 +2,7 @@
 """Cache and Train: the two output nodes that do something (through the launcher)."""
 from __future__ import annotations
 
+import logging
 import time
 
 from comfy_api.latest import io, ui
@@ -11,6 +12,8 @@ from ..backend.config.patch import RunPatch
 from ..launcher.specs import LORA, ParallelismSpec, RunHandle, TrainSpec
 from . import types as t
 from .declared import CheckedNode
+
+log = logging.getLogger("pipetrain")
 
 
 class CacheNode(CheckedNode):
@@ -48,7 +51,9 @@ class CacheNode(CheckedNode):
             result = run_cache(spec, host.runs_root(), comfyui_root=host.comfyui_root(), progress=progress,
                                cancelled=mm.processing_interrupted)
         except PipeTrainError as e:
-            mm.throw_exception_if_processing_interrupted()
+            if mm.processing_interrupted():   # Cancel: ComfyUI's own "interrupted", the child gone and reaped
+                log.info("pipetrain: %s", e)
+                mm.throw_exception_if_processing_interrupted()
             raise RuntimeError(str(e)) from None
         text = (f"cache ready: {result.get('entries', '?')} entries; encoded now: "
                 f"{result.get('latents_encoded', 0)} latents, {result.get('texts_encoded', 0)} captions "
@@ -74,7 +79,7 @@ class TrainNode(CheckedNode):
                 t.Schedule.Input("schedule", optional=True, tooltip="Epochs, LR schedule, save and checkpoint "
                                  "frequency (default: as the Schedule node starts)"),
                 t.Parallelism.Input("parallelism", optional=True, tooltip="GPUs, pipeline stages and batch "
-                                    "(default: 1 GPU)"),
+                                    "(default: every GPU of this machine, stages chosen by the memory planner)"),
                 t.Memory.Input("memory", optional=True, tooltip="Activation checkpointing and block swapping "
                                "(default: as the Memory node starts: neither)"),
                 io.String.Input("run_name", default="lora", tooltip="Prefix of the run id; the run folder is "

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,3 +164,23 @@ def check_two_epoch_run_on(comfyui: Path, version: str, run, config: Path, model
         assert check["keys_loaded"] == keys, got
         assert check["comfy_vs_training"] < MATCH_TOLERANCE * max(1.0, check["scale"]), got
         assert check["lora_effect"] > MIN_EFFECT, got
+
+
+# what a copy of the repository leaves out (as a user's clone has none of it)
+NOT_COPIED = (".git", ".venv", ".comfyui", ".work", ".whl", ".bench", ".shim", "test-artifacts", "__pycache__",
+              ".pytest_cache", "build", "*.egg-info")
+
+
+def python_without_pipetrain(folder: Path, extra: Path | None = None) -> Path:
+    """A fresh venv whose site-packages names this environment's (one ``.pth`` path line): every installed
+    package but not the editable PipeTrain, whose ``.pth`` import line is only run in a site directory.
+    ``extra``: a folder of packages named first (a newer ComfyUI's own, e.g. its frontend package, which
+    must win over this environment's older one)."""
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(folder)],
+                   check=True)
+    python = folder / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    lines = ([str(extra)] if extra is not None else []) + [sysconfig.get_paths()["purelib"]]
+    Path(site, "test_environment.pth").write_text("".join(line + "\n" for line in lines))
+    return python

@@ -338,6 +338,8 @@ _SHIM = '''
 import importlib
 import os
 import sys
+import threading
+import time
 
 import folder_paths
 
@@ -368,8 +370,41 @@ class TinyDualCLIPLoader:
         return (load_text_encoders(paths, type, None),)
 
 
+def _simulate_gpus():
+    """The launcher sees as many GPUs as ``<base>/simulated_gpus`` says (no file: the real count); its ranks still
+    run on this machine's CPU. Waits for PipeTrain: custom nodes load in no fixed order."""
+    from pathlib import Path
+
+    for _ in range(1200):
+        try:
+            launcher = _pipetrain("launcher.comfy").get_launcher()
+        except ImportError:
+            time.sleep(0.05)
+            continue
+        real = launcher.gpu_count
+        file = Path(folder_paths.get_output_directory()).parent / "simulated_gpus"
+        launcher.gpu_count = lambda: int(file.read_text()) if file.is_file() else real()
+        return
+
+
+threading.Thread(target=_simulate_gpus, daemon=True).start()
 NODE_CLASS_MAPPINGS = {"%s": TinyDualCLIPLoader}
 ''' % SHIM_NODE
+
+
+def simulate_gpus(server: ComfyServer, count: int) -> None:
+    """From now on the server's launcher sees ``count`` GPUs (``install_test_shims``)."""
+    (server.base / "simulated_gpus").write_text(str(count))
+
+
+def queued_text(server: ComfyServer, prompt: dict, node: str, timeout: float = 60) -> str:
+    """Queue ``prompt``, wait for it to succeed and return node ``node``'s text (a Train node's starts with
+    ``started run <id>``)."""
+    code, body = server.queue(prompt)
+    assert code == 200, body
+    hist = server.wait_history(body["prompt_id"], timeout=timeout)
+    assert hist["status"]["status_str"] == "success", hist["status"]
+    return hist["outputs"][node]["text"][0]
 
 
 def install_test_shims(base: Path) -> None:

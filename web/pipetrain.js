@@ -8,7 +8,10 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const state = { runs: new Map(), selected: null, losses: new Map(), best: new Map(), root: null, lrInputs: new Map() };
+// loaded: the runs whose loss curve was read from their files (the websocket alone brings only the steps since the
+// page opened)
+const state = { runs: new Map(), selected: null, losses: new Map(), best: new Map(), root: null, lrInputs: new Map(),
+  loaded: new Set() };
 const ACTIVE = new Set(["launched", "resuming", "starting", "caching", "loading", "training", "stopping"]);
 
 const css = `
@@ -50,6 +53,7 @@ async function refreshRuns() {
   const { runs } = await r.json();
   state.runs = new Map(runs.map((x) => [x.id, x]));
   if (!state.selected && runs.length) await select(runs[0].id);
+  else if (state.selected && !state.loaded.has(state.selected)) await loadRun(state.selected);
   render();
 }
 
@@ -65,9 +69,12 @@ async function loadRun(id) {
   const r = await api.fetchApi(`/pipetrain/runs/${encodeURIComponent(id)}`);
   if (!r.ok) return;
   const run = await r.json();
-  state.losses.set(id, run.losses || []);
+  // steps that came over the websocket while the files were read stay
+  const newer = (state.losses.get(id) || []).filter(([step]) => !(run.losses || []).some(([s]) => s >= step));
+  state.losses.set(id, [...(run.losses || []), ...newer]);
   state.best.set(id, run.best_epoch || null);
   state.runs.set(id, run);
+  state.loaded.add(id);
 }
 
 let backfilling = null;
@@ -130,15 +137,26 @@ function nodeCommands(run) {
   return box;
 }
 
+const started = (run) => (run.created ? `started ${new Date(run.created * 1000).toLocaleString()}` : "");
+function devices(run) {
+  if (run.cluster) return "";
+  const n = (run.gpus || []).length;
+  return run.cpu ? `CPU, ${n} rank${n === 1 ? "" : "s"}` : n ? `GPU ${run.gpus.join(", ")}` : "";
+}
+
 function runCard(run) {
   const pct = run.total_steps ? Math.min(100, (100 * (run.step || 0)) / run.total_steps) : 0;
   const card = el("div", { class: `pipetrain-run${run.id === state.selected ? " sel" : ""}`, "data-run": run.id, onclick: () => select(run.id) },
     el("div", { class: "pipetrain-row" }, el("b", {}, run.name || run.id), el("span", { class: "pipetrain-state" }, run.state)),
+    // same-named runs told apart: the id (unique) and when it started; and where it trains
+    el("div", { class: "pipetrain-row pipetrain-ident" }, el("span", {}, run.id),
+      el("span", {}, [started(run), devices(run)].filter(Boolean).join(" · "))),
     el("div", { class: "pipetrain-bar" }, el("div", { style: `width:${pct}%` })),
     el("div", { class: "pipetrain-row" },
       el("span", { class: "pipetrain-progress" }, run.total_steps ? `step ${run.step || 0}/${run.total_steps}` : run.state),
       el("span", {}, run.loss != null ? `loss ${Number(run.loss).toFixed(4)}` : ""),
-      el("span", { class: "pipetrain-eta" }, run.eta_s ? `ETA ${fmtEta(run.eta_s)}` : "")));
+      // a stopped, failed or finished run has no time left to estimate
+      el("span", { class: "pipetrain-eta" }, run.eta_s && run.alive && ACTIVE.has(run.state) ? `ETA ${fmtEta(run.eta_s)}` : "")));
   const buttons = el("div", { class: "pipetrain-row" });
   if (run.alive && ACTIVE.has(run.state)) {
     buttons.append(el("button", { onclick: (e) => { e.stopPropagation(); post(run.id, "stop"); } }, "Stop"));
@@ -277,8 +295,18 @@ function onEvent({ detail }) {
   if (id === state.selected && (detail.events || []).some((e) => e.type === "eval")) backfill(id);
   state.losses.set(id, pts);
   if (!old) state.runs = new Map([...state.runs.entries()].sort((a, b) => (b[1].created || 0) - (a[1].created || 0)));
-  if (!state.selected) state.selected = id;
+  if (!old || !state.selected) {   // a run that just started (queued here or elsewhere): the panel follows it
+    select(id);
+    return;
+  }
+  if (id === state.selected && !state.loaded.has(id)) backfill(id);   // a reload mid-run: the curve from the files
   render();
+}
+
+// the Train node's "started run <id>": follow the run just queued, even before its first event
+function onExecuted({ detail }) {
+  const id = (detail?.output?.text ?? []).join("\n").match(/^started run (\S+)/)?.[1];
+  if (id && id !== state.selected) refreshRuns().then(() => select(id));
 }
 
 function mount(container) {
@@ -293,6 +321,7 @@ app.registerExtension({
   async setup() {
     document.head.append(el("style", {}, css));
     api.addEventListener("pipetrain.event", onEvent);
+    api.addEventListener("executed", onExecuted);
     // ComfyUI restarted (or the socket dropped): the relay does not replay what it sent meanwhile
     api.addEventListener("reconnected", () => { refreshRuns().then(() => state.selected && backfill(state.selected)); });
     const mgr = app.extensionManager;

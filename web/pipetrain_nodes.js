@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: GPL-3.0-or-later
-// Status on the canvas: the Model, Cache, Train and Run Status nodes show what they returned (ComfyUI's bundled
+// Status on the canvas: the Model, Cache, Train, Run Status and Load Epoch LoRA nodes show what they returned (ComfyUI's bundled
 // frontend shows a node's text output nowhere), and the Train and Run Status nodes follow their run live:
 // run id, state, step and newest epoch LoRA, from the "pipetrain.event" messages the launcher's relay sends.
 // The text sits in a widget that is neither saved in the workflow nor queued (serialize false), after the
@@ -7,7 +7,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const TEXT_NODES = new Set(["PipeTrainModel", "PipeTrainCache", "PipeTrainTrain", "PipeTrainRunStatus"]);
+const TEXT_NODES = new Set(["PipeTrainModel", "PipeTrainCache", "PipeTrainTrain", "PipeTrainRunStatus",
+                            "PipeTrainLoadEpochLoRA"]);
 const RUN_NODES = new Set(["PipeTrainTrain", "PipeTrainRunStatus"]);
 const WIDGET = "pipetrain_status";
 const NEWEST = "newest";

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
 from ..errors import CacheError
-from ..fsutil import fault_point, space_guard, temp_path_beside
+from ..fsutil import WRITES, fault_point, space_guard, temp_path_beside
 
 SUFFIX = ".safetensors"
 DIGEST = "pipetrain.sha256"   # the metadata key of an entry's digest
@@ -71,6 +71,10 @@ class CacheStore:
 
     def put(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
         final = self.path(kind, key)
+        with WRITES:
+            self._put(kind, final, tensors)
+
+    def _put(self, kind: str, final: Path, tensors: dict[str, torch.Tensor]) -> None:
         tmp = temp_path_beside(final)
         with space_guard(self.root, tmp):
             try:

@@ -130,9 +130,10 @@ class SamplesConfig:
                               file=file, key="samples.width")
         if self.steps < 1:
             raise ConfigError("must be 1 or more", file=file, key="samples.steps")
-        if not 1 <= len(self.strengths) <= MAX_STRENGTHS or any(not 0 < x <= 2 for x in self.strengths):
-            raise ConfigError(f"got {self.strengths}; give 1 to {MAX_STRENGTHS} LoRA strengths, each above 0 and at "
-                              "most 2, e.g. [0.6, 0.8, 1.0]", file=file, key="samples.strengths")
+        # 0 renders the base model (the LoRA off): the row the others compare with
+        if not 1 <= len(self.strengths) <= MAX_STRENGTHS or any(not 0 <= x <= 2 for x in self.strengths):
+            raise ConfigError(f"got {self.strengths}; give 1 to {MAX_STRENGTHS} LoRA strengths, each from 0 (the "
+                              "base model) to 2, e.g. [0, 0.8, 1.0]", file=file, key="samples.strengths")
         if len(set(self.strengths)) != len(self.strengths):
             raise ConfigError(f"got {self.strengths}; each strength once", file=file, key="samples.strengths")
         if not 1 <= self.frames <= MAX_SAMPLE_FRAMES:

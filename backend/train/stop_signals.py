@@ -22,11 +22,13 @@ REPEAT_S = 2.0
 
 
 class StopSignals:
-    def __init__(self, at_once: Callable[[int], None]):
-        """``at_once(signum)``: called from the thread on a second signal; expected not to return."""
+    def __init__(self, at_once: Callable[[int], None], first: Callable[[int], None] | None = None):
+        """``at_once(signum)``: called from the thread on a second signal; expected not to return. ``first``: called
+        from the thread on the first one (caching alone ends there; a run stops at its next step instead)."""
         self.signum: int | None = None   # the first signal's number, once one came
         self._first_at = 0.0
         self._at_once = at_once
+        self._first = first
         self._sockets = None
 
     @property
@@ -60,6 +62,8 @@ class StopSignals:
         now = time.monotonic()
         if self.signum is None:
             self.signum, self._first_at = signum, now
+            if self._first is not None:
+                self._first(signum)
         elif now - self._first_at > REPEAT_S:
             self._at_once(signum)
         elif signum == signal.SIGINT:

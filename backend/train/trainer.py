@@ -15,6 +15,7 @@ from .. import run_control
 from ..config import RunConfig, save_toml, without_secrets
 from ..deepspeed_cli import note_run_dir
 from ..errors import CheckpointError, PipeTrainError
+from ..fsutil import exit_between_writes
 from ..fallback import check_saved_lora
 from ..models.base import DTYPES
 from ..models.loading import check_architecture
@@ -163,7 +164,7 @@ class Trainer:
     def watch_launcher(self) -> None:
         """SIGINT and SIGTERM ask for a stop (``stop_signals.py``); the end of the DeepSpeed launcher ends this rank
         (``launcher_watch.py``)."""
-        self.signals = StopSignals(self._stop_at_once)
+        self.signals = StopSignals(self._stop_at_once, self._stop_caching if self.opts.cache_only else None)
         self.signals.install()
         self.launcher_watch = LauncherWatch()
         self.launcher_watch.start(self._launcher_gone_from_watch)
@@ -500,6 +501,13 @@ class Trainer:
         if self.signals is not None and self.signals.requested and self.parts is not None:   # training: a checkpoint
             time.sleep(STOP_GRACE_S)
         self._on_launcher_gone(pid)
+
+    def _stop_caching(self, signum: int) -> None:
+        """From the signal thread, caching alone (the Cache node's Cancel): end now, not after the image being
+        encoded (minutes on a CPU), but between two file writes: every cache entry and record is whole, and what
+        is cached so far is kept."""
+        log.info("caching stopped: %s received; what is cached so far is kept", describe(signum))
+        exit_between_writes(128 + signum)
 
     def _stop_at_once(self, signum: int) -> None:
         """From the signal thread, on a second signal: end this rank now, without a checkpoint."""

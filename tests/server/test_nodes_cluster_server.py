@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 
-from server_fixtures import comfy_server, kill_runs  # noqa: F401  (fixture)
+from server_fixtures import comfy_server, kill_runs, queued_text  # noqa: F401  (fixture)
 from test_server_pipetrain import fake_sdxl_files, graph, node_error, raw
 
 from pipetrain.backend.commands import free_port
@@ -41,11 +41,7 @@ def test_cluster_section_errors_and_a_no_ssh_start(comfy_server):  # noqa: F811
     runs_root = server.runs_root
     assert not runs_root.exists() or not [p for p in runs_root.iterdir() if (p / "launcher.json").exists()]
 
-    code, body = server.queue(cluster_graph(info, **no_ssh))
-    assert code == 200, body
-    hist = server.wait_history(body["prompt_id"], timeout=60)
-    assert hist["status"]["status_str"] == "success", hist["status"]
-    text = hist["outputs"]["4"]["text"][0]
+    text = queued_text(server, cluster_graph(info, **no_ssh), "4")
     run_id = text.split()[2]
     try:
         assert text.startswith("started run cluster-") and "on 2 nodes (no_ssh: node-a:1, node-b:1)" in text, text

@@ -26,13 +26,12 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from comfyui_copies import NEWER_VERSIONS, extra_packages
+from comfyui_copies import NEWER_VERSIONS, NOT_COPIED, extra_packages, python_without_pipetrain
 from server_fixtures import (REPO, SHIM_NODE, comfy_page, comfyui_of, fetch_image, install_test_shims, kill_runs,
                              link_model_files, load_example, needs_chromium, node_box, overlapping, start_server,
                              workflow_to_prompt)
@@ -45,23 +44,6 @@ FOLDER = "ComfyUI-PipeTrain"      # not "pipetrain": ComfyUI imports the node un
 ARTIFACTS = REPO / "test-artifacts"
 IMAGES = 4
 EPOCHS = 2
-NOT_COPIED = (".git", ".venv", ".comfyui", ".work", ".whl", ".bench", ".shim", "test-artifacts", "__pycache__",
-              ".pytest_cache", "build", "*.egg-info")
-
-
-def python_without_pipetrain(folder: Path, extra: Path | None = None) -> Path:
-    """A fresh venv whose site-packages names this environment's (one ``.pth`` path line): every installed
-    package but not the editable PipeTrain, whose ``.pth`` import line is only run in a site directory.
-    ``extra``: a folder of packages named first (a newer ComfyUI's own, e.g. its frontend package, which
-    must win over this environment's older one)."""
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(folder)],
-                   check=True)
-    python = folder / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    lines = ([str(extra)] if extra is not None else []) + [sysconfig.get_paths()["purelib"]]
-    Path(site, "test_environment.pth").write_text("".join(line + "\n" for line in lines))
-    return python
 
 
 class User:
@@ -209,7 +191,7 @@ def as_queued(prompt: dict) -> dict:
 
 
 TRAIN_CHANGES = {"1": {"resolutions": "64"}, "2": {"compute_dtype": "float32"}, "4": {"lr": 2e-3},
-                 "5": {"epochs": EPOCHS}}
+                 "5": {"epochs": EPOCHS}, "12": {"width": 64, "height": 64, "steps": 1}}
 TEST_CHANGES = {"7": {"width": 64, "height": 64}, "8": {"steps": 2}}
 
 

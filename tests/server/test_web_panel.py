@@ -143,7 +143,8 @@ BUTTON = ("((scope, label) => [...document.querySelectorAll(`#pipetrain-panel ${
           ".find((b) => b.textContent === label))")
 CLICK = "((b) => (b ? (b.click(), true) : false))"   # clicks once the button is there
 LOADER = ("(() => { const n = window.app?.graph?.findNodesByType('PipeTrainLoadEpochLoRA')?.[0];"
-          " return n ? Object.fromEntries(n.widgets.map((w) => [w.name, w.value])) : null; })()")
+          " return n ? Object.fromEntries(n.widgets.filter((w) => w.serialize !== false)"   # not its status text
+          ".map((w) => [w.name, w.value])) : null; })()")
 SECOND_LOADER = LOADER.replace("?.[0]", "?.[1]")
 GRID = ("(() => { const g = document.querySelector('#pipetrain-panel .pipetrain-grid'); return g ? [...g.children]"
         ".map((row) => [row.dataset.strength, row.querySelectorAll('img').length]) : null; })()")

@@ -29,8 +29,8 @@ def test_best_epoch_is_the_lowest_mean_held_out_loss_of_a_saved_epoch():
     assert best_epoch([{"type": "lora_saved", "epoch": 1}]) is None
 
 
-@pytest.mark.parametrize("strengths,message", [([], "give 1 to 6"), ([0.0, 1.0], "each above 0"),
-                                               ([1.0, 1.0], "each strength once"), ([2.5], "at most 2")])
+@pytest.mark.parametrize("strengths,message", [([], "give 1 to 6"), ([-0.5, 1.0], "each from 0"),
+                                               ([1.0, 1.0], "each strength once"), ([2.5], "to 2")])
 def test_bad_strengths_are_refused_naming_the_key(strengths, message, micro_flux_files, make_run):
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.errors import ConfigError
@@ -38,6 +38,16 @@ def test_bad_strengths_are_refused_naming_the_key(strengths, message, micro_flux
     config = make_run(micro_flux_files, images=1, samples={"prompts": ["x"], "strengths": strengths})
     with pytest.raises(ConfigError, match=f"samples.strengths.*{message}"):
         load_run_config(config)
+
+
+def test_strength_0_is_the_base_model_row(micro_flux_files, make_run):
+    from pipetrain.backend.config import load_run_config
+
+    cfg = load_run_config(make_run(micro_flux_files, images=1, samples={"prompts": ["x"], "strengths": [0, 1.0]}))
+    assert cfg.samples.strengths == [0.0, 1.0]
+    paths = sample_paths(Path("/r/l-epoch0001.safetensors"), 1, cfg.samples.strengths)
+    assert [p.name for p in paths] == ["l-epoch0001-sample00-x0.00.png", "l-epoch0001-sample00-x1.00.png"]
+    assert [sample_strength(str(p)) for p in paths] == [0.0, 1.0]
 
 
 def test_a_full_fine_tune_has_no_strengths(micro_flux_files, make_run):
