@@ -212,12 +212,14 @@ def set_ours(config: Path, keys: dict) -> dict:
     return keys
 
 
-def set_dp(run_dir: Path, chosen: dict, samples: int) -> dict:
-    """Rewrite diffusion_pipe.py's configs in ``run_dir`` for ``chosen``; the dataset repeats its pictures for
-    ``samples`` samples in one epoch (no epoch boundary inside the timed steps)."""
+def set_dp(run_dir: Path, chosen: dict, samples: int, shipped: bool) -> dict:
+    """Rewrite diffusion_pipe.py's configs in ``run_dir`` for ``chosen``: a shipped example as ``dp_config`` says,
+    other settings over diffusion_pipe.py's own config. The dataset repeats its pictures for ``samples`` samples in
+    one epoch (no epoch boundary inside the timed steps)."""
     import tomli_w
 
-    main = dp_config(chosen, tomllib.loads((run_dir / "main.toml").read_text()))
+    written = tomllib.loads((run_dir / "main.toml").read_text())
+    main = dp_config(chosen, written) if shipped else merged(written, chosen)
     (run_dir / "main.toml").write_text(tomli_w.dumps(main))
     dataset = run_dir / "dataset.toml"
     count = sum(1 for p in Path(tomllib.loads(dataset.read_text())["directory"][0]["path"]).iterdir()
@@ -295,7 +297,7 @@ def run_race(name: str, race: Race, caps: list[float], args, deadline: float, re
             r = capped("dp", cap, lambda env, chosen=chosen, samples=samples: run_case(
                 race.case, replace(case, gradient_accumulation=chosen.get("gradient_accumulation_steps", 1)), dp,
                 root, comfyui, args.size, args.steps, args.warmup, args.resolution, args.timeout_s, frames, env=env,
-                adjust=lambda run_dir: set_dp(run_dir, chosen, samples)))
+                adjust=lambda run_dir: set_dp(run_dir, chosen, samples, bool(race.dp_example))))
             tries.append(r)
             if trained(r) or r.get("skipped"):
                 break
