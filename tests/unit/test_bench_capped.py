@@ -145,3 +145,29 @@ def test_diffusion_pipes_samples_per_second_count_every_accumulated_micro_batch(
     case = replace(CASES["qwen_image-1024-ckpt"], gradient_accumulation=4)
     steps = [{"type": "step", "step_s": 2.0, "peak_alloc_gib": 20.0, "peak_reserved_gib": 21.0}] * 3
     assert summarise(case, steps, "", warmup=1)["samples_per_s"] == 2.0
+
+
+def test_set_dp_keeps_the_harness_keys_under_settings_without_an_example_and_repeats_for_every_sample(tmp_path):
+    """Settings tried without a shipped example (Flux) go over diffusion_pipe.py's own config, whose micro-batch,
+    printing and caching keys stay; the dataset holds every timed sample in one epoch."""
+    import tomli_w
+
+    from pipetrain.bench.capped import RACES, dp_settings, set_dp
+
+    (tmp_path / "dataset").mkdir()
+    for i in range(8):
+        (tmp_path / "dataset" / f"img{i}.png").write_bytes(b"")
+        (tmp_path / "dataset" / f"img{i}.txt").write_text("x")
+    (tmp_path / "dataset.toml").write_text(f'resolutions = [64]\n\n[[directory]]\npath = "{tmp_path / "dataset"}"\n'
+                                           "num_repeats = 2\n")
+    written = {**WRITTEN, "micro_batch_size_per_gpu": 1, "steps_per_print": 1, "caching_batch_size": 1,
+               "model": {"type": "flux", "diffusers_path": "/work/flux-dp-full", "dtype": "bfloat16",
+                         "transformer_dtype": "bfloat16"}}
+    (tmp_path / "main.toml").write_text(tomli_w.dumps(written))
+    _, swapped = dp_settings(RACES["flux-1024"], None)
+    set_dp(tmp_path, swapped, samples=44, shipped=False)
+    main = tomllib.loads((tmp_path / "main.toml").read_text())
+    assert (main["micro_batch_size_per_gpu"], main["steps_per_print"], main["caching_batch_size"]) == (1, 1, 1)
+    assert (main["activation_checkpointing"], main["blocks_to_swap"]) == ("unsloth", 12)
+    assert main["model"] == {**written["model"], "transformer_dtype": "float8"}
+    assert "num_repeats = 6" in (tmp_path / "dataset.toml").read_text()      # 6 x 8 pictures >= 44 samples
