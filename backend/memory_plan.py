@@ -235,7 +235,10 @@ def trace_run(cfg, inputs_of) -> list[LayerFootprint]:
 
     adapter = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
     dtype = DTYPES[cfg.model.diffusion_model_dtype or cfg.model.dtype]
-    adapter.use_model(build_meta_model(adapter.model_files()["diffusion_model"][0], dtype, cfg.model.type))
+    # float8 weights count one byte each and compute in the run's dtype, as ComfyUI loads them (without the cast
+    # the trace's activations would be float8 too, which the pipeline layers cannot carry)
+    cast = DTYPES[cfg.model.dtype] if stores_fp8(cfg) else None
+    adapter.use_model(build_meta_model(adapter.model_files()["diffusion_model"][0], dtype, cfg.model.type, cast))
     dm = adapter.diffusion_model
     if cfg.adapter is None:
         dm.requires_grad_(True)

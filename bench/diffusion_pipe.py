@@ -67,7 +67,7 @@ import time
 import types
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from pipetrain.bench.run import Case
@@ -200,7 +200,8 @@ def summarise(case: Case, events: list[dict], log: str, warmup: int) -> dict:
     step_s = statistics.median(e["step_s"] for e in steps)
     ds_times = [float(t) for n, t in ITER_TIME.findall(log) if int(n) > warmup]
     start = next((e for e in events if e.get("type") == "start"), {})
-    return {"samples_per_s": case.batch / step_s, "step_s": step_s,
+    # a step is a whole optimizer step: micro-batch x gradient accumulation samples
+    return {"samples_per_s": case.batch * case.gradient_accumulation / step_s, "step_s": step_s,
             "peak_gib": max(e["peak_alloc_gib"] for e in steps),
             "peak_reserved_gib": max(e["peak_reserved_gib"] for e in steps),
             "peak_before_training_gib": start.get("peak_alloc_gib"), "steps_measured": len(steps),
@@ -220,7 +221,10 @@ def write_in_child(name: str, root: Path, comfyui: Path, size: str, steps: int, 
 
 
 def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: str, steps: int, warmup: int,
-             resolution: int | None, timeout_s: float | None = None, frames: int | None = None) -> dict:
+             resolution: int | None, timeout_s: float | None = None, frames: int | None = None,
+             env: dict | None = None, adjust: Callable[[Path], dict] | None = None) -> dict:
+    """``adjust(run_dir)``: rewrites the written configs before the run starts (bench/capped.py: diffusion-pipe's
+    own example configs) and returns what it set, kept as ``settings``; ``env``: added to the run's environment."""
     run_dir = root / name
     shutil.rmtree(run_dir, ignore_errors=True)   # a fresh cache and output each time
     written = write_in_child(name, root, comfyui, size, steps, resolution, frames)
@@ -232,6 +236,7 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
     folder, config = model_folder(case.arch, root, size, case.variant), run_dir / "main.toml"
     events_file, log_file = run_dir / "events.jsonl", run_dir / "train.log"
 
+    settings = adjust(run_dir) if adjust else None
     cmd = dp_command(dp, config, events_file, comfyui, free_port())
     smi = SmiPeak()
     smi.start()
@@ -239,7 +244,8 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
     with open(log_file, "w") as f:
         # its own session: a failed caching worker leaves diffusion-pipe waiting forever, so a timeout must end
         # the launcher and every process under it
-        proc = subprocess.Popen(cmd, cwd=dp, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=dp, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -249,7 +255,8 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
     events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []
     result = {"rc": rc, "wall_s": round(time.monotonic() - t, 1), "log": str(log_file), "command": cmd,
               "smi_peak_gib": smi.peak_mib / 1024 if smi.peak_mib else None,
-              "write_s": json.loads((folder / "written.json").read_text()).get("write_s")}
+              "write_s": json.loads((folder / "written.json").read_text()).get("write_s"),
+              **({"settings": settings} if settings is not None else {})}
     result.update(summarise(case, events, log_file.read_text(errors="replace"), warmup))
     if "samples_per_s" not in result:
         result["log_tail"] = log_file.read_text(errors="replace")[-3000:]

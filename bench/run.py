@@ -233,17 +233,21 @@ def write_config(name: str, case: Case, files: dict, root: Path, steps: int, res
 
 
 def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup: int, profile: Path | None = None,
-             timeout_s: float | None = None, stop_after: str | None = None, **overrides) -> dict:
+             timeout_s: float | None = None, stop_after: str | None = None, env: dict | None = None,
+             adjust=None, **overrides) -> dict:
     """The case through ``pipetrain train`` under DeepSpeed's launcher (``stages x data_parallel`` ranks); with
     ``profile``, the PROFILED_STEPS steps after warm-up are also recorded there with torch.profiler and as many
     after them sampled on the host (``PIPETRAIN_PROFILE``), all left out of the timing. ``peak_gib`` is rank 0's
     peak (the first stage's), ``peak_gib_per_rank`` every rank's (the ``memory`` event, GPUs only); ``stop_after``:
-    see ``train_run``."""
+    see ``train_run``. ``adjust(config)`` rewrites the written run.toml before the run starts (bench/capped.py) and
+    returns what it set, kept as ``settings``; ``env`` is added to the run's environment. ``memory_plan``: what
+    ``memory = "auto"`` chose, where it planned."""
     from pipetrain.backend.train.profiling import ENV, recorded_steps
 
     config = write_config(name, case, files, root, steps, **overrides)
+    settings = adjust(config) if adjust else None
     log = root / f"{name}.log"
-    env = {ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {}
+    env = {**(env or {}), **({ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {})}
     rc, events = train_run(config, case.stages * case.data_parallel, log, env=env, timeout_s=timeout_s,
                            stop_after=stop_after)
     steps_ = [e for e in events if e["type"] == "step"][warmup:]
@@ -252,15 +256,18 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
                 for e in events if e["type"] == "profile"]
     if profile:   # the profiled steps run slower: they are not timed
         steps_ = steps_[recorded_steps(PROFILED_STEPS):]
+    plan = next(({k: e.get(k) for k in ("chosen", "gpu_gib", "stages_gib", "reason")}
+                 for e in events if e["type"] == "memory_plan"), None)
+    extra = {**({"settings": settings} if settings is not None else {}), **({"memory_plan": plan} if plan else {})}
     if rc != 0 or not steps_:   # the tail comes back from the GPU machine where the log does not
-        return {"rc": rc, "log": str(log), "log_tail": log.read_text(errors="replace")[-3000:]}
+        return {"rc": rc, "log": str(log), "log_tail": log.read_text(errors="replace")[-3000:], **extra}
     samples = case.batch * case.gradient_accumulation * case.data_parallel
     step_time = statistics.median(e["step_time_s"] for e in steps_)
     memory = next((e for e in events if e["type"] == "memory"), {})
     return {"rc": rc, "samples_per_s": samples / step_time, "step_s": step_time,
             "peak_gib": max(e.get("peak_mem_gib", 0) for e in steps_), "steps_measured": len(steps_),
             **({"peak_gib_per_rank": memory["peak_mem_gib_per_rank"]} if memory else {}),
-            **({"profile": profiled[0]} if profiled else {})}
+            **({"profile": profiled[0]} if profiled else {}), **extra}
 
 
 def train_run(config: Path, ranks: int, log: Path, env: dict | None = None, timeout_s: float | None = None,

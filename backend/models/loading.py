@@ -269,15 +269,17 @@ def model_config(arch: str, unet_config: dict):
 SCALE_KEYS = (".scale_weight", ".scale_input")   # scaled-fp8 linears default them to 1 when a file leaves them out
 
 
-def build_model(arch: str, unet_config: dict, dtype: torch.dtype, device=None):
+def build_model(arch: str, unet_config: dict, dtype: torch.dtype, device=None,
+                manual_cast_dtype: torch.dtype | None = None):
     """ComfyUI's model (``model_base``: the diffusion model and its model_sampling) for ``arch`` built from a
     config in memory, its weights as ComfyUI's constructors leave them, in a ModelPatcher: what
-    ``ModelAdapter.use_model`` takes where no file is loaded (benchmarks, tests)."""
+    ``ModelAdapter.use_model`` takes where no file is loaded (benchmarks, tests). ``manual_cast_dtype``: weights
+    stored in ``dtype`` (float8) compute in this one, as ComfyUI loads such a model."""
     ensure_comfyui()
     import comfy.model_management as mm
     import comfy.model_patcher
     config = model_config(arch, unet_config)
-    config.set_inference_dtype(dtype, None)
+    config.set_inference_dtype(dtype, manual_cast_dtype)
     with arch_spec(arch).built_in(unet_config):
         model = config.get_model({}, "", device=device)
     if device is not None:
@@ -286,19 +288,19 @@ def build_model(arch: str, unet_config: dict, dtype: torch.dtype, device=None):
                                             offload_device=mm.unet_offload_device())
 
 
-def build_meta_model(path, dtype: torch.dtype, arch: str):
+def build_meta_model(path, dtype: torch.dtype, arch: str, manual_cast_dtype: torch.dtype | None = None):
     """The model in ``path`` built on the ``meta`` device (shapes only, nothing read but the header): what the
-    memory plan traces (``meta_trace.py``)."""
+    memory plan traces (``meta_trace.py``); ``manual_cast_dtype`` as ``build_model``'s."""
     path = _require_file(path)
     shapes, metadata = read_header(path)
     if META_UNET in metadata:
-        return build_model(arch, json.loads(metadata[META_UNET]), dtype, "meta")
+        return build_model(arch, json.loads(metadata[META_UNET]), dtype, "meta", manual_cast_dtype)
     ensure_comfyui()
     unet_config, _ = comfy_layout(_meta_state_dict(shapes), metadata)
     if unet_config is None:
         raise ModelError(f"{path}: ComfyUI cannot tell this file's model configuration from its weights; the "
                          "memory plan needs a file in ComfyUI's own layout")
-    return build_model(arch, unet_config, dtype, "meta")
+    return build_model(arch, unet_config, dtype, "meta", manual_cast_dtype)
 
 
 def merge_loras(patcher, paths: list[Path]) -> None:

@@ -128,6 +128,22 @@ def test_the_meta_trace_sees_what_a_real_forward_keeps(tiny_flux_files):
     assert sum(fp.saved for fp in real) > 0 and sum(fp.checkpointable for fp in real) >= 2
 
 
+def test_float8_stored_weights_trace_at_one_byte_and_compute_in_the_runs_dtype(tiny_flux_files, make_run):
+    """``diffusion_model_dtype = 'float8'``: ComfyUI stores the weights in one byte and computes in the run's dtype
+    (its manual cast). The trace built the model without that cast, ran its activations in float8 and failed, so
+    ``memory = 'auto'`` trained with no checkpointing or swapping at all."""
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.config.common import replace
+    from pipetrain.backend.models.meta_trace import probe_inputs
+
+    cfg = load_run_config(make_run(tiny_flux_files, images=2), check_dataset=False)
+    stored = replace(cfg, model=replace(cfg.model, diffusion_model_dtype="float8"))
+    fp8, full = (mp.trace_run(c, lambda adapter: probe_inputs(adapter, 64, 64, 1)) for c in (stored, cfg))
+    width = torch.empty(0, dtype=getattr(torch, cfg.model.dtype)).element_size()    # the run's dtype's bytes
+    assert sum(fp.linear_weights for fp in fp8) * width == sum(fp.linear_weights for fp in full) > 0
+    assert [fp.output for fp in fp8] == [fp.output for fp in full]    # activations in the run's dtype
+
+
 def test_a_file_without_our_metadata_is_built_from_comfyuis_detection(tiny_flux_files, tmp_path):
     """A real file carries no config of ours: the meta model comes from ComfyUI's own detection of its keys."""
     from safetensors.torch import load_file, save_file
