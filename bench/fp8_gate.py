@@ -37,7 +37,7 @@ def _loss(layers, inputs, adapter) -> torch.Tensor:
 
 
 def train(layers, adapter, dm, initial: dict, base: tuple, steps: int, lr: float, seed: int) -> tuple[list, dict]:
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection as lora
 
     lora.load_into(dm, initial)
     opt = torch.optim.AdamW(lora.trainable_parameters(dm), lr=lr)
@@ -114,9 +114,9 @@ def micro(repeats: int = 20) -> list[dict]:
 
 
 def main() -> int:
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection as lora
     from pipetrain.backend.models import fp8
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.bench.models import build, probe_inputs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -29,8 +29,8 @@ CASES = {"flux-1024": ("flux", 1024, 1024, 1), "wan-480x832x33": ("wan", 832, 48
 def _settings_for(adapter_arch, width, height, frames, cap_gib, mode):
     import torch
 
-    from pipetrain.backend import lora
-    from pipetrain.backend import memory_plan as mp
+    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.memory import plan as mp
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers
@@ -60,7 +60,7 @@ def one_case(case: str, cap_gib: float, mode: str, steps: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from models import build
 
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection as lora
     from pipetrain.backend.models.checkpointing import apply_checkpointing
     from pipetrain.backend.models.meta_trace import probe_inputs
     from pipetrain.backend.train.swap import BlockSwapper, swappable_module

@@ -96,7 +96,7 @@ def profile_steps(arch: str, step, out: Path, steps: int = 2) -> dict:
 
 
 def measure(arch: str, args, device: str = "cuda") -> dict:
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection as lora
     from pipetrain.backend.models.checkpointing import apply_checkpointing
 
     cuda = device == "cuda"
@@ -140,7 +140,7 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
 
 def main() -> int:
     from pipetrain.backend.models.registry import ADAPTERS
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--archs", default=",".join(ADAPTERS))

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import torch
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.models.checkpointing import apply_checkpointing
 from pipetrain.backend.train.pipeline import sendable
 
@@ -13,7 +13,7 @@ from pipetrain.backend.train.pipeline import sendable
 def small_flux_adapter(depth: int = 2, single_blocks: int = 2):
     """A narrow Flux (float64, random weights) behind a FluxAdapter, built in memory."""
     from pipetrain.backend.config import ModelConfig
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     import comfy.ops

@@ -6,7 +6,7 @@ import logging
 import deepspeed
 import torch
 
-from .. import lora
+from ..adapters import injection as lora
 from ..adapters import ADAPTERS
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -14,8 +14,8 @@ from ..models.checkpointing import apply_checkpointing, selective_advice
 from ..models.losses import Loss
 from ..models import fp8
 from ..models.compiling import cuda_graphs_allowed
-from ..optim import make_optimizer
-from ..patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
+from ..optim.registry import make_optimizer
+from .patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
 from . import distributed
 from .clipping import clip_grad_norm_
 from .ema import WeightAverage

@@ -9,7 +9,7 @@ import threading
 import time
 
 from ..fsutil import OutOfSpace, atomic_write_json, rewrite_in_place, space_guard
-from ..rundir import RunDir, read_events, read_object
+from ..run.folder import RunDir, read_events, read_object
 
 log = logging.getLogger("pipetrain")
 
@@ -139,7 +139,7 @@ class RunReporter:
         """An audio model's sample song (read as ComfyUI's LoadAudio reads it), its channels averaged."""
         if not self.enabled or not self._writer():
             return
-        from ..sample_audio import load
+        from ..sampling.audio import load
 
         waveform, rate = load(path)
         self._tb.add_audio(tag, waveform.float().mean(0, keepdim=True).clamp(-1, 1), step, sample_rate=rate)

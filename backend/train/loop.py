@@ -1,5 +1,5 @@
 """The training loop: steps, reporting, evals, epoch and step LoRAs, checkpoints, graceful stop, and the requests
-from outside the run (``backend/run_control.py``): save or sample now, stop after this epoch, a new learning
+from outside the run (``backend/run/control.py``): save or sample now, stop after this epoch, a new learning
 rate."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import lora, run_control
-from ..optim import prodigy_d
+from ..adapters import injection as lora
+from ..run import control as run_control
+from ..optim.registry import prodigy_d
 from . import distributed, dp_layout
 from .control import Control, ControlFlags
 from .eval import eval_due, evaluate

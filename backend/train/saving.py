@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .. import lora
+from ..adapters import injection as lora
 from ..config import without_secrets
 from ..fsutil import atomic_write_bytes, space_guard
-from ..rundir import RunDir
+from ..run.folder import RunDir
 from . import distributed
 from .events import RunReporter, with_entry
 from .parts import Topology

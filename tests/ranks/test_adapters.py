@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.adapters import ADAPTERS
 from pipetrain.backend.config import AdapterConfig
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.config.schema import from_dict
 
 KINDS = {   # id -> [adapter] table
     "lora": dict(type="lora", rank=4, alpha=2.0),
@@ -54,7 +54,7 @@ def _move_away_from_start(net: nn.Module, seed: int = 7) -> None:
 
 def _comfy_weight(sd: dict, weight: torch.Tensor, caplog) -> torch.Tensor:
     """The base weight as ComfyUI's LoraLoaderModelOnly patches it with ``sd``; every key must be read."""
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     import comfy.lora
 
@@ -119,7 +119,7 @@ def test_one_interface_per_type():
 
 
 def test_oft_block_size_follows_rank_as_comfyui():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from comfy.weight_adapter.oft import OFTAdapter
 
@@ -140,7 +140,7 @@ def test_adapter_options_are_checked(table, key, message):
 
 
 def test_the_adapter_node_builds_and_checks_the_new_options():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.backend.config.patch import RunPatch
     from pipetrain.nodes.settings import AdapterNode
@@ -167,8 +167,8 @@ def test_comfyui_loads_each_kind_on_a_real_model(kind, micro_flux_files, make_ru
 
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.host.runtime import ensure_comfyui
+    from pipetrain.backend.parity.verify import check_lora
 
     ensure_comfyui()
     cfg = load_run_config(make_run(micro_flux_files, images=1, adapter=KINDS[kind]))
@@ -196,7 +196,7 @@ def test_two_stage_run_of_each_new_kind_loads_in_comfyui(kind, micro_flux_files,
     from safetensors.torch import load_file
 
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
 
     config = make_run(micro_flux_files, images=4, name=kind, stages=2, epochs=1, checkpoint_every_n_epochs=None,
                       adapter=KINDS[kind], optimizer={"type": "adamw", "lr": 1e-2})

@@ -4,10 +4,10 @@ import pytest
 import torch
 from layer_checks import Patcher, checkpointed_layers, give_lora_b_values, is_down_projection, run_layers, saved_bytes
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.models.compiling import compile_blocks
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 pytestmark = pytest.mark.slow   # inductor compiles C++ kernels on the CPU: ~1 minute
 

@@ -20,7 +20,7 @@ from conftest import MATCH_TOLERANCE, MIN_EFFECT, train
 
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.preflight import load_run
-from pipetrain.backend.runtime import PINNED_VERSION
+from pipetrain.backend.host.runtime import PINNED_VERSION
 
 NEWER = "0.33.0"
 
@@ -88,7 +88,7 @@ def test_flux2_with_a_dev_file_stays_flux2(tmp_path):
 
 
 def test_the_parity_check_on_the_pinned_comfyui_refuses_klein_by_name(tmp_path, monkeypatch):
-    from pipetrain.backend import parity
+    from pipetrain.backend.parity import check as parity
 
     monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(tmp_path))
     r = parity.check_model_type("flux2_klein")
@@ -99,7 +99,7 @@ def test_the_parity_check_on_the_pinned_comfyui_refuses_klein_by_name(tmp_path, 
 # --- ComfyUI 0.33.0 -------------------------------------------------------------------------------------------------
 _DETECTION = """
 import json, torch
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 ensure_comfyui()
 import comfy.model_detection as md, comfy.sd, comfy.supported_models as sm
 from pipetrain.backend.models import loading, tiny
@@ -190,8 +190,8 @@ _CHECK_LORA = """
 import json, sys
 from pathlib import Path
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.runtime import comfyui_version
-from pipetrain.backend.verify import check_lora
+from pipetrain.backend.host.runtime import comfyui_version
+from pipetrain.backend.parity.verify import check_lora
 cfg = load_run_config(sys.argv[1])
 checks = [check_lora(cfg, Path(p)).__dict__ for p in sys.argv[2:]]
 print(json.dumps({"version": comfyui_version(), "type": cfg.model.type, "checks": checks}))

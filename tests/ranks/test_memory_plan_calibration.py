@@ -18,8 +18,8 @@ CASES = [(job, arch) for job, archs in JOBS.items() for arch in archs]
 
 
 def _estimate(arch: str, resolution: int, frames: int, checkpointing=True, fp8_compute: bool = False) -> float:
-    from pipetrain.backend import lora
-    from pipetrain.backend import memory_plan as mp
+    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.memory import plan as mp
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers

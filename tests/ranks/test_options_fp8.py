@@ -11,7 +11,7 @@ import torch
 from conftest import train
 from safetensors.torch import load_file, save_file
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
 
 F8 = torch.float8_e4m3fn
@@ -44,8 +44,8 @@ def write_fp8_scaled(src, dst) -> None:
 def _loss_and_grads(files, weight_dtype=None, diffusion_model=None):
     """One LoRA forward/backward through the pipeline layers on a fixed probe batch."""
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
-    from pipetrain.backend.verify import probe_inputs
+    from pipetrain.backend.host.runtime import ensure_comfyui
+    from pipetrain.backend.parity.verify import probe_inputs
 
     ensure_comfyui()
     adapter = adapter_class("flux")(_model_cfg(files, weight_dtype, diffusion_model))
@@ -94,7 +94,7 @@ def test_fp8_base_weights_stay_frozen_float8_and_lora_trains(micro_flux_files, f
 @pytest.mark.slow
 def test_fp8_run_trains_and_its_lora_loads_in_comfyui(micro_flux_files, make_run):
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
 
     config = make_run(micro_flux_files, images=2, name="fp8", stages=1, epochs=1, checkpoint_every_n_epochs=None,
                       model={"diffusion_model_dtype": "float8"})

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import AdapterConfig
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.adapters.lokr import factorization
@@ -21,7 +21,7 @@ def test_factorization_matches_lycoris():
 
 @pytest.mark.parametrize("rank, factored", [(2, True), (64, False)])
 def test_update_and_comfyui_reading_of_the_saved_keys(rank, factored):
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from comfy.weight_adapter.lokr import LoKrAdapter
 
@@ -55,7 +55,7 @@ def test_update_and_comfyui_reading_of_the_saved_keys(rank, factored):
 
 
 def test_lokr_config_keys():
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     cfg = from_dict(AdapterConfig, {"type": "lokr", "rank": 8, "decompose_factor": 4})
     assert (cfg.type, cfg.decompose_factor) == ("lokr", 4)
@@ -72,7 +72,7 @@ def test_two_stage_lokr_run_loads_in_comfyui(micro_flux_files, make_run):
     from conftest import train
 
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
     from safetensors.torch import load_file
 
     config = make_run(micro_flux_files, images=4, name="lokr", stages=2, epochs=1, checkpoint_every_n_epochs=None,

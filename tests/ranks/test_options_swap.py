@@ -12,7 +12,7 @@ import torch
 from conftest import micro_flux_with_lora
 from layer_checks import checkpointed_layers
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.train.swap import BlockSwapper, enable_block_swap, swappable_module
 
@@ -86,7 +86,7 @@ def test_too_many_blocks_for_a_stage_names_the_key(flux):
 
 def test_config_accepts_blocks_to_swap_for_adapters_only():
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     assert from_dict(RunConfig, {**base, "blocks_to_swap": 8, "adapter": {"rank": 4}}).blocks_to_swap == 8

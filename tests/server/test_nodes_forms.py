@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 from pipetrain.backend.config.patch import RunPatch
 from pipetrain.launcher.forms import folder_patch, model_patch
 from pipetrain.launcher.specs import DatasetSpec
@@ -160,7 +160,7 @@ def test_model_type_picks_what_the_weights_cannot_tell(tmp_path):
     """A Flux file trains as Flux Kontext when the user says so; a type of another family is refused."""
     from server_fixtures import write_fake_model
 
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.data import AUTO, detect
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig, RunConfig
 from pipetrain.backend.config.patch import default, leaf_keys
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 from pipetrain.launcher.build import LAUNCHER_KEYS
 
 # section -> the node whose inputs set its keys ("": top-level run keys, on any setting node)

@@ -9,8 +9,8 @@ from layer_checks import (captions_batch_as_if_alone, every_boundary_is_a_stage_
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
                           lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 CONTEXT = 24

@@ -9,8 +9,8 @@ from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_bou
                           layout_state_dict, lora_gradients_match_finite_differences, padded_caption_inputs,
                           small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 CONTEXT = 24   # Pile-T5-XL's width is 2048

@@ -6,8 +6,8 @@ import torch
 from layer_checks import (captions_batch_as_if_alone, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 CONTEXT = 40   # T5-XXL's is 4096

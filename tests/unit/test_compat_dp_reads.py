@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from test_compat_dp_examples import ADAPTER, MAIN, OPTIMIZER, _model, _table, _write
 
-from pipetrain.backend import lora
-from pipetrain.backend.check_config import report
+from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.commands.check_config import report
 from pipetrain.backend.errors import ConfigError, DatasetError
 from pipetrain.backend.preflight import load_run
 
@@ -74,7 +74,7 @@ def test_lumina_shift_is_lumina_2s_resolution_dependent_shift(tmp_path):
 
 
 def test_sdxls_learning_rates(tmp_path):
-    from pipetrain.backend.optim import resolve_optimizer
+    from pipetrain.backend.optim.registry import resolve_optimizer
 
     path = _write(tmp_path, MAIN + _model("sdxl", SDXL + "unet_lr = 4e-5\ntext_encoder_1_lr = 0\n"
                                            "text_encoder_2_lr = 0.0\n") + ADAPTER + OPTIMIZER)

@@ -8,9 +8,9 @@ from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, give_lor
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers,
                           small_adapter)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 40   # the old T5-XXL's width is 1024

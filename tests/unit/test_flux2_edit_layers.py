@@ -9,10 +9,10 @@ from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_l
                           give_lora_b_values, layers_match_comfyui_forward, layout_state_dict,
                           lora_gradients_match_finite_differences)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.errors import ModelError
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24
@@ -45,7 +45,7 @@ def _inputs(adapter, size=(3, 5), refs=2, seed=1):
 
 
 def test_a_flux2_file_is_detected_as_flux2_and_trains_with_references_only_when_asked():
-    from pipetrain.backend import compat
+    from pipetrain.backend.config import compat
     from pipetrain.backend.models import loading, registry
 
     sd = layout_state_dict("flux2_edit", "full")

@@ -5,7 +5,7 @@ import torch
 from layer_checks import (every_boundary_is_a_stage_boundary, give_lora_b_values,
                           lora_gradients_match_finite_differences, run_layers, small_flux_adapter)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.models import fp8
 
@@ -116,7 +116,7 @@ def test_refused_without_an_fp8_gpu():
 
 def test_config_refuses_fp8_compute_for_full_finetunes_and_block_swapping():
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     assert from_dict(RunConfig, {**base, "adapter": {"rank": 4}, "fp8_compute": True}).fp8_compute is True
@@ -128,7 +128,7 @@ def test_config_refuses_fp8_compute_for_full_finetunes_and_block_swapping():
 
 
 def test_memory_node_passes_fp8_compute_to_the_run_config():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.settings import MemoryNode
     from test_options_nodes_memory_adapter import _config

@@ -9,8 +9,8 @@ from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_bou
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
                           layout_state_dict, lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 T5, LLAMA, POOLED, LLAMA_LAYERS = 24, 20, 16, 3   # HiDream's: 4096, 4096, 2048, 32

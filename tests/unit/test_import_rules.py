@@ -5,7 +5,7 @@
 - ``launcher`` owns processes and routes: it never imports the nodes, and from the backend only its launcher
   façade (``LAUNCHER_FACADE``);
 - ``nodes`` are forms: from the backend they import only its façade (``NODE_FACADE``);
-- only ``backend/runtime.py`` changes ``sys.path``;
+- only ``backend/host/runtime.py`` changes ``sys.path``;
 - our own modules import each other relatively (ComfyUI imports the extension under a module name made of its
   folder's path, so ``pipetrain.`` is not its name there).
 """
@@ -22,15 +22,15 @@ SERVER_SIDE = ("server", "execution", "comfy_api", "comfy_execution", "aiohttp")
 # what a node may import from the backend: config and its run patches, preflight checks, errors, and the
 # model-type facts the Model node shows (registry, file detection, parity verdict), and the writer of datasets
 # made in the graph (Images To Dataset)
-NODE_FACADE = ("backend.config", "backend.preflight", "backend.errors", "backend.schema", "backend.parity",
+NODE_FACADE = ("backend.config", "backend.preflight", "backend.errors", "backend.config.schema", "backend.parity.check",
                "backend.models.registry", "backend.models.loading", "backend.data.graph_dataset")
 # what the launcher (in the ComfyUI process) may import from the backend: config and run folders, the commands and
 # environments of the processes it starts, the checks it runs before starting one, and the sample files it serves
-LAUNCHER_FACADE = ("backend.config", "backend.errors", "backend.schema", "backend.preflight", "backend.rundir",
-                   "backend.run_control", "backend.commands", "backend.deepspeed_cli", "backend.cluster",
-                   "backend.fallback", "backend.fsutil", "backend.data", "backend.models.registry", "backend.optim",
-                   "backend.memory_plan", "backend.memory_plan_cli", "backend.memory_plan_config",
-                   "backend.sampling", "backend.sample_host", "backend.sample_audio", "backend.sample_clips")
+LAUNCHER_FACADE = ("backend.config", "backend.errors", "backend.config.schema", "backend.preflight", "backend.run.folder",
+                   "backend.run.control", "backend.process.command_lines", "backend.process.deepspeed_cli", "backend.process.cluster",
+                   "backend.parity.fallback", "backend.fsutil", "backend.data", "backend.models.registry", "backend.optim.registry",
+                   "backend.memory.plan", "backend.memory.cli", "backend.memory.plan_config",
+                   "backend.sampling.render", "backend.sampling.host_render", "backend.sampling.audio", "backend.sampling.clips")
 
 
 def _modules():
@@ -100,7 +100,7 @@ def test_only_the_runtime_module_changes_sys_path():
             if (isinstance(target, ast.Attribute) and target.attr == "path"
                     and isinstance(target.value, ast.Name) and target.value.id == "sys"):
                 found.append(module)
-    assert sorted(set(found)) == ["backend.runtime"]
+    assert sorted(set(found)) == ["backend.host.runtime"]
 
 
 def test_every_torch_load_is_restricted_to_tensors_and_plain_values():
@@ -125,7 +125,7 @@ def test_every_torch_load_is_restricted_to_tensors_and_plain_values():
     ("from ..launcher.core import x", "backend.train.loop", ".backend.launcher.core.x"),
     ("from ...launcher import core", "backend.train.loop", ".launcher.core"),
     ("from . import lora", "backend.train.loop", ".backend.train.lora"),
-    ("import server", "backend.verify", "server"),
+    ("import server", "backend.parity.verify", "server"),
     ("from nodes import NODE_CLASS_MAPPINGS", "launcher.comfy", "nodes.NODE_CLASS_MAPPINGS"),
 ])
 def test_the_checker_resolves_relative_imports(tmp_path, source, module, expected):

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 
 
 class Block(nn.Module):

@@ -11,7 +11,7 @@ from dp_files import DP_AR_BUCKETS, DP_MONITORING, DP_OPTIMIZER
 from feed_stubs import FlowAdapter as _Adapter, Store as _Store, cache_entries as _entries
 from safetensors.torch import save_file
 
-from pipetrain.backend import optim
+from pipetrain.backend.optim import registry as optim
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig, load_dataset_config, load_run_config, save_toml
 from pipetrain.backend.data import caption_variants, drops_caption, expand_captions, scan_dataset
 from pipetrain.backend.data.buckets import build_samples
@@ -340,7 +340,7 @@ def test_step_intervals_from_examples():
 
 def test_eval_timesteps_are_quantiles_of_the_training_distribution():
     from pipetrain.backend.models.objectives import FlowMatching
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     g = torch.Generator().manual_seed(0)
@@ -356,7 +356,7 @@ def test_eval_timesteps_are_quantiles_of_the_training_distribution():
 
 
 def test_the_training_feed_swaps_dropped_captions_for_the_empty_one():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.feed import MicroBatchFeed
 
     ensure_comfyui()
@@ -375,7 +375,7 @@ def test_the_training_feed_swaps_dropped_captions_for_the_empty_one():
 def test_a_prefetched_step_is_the_step_built_in_place_and_a_stale_one_is_rebuilt():
     import threading
 
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.feed import MicroBatchFeed
 
     ensure_comfyui()
@@ -418,7 +418,7 @@ def test_a_micro_batch_moves_each_tensor_once_keeping_the_labels_the_inputs_tens
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_feed_hands_over_device_tensors_built_in_pinned_memory():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.feed import MicroBatchFeed
 
     ensure_comfyui()
@@ -434,7 +434,7 @@ def test_on_a_gpu_the_feed_hands_over_device_tensors_built_in_pinned_memory():
 
 
 def test_the_eval_feed_is_deterministic_per_sample_whatever_the_batching():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.eval import EvalFeed
 
     ensure_comfyui()
@@ -449,7 +449,7 @@ def test_the_eval_feed_is_deterministic_per_sample_whatever_the_batching():
 
 
 def _lora_net(seed):
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection as lora
 
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
@@ -460,7 +460,7 @@ def _lora_net(seed):
 def _cfg(init, rank=2):
     """A real run config with ``[adapter] init_from_existing`` (absolute paths: resolve leaves them)."""
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     return from_dict(RunConfig, {"output_dir": "o", "dataset": "d.toml",
                                  "model": {"type": "flux", "diffusion_model": "m", "vae": "v"},
@@ -468,8 +468,8 @@ def _cfg(init, rank=2):
 
 
 def test_init_from_existing_reads_a_file_or_a_diffusion_pipe_folder_and_checks_it(tmp_path):
-    from pipetrain.backend import lora
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.run.folder import RunDir
     from pipetrain.backend.train.engine import load_existing
     from pipetrain.backend.train.events import RunReporter
 

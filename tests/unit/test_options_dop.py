@@ -13,12 +13,12 @@ from feed_stubs import FlowAdapter, Store, cache_entries
 from layer_checks import give_lora_b_values, run_layers, small_flux_adapter
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.adapters import ADAPTERS
 from pipetrain.backend.config import RunConfig
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.runtime import ensure_comfyui
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.host.runtime import ensure_comfyui
+from pipetrain.backend.config.schema import from_dict
 from pipetrain.backend.train.feed import MicroBatchFeed
 from pipetrain.backend.train.preservation import PARTS, PreservationLoss, has_trigger, preservation_caption
 from pipetrain.backend.train.reg_loss import SplitLoss, StepSums, group_losses

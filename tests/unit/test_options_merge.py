@@ -4,12 +4,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.errors import ModelError
 from pipetrain.backend.models.registry import adapter_class
-from pipetrain.backend.runtime import ensure_comfyui
-from pipetrain.backend.verify import comfy_lora_model
+from pipetrain.backend.host.runtime import ensure_comfyui
+from pipetrain.backend.parity.verify import comfy_lora_model
 
 ensure_comfyui()
 

@@ -7,9 +7,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, flow_targets_agree_with_comfyui,
                           give_lora_b_values, layers_match_comfyui_forward, lora_gradients_match_finite_differences)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24

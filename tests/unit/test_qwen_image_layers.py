@@ -9,9 +9,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24   # Qwen2.5-VL-7B's width is 3584

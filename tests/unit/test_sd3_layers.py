@@ -7,9 +7,9 @@ from layer_checks import (captions_batch_as_if_alone, comfy_model, every_boundar
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
                           lora_gradients_match_finite_differences, padded_caption_inputs)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 CONTEXT, POOLED = 48, 32   # SD3's are 4096 and 2048
 ensure_comfyui()

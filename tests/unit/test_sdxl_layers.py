@@ -6,9 +6,9 @@ import torch
 from layer_checks import (discrete_targets_agree_with_comfyui, every_boundary_is_a_stage_boundary, give_lora_b_values,
                           lora_gradients_match_finite_differences)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection as lora
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 CONTEXT_DIM = 64  # SDXL's is 2048; the pooled vector stays 1280 (ComfyUI's encode_adm makes y 2816)
 

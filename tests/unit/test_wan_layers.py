@@ -7,8 +7,8 @@ from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, flow_tar
                           give_lora_b_values, layers_match_comfyui_forward, lora_gradients_match_finite_differences,
                           small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 48   # UMT5-XXL's width is 4096
