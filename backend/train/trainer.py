@@ -453,7 +453,7 @@ class Trainer:
 
     def render_samples(self, lora_path: Path | None, epoch: int) -> None:
         """Sample images with the fresh LoRA (see backend/sampling/render.py); every rank waits for rank 0."""
-        from ..sampling.render import render_epoch_samples
+        from .epoch_samples import render_epoch_samples
 
         render_epoch_samples(self.cfg, self.run_dir, self.reporter, self.topology.is_main, lora_path, epoch,
                              self.state.global_step, self.stopping)

@@ -17,7 +17,8 @@ from PIL import Image
 from pipetrain.backend.sampling import host_render as sample_host
 from pipetrain.backend.config import load_run_config, save_toml
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.sampling.render import EpochSamples, fulfil, wait_together
+from pipetrain.backend.sampling.render import fulfil
+from pipetrain.backend.train.epoch_samples import EpochSamples, wait_together
 from pipetrain.backend.train.events import RunReporter
 
 PROMPTS = ["a red circle", "a blue square"]

@@ -95,7 +95,7 @@ class FakeRun:
                     "prompt_index": 9, "strength": 1.0})
 
     def samples(self, epoch: int, step: int, strengths: list[float], prompts: list[str]) -> None:
-        """PNGs beside the epoch's LoRA, announced as the backend does (``sampling.EpochSamples.announce``); the
+        """PNGs beside the epoch's LoRA, announced as the backend does (``train/epoch_samples.EpochSamples.announce``); the
         first strength's are a video model's clips (animated WebP, ``sample_clips.save_clip``)."""
         import torch
         from PIL import Image
