@@ -24,7 +24,7 @@ dependency; diffusion-pipe subclasses it too), whose 8-bit kernels run on GPUs a
 
 torch's ``adamw`` and ``sgd`` run their fused CUDA kernels when every parameter is on a GPU and the config sets
 neither ``fused`` nor ``foreach``: one pass over each parameter instead of a dozen foreach launches per op
-(17 ms of a 410 ms Flux LoRA step on an H200, 28 ms of SDXL's; fused: about 1).
+(a measurable share of a LoRA step on a GPU, docs/config.md).
 """
 from __future__ import annotations
 

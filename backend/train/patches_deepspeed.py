@@ -37,8 +37,8 @@ def _require(owner, name: str, params: tuple[str, ...] | None = None):
 
 def clear_trained_grads_only(engine, params: list) -> None:
     """DeepSpeed clears gradients after every step by walking ``module.named_parameters()``, every frozen base
-    weight too; only the trained ``params`` hold any. For SDXL batch 8 on an H200, where the host paces the step,
-    clearing only those took 14.9 to 17.6 samples/s."""
+    weight too; only the trained ``params`` hold any. Where the host paces the step (SDXL at batch 8 on a fast GPU)
+    that walk shows in the step time (docs/benchmarks.md)."""
     _require(type(engine), "zero_grad", ("self",))
 
     def zero_grad():
