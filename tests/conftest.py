@@ -110,7 +110,7 @@ def micro_flux_with_lora(files):
     """The micro Flux (float32) with LoRA rank 4 (dropout 0.3, B non-zero) in training mode, and probe inputs."""
     import torch
 
-    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
     from pipetrain.backend.host.runtime import ensure_comfyui
@@ -122,9 +122,9 @@ def micro_flux_with_lora(files):
     adapter = adapter_class("flux")(cfg)
     adapter.load_diffusion_model()
     dm = adapter.diffusion_model
-    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dropout=0.3, seed=1), adapter.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dropout=0.3, seed=1), adapter.lora_block_prefixes)
     g = torch.Generator().manual_seed(2)
-    for m in lora.adapted_modules(dm):
+    for m in injection.adapted_modules(dm):
         m.lora_B.weight.data.normal_(0, 0.05, generator=g)
     dm.train()
     return adapter, probe_inputs(adapter)

@@ -19,7 +19,6 @@ from .base import AdapterSpec, generator_for
 from ..fsutil import fault_point, temp_path_beside
 
 KEY_PREFIX = "diffusion_model."
-LoRASpec = AdapterSpec   # the name every caller knew before there were other kinds
 
 
 def inject_configured(cfg, diffusion_model: nn.Module, block_prefixes) -> list[str]:

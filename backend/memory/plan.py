@@ -227,7 +227,7 @@ def apply(cfg, settings: MemorySettings):
 def trace_run(cfg, inputs_of) -> list[LayerFootprint]:
     """The footprints of ``cfg``'s model with its adapter (or trained whole), traced on ``inputs_of(adapter)``:
     a micro-batch on the CPU (``meta_trace.probe_inputs``, or one built from the cache)."""
-    from ..adapters import injection as lora
+    from ..adapters import injection
     from ..models.base import DTYPES
     from ..models.loading import build_meta_model
     from ..models.meta_trace import to_meta_where_large, trace_layers
@@ -240,7 +240,7 @@ def trace_run(cfg, inputs_of) -> list[LayerFootprint]:
     if cfg.adapter is None:
         dm.requires_grad_(True)
     else:
-        lora.inject_configured(cfg, dm, adapter.lora_block_prefixes)
+        injection.inject_configured(cfg, dm, adapter.lora_block_prefixes)
     layers = adapter.to_layers()
     return trace_layers(layers, to_meta_where_large(inputs_of(adapter)))
 

@@ -328,20 +328,21 @@ def _compare_with_lora(adapter, result: ParityResult) -> None:
     with the LoRA as they train it (forward hooks on ComfyUI's linears, which a fused kernel would bypass)."""
     import comfy.lora
 
-    from ..adapters import injection as lora
+    from ..adapters import injection
     from ..host.runtime import comfy_training_paths
 
     dm = adapter.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=adapter.dtype), adapter.lora_block_prefixes)
+    spec = injection.AdapterSpec(rank=2, alpha=2.0, dtype=adapter.dtype)
+    names = injection.inject(dm, spec, adapter.lora_block_prefixes)
     g = torch.Generator().manual_seed(2)
-    modules = list(lora.adapted_modules(dm))
+    modules = list(injection.adapted_modules(dm))
     for m in modules:
         m.lora_B.weight.data.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.05)
-    sd = lora.state_dict(dm)
+    sd = injection.state_dict(dm)
     key_map = comfy.lora.model_lora_keys_unet(adapter.patcher.model, {})
     patches = comfy.lora.load_lora(sd, key_map, log_missing=False)
     patched = {k[0] if isinstance(k, tuple) else k for k in patches}
-    unmapped = [n for n in names if f"{lora.KEY_PREFIX}{n}.weight" not in patched]
+    unmapped = [n for n in names if f"{injection.KEY_PREFIX}{n}.weight" not in patched]
     result.lora_keys = len(names) - len(unmapped)
     result.lora_keys_unmapped = unmapped
     if unmapped:

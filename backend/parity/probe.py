@@ -92,7 +92,7 @@ def probe_lora(model_file: Path, lora_file: Path) -> dict:
     modules, the model weights the loader patched and the LoRA keys it did not load (its own warnings)."""
     import torch
 
-    from ..adapters import injection as lora
+    from ..adapters import injection
     from ..models.loading import META_ARCH, META_UNET, _meta_state_dict, comfy_layout, model_config, read_header
     from ..host.runtime import ensure_comfyui
     from .verify import comfy_lora_model
@@ -135,7 +135,7 @@ def probe_lora(model_file: Path, lora_file: Path) -> dict:
         patched = comfy_lora_model(patcher, Path(lora_file))
     finally:
         logging.getLogger().removeHandler(handler)
-    modules = {_module_of(k) for k in lora.read_file(Path(lora_file))}
+    modules = {_module_of(k) for k in injection.read_file(Path(lora_file))}
     return {"path": str(root), "version": read_version(root), "modules": len(modules),
             "applied": len(patched.patches), "unmatched": unmatched}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import injection as lora
+from ..adapters import injection
 from ..config import RunConfig
 from ..models.registry import adapter_class
 from ..host.runtime import ensure_comfyui
@@ -73,9 +73,9 @@ def check_lora(cfg: RunConfig, lora_path: Path, seed: int = 0) -> LoRACheck:
         patched.unpatch_model(device_to=patched.load_device)
         adapter.use_model(base)
 
-        lora.inject(adapter.diffusion_model, lora.spec_from_config(cfg.adapter), adapter.lora_block_prefixes,
+        injection.inject(adapter.diffusion_model, injection.spec_from_config(cfg.adapter), adapter.lora_block_prefixes,
                     cfg.adapter.target_modules)
-        lora.load_into(adapter.diffusion_model, lora.read_file(lora_path))
+        injection.load_into(adapter.diffusion_model, injection.read_file(lora_path))
         h = tuple(x.to(_model_device(adapter)) for x in (x0, noise, t, *text))
         for layer in adapter.to_layers():
             h = layer(h)

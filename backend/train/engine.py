@@ -6,7 +6,7 @@ import logging
 import deepspeed
 import torch
 
-from ..adapters import injection as lora
+from ..adapters import injection
 from ..adapters import ADAPTERS
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -49,7 +49,7 @@ def attach_lora(cfg: RunConfig, diffusion_model, block_prefixes, reporter: RunRe
         from .saving import full_finetune
         full_finetune(diffusion_model, cfg.file)
         return []
-    names = lora.inject_configured(cfg, diffusion_model, block_prefixes)
+    names = injection.inject_configured(cfg, diffusion_model, block_prefixes)
     if a.init_from_existing:
         load_existing(cfg, diffusion_model, names, reporter)
     return names
@@ -62,14 +62,14 @@ def load_existing(cfg: RunConfig, diffusion_model, names: list[str], reporter: R
     if path.is_dir():
         path = path / "adapter_model.safetensors"
     where = dict(file=cfg.file, key="adapter.init_from_existing")
-    sd = lora.read_file(path)
+    sd = injection.read_file(path)
     rank = cfg.adapter.rank
     ranks = {tuple(v.shape)[0] for k, v in sd.items() if k.endswith(".lora_A.weight")}
     if ranks and ranks != {rank}:
         raise ConfigError(f"{path} has LoRA rank {sorted(ranks)}, the config rank {rank}; set [adapter] rank to "
                           "match", **where)
     try:
-        matched = lora.load_into(diffusion_model, sd)
+        matched = injection.load_into(diffusion_model, sd)
     except ValueError as e:   # a LoKr of another rank or decompose_factor
         raise ConfigError(f"{path}: {e}", **where) from None
     if matched == 0:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..adapters import injection as lora
+from ..adapters import injection
 from ..run import control as run_control
 from ..optim.registry import prodigy_d
 from . import distributed, dp_layout
@@ -144,7 +144,7 @@ def run_loop(t: Trainer) -> None:
         torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
         if profiler:
             profiler.before_step(state.global_step + 1)
-        with lora.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: the target rows
+        with injection.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: the target rows
             loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
         if parts.ema is not None:   # train_batch ended with the optimizer step
             parts.ema.update()

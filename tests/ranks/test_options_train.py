@@ -138,7 +138,7 @@ def test_eval_datasets_held_out_loss_per_quantile(micro_flux_files, make_run, ca
 
 def _init_lora(files, path: Path, rank: int, seed: int = 3) -> dict[str, torch.Tensor]:
     """A LoRA for the micro Flux with every A and B random (ComfyUI keys), written to ``path``."""
-    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.flux import FluxAdapter
     from pipetrain.backend.host.runtime import ensure_comfyui
@@ -147,10 +147,11 @@ def _init_lora(files, path: Path, rank: int, seed: int = 3) -> dict[str, torch.T
     adapter = FluxAdapter(ModelConfig(type="flux", diffusion_model=str(files.diffusion_model), vae=str(files.vae),
                                       dtype="float32"))
     adapter.load_diffusion_model()
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=rank, alpha=float(rank)), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=rank, alpha=float(rank)),
+                     adapter.lora_block_prefixes)
     g = torch.Generator().manual_seed(seed)
     sd = {k: (torch.randn(v.shape, generator=g) * 0.1 if "lora_" in k else v)
-          for k, v in lora.state_dict(adapter.diffusion_model).items()}
+          for k, v in injection.state_dict(adapter.diffusion_model).items()}
     save_file(sd, str(path))
     return sd
 

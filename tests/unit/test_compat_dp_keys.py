@@ -102,7 +102,7 @@ def test_partition_by_parameters_counts_every_parameter(micro_flux_files):
     """With a LoRA the frozen weights are most of each layer: dp balances the stages on them, not on the LoRA's."""
     from deepspeed.runtime import utils as ds_utils
 
-    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
     from pipetrain.backend.train.pipeline import partition_bounds
@@ -112,7 +112,7 @@ def test_partition_by_parameters_counts_every_parameter(micro_flux_files):
     adapter = adapter_class("flux")(cfg)
     adapter.load_diffusion_model()
     adapter.diffusion_model.requires_grad_(False)
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
     layers = adapter.to_layers()
     every = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     trainable = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]

@@ -102,7 +102,7 @@ def test_auto_takes_the_fastest_settings_that_fit_and_says_when_none_do():
 
 
 def _trace(files, device):
-    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers
@@ -114,7 +114,7 @@ def _trace(files, device):
         adapter.use_model(loading.build_meta_model(files.diffusion_model, torch.float32, "flux"))
     else:
         adapter.load_diffusion_model()
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
     inputs = probe_inputs(adapter, 64, 48, batch=2)
     return trace_layers(adapter.to_layers(), to_meta_where_large(inputs) if device == "meta" else inputs)
 

@@ -449,11 +449,11 @@ def test_the_eval_feed_is_deterministic_per_sample_whatever_the_batching():
 
 
 def _lora_net(seed):
-    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.adapters import injection
 
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    lora.inject(net, lora.LoRASpec(rank=2, alpha=2.0, seed=seed), ("0", "1"))
+    injection.inject(net, injection.AdapterSpec(rank=2, alpha=2.0, seed=seed), ("0", "1"))
     return net
 
 
@@ -468,12 +468,12 @@ def _cfg(init, rank=2):
 
 
 def test_init_from_existing_reads_a_file_or_a_diffusion_pipe_folder_and_checks_it(tmp_path):
-    from pipetrain.backend.adapters import injection as lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.run.folder import RunDir
     from pipetrain.backend.train.engine import load_existing
     from pipetrain.backend.train.events import RunReporter
 
-    source = lora.state_dict(_lora_net(1))
+    source = injection.state_dict(_lora_net(1))
     source = {k: v + 1.0 if "lora_" in k else v for k, v in source.items()}
     (tmp_path / "run").mkdir()
     save_file(source, str(tmp_path / "run" / "adapter_model.safetensors"))    # diffusion-pipe's folder layout
@@ -481,7 +481,7 @@ def test_init_from_existing_reads_a_file_or_a_diffusion_pipe_folder_and_checks_i
     run_dir = RunDir(tmp_path / "report")
     run_dir.path.mkdir()
     load_existing(_cfg(tmp_path / "run"), net, ["0", "1"], RunReporter(run_dir, enabled=True))
-    assert all(torch.equal(v, source[k]) for k, v in lora.state_dict(net).items() if "lora_" in k)
+    assert all(torch.equal(v, source[k]) for k, v in injection.state_dict(net).items() if "lora_" in k)
     [event] = run_dir.read_events()[0]
     assert event["type"] == "init_from_existing" and event["modules_loaded"] == 2 and event["modules"] == 2
     silent = RunReporter(run_dir, enabled=False)

@@ -10,7 +10,7 @@ from conftest import micro_flux_with_lora
 from layer_checks import checkpointed_layers, is_down_projection, saved_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.models.checkpointing import ATTENTION_OPS
 
 
@@ -29,7 +29,7 @@ def _step(adapter, inputs, mode):
         h = layer(h)
         grad_fns |= {type(x.grad_fn).__name__ for x in (h if isinstance(h, tuple) else (h,)) if x.grad_fn}
     loss = adapter.loss(h, (x0, noise, t))
-    params = lora.trainable_parameters(adapter.diffusion_model)
+    params = injection.trainable_parameters(adapter.diffusion_model)
     for p in params:
         p.grad = None
     loss.backward()   # as DeepSpeed does (the offloaded recompute accumulates into .grad, like reentrant checkpoints)
@@ -134,7 +134,7 @@ def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():
 def _saved_bytes(adapter, inputs, layers) -> tuple[int, torch.Tensor]:
     """Bytes autograd keeps for backward over one forward (what activation checkpointing trades for compute)."""
     x0, noise, t, text = inputs
-    params = lora.trainable_parameters(adapter.diffusion_model)
+    params = injection.trainable_parameters(adapter.diffusion_model)
     for p in params:
         p.grad = None
     torch.manual_seed(11)   # LoRA dropout masks

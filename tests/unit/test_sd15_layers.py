@@ -9,7 +9,7 @@ from layer_checks import (captions_batch_as_if_alone, comfyui_detects, discrete_
                           layers_match_comfyui_forward, layout_state_dict,
                           lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.host.runtime import ensure_comfyui
 
 CONTEXT_DIM = 64   # SD 1.x's is 768, SD 2.x's 1024
@@ -122,7 +122,7 @@ def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sd, predi
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sd):
     a = small_sd
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     linears = {n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear)
                and any(n.startswith(p + ".") for p in a.lora_block_prefixes) and n.split(".")[-1] not in
                ("lora_A", "lora_B")}

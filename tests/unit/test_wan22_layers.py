@@ -9,7 +9,7 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend.adapters import injection as lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.host.runtime import ensure_comfyui
 
@@ -143,7 +143,7 @@ def test_training_targets_agree_with_comfyui_model(small):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small):
     variant, a = small
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     per_block = 12 if variant.startswith("i2v_21") or variant == "flf2v" else 10   # Wan 2.1 i2v: + k_img, v_img
     assert len(names) == 2 * per_block and "blocks.1.cross_attn.v" in names
     give_lora_b_values(dm)
