@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..backend.config import check_caption_extension  # noqa: F401  (the Dataset node's check, at queue time)
 from ..backend.config import DatasetConfig, RunConfig, save_toml
 from ..backend.errors import ConfigError, DatasetError, ModelError
 from ..backend.preflight import check_model, load_run

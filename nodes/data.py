@@ -8,7 +8,8 @@ from comfy_api.latest import io, ui
 
 from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
-from ..launcher.build import QUEUE_TIME_ENTRIES, check_caption_extension, check_dataset_folder
+from ..backend.config import check_caption_extension
+from ..launcher.build import QUEUE_TIME_ENTRIES, check_dataset_folder
 from ..launcher.specs import DatasetSpec
 from . import types as t
 from .declared import CheckedNode

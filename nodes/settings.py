@@ -11,8 +11,7 @@ from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, 
 from . import types as t
 from .declared import CheckedNode
 from .widgets import choices, start, words
-from .parallelism import (ParallelismNode, batch_list_inputs, hostfile_path, parse_batches,  # noqa: F401
-                          parse_gpu_ids, parse_split)
+from .parallelism import batch_list_inputs, parse_batches
 
 
 ADAPTER_TYPES = (*choices("adapter.type"), FULL_FINETUNE)   # full: no [adapter] table, every weight trains

@@ -14,14 +14,14 @@ import typing
 from pathlib import Path
 from typing import get_args, get_origin
 
-from ..config import compat
-from ..config import DatasetConfig, RunConfig
+from ..config import DatasetConfig, RunConfig, compat
 from ..config.common import config_path
 from ..config.files import _read_toml
 from ..config.patch import _section
+from ..config.process_inputs import shown
+from ..config.schema import ANY
 from ..errors import PipeTrainError
 from .model_file_check import check_model_files
-from ..config.process_inputs import shown
 
 _RENAMES = {"RunConfig": compat.RUN_RENAMES, "ModelConfig": compat.MODEL_RENAMES}
 
@@ -83,7 +83,7 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
             lines.append(f"  {key}: {compat.model_folders.describe(name, model_type)}")
         elif name in unsupported:
             rule = unsupported[name]
-            if rule.accepts(value) and rule.inert is compat.ANY:
+            if rule.accepts(value) and rule.inert is ANY:
                 lines.append(f"  {key}: accepted, changes nothing here ({rule.reason})")
             elif rule.accepts(value):
                 lines.append(f"  {key}: accepted at this value, which changes nothing here")

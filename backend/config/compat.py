@@ -16,7 +16,7 @@ import math
 
 from . import compat_folders as model_folders
 from ..errors import ConfigError
-from .schema import ANY, Unsupported  # noqa: F401  (ANY: check_config tells inert keys apart)
+from .schema import ANY, Unsupported
 
 SINGLE_FILES_HINT = model_folders.SINGLE_FILES_HINT
 

@@ -15,7 +15,7 @@ NO_SSH = {"cluster": "no_ssh", "hosts": "node-a:1, node-b:1", "master_addr": "12
 @pytest.fixture(scope="module")
 def node():
     ensure_comfyui()
-    from pipetrain.nodes.settings import ParallelismNode
+    from pipetrain.nodes.parallelism import ParallelismNode
     return ParallelismNode
 
 
