@@ -5,7 +5,7 @@ Commands: cache, train, launch, sample, check-config, memory-plan, doctor, demo.
 Run ``cache`` and ``train`` under DeepSpeed's launcher for several ranks, e.g.
 ``deepspeed --num_gpus 2 --module pipetrain train run.toml``; a plain ``python -m pipetrain train``
 runs one rank. diffusion-pipe's line ``deepspeed --num_gpus=1 train.py --deepspeed --config X`` runs as
-``python -m pipetrain deepspeed --num_gpus=1 train.py --deepspeed --config X`` (``dp_cli.py``).
+``python -m pipetrain deepspeed --num_gpus=1 train.py --deepspeed --config X`` (``process/dp_cli.py``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from .dp_cli import add_train_options, check_train_args
+from .process.dp_cli import add_train_options, check_train_args
 from .errors import PipeTrainError
 from .fsutil import OUT_OF_SPACE_EXIT, OutOfSpace
 
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("config")
     cache.add_argument("--regenerate-cache", action="store_true", help="delete the cache and encode everything again")
     train = sub.add_parser("train", help="cache what is missing, then train (diffusion-pipe's flags too: "
-                                         "backend/dp_cli.py)")
+                                         "backend/process/dp_cli.py)")
     train.add_argument("config", nargs="?", default=None)
     train.add_argument("--resume", "--resume_from_checkpoint", nargs="?", const="", default=None, metavar="RUN",
                        help="resume the newest run with a checkpoint, or the named run directory")
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--config", default=None, metavar="RUN_TOML", help="also this run's memory plan on these "
                         "GPUs (as memory-plan prints it)")
     probe = sub.add_parser("comfyui-probe", help="(internal) one ComfyUI's side of the pinned-fallback decision "
-                                                 "(backend/comfyui_probe.py), in a child process")
+                                                 "(backend/parity/probe.py), in a child process")
     probe.add_argument("what", choices=("forward", "lora"))
     probe.add_argument("args", nargs="+")
     ds = sub.add_parser("deepspeed", help="DeepSpeed's launcher (`deepspeed ARGS`), exiting non-zero, with the reason, "
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["deepspeed"] and argv[1:2] not in (["-h"], ["--help"]):   # DeepSpeed's options, not ours
-        from .deepspeed_cli import main as deepspeed_main
+        from .process.deepspeed_cli import main as deepspeed_main
         return deepspeed_main(argv[1:])
     args = _parser().parse_args(argv)
     if hasattr(args, "check"):
@@ -104,33 +104,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say_comfyui(args)
         if args.command == "doctor":
-            from .doctor import main as doctor_main
+            from .commands.doctor import main as doctor_main
             if args.comfyui and len(args.comfyui) > 1:
-                from .doctor import matrix_main
+                from .commands.doctor import matrix_main
                 return matrix_main(args.comfyui, args.json, args.model_types)
             return doctor_main(args.comfyui[0] if args.comfyui else None, args.json, args.model_types, args.config)
         if args.command == "check-config":
-            from .check_config import main as check_main
+            from .commands.check_config import main as check_main
             return check_main(args.config)
         if args.command == "memory-plan":
-            from .memory_plan_cli import main as plan_main
+            from .memory.cli import main as plan_main
             return plan_main(args.config, args.resolution, args.frames, args.gpu_gib)
         if args.command == "demo":
-            from .demo import run_demo
+            from .commands.demo import run_demo
             return run_demo(args.workdir, args.ranks)
         if args.command == "sample":
-            from .sampling import main as sample_main
+            from .sampling.render import main as sample_main
             return sample_main(args.config, args.lora)
         if args.command == "comfyui-probe":
-            from .comfyui_probe import probe_main
+            from .parity.probe import probe_main
             return probe_main(args.what, args.args)
         if args.command == "launch":
-            from .cluster_cli import launch_cluster
+            from .commands.launch import launch_cluster
             return launch_cluster(args.config, args.node_rank, args.print_only, args.resume)
         from .config import load_run_config
-        from .fallback import select_comfyui
+        from .parity.fallback import select_comfyui
         from .preflight import check_run
-        from .runtime import ensure_comfyui
+        from .host.runtime import ensure_comfyui
         from .train import distributed
         from .train.trainer import Trainer, TrainOptions
 
@@ -164,7 +164,7 @@ USES_COMFYUI = {"cache", "train", "sample", "memory-plan", "doctor"}
 def say_comfyui(args) -> None:
     """``--comfyui`` taken, and one line on stderr saying which ComfyUI the command uses and how it was found (by
     rank 0 alone; none where none is found: the command says so itself, or needs none)."""
-    from . import runtime
+    from .host import runtime
     from .errors import RuntimeSetupError
 
     if getattr(args, "comfyui_path", None):

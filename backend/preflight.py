@@ -27,15 +27,15 @@ def check_checkpoint_parts(model: ModelConfig) -> None:
     header read (``ModelError`` naming the key to set)."""
     if model.from_checkpoint():
         from .models.checkpoint_file import check_parts
-        from .runtime import ensure_comfyui
+        from .host.runtime import ensure_comfyui
 
         ensure_comfyui()   # ComfyUI's model config tells the parts apart (after the CLI chose which ComfyUI)
         check_parts(model.diffusion_model, model.type, model.from_checkpoint())
 
 
 def check_run(cfg: RunConfig) -> RunConfig:
-    from . import sample_audio
-    from .sample_clips import check_samples
+    from .sampling import audio as sample_audio
+    from .sampling.clips import check_samples
 
     check_model(cfg.model, cfg.file)
     check_samples(cfg)   # clip length and start image against the model type

@@ -100,8 +100,8 @@ def rate(events: list[dict], kind: str) -> dict:
 
 def run_pipetrain(config: Path) -> dict:
     """``pipetrain cache`` on one rank; its rates from events.jsonl."""
-    from pipetrain.backend.commands import deepspeed_command
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.process.command_lines import deepspeed_command
+    from pipetrain.backend.run.folder import RunDir
 
     log = config.parent / "pipetrain-cache.log"
     t = time.monotonic()
@@ -143,7 +143,7 @@ def bare(config: Path, batch: int) -> dict:
     from pipetrain.backend.cache.builder import _free as free     # as the cache job frees between its phases
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.models.loading import load_text_encoders, load_vae
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     cfg = load_run_config(config)

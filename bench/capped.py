@@ -356,7 +356,7 @@ def main() -> int:
     if not args.no_dp and not args.dp:
         p.error("--dp CHECKOUT is needed (or --no-dp)")
     if args.comfyui is None:
-        from pipetrain.backend.runtime import ensure_comfyui
+        from pipetrain.backend.host.runtime import ensure_comfyui
         args.comfyui = str(ensure_comfyui())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -230,7 +230,7 @@ def run_case(name: str, case: Case, dp: Path, root: Path, comfyui: Path, size: s
     written = write_in_child(name, root, comfyui, size, steps, resolution, frames)
     if written.returncode != 0:
         return {"rc": written.returncode, "stage": "write", "stderr": written.stderr[-3000:]}
-    from pipetrain.backend.commands import free_port
+    from pipetrain.backend.process.command_lines import free_port
     from pipetrain.bench.diffusion_pipe_models import model_folder
 
     folder, config = model_folder(case.arch, root, size, case.variant), run_dir / "main.toml"
@@ -469,7 +469,7 @@ def main() -> int:
     p.add_argument("--write-only", action="store_true", help="write the models, dataset and configs; do not train")
     args = p.parse_args()
     if args.comfyui is None:
-        from pipetrain.backend.runtime import ensure_comfyui
+        from pipetrain.backend.host.runtime import ensure_comfyui
         args.comfyui = ensure_comfyui()
     dp, root, out, comfyui = Path(args.dp).resolve(), Path(args.work), Path(args.out), Path(args.comfyui).resolve()
     root.mkdir(parents=True, exist_ok=True)

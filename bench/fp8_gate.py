@@ -37,10 +37,10 @@ def _loss(layers, inputs, adapter) -> torch.Tensor:
 
 
 def train(layers, adapter, dm, initial: dict, base: tuple, steps: int, lr: float, seed: int) -> tuple[list, dict]:
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
 
-    lora.load_into(dm, initial)
-    opt = torch.optim.AdamW(lora.trainable_parameters(dm), lr=lr)
+    injection.load_into(dm, initial)
+    opt = torch.optim.AdamW(injection.trainable_parameters(dm), lr=lr)
     x0s, rest = base
     g = torch.Generator(device=x0s.device).manual_seed(seed)
     losses = []
@@ -53,7 +53,7 @@ def train(layers, adapter, dm, initial: dict, base: tuple, steps: int, lr: float
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return [float(v) for v in losses], lora.state_dict(dm)
+    return [float(v) for v in losses], injection.state_dict(dm)
 
 
 @torch.no_grad()
@@ -114,9 +114,9 @@ def micro(repeats: int = 20) -> list[dict]:
 
 
 def main() -> int:
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.models import fp8
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.bench.models import build, probe_inputs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -142,10 +142,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     adapter = build(args.arch, device, dtype, args.size)
     dm = adapter.diffusion_model
-    spec = lora.LoRASpec(rank=32, alpha=32.0)
-    lora.inject(dm, spec, adapter.lora_block_prefixes)
+    spec = injection.AdapterSpec(rank=32, alpha=32.0)
+    injection.inject(dm, spec, adapter.lora_block_prefixes)
     layers = adapter.to_layers()
-    initial = lora.state_dict(dm)
+    initial = injection.state_dict(dm)
     probe = probe_inputs(adapter, args.resolution, 1, device)
     g = torch.Generator().manual_seed(args.seed + 1)
     x0s = torch.randn((LATENTS, *probe[0].shape[1:]), generator=g).to(device)
@@ -168,7 +168,7 @@ def main() -> int:
         m.weight.data = weight
 
     def effect(sd):
-        lora.load_into(dm, sd)
+        injection.load_into(dm, sd)
         return prediction(layers, held_out)
     zero = {k: torch.zeros_like(v) if k.endswith("lora_B.weight") else v for k, v in initial.items()}
     without = effect(zero)

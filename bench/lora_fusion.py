@@ -1,7 +1,7 @@
 """Does one GEMM on the concatenated weight [W; A] beat the base product plus the LoRA down-projection? One linear
 with LoRA rank 32 at Flux-dev's 1024² shapes, forward and backward (input gradient and the LoRA's gradients),
-compiled, bf16: the way ``lora.py`` runs it (two products in the forward, three in the backward) against the fused
-way (one product [W; A] in the forward; in the backward one product [dY, dH] @ [W; A] for the input gradient).
+compiled, bf16: the way ``adapters/injection.py`` runs it (two products in the forward, three in the backward) against
+the fused way (one product [W; A] in the forward; in the backward one product [dY, dH] @ [W; A] for the input gradient).
 Prints milliseconds and CUDA kernel launches per call and writes ``lora_fusion.json``.
 
     python bench/lora_fusion.py --out $OUT

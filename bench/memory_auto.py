@@ -29,8 +29,8 @@ CASES = {"flux-1024": ("flux", 1024, 1024, 1), "wan-480x832x33": ("wan", 832, 48
 def _settings_for(adapter_arch, width, height, frames, cap_gib, mode):
     import torch
 
-    from pipetrain.backend import lora
-    from pipetrain.backend import memory_plan as mp
+    from pipetrain.backend.adapters import injection
+    from pipetrain.backend.memory import plan as mp
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers
@@ -40,7 +40,7 @@ def _settings_for(adapter_arch, width, height, frames, cap_gib, mode):
     adapter = adapter_class(adapter_arch)(ModelConfig(type=adapter_arch, diffusion_model="unused", vae="unused",
                                                       dtype="bfloat16"))
     adapter.use_model(patcher)
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
     footprints = trace_layers(adapter.to_layers(), to_meta_where_large(probe_inputs(adapter, width, height, frames)))
     training = mp.Training()
     if mode == "defaults":
@@ -60,7 +60,7 @@ def one_case(case: str, cap_gib: float, mode: str, steps: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from models import build
 
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.models.checkpointing import apply_checkpointing
     from pipetrain.backend.models.meta_trace import probe_inputs
     from pipetrain.backend.train.swap import BlockSwapper, swappable_module
@@ -73,14 +73,14 @@ def one_case(case: str, cap_gib: float, mode: str, steps: int) -> dict:
         return {**result, "outcome": "plan: nothing fits"}
     adapter = build(arch, "cuda", torch.bfloat16, "full")
     dm = adapter.diffusion_model
-    lora.inject(dm, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
     layers = adapter.to_layers()
     apply_checkpointing(layers, settings.activation_checkpointing, settings.activation_checkpointing_fraction)
     if settings.blocks_to_swap:
         blocks = [layer for layer in layers if swappable_module(layer) is not None]
         chosen = blocks[len(blocks) - settings.blocks_to_swap:]
         BlockSwapper([swappable_module(layer) for layer in chosen], torch.device("cuda")).attach(chosen)
-    opt = torch.optim.AdamW(lora.trainable_parameters(dm), lr=1e-5)
+    opt = torch.optim.AdamW(injection.trainable_parameters(dm), lr=1e-5)
     inputs = tuple(x.cuda() for x in probe_inputs(adapter, width, height, frames))
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -96,7 +96,7 @@ def profile_steps(arch: str, step, out: Path, steps: int = 2) -> dict:
 
 
 def measure(arch: str, args, device: str = "cuda") -> dict:
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.models.checkpointing import apply_checkpointing
 
     cuda = device == "cuda"
@@ -108,12 +108,12 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
     adapter = build(arch, device, torch.bfloat16, args.size)
     dm = adapter.diffusion_model
     params_b = sum(p.numel() for p in dm.parameters()) / 1e9
-    lora.inject(dm, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
     layers = adapter.to_layers()
     apply_checkpointing(layers, args.checkpointing, args.checkpoint_fraction)
     if args.compile:
         adapter.compile(layers, checkpoint_inside=not args.compile_inside_checkpoint, memory_budget=args.memory_budget)
-    trainable = lora.trainable_parameters(dm)
+    trainable = injection.trainable_parameters(dm)
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     # as the engine stores them (SDXL: channels-last); --channels-last forces it for any model
     dm.to(memory_format=torch.channels_last if args.channels_last else adapter.memory_format)
@@ -140,7 +140,7 @@ def measure(arch: str, args, device: str = "cuda") -> dict:
 
 def main() -> int:
     from pipetrain.backend.models.registry import ADAPTERS
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--archs", default=",".join(ADAPTERS))

@@ -163,7 +163,7 @@ def lora_differences(reference: Path, other: Path) -> dict:
 # --- one case (in its own process) ----------------------------------------------------------------------------
 def run_equivalence(job: Job, args, root: Path) -> dict:
     """Two runs of the training CLI on the micro Flux that must agree (the CPU equivalence test's configuration)."""
-    from pipetrain.backend.demo import make_dataset, write_configs
+    from pipetrain.backend.commands.demo import make_dataset, write_configs
     from pipetrain.backend.models.tiny import cached_model_files
 
     tolerance = TOLERANCE[args.device]

@@ -201,7 +201,7 @@ def write_clips(folder: Path, count: int, frames: int, fps: float, side: int) ->
 def write_config(name: str, case: Case, files: dict, root: Path, steps: int, resolution: int | None = None,
                  frames: int | None = None) -> Path:
     import tomli_w
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
     from pipetrain.backend.models.registry import adapter_class
 
     folder = root / name
@@ -277,8 +277,8 @@ def train_run(config: Path, ranks: int, log: Path, env: dict | None = None, time
     ranks are killed at ``timeout_s`` (status 124), or once an event of type ``stop_after`` is written (status 0:
     what was to be measured is in). They stay in the caller's process group, so whoever kills that group (the
     multi-GPU harness at a case's timeout) takes them too."""
-    from pipetrain.backend.commands import deepspeed_command
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.process.command_lines import deepspeed_command
+    from pipetrain.backend.run.folder import RunDir
 
     # a measurement's run is disposable, and a run_name that holds a run is refused: an earlier case's or job's
     # run of this name goes first
@@ -381,7 +381,7 @@ def main() -> int:
                         "ours in the same job; where its model files are in ComfyUI's formats, ours trains on them")
     p.add_argument("--timeout-s", type=float, help="end each training run after this many seconds")
     args = p.parse_args()
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     comfy_root = str(args.comfyui or ensure_comfyui())
     root, out = Path(args.work), Path(args.out)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """``pipeline_stages`` left to the launcher (the Parallelism node's 0, or no Parallelism node): the fewest stages
 that divide the run's ranks and whose every stage fits the GPU, by the memory planner's trace
-(``backend/memory_plan_config.py``).
+(``backend/memory/plan_config.py``).
 
 Fewest, because each stage more is a pipeline bubble more, while the ranks it frees train data parallel. Where
 there is no GPU memory to plan for (CPU ranks, a cluster with no ``memory_limit_gib``), one stage; where no
@@ -26,10 +26,10 @@ def planned_stages(run_toml: Path, devices: tuple[int, ...] | None, world: int, 
     """(stages, why) for the run written at ``run_toml`` on ``world`` ranks; ``devices`` None: a cluster's."""
     if world <= 1:
         return 1, "one rank"
-    from ..backend import memory_plan as mp
+    from ..backend.memory import plan as mp
     from ..backend.config import load_run_config
-    from ..backend.memory_plan_cli import gpu_total
-    from ..backend.memory_plan_config import footprints, largest_probe
+    from ..backend.memory.cli import gpu_total
+    from ..backend.memory.plan_config import footprints, largest_probe
 
     cfg = load_run_config(run_toml)
     total, whole = gpu_total(cfg, devices=() if devices is None else devices)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..backend.config import check_caption_extension  # noqa: F401  (the Dataset node's check, at queue time)
 from ..backend.config import DatasetConfig, RunConfig, save_toml
 from ..backend.errors import ConfigError, DatasetError, ModelError
 from ..backend.preflight import check_model, load_run
-from ..backend.rundir import RunDir
-from ..backend.schema import from_dict
+from ..backend.run.folder import RunDir
+from ..backend.config.schema import from_dict
 from .cluster_form import check_cluster, cluster_table
 from .specs import DatasetSpec, TrainSpec
 
@@ -111,7 +110,7 @@ def check_spec(spec: TrainSpec) -> None:
                                          lora_dir=None), file=WHERE)
     check_model(cfg.model, WHERE)   # the architecture's own rules (timestep range, CLIP vision, ...)
     cfg.check_world_size(world)
-    from ..backend.optim import resolve_optimizer
+    from ..backend.optim.registry import resolve_optimizer
     resolve_optimizer(cfg)   # the optimizer exists and takes every argument given (before a run folder exists)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..backend.errors import CacheError
-from ..backend.rundir import RunDir, RunsRoot
+from ..backend.run.folder import RunDir, RunsRoot
 from .build import write_config
 from .procs import child_env, python_argv, spawn
 from .specs import TrainSpec

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Multi-node runs from the graph: the Parallelism node's cluster form -> ``ClusterSpec`` -> the ``[cluster]``
 table of ``run.toml``, checked by the backend's own rules (``backend.config.ClusterConfig``,
-``backend.cluster.read_hosts``) before anything starts; and the commands a ``no_ssh`` run's other nodes run.
+``backend.process.cluster.read_hosts``) before anything starts; and the commands a ``no_ssh`` run's other nodes run.
 
 The run folder is self-contained: a hostfile is read when the run starts and its hosts are written into
 ``run.toml``, so every node needs only the shared run folder (``python -m pipetrain launch <run>/run.toml``).
@@ -13,10 +13,10 @@ import shlex
 import socket
 from pathlib import Path
 
-from ..backend.cluster import read_hosts
+from ..backend.process.cluster import read_hosts
 from ..backend.config import ClusterConfig, RunConfig
 from ..backend.errors import ConfigError
-from ..backend.schema import from_dict
+from ..backend.config.schema import from_dict
 from .procs import python_argv
 from .specs import ClusterSpec
 

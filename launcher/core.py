@@ -9,11 +9,11 @@ Stopping follows the backend's contract: the ``<run_dir>/stop`` file, checked af
 ranks checkpoint and exit; after ``stop_timeout`` the ranks get SIGTERM (their handler sets the same flag);
 after ``kill_timeout`` more the whole process group gets SIGKILL. The other requests to a live run (save or
 sample now, stop after this epoch, a new learning rate) are files in its ``control/`` folder
-(``backend/run_control.py``), taken by the run at its next step; they never escalate. A stopped run with a
+(``backend/run/control.py``), taken by the run at its next step; they never escalate. A stopped run with a
 checkpoint resumes as ``deepspeed ... --module pipetrain train <run_dir>/run.toml --resume <run id>``.
 
 A run on several machines (``[cluster]``) starts as ``python -m pipetrain launch`` would, through
-``backend/cluster.py``: one detached launcher command for pdsh/slurm/openmpi; for ``no_ssh`` node 0 starts here
+``backend/process/cluster.py``: one detached launcher command for pdsh/slurm/openmpi; for ``no_ssh`` node 0 starts here
 and the other nodes' commands are recorded (``launcher.json`` ``node_commands``, the log, the run's route) for
 the user to run. Only this machine's slots count as held GPUs. The shared ``stop`` file reaches every node
 (global rank 0 reads it and tells the others); the SIGTERM/SIGKILL escalation reaches this machine's processes.
@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..backend import run_control
-from ..backend.cluster import launch_environment, node_commands, prepare_run_folder, read_hosts
+from ..backend.run import control as run_control
+from ..backend.process.cluster import launch_environment, node_commands, prepare_run_folder, read_hosts
 from ..backend.config import load_run_config
 from ..backend.errors import PipeTrainError
-from ..backend.rundir import RunDir, RunsRoot, new_run_id
+from ..backend.run.folder import RunDir, RunsRoot, new_run_id
 from .build import write_config
 from .auto_parallel import planned_stages
 from .cluster_form import check_cluster, cluster_hosts, join_command, local_devices
@@ -194,11 +194,11 @@ class Launcher:
         return self.queue_plans.get(run_id) or self._require(run_id).read_launcher().get("memory_plan", "")
 
     def _comfyui_for(self, model_type: str) -> tuple[dict[str, str] | None, dict]:
-        """Which ComfyUI trains the run (``backend/fallback.py``), decided once here for its ranks and recorded
+        """Which ComfyUI trains the run (``backend/parity/fallback.py``), decided once here for its ranks and recorded
         for the Train node; a refusal raises. Where it cannot be decided here, each rank decides."""
         import json
 
-        from ..backend.fallback import CHOICE_ENV, choose_comfyui
+        from ..backend.parity.fallback import CHOICE_ENV, choose_comfyui
 
         try:
             choice = choose_comfyui(model_type, self.comfyui_root)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..backend.config.patch import RunPatch
 from ..backend.errors import ConfigError
-from ..backend.sample_clips import image_problem, media_problem
+from ..backend.sampling.clips import image_problem, media_problem
 
 FULL_FINETUNE = "full"   # the Adapter node's type without an [adapter] table: every weight trains
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from ..backend.deepspeed_cli import ranks_among
+from ..backend.process.deepspeed_cli import ranks_among
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def package_path(shim_dir: Path) -> str:
 
 def child_env(comfyui_root: Path | None, base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) + ComfyUI's location. The package needs no PYTHONPATH:
-    children run the entry file by its path (``backend.commands.pipetrain_command``)."""
+    children run the entry file by its path (``backend.process.command_lines.pipetrain_command``)."""
     env = dict(os.environ if base is None else base)
     if comfyui_root is not None:
         env["COMFYUI_PATH"] = str(comfyui_root)
@@ -135,8 +135,8 @@ def child_env(comfyui_root: Path | None, base: dict[str, str] | None = None) -> 
 def deepspeed_argv(command: str, config: Path, devices: tuple[int, ...], extra: list[str] = ()) -> list[str]:
     """``python -m pipetrain deepspeed --num_gpus N pipetrain COMMAND CONFIG ...`` (``--include`` for other GPU
     ids): DeepSpeed's runner, with an exit status that says whether the run finished (plain ``deepspeed`` exits 0
-    when its launch.py is killed) and SIGTERM passed to the ranks only (``backend/deepspeed_cli.py``)."""
-    from ..backend.commands import deepspeed_cli_command
+    when its launch.py is killed) and SIGTERM passed to the ranks only (``backend/process/deepspeed_cli.py``)."""
+    from ..backend.process.command_lines import deepspeed_cli_command
 
     argv = deepspeed_cli_command(command, config, len(devices), list(extra))
     if tuple(devices) == tuple(range(len(devices))):
@@ -146,7 +146,7 @@ def deepspeed_argv(command: str, config: Path, devices: tuple[int, ...], extra: 
 
 
 def python_argv(*args: str) -> list[str]:
-    from ..backend.commands import pipetrain_command
+    from ..backend.process.command_lines import pipetrain_command
 
     return pipetrain_command(*args)
 

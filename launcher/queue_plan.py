@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""The memory plan of a run as it is queued (``backend/memory_plan_config.py``), for the Train node.
+"""The memory plan of a run as it is queued (``backend/memory/plan_config.py``), for the Train node.
 
 The plan is computed in this process, before the run's processes start: a ``memory = "auto"`` run that nothing
 fits is refused here with the smallest change that would fit, instead of minutes later in its log; any other run
@@ -30,10 +30,10 @@ class QueuePlan:
 def plan_queued_run(run_toml: Path, devices: tuple[int, ...] | None, runs_root: Path) -> QueuePlan:
     """The plan of the run written at ``run_toml``; a model the trace cannot run is reported, not refused (the
     run then trains with its config's own settings, as ``memory = 'auto'`` does after a failed trace)."""
-    from ..backend import memory_plan as mp
+    from ..backend.memory import plan as mp
     from ..backend.config import load_run_config
-    from ..backend.memory_plan_cli import gpu_total
-    from ..backend.memory_plan_config import plan_config
+    from ..backend.memory.cli import gpu_total
+    from ..backend.memory.plan_config import plan_config
 
     cfg = load_run_config(run_toml)
     start = time.monotonic()

@@ -3,7 +3,7 @@
 to a live run: save now, sample now, stop after this epoch (``stop_after_epoch``), a new learning rate (``lr``,
 body ``{"lr": 1e-4}``).
 
-Run ids are checked by ``backend.rundir.check_run_id`` and the resolved folder must sit directly in the runs
+Run ids are checked by ``backend.run.folder.check_run_id`` and the resolved folder must sit directly in the runs
 root: a bad id is a 400, an unknown one a 404. State changes are POSTs whose body, if any, is a small JSON
 object: anything else (not JSON, not an object, nested past what ``json`` can parse, larger than
 ``MAX_BODY``) is a 400 or 413 naming the problem, never a traceback, as is a value that can never be valid (a
@@ -17,10 +17,10 @@ from typing import Callable
 
 from aiohttp import web
 
-from ..backend import run_control
+from ..backend.run import control as run_control
 from ..backend.errors import PipeTrainError
-from ..backend.rundir import RunIdError
-from ..backend.sample_audio import AUDIO_TYPES
+from ..backend.run.folder import RunIdError
+from ..backend.sampling.audio import AUDIO_TYPES
 from .core import Launcher
 from .summaries import sample_file
 

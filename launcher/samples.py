@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Epoch samples rendered by the ComfyUI that started the run (``[samples] render = "host"``).
 
-A run asks with a request file and a ``sample_request`` event (``backend/sample_host.py``). The relay hands
+A run asks with a request file and a ``sample_request`` event (``backend/sampling/host_render.py``). The relay hands
 each tick's new events to ``SampleHost``, which queues one prompt per request on ComfyUI's own queue: a graph
-of the "PipeTrain Epoch Samples" node (``SAMPLES_NODE``), which renders with ``backend.sampling`` (the same
+of the "PipeTrain Epoch Samples" node (``SAMPLES_NODE``), which renders with ``backend.sampling.render`` (the same
 code as a headless run) inside ComfyUI, so ComfyUI's model management shares the GPU with other prompts.
 Requests survive a restart: every ``rescan_s`` (and at the first tick) the runs' pending requests
 (a request without a marker) are queued again, once per ComfyUI process.
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..backend import sample_host
+from ..backend.sampling import host_render as sample_host
 from ..backend.errors import PipeTrainError
-from ..backend.rundir import RunsRoot
+from ..backend.run.folder import RunsRoot
 
 log = logging.getLogger("pipetrain")
 SAMPLES_NODE = "PipeTrainEpochSamples"
@@ -46,8 +46,8 @@ def fulfil_request(dirs: RunsRoot, run_id: str, request: str):
     """Render (or read back) a request's samples here; returns (sample paths, IMAGE tensor [B, H, W, 3], AUDIO or
     None). An audio model's songs are the AUDIO ({"waveform": [B, channels, samples], "sample_rate"}), and the IMAGE
     one black 8x8 picture (the node's IMAGE output holds a tensor)."""
-    from ..backend.sample_audio import is_audio_file
-    from ..backend.sampling import fulfil
+    from ..backend.sampling.audio import is_audio_file
+    from ..backend.sampling.render import fulfil
 
     paths = fulfil(request_file(dirs, run_id, request), renderer="comfyui")
     songs = [p for p in paths if is_audio_file(p)]
@@ -69,7 +69,7 @@ def load_songs(paths: list[Path]) -> dict:
     """Songs of one length (one [samples] seconds) as ComfyUI's AUDIO, read as LoadAudio reads them."""
     import torch
 
-    from ..backend.sample_audio import load
+    from ..backend.sampling.audio import load
 
     songs = [load(p) for p in paths]
     return {"waveform": torch.stack([w for w, _ in songs]), "sample_rate": songs[0][1]}

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""What the UI shows of a run, read from its folder alone (``backend/rundir.py`` names the files): its one
+"""What the UI shows of a run, read from its folder alone (``backend/run/folder.py`` names the files): its one
 state, the saved LoRAs and their samples, the loss curve and the last events. Reading a run never needs its
 process alive.
 """
@@ -10,7 +10,7 @@ import stat
 import threading
 from pathlib import Path
 
-from ..backend.rundir import RunDir, RunsRoot, read_events
+from ..backend.run.folder import RunDir, RunsRoot, read_events
 
 ACTIVE = {"launched", "starting", "caching", "loading", "training"}
 LOSS_POINTS = 2000
@@ -121,13 +121,13 @@ def saved_loras(run_dir: Path | RunDir, status: dict | None = None) -> list[dict
 
 
 def sampled_step_loras(run_dir: Path | RunDir) -> list[dict]:
-    """The step LoRAs that have samples (a "sample now" request: ``backend/run_control.py``), oldest first."""
+    """The step LoRAs that have samples (a "sample now" request: ``backend/run/control.py``), oldest first."""
     return sorted((x for x in _scan(RunDir(run_dir)).values() if x["kind"] == "step" and x["samples"]),
                   key=lambda x: x.get("step") or 0)
 
 
 def _lora_of_sample(png: str) -> str:
-    """``<stem>-sample00.png`` (``backend.sampling.sample_paths``) -> ``<stem>.safetensors``."""
+    """``<stem>-sample00.png`` (``backend.sampling.render.sample_paths``) -> ``<stem>.safetensors``."""
     stem, _, _ = png.rpartition("-sample")
     return f"{stem}.safetensors"
 

@@ -6,7 +6,8 @@ from comfy_api.latest import ComfyExtension, io
 from .data import DatasetNode, ImagesToDatasetNode, ModelNode
 from .runs import LoadEpochLoRANode, RunControlNode, RunStatusNode, StopNode
 from .samples import EpochSamplesNode, SamplesNode
-from .settings import AdapterNode, MemoryNode, OptimizerNode, ParallelismNode, ScheduleNode
+from .parallelism import ParallelismNode
+from .settings import AdapterNode, MemoryNode, OptimizerNode, ScheduleNode
 from .train import CacheNode, TrainNode
 
 NODES: list[type[io.ComfyNode]] = [

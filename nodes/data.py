@@ -8,7 +8,8 @@ from comfy_api.latest import io, ui
 
 from ..backend.config.patch import RunPatch
 from ..backend.errors import PipeTrainError
-from ..launcher.build import QUEUE_TIME_ENTRIES, check_caption_extension, check_dataset_folder
+from ..backend.config import check_caption_extension
+from ..launcher.build import QUEUE_TIME_ENTRIES, check_dataset_folder
 from ..launcher.specs import DatasetSpec
 from . import types as t
 from .declared import CheckedNode
@@ -384,14 +385,14 @@ def clip_vision_options() -> list[str]:
 
 
 def parity_text(model_type: str) -> str:
-    """The parity verdict of ``model_type`` on this ComfyUI, as a run will find it (``backend/parity.py``;
+    """The parity verdict of ``model_type`` on this ComfyUI, as a run will find it (``backend/parity/check.py``;
     memoised, so the node pays for it once per ComfyUI)."""
     from ..backend.models.registry import ADAPTERS
-    from ..backend.parity import check_model_type
+    from ..backend.parity.check import check_model_type
     r = check_model_type(model_type)
     if r.ok or model_type not in ADAPTERS:
         return f"{model_type} on ComfyUI {r.comfyui_version}: {r.summary()}" if r.ok else r.message()
-    # backend/fallback.py: where only the API moved, the run trains on the pinned copy instead
+    # backend/parity/fallback.py: where only the API moved, the run trains on the pinned copy instead
     return (f"{r.message()} Before refusing, a run compares this ComfyUI's own forward with PipeTrain's pinned "
             f"ComfyUI's: where they compute the same, the run trains on the pinned copy and its status says so.")
 
@@ -525,7 +526,7 @@ def check_model_patch(patch: RunPatch) -> None:
     """The Model node's keys as ``[model]``, checked by the preflight the launcher and the CLI run."""
     from ..backend.config import ModelConfig
     from ..backend.preflight import check_checkpoint_parts, check_model
-    from ..backend.schema import from_dict
+    from ..backend.config.schema import from_dict
     try:
         cfg = from_dict(ModelConfig, patch.table()["model"], file="the Model node", prefix="model")
         check_model(cfg, "the Model node")

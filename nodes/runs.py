@@ -105,7 +105,7 @@ def status_text(s: dict) -> str:
     comfyui = s.get("comfyui") or {}
     if comfyui.get("parity") and not s.get("error"):
         parts.append(f"ComfyUI {comfyui.get('version')}: parity {comfyui['parity'].get('verdict')}")
-    if comfyui.get("pinned"):   # backend/fallback.py: the host's model code moved or is missing
+    if comfyui.get("pinned"):   # backend/parity/fallback.py: the host's model code moved or is missing
         parts.append(f"trained on PipeTrain's pinned ComfyUI {comfyui.get('version')} instead of "
                      f"ComfyUI {(comfyui.get('host') or {}).get('version')}: {comfyui.get('reason')}")
     return ", ".join(parts)

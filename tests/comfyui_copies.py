@@ -109,8 +109,8 @@ CHECK_LORAS = """
 import json, sys
 from pathlib import Path
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.runtime import comfyui_version
-from pipetrain.backend.verify import check_lora
+from pipetrain.backend.host.runtime import comfyui_version
+from pipetrain.backend.parity.verify import check_lora
 cfg = load_run_config(sys.argv[1])
 checks = [check_lora(cfg, Path(p)).__dict__ for p in sys.argv[2:]]
 print(json.dumps({"version": comfyui_version(), "type": cfg.model.type, "checks": checks}))

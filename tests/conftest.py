@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from pipetrain.backend.demo import make_dataset, write_configs
-from pipetrain.backend.commands import deepspeed_command
+from pipetrain.backend.commands.demo import make_dataset, write_configs
+from pipetrain.backend.process.command_lines import deepspeed_command
 from warm_ranks import WarmRanks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(items):
 def pytest_terminal_summary(terminalreporter):
     from comfyui_copies import comfyui_cache, missing_newer_versions, other_comfyuis
 
-    from pipetrain.backend.runtime import PINNED_VERSION
+    from pipetrain.backend.host.runtime import PINNED_VERSION
 
     free = shutil.disk_usage(REPO).free / 2**30
     terminalreporter.write_line(f"disk: {free:.1f} GiB free after the tests")
@@ -99,7 +99,7 @@ def flux_diffusers_folder():
     """bench/diffusion_pipe_models.py's tiny Flux pipeline folder (diffusion-pipe's ``diffusers_path``) at the widths
     ComfyUI loads, written once per machine beside the tiny model files (a marker last: a broken write is redone)."""
     pytest.importorskip("diffusers")
-    from pipetrain.backend.runtime import REPO_ROOT, locate_comfyui
+    from pipetrain.backend.host.runtime import REPO_ROOT, locate_comfyui
     from pipetrain.bench.diffusion_pipe_models import write_flux_folder
 
     from pipetrain.backend.fsutil import exclusive
@@ -125,11 +125,11 @@ def micro_flux_with_lora(files):
     """The micro Flux (float32) with LoRA rank 4 (dropout 0.3, B non-zero) in training mode, and probe inputs."""
     import torch
 
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
-    from pipetrain.backend.verify import probe_inputs
+    from pipetrain.backend.host.runtime import ensure_comfyui
+    from pipetrain.backend.parity.verify import probe_inputs
 
     ensure_comfyui()
     cfg = ModelConfig(type="flux", diffusion_model=str(files.diffusion_model), vae=str(files.vae),
@@ -137,9 +137,9 @@ def micro_flux_with_lora(files):
     adapter = adapter_class("flux")(cfg)
     adapter.load_diffusion_model()
     dm = adapter.diffusion_model
-    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dropout=0.3, seed=1), adapter.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dropout=0.3, seed=1), adapter.lora_block_prefixes)
     g = torch.Generator().manual_seed(2)
-    for m in lora.adapted_modules(dm):
+    for m in injection.adapted_modules(dm):
         m.lora_B.weight.data.normal_(0, 0.05, generator=g)
     dm.train()
     return adapter, probe_inputs(adapter)
@@ -264,7 +264,7 @@ def check_epoch_loras(run: Run, config: Path, keys: int, last_only: bool = False
     """Every saved LoRA (or the last one: a first epoch of two steps may barely move) loads in ComfyUI (``keys``
     modules patched), reproduces the training side and has an effect."""
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
 
     cfg = load_run_config(config)
     assert run.loras()

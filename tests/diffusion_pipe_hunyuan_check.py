@@ -51,7 +51,7 @@ def stand_in(name: str) -> types.ModuleType:
 
 
 def import_pipeline():
-    from pipetrain.backend.runtime import ensure_comfyui, locate_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui, locate_comfyui
     from pipetrain.bench.diffusion_pipe import bind_diffusion_pipe, clip_text_model_as_its_own_text_model
 
     stub_missing()

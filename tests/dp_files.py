@@ -82,7 +82,7 @@ def diffusers_folder(files, folder, arch: str):
     detection reads either), so it is what check-config reads, not what diffusers would load."""
     import json
 
-    from pipetrain.backend.model_folders import safetensors_header
+    from pipetrain.backend.config.model_folders import safetensors_header
     from pipetrain.backend.models.loading import META_TE_KIND
     unet = "unet" if arch in ("sdxl", "sd15") else "transformer"
     _place(files.diffusion_model, folder / unet / "diffusion_pytorch_model.safetensors")

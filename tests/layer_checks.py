@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import torch
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.models.checkpointing import apply_checkpointing
 from pipetrain.backend.train.pipeline import sendable
 
@@ -13,7 +13,7 @@ from pipetrain.backend.train.pipeline import sendable
 def small_flux_adapter(depth: int = 2, single_blocks: int = 2):
     """A narrow Flux (float64, random weights) behind a FluxAdapter, built in memory."""
     from pipetrain.backend.config import ModelConfig
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     import comfy.ops
@@ -104,7 +104,7 @@ def run_layers(layers, inputs):
 def give_lora_b_values(dm, seed=2, std=0.05):
     """LoRA B starts at zero; give it values so every A receives a gradient too."""
     g = torch.Generator().manual_seed(seed)
-    for m in lora.adapted_modules(dm):
+    for m in injection.adapted_modules(dm):
         m.lora_B.weight.data.normal_(0, std, generator=g)
 
 
@@ -114,7 +114,7 @@ def lora_gradients_match_finite_differences(adapter, inputs, rtol=1e-5, atol=1e-
     checkpointing (kept attention and down-projection outputs) gives the gradients of whole-block checkpointing."""
     dm = adapter.diffusion_model
     x0, noise, t, *text = inputs
-    params = lora.trainable_parameters(dm)
+    params = injection.trainable_parameters(dm)
     adapter.loss(run_layers(checkpointed_layers(adapter, "selective"), inputs), (x0, noise, t)).backward()
     selective = [p.grad.clone() if p.grad is not None else None for p in params]
     for p in params:
@@ -163,7 +163,7 @@ def every_boundary_is_a_stage_boundary(adapter, inputs):
     stage's backward starts from its float outputs with the next stage's input gradients): every float
     output has a graph, every float input gets a gradient, and the LoRA gradients equal an uncut run."""
     dm = adapter.diffusion_model
-    params = lora.trainable_parameters(dm)
+    params = injection.trainable_parameters(dm)
     x0, noise, t, *_ = inputs
     layers = checkpointed_layers(adapter, True)
     adapter.loss(run_layers(layers, inputs), (x0, noise, t)).backward()
@@ -317,8 +317,8 @@ def captions_batch_as_if_alone(adapter, x0, noise, t, items, atol=1e-10, rtol=1e
 def every_boundary_is_a_stage_boundary_with_lora(adapter, inputs):
     """``every_boundary_is_a_stage_boundary`` with LoRA injected (rank 2, B given values) unless it already is."""
     dm = adapter.diffusion_model
-    if not list(lora.adapted_modules(dm)):
-        lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), adapter.lora_block_prefixes)
+    if not list(injection.adapted_modules(dm)):
+        injection.inject(dm, injection.AdapterSpec(rank=2, alpha=2.0, dtype=torch.float64), adapter.lora_block_prefixes)
         give_lora_b_values(dm)
     every_boundary_is_a_stage_boundary(adapter, inputs)
 

@@ -34,12 +34,12 @@ def solid(colours, size=(64, 64)) -> torch.Tensor:
 def render_capturing(config: Path, monkeypatch, tmp_path):
     """``render`` with ComfyUI's sampler replaced by one that records what it is handed (and the LoRA left out:
     the base model samples); returns the calls, the written files and the run's VAE."""
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     import comfy.sample
 
-    from pipetrain.backend import sampling
+    from pipetrain.backend.sampling import render as sampling
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.models.registry import adapter_class
 

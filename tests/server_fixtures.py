@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.backend.commands import free_port
+from pipetrain.backend.process.command_lines import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 COMFYUI = REPO / ".comfyui" / "ComfyUI"
@@ -141,7 +141,7 @@ def comfyui_of(version: str) -> Path:
     """The ComfyUI tree of ``version``: the pinned one or one of the machine's newer ones (else a skip)."""
     from comfyui_copies import comfyui_cache, other_comfyuis
 
-    from pipetrain.backend.runtime import PINNED_VERSION
+    from pipetrain.backend.host.runtime import PINNED_VERSION
 
     if version == PINNED_VERSION:
         return COMFYUI
@@ -228,7 +228,7 @@ def kill_runs(runs_root: Path) -> None:
     import psutil
 
     from pipetrain.launcher.procs import ProcessRef
-    from pipetrain.backend.rundir import read_json
+    from pipetrain.backend.run.folder import read_json
 
     if not runs_root.is_dir():
         return
@@ -348,7 +348,8 @@ def _pipetrain(module: str):
     """PipeTrain's ``module``, under whatever name ComfyUI imported the custom node (it is not ``pipetrain``)."""
     for name, package in list(sys.modules.items()):
         folder = os.path.dirname(getattr(package, "__file__", None) or "")
-        if hasattr(package, "comfy_entrypoint") and os.path.isfile(os.path.join(folder, "backend", "commands.py")):
+        entry_file = os.path.join(folder, "backend", "process", "command_lines.py")
+        if hasattr(package, "comfy_entrypoint") and os.path.isfile(entry_file):
             return importlib.import_module(f"{name}.{module}")
     raise ImportError("PipeTrain is not loaded")
 

@@ -124,19 +124,19 @@ def _warm_up() -> bool:
     import pipetrain.backend.cli  # noqa: F401
     import pipetrain.backend.train.trainer  # noqa: F401
     from pipetrain.backend.models.registry import ADAPTERS  # noqa: F401
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     import comfy.sd  # noqa: F401  (ComfyUI's loaders and with them its model code)
     return True
 
 
 def _same_comfyui(argv: list[str]) -> bool:
-    """Whether the ComfyUI that trains this config is the one imported here (``backend/fallback.py`` decides)."""
+    """Whether the ComfyUI that trains this config is the one imported here (``backend/parity/fallback.py`` decides)."""
     if len(argv) < 2 or argv[0] not in ("train", "cache"):
         return True
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.fallback import choose_comfyui
-    from pipetrain.backend.runtime import _already_imported
+    from pipetrain.backend.parity.fallback import choose_comfyui
+    from pipetrain.backend.host.runtime import _already_imported
     try:
         model_type = load_run_config(Path(argv[1])).model.type
         chosen = choose_comfyui(model_type)
@@ -164,7 +164,7 @@ def _rank(argv: list[str], local_rank: int, ranks: int, port: int, request: dict
             code = OTHER_COMFYUI
         else:
             from pipetrain.backend.cli import main
-            from pipetrain.backend.commands import ENTRY
+            from pipetrain.backend.process.command_lines import ENTRY
             sys.argv = [str(ENTRY), f"--local_rank={local_rank}", *argv]
             try:
                 code = main(sys.argv[1:])
@@ -188,7 +188,7 @@ def _rank(argv: list[str], local_rank: int, ranks: int, port: int, request: dict
 def _launch(request: dict, answers) -> int:
     """One run: fork its ranks into one process group (the client's timeout kills that group), wait as DeepSpeed's
     ``launch.py`` does."""
-    from pipetrain.backend.commands import free_port
+    from pipetrain.backend.process.command_lines import free_port
 
     ranks, argv, port = int(request["ranks"]), list(request["argv"]), free_port()
     log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -244,7 +244,7 @@ def serve() -> None:
     # the answers get standard output's pipe to themselves: what ComfyUI and others print goes to standard error
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    from pipetrain.backend.commands import ENTRY
+    from pipetrain.backend.process.command_lines import ENTRY
     sys.path[0] = str(ENTRY.parent)   # a rank runs the entry file by its path: its folder comes first, not tests/
     ready = _warm_up()
     print(json.dumps({"ready": ready}), file=answers, flush=True)

@@ -184,7 +184,7 @@ function runCard(run) {
   return card;
 }
 
-// requests the run takes at its next step (backend/run_control.py); its events say when it acted
+// requests the run takes at its next step (backend/run/control.py); its events say when it acted
 function controls(run) {
   const act = (action, body) => (e) => { e.stopPropagation(); post(run.id, action, body); };
   // one input per run, kept across renders (every step event re-renders): what is typed stays
@@ -213,7 +213,7 @@ function controls(run) {
 
 // the epoch's sample images (sample_saved events), served by GET /pipetrain/runs/{id}/samples/{name}: one row
 // per LoRA strength, one column per prompt; a click on a row's strength adds a loader at that epoch and strength
-const AUDIO = /\.(flac|wav|mp3|ogg|opus)$/i;   // backend/sample_audio.py's AUDIO_TYPES
+const AUDIO = /\.(flac|wav|mp3|ogg|opus)$/i;   // backend/sampling/audio.py's AUDIO_TYPES
 function sampleGrid(runId, epoch, samples, loaders = true) {
   const strengths = [...new Set(samples.map((s) => s.strength ?? 1))].sort((a, b) => a - b);
   const grid = el("div", { class: "pipetrain-grid", "data-epoch": String(epoch) });

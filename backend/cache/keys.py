@@ -33,7 +33,7 @@ def model_fingerprint(path: Path, memo: Path | None = None) -> str:
     decides what loads from it (every weight shard and JSON config, ``model_folders.fingerprint_files``) with its
     name: editing, adding or renaming a shard changes it."""
     if path.is_dir():
-        from ..model_folders import fingerprint_files
+        from ..config.model_folders import fingerprint_files
         return _sha([[p.relative_to(path).as_posix(), model_fingerprint(p, memo)]
                      for p in fingerprint_files(path)])
     st = path.stat()

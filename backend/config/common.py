@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..process_inputs import shown
+from .process_inputs import shown
 
 MAX_RESOLUTION = 8192   # a side of 8192 is 64 Mpx a frame already; larger values are typos that exhaust memory
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from .. import compat
+from . import compat
 from ..errors import ConfigError
 from .common import (MAX_RESOLUTION, check_caption_extension, check_frame_buckets, check_resolutions, config_path,
                      replace)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import tomli_w
 
-from .. import compat
+from . import compat
 from ..errors import ConfigError
-from ..schema import from_dict, secret_keys, to_dict
+from .schema import from_dict, secret_keys, to_dict
 from .dataset import DatasetConfig
 from .run import RunConfig
 

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from .. import compat
+from . import compat
 from ..errors import ConfigError
 
 Dtype = Literal["float32", "bfloat16", "float16"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from .. import compat
+from . import compat
 from ..errors import ConfigError
 from .common import check_folder, config_path, replace
 from .dataset import DatasetConfig
@@ -74,7 +74,7 @@ class RunConfig:
     compile_cuda_graphs: bool = True             # with compile: replay regions as CUDA graphs where it pays (SDXL)
     fp8_compute: bool = False                    # adapters: frozen base linears multiply in FP8 (models/fp8.py)
     # "auto": the trainer picks activation_checkpointing(_fraction) and blocks_to_swap that fit the GPU
-    # (memory_plan.py); memory_limit_gib: plan for this much of each GPU instead of all of it
+    # (memory/plan.py); memory_limit_gib: plan for this much of each GPU instead of all of it
     memory: Literal["manual", "auto"] = "manual"
     memory_limit_gib: Optional[float] = None
     partition_method: Literal["parameters", "uniform", "compute", "manual"] = "compute"
@@ -241,7 +241,7 @@ class RunConfig:
         """A model path that is a folder must hold safetensors weights (a Diffusers component folder, e.g. what
         diffusion-pipe's diffusers_path names); otherwise it fails here, naming the key."""
         from ..errors import ModelError
-        from ..model_folders import weight_files
+        from .model_folders import weight_files
         for key, path in self.model.file_paths():
             if self.resolve(path).is_dir():
                 try:

@@ -5,19 +5,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from .. import compat
+from . import compat
 from ..errors import ConfigError
 from .patch import widget
-from ..schema import secret
-from ..process_inputs import (control_problem, env_name_problem, env_value_problem, host_problem, ifname_problem,
-                              refuse, shown)
+from .schema import secret
+from .process_inputs import (control_problem, env_name_problem, env_value_problem, host_problem, ifname_problem, refuse,
+    shown)
 
 
 @dataclass
 class OptimizerConfig:
     """As in diffusion-pipe, every key but ``type`` goes to the optimizer's constructor (keys left out take
     the constructor's defaults). ``type``: adamw | adamw8bit | adamw_optimi | stableadamw | sgd (any case),
-    or the name of any ``pytorch_optimizer`` class (e.g. Prodigy). See ``backend/optim.py``."""
+    or the name of any ``pytorch_optimizer`` class (e.g. Prodigy). See ``backend/optim/registry.py``."""
     type: str = "adamw"
     # left out: the constructor's default (optimi's AdamW has none for lr); the widgets start at the values named
     lr: Optional[float] = field(default=None, metadata=widget(2e-4))

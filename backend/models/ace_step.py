@@ -68,7 +68,7 @@ def _narrow_lyric_encoder(unet_config: dict):
     tiny file's) builds it at that width with one block."""
     import contextlib
 
-    from ..patches_comfyui import narrowed_class
+    from ..host.patches_comfyui import narrowed_class
 
     width = unet_config.get("lyric_hidden_size", LYRIC_WIDTH)
     if width == LYRIC_WIDTH:

@@ -46,7 +46,7 @@ def anima_config(size: str) -> dict:
 def _narrow_llm_adapter(unet_config: dict):
     """ComfyUI builds the LLM adapter at its published widths; a config with a narrower context (a tiny file's)
     builds it at that width with two blocks of two heads."""
-    from ..patches_comfyui import narrowed_class
+    from ..host.patches_comfyui import narrowed_class
 
     width = unet_config.get("crossattn_emb_channels", CONTEXT_WIDTH)
     if width == CONTEXT_WIDTH:

@@ -61,7 +61,7 @@ class ModelAdapter(ABC):
     takes_clip_vision: bool = False          # [model] clip_vision names a CLIP-vision file it encodes (Wan 2.1 i2v)
     takes_control_start_image: bool = False  # [model] control_start_image switches its start image (Fun-Control)
     vace_inputs: bool = False                # [[directory]] control_mask_path / reference_path (Wan VACE)
-    parity_dtype: torch.dtype = torch.float64   # the parity check's dtype (parity.py): what remains is rounding
+    parity_dtype: torch.dtype = torch.float64   # the parity check's dtype (parity/check.py): what remains is rounding
     conditioning_fields: tuple[str, ...] = ()  # edit / i2v models: cached tensors the first layer receives
     #                                            after the text fields (encode_conditioning makes them)
     needs_control: bool = False              # edit models: every dataset directory needs a control_path
@@ -123,7 +123,7 @@ class ModelAdapter(ABC):
                                   key=f"model.text_encoders[{i}]")
 
     def __init__(self, cfg: ModelConfig, resolve=lambda p: Path(p)):
-        from ..runtime import ensure_comfyui
+        from ..host.runtime import ensure_comfyui
         ensure_comfyui()   # an adapter runs ComfyUI's code: its methods take ``comfy`` as importable
         self.cfg = cfg
         self.resolve = resolve
@@ -215,7 +215,7 @@ class ModelAdapter(ABC):
     def use_model(self, patcher) -> None:
         """Train (or check) ``patcher``'s model from now on: ComfyUI's ModelPatcher as ``load_diffusion_model``
         loads it from the config's file, or one built in memory (``loading.build_model``: benchmarks, tests) or
-        patched with a LoRA (``verify.py``)."""
+        patched with a LoRA (``parity/verify.py``)."""
         self.patcher = patcher
 
     @property
@@ -296,7 +296,7 @@ class ModelAdapter(ABC):
         channels = getattr(comfy.latent_formats, self.latent_format)().latent_channels
         return torch.randn(1, channels, *size, generator=generator)
 
-    # --- sampling with ComfyUI (backend/sampling.py) -----------------------------------------------
+    # --- sampling with ComfyUI (backend/sampling/render.py) -----------------------------------------------
     def sample_conditioning(self, text: dict[str, torch.Tensor], guidance: float) -> list:
         """ComfyUI's CONDITIONING for one cached caption: the first text field is the cross-attention
         conditioning, a ``pooled`` field the pooled vector; ``guidance`` is Flux-dev's distilled guidance."""

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..patches_comfyui import detection_from_config
-from ..runtime import ensure_comfyui
+from ..host.patches_comfyui import detection_from_config
+from ..host.runtime import ensure_comfyui
 from . import encoders
 from .registry import arch_spec
 

@@ -188,7 +188,7 @@ class Cosmos1Adapter(VideoLatents, ModelAdapter):
     text_fields = ("cond",)
     framerate = COSMOS1_FPS
     frame_multiple = 8          # clips of 8k + 1 frames (the tokenizer's causal 8x temporal compression)
-    # the parity check (backend/parity.py) runs in float32: ComfyUI normalises the positional embeddings in
+    # the parity check (backend/parity/check.py) runs in float32: ComfyUI normalises the positional embeddings in
     # float32, which torch refuses for float64 input
     parity_dtype = torch.float32
 

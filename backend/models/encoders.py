@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ..patches_comfyui import mistral_tokenizer_for_transformers5
+from ..host.patches_comfyui import mistral_tokenizer_for_transformers5
 from .spec import comfy_object, comfy_text_model
 from .tiny_tokenizers import (GEMMA2_TINY_SPIECE, GEMMA2_TINY_VOCAB, MISTRAL_TINY_VOCAB, UMT5_TINY_SPIECE,
                               UMT5_TINY_VOCAB, mistral_tiny_tekken)

@@ -7,8 +7,8 @@ saved). Each forward
 quantizes its input per row and calls torch's row-wise scaled matrix product (``torch._scaled_mm``, bf16 out);
 the backward quantizes the output gradient per row (the weight's row scales folded in first) and multiplies it by
 the same FP8 weight, transposed in memory (the product wants its second operand column-major). No weight
-gradient is made: the base is frozen. The LoRA hook (``lora.py``), biases and everything trained stay in their own
-dtypes, so only the base products lose precision; the quality gate in ``bench/fp8_gate.py`` measures how much.
+gradient is made: the base is frozen. The LoRA hook (``adapters/injection.py``), biases and everything trained stay in
+their own dtypes, so only the base products lose precision; the quality gate in ``bench/fp8_gate.py`` measures how much.
 
 Where no FP8 product exists (the CPU, older GPUs) the same quantization runs emulated — dequantize, multiply in
 float32 — which is what the tests compare against bf16; training refuses the option there (``check_device``).

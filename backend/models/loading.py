@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..model_folders import (SAFETENSORS_SUFFIXES, is_wan_vae_folder, read_config, safetensors_header,
-                             wan_vae_state_dict, weight_files)
-from ..patches_comfyui import detection_from_config, narrowed_class
-from ..runtime import ensure_comfyui
+from ..config.model_folders import (SAFETENSORS_SUFFIXES, is_wan_vae_folder, read_config, safetensors_header,
+    wan_vae_state_dict, weight_files)
+from ..host.patches_comfyui import detection_from_config, narrowed_class
+from ..host.runtime import ensure_comfyui
 from .registry import ADAPTERS, arch_spec, arch_specs
 from . import vaes
 

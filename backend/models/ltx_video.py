@@ -331,7 +331,7 @@ class LTXVideoI2VAdapter(GivenFirstFrame, LTXVideoAdapter):
     def start_conditioning(self, vae, positive, negative, width, height, frames, images):
         """ComfyUI's LTXVImgToVideo at strength 1: the start image's latent as the first latent frame, which the
         latent's noise mask keeps."""
-        from ..runtime import comfy_nodes
+        from ..host.runtime import comfy_nodes
         comfy_nodes()   # nodes_lt imports ComfyUI's ``nodes``: set up first, or this repository's package is found
         from comfy_extras.nodes_lt import LTXVImgToVideo
 

@@ -4,7 +4,7 @@
 The model is ComfyUI's own class built on the ``meta`` device (shapes, no storage) and run forward through the
 adapter's layers at the run's latent size, batch and caption length. Autograd's saved-tensor hooks report every
 tensor a layer keeps for its backward; those bytes, the layer's weights and the tensors it hands to the next
-layer are the footprint ``backend/memory_plan.py`` adds up for each checkpointing and swapping choice.
+layer are the footprint ``backend/memory/plan.py`` adds up for each checkpointing and swapping choice.
 
 Two things would make a plain meta forward wrong or impossible:
 - SDPA has no meta kernel of its own: on ``meta`` it falls back to the math path, which keeps the whole score

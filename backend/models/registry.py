@@ -59,7 +59,7 @@ def unavailable_reason(model_type: str, comfyui_version: str | None = None) -> s
     """Why ``model_type`` cannot train here, or None when it can. A type whose code needs a newer ComfyUI than
     ``comfyui_version`` (default: the version of the ComfyUI this process finds, read without importing it) is
     refused naming both versions."""
-    from ..runtime import PINNED_VERSION
+    from ..host.runtime import PINNED_VERSION
 
     if model_type in ADAPTERS:
         return too_old_reason(model_type, comfyui_version)
@@ -74,15 +74,15 @@ def unavailable_reason(model_type: str, comfyui_version: str | None = None) -> s
 def too_old_reason(model_type: str, comfyui_version: str | None = None) -> str | None:
     """Why a supported ``model_type`` cannot train on the ComfyUI of ``comfyui_version`` (default: the one this
     process finds; none found: None, the run's own search says so), or None."""
-    from ..versions import TESTED_VERSIONS, parse
+    from ..host.versions import TESTED_VERSIONS, parse
 
     needs = arch_spec(model_type).min_comfyui
     if not needs:
         return None
     if comfyui_version is None:
         from ..errors import RuntimeSetupError
-        from ..runtime import locate_comfyui
-        from ..versions import read_version
+        from ..host.runtime import locate_comfyui
+        from ..host.versions import read_version
 
         try:
             comfyui_version = read_version(locate_comfyui())

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
-from ..patches_comfyui import rebind_forwards
+from ..host.patches_comfyui import rebind_forwards
 from .checkpointing import CheckpointedLayer, run_checkpointed
 from .compiling import compile_module_forwards
 from .attention import sdpa_transformer_options

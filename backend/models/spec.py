@@ -136,7 +136,7 @@ def comfy_object(path: str):
     up here (``ensure_comfyui``), as the registry sets it up before importing an architecture module."""
     import importlib
 
-    from ..runtime import ensure_comfyui
+    from ..host.runtime import ensure_comfyui
     ensure_comfyui()
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name) if name else importlib.import_module(module)

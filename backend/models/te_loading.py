@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..model_folders import qwen_vl_state_dict, read_config, text_config, text_encoder_kind
-from ..patches_comfyui import text_encoder_kinds
-from ..runtime import ensure_comfyui
+from ..config.model_folders import qwen_vl_state_dict, read_config, text_config, text_encoder_kind
+from ..host.patches_comfyui import text_encoder_kinds
+from ..host.runtime import ensure_comfyui
 from . import encoders
 from .encoders import UMT5_MARKER
 from .loading import (META_TE, META_TE_KIND, SUPPORTED_ARCHS, _load_state_dict, _meta_state_dict,

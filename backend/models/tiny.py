@@ -69,7 +69,7 @@ SHALLOW = "shallow"   # text encoders for benchmarks: the real width (what the d
 
 
 def text_encoder_config(kind: str, size: str) -> dict:
-    from ..runtime import locate_comfyui
+    from ..host.runtime import locate_comfyui
     spec = encoders.kind(kind)
     config = spec.config() if callable(spec.config) else json.loads((locate_comfyui() / spec.config).read_text())
     if size == SHALLOW:
@@ -250,7 +250,7 @@ def write_checkpoint(arch: str, path: Path, size: str = "tiny", dtype=torch.floa
     encoders' configs by kind (``checkpoint_file.META_TE_CONFIGS``)."""
     import tempfile
 
-    from ..runtime import ensure_comfyui
+    from ..host.runtime import ensure_comfyui
     from .checkpoint_file import META_TE_CONFIGS
     from .loading import META_TE, META_TE_KIND, load_diffusion_model, load_text_encoders, load_vae, read_header
 
@@ -281,7 +281,7 @@ def write_checkpoint(arch: str, path: Path, size: str = "tiny", dtype=torch.floa
 
 def write_clip_vision(path: Path, size: str = "tiny", dtype=torch.float32, seed: int = 0) -> int:
     """A CLIP-vision file (ViT-H/14, as Wan 2.1 i2v takes); tiny ones carry their config in the metadata."""
-    from ..runtime import locate_comfyui
+    from ..host.runtime import locate_comfyui
     from .encoders import CLIP_VISION_H_CONFIG, CLIP_VISION_TINY, clip_vision_model
     config = json.loads((locate_comfyui() / CLIP_VISION_H_CONFIG).read_text())
     meta = {"pipetrain.size": size}
@@ -297,7 +297,7 @@ def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) 
     relative to the folder, so a moved or linked ``.work`` still finds them. Identical VAE and text-encoder files
     of different architectures are one file on disk (hard links into ``blobs/``): the cache must not fill the disk
     it shares with the runs."""
-    from ..runtime import REPO_ROOT
+    from ..host.runtime import REPO_ROOT
 
     root = root or REPO_ROOT / ".work" / "tiny-models"
     folder = root / f"{arch}-{size}-v{TINY_FILES_VERSION}"

@@ -16,7 +16,7 @@ def tiny_spiece(vocab_size: int, pad_id: int, eos_id: int, unk_id: int, bos_id: 
 
         import sentencepiece
 
-        from ..runtime import locate_comfyui
+        from ..host.runtime import locate_comfyui
         pile = sentencepiece.SentencePieceProcessor(
             model_file=str(locate_comfyui() / "comfy/text_encoders/t5_pile_tokenizer/tokenizer.model"))
         words = [w for w in (pile.id_to_piece(i).replace("\u2581", "") for i in range(pile.get_piece_size()))

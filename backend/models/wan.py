@@ -194,7 +194,7 @@ class WanOutput(TupleLayer):
 def nodes_wan():
     """ComfyUI's ``comfy_extras.nodes_wan`` (it imports ComfyUI's own ``nodes``, set up first: imported bare, this
     repository's ``nodes`` package may be found in its place)."""
-    from ..runtime import comfy_nodes
+    from ..host.runtime import comfy_nodes
     comfy_nodes()
     import comfy_extras.nodes_wan
     return comfy_extras.nodes_wan

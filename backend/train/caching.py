@@ -11,7 +11,7 @@ from ..cache.keys import caption_image
 from ..cache.manifest import CacheManifest, build_or_load_manifest, manifest_path
 from ..config import RunConfig
 from ..fsutil import space_guard
-from ..rundir import cache_folder
+from ..run.folder import cache_folder
 from . import distributed
 from .events import RunReporter
 from .parts import CachedData, Topology

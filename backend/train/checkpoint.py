@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import CheckpointError
 from ..fsutil import (OutOfSpace, UnreadableFile, atomic_write_bytes, atomic_write_json, fault_point,
                       read_regular, space_guard)
-from ..patches_deepspeed import load_checkpoints_weights_only, load_weights_only
+from .patches_deepspeed import load_checkpoints_weights_only, load_weights_only
 from . import distributed
 
 LATEST = "latest"

@@ -1,5 +1,5 @@
 """Stop, checkpoint and the run-control requests (save or sample now, stop after this epoch, a new learning rate:
-``backend/run_control.py``) that every rank acts on at the same step, without a host sync each step.
+``backend/run/control.py``) that every rank acts on at the same step, without a host sync each step.
 
 Rank 0 decides (the stop file, a signal, the checkpoint clock, the control files) and the other ranks must follow
 at the same step. Sharing a Python object (``broadcast_object_list``) copies through pageable memory, which waits
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..run_control import Requests
+from ..run.control import Requests
 from .reporting import host_copy, timing_event
 
 

@@ -7,9 +7,9 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ..commands import free_port
+from ..process.command_lines import free_port
 from ..errors import RuntimeSetupError
-from ..patches_deepspeed import skip_cpu_shm_build
+from .patches_deepspeed import skip_cpu_shm_build
 
 
 def init() -> tuple[int, int, int]:

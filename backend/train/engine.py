@@ -6,7 +6,7 @@ import logging
 import deepspeed
 import torch
 
-from .. import lora
+from ..adapters import injection
 from ..adapters import ADAPTERS
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -16,8 +16,8 @@ from ..models import fp8
 from ..models.compiling import cuda_graphs_allowed
 from ..models.flux import diffusers_lora_parts, is_diffusers_lora
 from ..models.registry import dp_facts
-from ..optim import make_optimizer
-from ..patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
+from ..optim.registry import make_optimizer
+from .patches_deepspeed import clear_trained_grads_only, clip_gradients_with, skip_single_rank_allreduce
 from . import distributed
 from .clipping import clip_grad_norm_
 from .ema import WeightAverage
@@ -51,7 +51,7 @@ def attach_lora(cfg: RunConfig, diffusion_model, block_prefixes, reporter: RunRe
         from .saving import full_finetune
         full_finetune(diffusion_model, cfg.file)
         return []
-    names = lora.inject_configured(cfg, diffusion_model, block_prefixes)
+    names = injection.inject_configured(cfg, diffusion_model, block_prefixes)
     if a.init_from_existing:
         load_existing(cfg, diffusion_model, names, reporter)
     return names
@@ -69,7 +69,7 @@ def load_existing(cfg: RunConfig, diffusion_model, names: list[str], reporter: R
             raise ConfigError(f"{path} holds {len(found)} .safetensors files; name the LoRA file, or a folder "
                               "holding just one (a diffusion-pipe save folder)", **where)
         path = found[0]
-    sd = lora.read_file(path)
+    sd = injection.read_file(path)
     rank = cfg.adapter.rank
     if cfg.model.type in dp_facts("dp_diffusers_lora") and cfg.adapter.type == "lora" and is_diffusers_lora(sd):
         sd = flux_from_diffusers(diffusion_model, sd, path, where)
@@ -78,7 +78,7 @@ def load_existing(cfg: RunConfig, diffusion_model, names: list[str], reporter: R
         raise ConfigError(f"{path} has LoRA rank {sorted(ranks)}, the config rank {rank}; set [adapter] rank to "
                           "match", **where)
     try:
-        matched = lora.load_into(diffusion_model, sd)
+        matched = injection.load_into(diffusion_model, sd)
     except ValueError as e:   # a LoKr of another rank or decompose_factor
         raise ConfigError(f"{path}: {e}", **where) from None
     if matched == 0:
@@ -95,7 +95,7 @@ def flux_from_diffusers(diffusion_model, sd: dict, path, where: dict) -> dict:
     ComfyUI module's parts (``flux.diffusers_lora_parts``) in the first rows of its rank, the rest of its A as
     initialised and its B zero, B divided by the run's scale (alpha / rank): the module's update is the file's,
     exactly. A fused module needs a rank of its parts' ranks added up (3x for qkv, 4x for a single block's linear1)."""
-    modules = {m.lora_name: m for m in lora.adapted_modules(diffusion_model)}
+    modules = {m.lora_name: m for m in injection.adapted_modules(diffusion_model)}
     try:
         parts = diffusers_lora_parts(sd, diffusion_model)
     except ValueError as e:
@@ -111,8 +111,8 @@ def flux_from_diffusers(diffusion_model, sd: dict, path, where: dict) -> dict:
             short[name] = a.shape[0]
             continue
         a_init = m.lora_A.weight.detach().to("cpu", torch.float32)
-        out[f"{lora.KEY_PREFIX}{name}.lora_A.weight"] = torch.cat([a.float(), a_init[a.shape[0]:]])
-        out[f"{lora.KEY_PREFIX}{name}.lora_B.weight"] = torch.cat(
+        out[f"{injection.KEY_PREFIX}{name}.lora_A.weight"] = torch.cat([a.float(), a_init[a.shape[0]:]])
+        out[f"{injection.KEY_PREFIX}{name}.lora_B.weight"] = torch.cat(
             [b.float() / m.lora_scale, torch.zeros(b.shape[0], rank - a.shape[0])], dim=1)
     if short:
         need = max(short.values())

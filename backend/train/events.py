@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..fsutil import OutOfSpace, atomic_write_json, rewrite_in_place, space_guard
-from ..rundir import RunDir, read_events, read_object
+from ..run.folder import RunDir, read_events, read_object
 
 log = logging.getLogger("pipetrain")
 
@@ -153,7 +153,7 @@ class RunReporter:
         """An audio model's sample song (read as ComfyUI's LoadAudio reads it), its channels averaged."""
         if not self.enabled or not self._writer():
             return
-        from ..sample_audio import load
+        from ..sampling.audio import load
 
         waveform, rate = load(path)
         self._tb.add_audio(tag, waveform.float().mean(0, keepdim=True).clamp(-1, 1), step, sample_rate=rate)

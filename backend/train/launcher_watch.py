@@ -33,7 +33,7 @@ def _runs_deepspeed(pid: int) -> bool:
         return False
     if any(arg.startswith(b"deepspeed.launcher") or arg.endswith(b"/deepspeed") for arg in argv):
         return True
-    # ``python -m pipetrain deepspeed`` (deepspeed_cli.py): DeepSpeed's runner in PipeTrain's entry file
+    # ``python -m pipetrain deepspeed`` (process/deepspeed_cli.py): DeepSpeed's runner in PipeTrain's entry file
     return any(a.endswith(b"__main__.py") and b == b"deepspeed" for a, b in zip(argv, argv[1:]))
 
 

@@ -1,5 +1,5 @@
 """The training loop: steps, reporting, evals, epoch and step LoRAs, checkpoints, graceful stop, and the requests
-from outside the run (``backend/run_control.py``): save or sample now, stop after this epoch, a new learning
+from outside the run (``backend/run/control.py``): save or sample now, stop after this epoch, a new learning
 rate."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import lora, run_control
-from ..optim import prodigy_d
+from ..adapters import injection
+from ..run import control as run_control
+from ..optim.registry import prodigy_d
 from . import distributed, dp_layout
 from .control import Control, ControlFlags
 from .eval import eval_due, evaluate
@@ -146,7 +147,7 @@ def run_loop(t: Trainer) -> None:
         torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
         if profiler:
             profiler.before_step(state.global_step + 1)
-        with lora.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: the target rows
+        with injection.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: the target rows
             loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
         if parts.ema is not None:   # train_batch ended with the optimizer step
             parts.ema.update()

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """``memory = "auto"``: before the model is loaded, rank 0 traces it at the run's largest cached micro-batch
-(``memory_plan.py``) and every rank takes the fastest checkpointing and swapping that fit the smallest GPU of
+(``memory/plan.py``) and every rank takes the fastest checkpointing and swapping that fit the smallest GPU of
 the run (or ``memory_limit_gib``); the choice and its per-stage figures go to the run's events."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from .. import memory_plan as mp
+from ..memory import plan as mp
 from ..config import RunConfig
 from ..errors import ConfigError
 from . import distributed

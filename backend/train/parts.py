@@ -92,7 +92,7 @@ class RunState:
     # unless it holds this step's, so the steps a resume adds to an epoch already saved are saved too
     last_saved_step: int | None = None
     last_checkpoint_time: float = 0.0         # time.monotonic() of the newest checkpoint (or the loop's start)
-    base_lr: float | None = None              # a learning rate set while the run trained (run_control.py)
+    base_lr: float | None = None              # a learning rate set while the run trained (run/control.py)
 
     def client_state(self, global_batch: int) -> dict:
         """What a checkpoint keeps of the position (``checkpoint.save``)."""

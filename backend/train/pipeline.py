@@ -11,7 +11,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import utils as ds_utils
 
-from ..patches_deepspeed import partition_stages_with
+from .patches_deepspeed import partition_stages_with
 
 
 class StagedModule(PipelineModule):

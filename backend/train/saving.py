@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .. import lora
+from ..adapters import injection
 from ..config import without_secrets
 from ..fsutil import atomic_write_bytes, space_guard
-from ..rundir import RunDir
+from ..run.folder import RunDir
 from . import distributed
 from .events import RunReporter, with_entry
 from .parts import Topology
@@ -19,7 +19,7 @@ from .parts import Topology
 
 def gather_lora(module, dp_rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every stage's adapters (from its data-parallel rank 0), merged on all ranks."""
-    local = lora.state_dict(module, dtype) if dp_rank == 0 else {}
+    local = injection.state_dict(module, dtype) if dp_rank == 0 else {}
     merged = {}
     for part in distributed.all_gather_object(local):
         merged.update(part)
@@ -47,7 +47,7 @@ def write_lora(sd, folder: Path, stem: str, adapter_config: dict, run_toml: str,
     with space_guard(folder):   # the writes below remove their own temporary files
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{stem}.safetensors" if replace else unique_path(folder, stem)
-        lora.save_file(sd, path, lora.metadata_for(adapter_config, info))
+        injection.save_file(sd, path, injection.metadata_for(adapter_config, info))
         base = path.with_suffix("")
         atomic_write_bytes(Path(f"{base}.adapter.json"), json.dumps(adapter_config, indent=1).encode())
         atomic_write_bytes(Path(f"{base}.run.toml"), run_toml.encode())
@@ -55,7 +55,7 @@ def write_lora(sd, folder: Path, stem: str, adapter_config: dict, run_toml: str,
 
 
 def sweep_run_dir(run_dir: RunDir, lora_folder: Path) -> None:
-    """Temporary files a killed run left (``fsutil`` and ``lora.save_file`` write under ``.<name>.*.tmp``, a
+    """Temporary files a killed run left (``fsutil`` and ``injection.save_file`` write under ``.<name>.*.tmp``, a
     checkpoint under ``checkpoints/.partial-*``, a full fine-tune's stages under ``.parts-*``). Called by the
     run folder's one live writer; in a shared LoRA folder only this run's own names are touched."""
     import shutil
@@ -129,7 +129,7 @@ def merge_full_model(dm, source: Path, parts: Path, path: Path, dtype: torch.dty
                 trained += 1
     metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in
                      {"pipetrain.full_finetune": info}.items()})
-    lora.save_file(sd, path, metadata)
+    injection.save_file(sd, path, metadata)
     return trained
 
 

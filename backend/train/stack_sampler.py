@@ -7,7 +7,7 @@ since its previous look to the functions on the stack (inclusive) and to the lin
 host actually was, a C call counting to the Python line that made it). Weighting by the time elapsed, not by
 counting samples, keeps the shares right when the sampler itself is delayed (a busy machine, a main thread
 that holds the GIL). Nothing is instrumented, but the short GIL switch interval
-the sampler needs slows the host (SDXL batch-8 steps on an H200: 455 -> 591 ms): read the shares, not the times.
+the sampler needs slows the host measurably: read the shares, not the times.
 """
 from __future__ import annotations
 

@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import run_control
+from ..run import control as run_control
 from ..config import RunConfig, save_toml, without_secrets
-from ..deepspeed_cli import note_run_dir
+from ..process.deepspeed_cli import note_run_dir
 from ..errors import CheckpointError, PipeTrainError
 from ..fsutil import exit_between_writes
-from ..fallback import check_saved_lora
+from ..parity.fallback import check_saved_lora
 from ..models.base import DTYPES
 from ..models.loading import check_architecture
 from ..models.registry import adapter_class
-from ..rundir import RunDir, cache_folder, check_unused, choose_run_dir
-from ..runtime import comfy_training_paths
-from ..versions import comfyui_info, range_warning
+from ..run.folder import RunDir, cache_folder, check_unused, choose_run_dir
+from ..host.runtime import comfy_training_paths
+from ..host.versions import comfyui_info, range_warning
 from . import checkpoint, dataset_record, distributed, dp_layout
 from .events import RunReporter, with_entry
 from .failure import explain_failure, lost_peer
@@ -86,7 +86,7 @@ class Trainer:
 
     # --- phases -----------------------------------------------------------------------------
     def run(self) -> int:
-        with comfy_training_paths():   # ComfyUI's autograd-safe code paths where it has them (runtime.py)
+        with comfy_training_paths():   # ComfyUI's autograd-safe code paths where it has them (host/runtime.py)
             code = self._run()
         distributed.finish()
         return code
@@ -223,9 +223,9 @@ class Trainer:
 
     def check_model_code(self) -> None:
         """Refuse, before anything is cached, a ComfyUI whose model code computes something other than the
-        training layers (``parity.py``; memoised, so a repeated run pays nothing), or says why the pinned ComfyUI
-        trains instead (``fallback.py``)."""
-        from ..fallback import check_run
+        training layers (``parity/check.py``; memoised, so a repeated run pays nothing), or says why the pinned ComfyUI
+        trains instead (``parity/fallback.py``)."""
+        from ..parity.fallback import check_run
 
         error = None
         if self.topology.is_main:
@@ -242,7 +242,7 @@ class Trainer:
         from .caching import prepare_cache
 
         if not self.opts.cache_only:   # fail before the (possibly long) cache phase on an optimizer not to be built
-            from ..optim import resolve_optimizer
+            from ..optim.registry import resolve_optimizer
             resolve_optimizer(self.cfg)
         self.reporter.update(state="caching")
         return prepare_cache(self.cfg, self.adapter, self.topology, self.reporter,
@@ -456,8 +456,8 @@ class Trainer:
         return Path(self.cfg.lora_dir) if self.cfg.lora_dir else run_dir.loras
 
     def render_samples(self, lora_path: Path | None, epoch: int) -> None:
-        """Sample images with the fresh LoRA (see backend/sampling.py); every rank waits for rank 0."""
-        from ..sampling import render_epoch_samples
+        """Sample images with the fresh LoRA (see backend/sampling/render.py); every rank waits for rank 0."""
+        from .epoch_samples import render_epoch_samples
 
         render_epoch_samples(self.cfg, self.run_dir, self.reporter, self.topology.is_main, lora_path, epoch,
                              self.state.global_step, self.stopping)

@@ -32,7 +32,7 @@ def attach(reporter, cfg, run_id: str, run_dir) -> None:
     m = cfg.monitoring
     if m is None or not m.enable_wandb or not reporter.enabled:
         return
-    from ..schema import to_dict
+    from ..config.schema import to_dict
     config = to_dict(cfg)   # secret fields left out
     reporter.wandb = WandbSink(m, run_id, run_dir, config)
     log.info("logging to Weights & Biases project %s", m.wandb_tracker_name or "pipetrain")

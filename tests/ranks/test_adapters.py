@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.adapters import ADAPTERS
 from pipetrain.backend.config import AdapterConfig
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.config.schema import from_dict
 
 KINDS = {   # id -> [adapter] table
     "lora": dict(type="lora", rank=4, alpha=2.0),
@@ -39,8 +39,8 @@ def _adapted(table: dict, seed: int = 3) -> nn.Sequential:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(48, 96))
-    spec = lora.spec_from_config(from_dict(AdapterConfig, table, prefix="adapter"), seed=seed)
-    assert lora.inject(net, spec, ("0",)) == ["0"]
+    spec = injection.spec_from_config(from_dict(AdapterConfig, table, prefix="adapter"), seed=seed)
+    assert injection.inject(net, spec, ("0",)) == ["0"]
     return net
 
 
@@ -48,13 +48,13 @@ def _move_away_from_start(net: nn.Module, seed: int = 7) -> None:
     """Every adapter starts as the identity; random values make each tensor matter."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in lora.trainable_parameters(net):
+        for p in injection.trainable_parameters(net):
             p.add_(torch.randn(p.shape, generator=g) * 0.2 * (p.abs().mean() + 0.1))
 
 
 def _comfy_weight(sd: dict, weight: torch.Tensor, caplog) -> torch.Tensor:
     """The base weight as ComfyUI's LoraLoaderModelOnly patches it with ``sd``; every key must be read."""
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     import comfy.lora
 
@@ -75,13 +75,13 @@ def test_comfyui_reads_the_saved_adapter_into_our_output(kind, caplog):
     ours = net(x).detach()
     assert (ours - nn.functional.linear(x, base_weight, bias)).abs().max() > 1e-3    # the adapter does something
 
-    sd = lora.state_dict(net)
+    sd = injection.state_dict(net)
     assert set(sd) == {f"diffusion_model.0.{p}" for p in SAVED[kind]}
     weight = _comfy_weight(sd, base_weight, caplog)
     torch.testing.assert_close(nn.functional.linear(x, weight, bias), ours, rtol=1e-5, atol=1e-5)
 
     fresh = _adapted(table, seed=4)                     # the saved tensors load back (init_from_existing)
-    assert lora.load_into(fresh, sd) == 1
+    assert injection.load_into(fresh, sd) == 1
     torch.testing.assert_close(fresh(x), ours, rtol=1e-6, atol=1e-6)
 
 
@@ -93,7 +93,7 @@ def test_gradients_reach_every_tensor_and_the_loss_falls(kind):
     x = torch.randn(64, 48, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         target = teacher(x)
-    params = lora.trainable_parameters(net)
+    params = injection.trainable_parameters(net)
     assert params and all(p.requires_grad for p in params)
     start = [p.detach().clone() for p in params]
     optimizer = torch.optim.Adam(params, lr=1e-2)
@@ -119,7 +119,7 @@ def test_one_interface_per_type():
 
 
 def test_oft_block_size_follows_rank_as_comfyui():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from comfy.weight_adapter.oft import OFTAdapter
 
@@ -140,7 +140,7 @@ def test_adapter_options_are_checked(table, key, message):
 
 
 def test_the_adapter_node_builds_and_checks_the_new_options():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.backend.config.patch import RunPatch
     from pipetrain.nodes.settings import AdapterNode
@@ -154,9 +154,9 @@ def test_the_adapter_node_builds_and_checks_the_new_options():
 
 
 def test_dora_refuses_a_plain_lora_file():
-    sd = lora.state_dict(_adapted(KINDS["lora"]))
+    sd = injection.state_dict(_adapted(KINDS["lora"]))
     with pytest.raises(ValueError, match="without dora_scale"):
-        lora.load_into(_adapted(KINDS["dora"]), sd)
+        injection.load_into(_adapted(KINDS["dora"]), sd)
 
 
 @pytest.mark.parametrize("kind", ["dora", "loha", "oft"])
@@ -167,17 +167,17 @@ def test_comfyui_loads_each_kind_on_a_real_model(kind, micro_flux_files, make_ru
 
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.host.runtime import ensure_comfyui
+    from pipetrain.backend.parity.verify import check_lora
 
     ensure_comfyui()
     cfg = load_run_config(make_run(micro_flux_files, images=1, adapter=KINDS[kind]))
     model = adapter_class(cfg.model.type)(cfg.model, cfg.resolve)
     model.load_diffusion_model()
-    names = lora.inject(model.diffusion_model, lora.spec_from_config(cfg.adapter), model.lora_block_prefixes)
+    names = injection.inject(model.diffusion_model, injection.spec_from_config(cfg.adapter), model.lora_block_prefixes)
     _move_away_from_start(model.diffusion_model)
     path = tmp_path / f"{kind}.safetensors"
-    save_file(lora.state_dict(model.diffusion_model), str(path))
+    save_file(injection.state_dict(model.diffusion_model), str(path))
     check = check_lora(cfg, path)
     assert check.keys_loaded == len(names)
     assert check.comfy_vs_training < 1e-4 * max(1.0, check.scale), check
@@ -196,7 +196,7 @@ def test_two_stage_run_of_each_new_kind_loads_in_comfyui(kind, micro_flux_files,
     from safetensors.torch import load_file
 
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
 
     config = make_run(micro_flux_files, images=4, name=kind, stages=2, epochs=1, checkpoint_every_n_epochs=None,
                       adapter=KINDS[kind], optimizer={"type": "adamw", "lr": 1e-2})

@@ -17,7 +17,7 @@ from comfyui_copies import (check_config_on, check_two_epoch_run_on, child_json,
                             ranks_import, tiny_files_code)
 from conftest import train
 
-from pipetrain.backend.runtime import PINNED_VERSION
+from pipetrain.backend.host.runtime import PINNED_VERSION
 
 NEWER = "0.33.0"
 
@@ -39,7 +39,7 @@ def test_the_parity_check_on_the_pinned_comfyui_refuses_anima_by_name(tmp_path, 
 # --- ComfyUI 0.33.0 -------------------------------------------------------------------------------------------------
 _DETECTION = """
 import json, torch
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 ensure_comfyui()
 import comfy.model_detection as md
 from pipetrain.backend.models import loading, tiny
@@ -116,10 +116,10 @@ def test_anima_passes_the_parity_check_on_comfyui_033(tmp_path):
 
 _BATCH = """
 import json, torch
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 ensure_comfyui()
 from pipetrain.backend.parity import _run_layers, _small_adapter
-from pipetrain.backend.runtime import comfy_training_paths
+from pipetrain.backend.host.runtime import comfy_training_paths
 adapter = _small_adapter("anima")
 g = torch.Generator().manual_seed(3)
 width = adapter.diffusion_model.llm_adapter.blocks[0].cross_attn.context_dim

@@ -25,7 +25,7 @@ WAN_1_3B = {"model_type": "t2v", "dim": 1536, "ffn_dim": 8960, "num_heads": 12, 
 
 
 def _comfyui() -> Path:
-    from pipetrain.backend.runtime import locate_comfyui
+    from pipetrain.backend.host.runtime import locate_comfyui
     return locate_comfyui()
 
 

@@ -76,7 +76,7 @@ def test_two_stages_on_two_gpus_equal_one_stage_and_each_rank_reports_its_peak(t
 def test_a_timed_run_stops_at_the_event_asked_for_with_every_rank(tmp_path, micro_flux_files):
     """``train_run(stop_after=...)``: the harness stops each run at its ``memory`` event (GPUs only) to skip the final
     saves; here at ``engine``, on two pipeline ranks of a run that would otherwise train 50 epochs."""
-    from pipetrain.backend.demo import make_dataset, write_configs
+    from pipetrain.backend.commands.demo import make_dataset, write_configs
     from pipetrain.bench.run import train_run
 
     make_dataset(tmp_path / "dataset", 4)

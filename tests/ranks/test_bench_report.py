@@ -21,7 +21,7 @@ def test_benchmark_text_encoders_keep_the_width_the_diffusion_model_reads():
     """A full-size Z-Image reads 2560-wide Qwen3-4B states: the bench's shallow encoder keeps the real width and
     vocabulary with the tiny depth (the tiny one is 64 wide: a full model would refuse its output)."""
     from pipetrain.backend.models.tiny import SHALLOW, text_encoder_config
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     for kind in ("qwen3_4b", "qwen25_7b", "t5xxl", "umt5xxl"):
@@ -89,7 +89,7 @@ def test_a_failed_case_brings_back_the_end_of_its_log(tmp_path):
 def test_bench_captions_are_as_long_as_the_baselines_text():
     """The bare loop and ComfyUI's trainer run SDXL on one 77-token CLIP chunk and T5 models on 512 tokens; a
     longer SDXL caption would be split into more chunks and make our cross-attention do more work than theirs."""
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.bench.run import bench_caption
     ensure_comfyui()
     import comfy.sdxl_clip
@@ -108,7 +108,7 @@ def test_the_native_baseline_loads_comfyuis_train_node_over_the_pyav_stand_in(tm
     import subprocess
     import sys
 
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.bench.run import write_av_stand_in
 
     comfyui = ensure_comfyui()

@@ -153,7 +153,7 @@ def test_a_video_run_batches_images_by_the_image_micro_batch(model_files, tmp_pa
     from conftest import check_epoch_loras, train
     from media import make_video_dataset
 
-    from pipetrain.backend.demo import write_configs
+    from pipetrain.backend.commands.demo import write_configs
 
     root = tmp_path / "job"
     make_video_dataset(root / "dataset")

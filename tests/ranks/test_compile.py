@@ -4,10 +4,10 @@ import pytest
 import torch
 from layer_checks import Patcher, checkpointed_layers, give_lora_b_values, is_down_projection, run_layers, saved_bytes
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.models.compiling import compile_blocks
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 pytestmark = pytest.mark.slow   # inductor compiles C++ kernels on the CPU: ~1 minute
 
@@ -27,7 +27,7 @@ def _small_flux():
     adapter = FluxAdapter(ModelConfig(type="flux", diffusion_model="unused", vae="unused", guidance=3.5))
     adapter.dtype = torch.float32
     adapter.use_model(Patcher(dm))
-    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
     give_lora_b_values(dm)
     return adapter
 
@@ -40,7 +40,7 @@ def _inputs(h, w, seed=1):
 
 
 def _loss_and_grads(adapter, layers, inputs):
-    params = lora.trainable_parameters(adapter.diffusion_model)
+    params = injection.trainable_parameters(adapter.diffusion_model)
     for p in params:
         p.grad = None
     loss = adapter.loss(run_layers(layers, inputs), inputs[:3])
@@ -138,7 +138,7 @@ def _small_sdxl():
     adapter.dtype = torch.float32
     adapter.use_model(comfy_model("sdxl", config, dtype=torch.float32))
     adapter.check_model()
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
     give_lora_b_values(adapter.diffusion_model)
     return adapter
 
@@ -202,7 +202,7 @@ def test_sdxl_blocks_replayed_as_cuda_graphs_train_like_eager_blocks():
 
     def train():
         dm.load_state_dict(initial)          # in place: the graphs keep the parameters' addresses
-        params = lora.trainable_parameters(dm)
+        params = injection.trainable_parameters(dm)
         opt = torch.optim.SGD(params, lr=0.5)
         losses = []
         for batch in batches:

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipetrain.backend.commands import free_port
-from pipetrain.backend.run_control import Requests
+from pipetrain.backend.process.command_lines import free_port
+from pipetrain.backend.run.control import Requests
 from pipetrain.backend.train.control import Control, ControlFlags
 
 LR = 3.7e-5   # not a float32 number: the float64 flags must carry it bit for bit

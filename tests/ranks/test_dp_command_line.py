@@ -10,7 +10,7 @@ import subprocess
 import tomli_w
 from conftest import Run
 
-from pipetrain.backend.commands import free_port, pipetrain_command
+from pipetrain.backend.process.command_lines import free_port, pipetrain_command
 from pipetrain.backend.config.files import _read_toml
 
 

@@ -13,7 +13,7 @@ import pytest
 from dp_files import DP_AR_BUCKETS, DP_MAIN, DP_MONITORING, DP_OPTIMIZER
 from test_dp_command_line import _dp_line
 
-from pipetrain.backend.demo import make_dataset
+from pipetrain.backend.commands.demo import make_dataset
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import add_control_images, check_epoch_loras, train
 from dp_files import DP_AR_BUCKETS, DP_MONITORING
 
-from pipetrain.backend.demo import make_dataset
+from pipetrain.backend.commands.demo import make_dataset
 
 pytestmark = pytest.mark.slow
 

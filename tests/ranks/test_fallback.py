@@ -1,5 +1,5 @@
-"""The pinned fallback (backend/fallback.py): a host ComfyUI whose model code moved (same maths, an API our layers
-use renamed) or that lacks a model's code trains on PipeTrain's pinned ComfyUI, and the LoRA loads in the host;
+"""The pinned fallback (backend/parity/fallback.py): a host ComfyUI whose model code moved (same maths, an API our
+layers use renamed) or that lacks a model's code trains on PipeTrain's pinned ComfyUI, and the LoRA loads in the host;
 a host whose forward computes something else is refused (tests/ranks/test_parity.py plants that one in a full run).
 Each host is a temporary copy of the pinned ComfyUI with one planted change."""
 import json
@@ -13,10 +13,11 @@ import pytest
 from comfyui_copies import other_comfyuis, planted_copy, python_env
 from conftest import train
 
-from pipetrain.backend import fallback, pinned_comfyui
+from pipetrain.backend.parity import fallback
+from pipetrain.backend.host import pinned_comfyui
 from pipetrain.backend.errors import RuntimeSetupError
-from pipetrain.backend.runtime import PINNED_COMFYUI, PINNED_VERSION
-from pipetrain.backend.versions import read_version
+from pipetrain.backend.host.runtime import PINNED_COMFYUI, PINNED_VERSION
+from pipetrain.backend.host.versions import read_version
 
 # the Flux blocks' head count under another attribute name: ComfyUI's own forward computes the same, our layers
 # (which read ``num_heads``) cannot run against it
@@ -173,8 +174,8 @@ _HOST_LORA_LOADER = """
 import json, logging, sys
 from pathlib import Path
 from pipetrain.backend.models.loading import load_diffusion_model
-from pipetrain.backend.runtime import comfyui_version, ensure_comfyui
-from pipetrain.backend.verify import comfy_lora_model
+from pipetrain.backend.host.runtime import comfyui_version, ensure_comfyui
+from pipetrain.backend.parity.verify import comfy_lora_model
 ensure_comfyui()
 warnings = []
 handler = logging.Handler(logging.WARNING)

@@ -19,7 +19,7 @@ from conftest import train
 
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.preflight import load_run
-from pipetrain.backend.runtime import PINNED_VERSION
+from pipetrain.backend.host.runtime import PINNED_VERSION
 
 NEWER = "0.33.0"
 
@@ -76,7 +76,7 @@ def test_flux2_with_a_dev_file_stays_flux2(tmp_path):
 
 
 def test_the_parity_check_on_the_pinned_comfyui_refuses_klein_by_name(tmp_path, monkeypatch):
-    from pipetrain.backend import parity
+    from pipetrain.backend.parity import check as parity
 
     monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(tmp_path))
     r = parity.check_model_type("flux2_klein")
@@ -87,7 +87,7 @@ def test_the_parity_check_on_the_pinned_comfyui_refuses_klein_by_name(tmp_path, 
 # --- ComfyUI 0.33.0 -------------------------------------------------------------------------------------------------
 _DETECTION = """
 import json, torch
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 ensure_comfyui()
 import comfy.model_detection as md, comfy.sd, comfy.supported_models as sm
 from pipetrain.backend.models import loading, tiny

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""The launcher starting multi-node runs (``[cluster]``) through ``backend/cluster.py``, with real processes.
+"""The launcher starting multi-node runs (``[cluster]``) through ``backend/process/cluster.py``, with real processes.
 
 Fast: what a no_ssh or pdsh start records and spawns, its resume, and which GPUs it holds on this machine.
 Slow: a no_ssh run of two "nodes" against 127.0.0.1, node 0 started by the launcher and node 1 by the test
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from pipetrain.backend.commands import free_port
+from pipetrain.backend.process.command_lines import free_port
 from pipetrain.launcher.core import Launcher, LauncherError
 from pipetrain.backend.config.patch import RunPatch
 from pipetrain.launcher.forms import adapter_patch, folder_patch, memory_patch, model_patch
@@ -139,7 +139,7 @@ def test_no_ssh_run_across_two_nodes_through_the_launcher(tmp_path, launcher, mi
     launcher, resumed through the launcher (node 1 with the command recorded again), finished: 2 epochs."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
 
     make_dataset(tmp_path / "dataset", 4)
     files = micro_flux_files

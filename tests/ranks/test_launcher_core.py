@@ -12,7 +12,7 @@ import pytest
 from pipetrain.backend.errors import ConfigError, DatasetError, ModelError
 from pipetrain.launcher.build import check_spec, write_config
 from pipetrain.launcher.core import Launcher, LauncherError
-from pipetrain.backend.rundir import RunDir, RunIdError, RunsRoot, check_run_id, new_run_id, read_events
+from pipetrain.backend.run.folder import RunDir, RunIdError, RunsRoot, check_run_id, new_run_id, read_events
 from pipetrain.launcher.summaries import lora_for_epoch, run_state, sample_file, saved_loras
 from pipetrain.launcher.relay import EventRelay
 from pipetrain.backend.config.patch import RunPatch
@@ -126,15 +126,15 @@ def test_stop_escalates_to_sigterm(launcher):
 def run_toml_of(la: Launcher, run) -> None:
     """A run.toml as the launcher writes one (its output_dir the runs folder; the model files need not exist)."""
     from pipetrain.backend.config import RunConfig, save_toml
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     save_toml(from_dict(RunConfig, {"output_dir": str(la.dirs.root), "dataset": "dataset.toml",
                                     "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}), run.run_toml)
 
 
 def test_control_requests_reach_a_live_run_only(launcher):
-    from pipetrain.backend import run_control
-    from pipetrain.backend.run_control import ControlValueError, Requests
+    from pipetrain.backend.run import control as run_control
+    from pipetrain.backend.run.control import ControlValueError, Requests
 
     la = launcher()
     la.launch("run-c", SLEEPER, (0,))
@@ -379,7 +379,7 @@ open(f"rank{rank}.stopped", "w").close()
 def test_sigterm_escalation_reaches_the_ranks_under_deepspeeds_launcher(tmp_path, launcher, monkeypatch):
     """The escalation signals the ranks only: DeepSpeed's launch.py would turn a SIGTERM into killing
     them; here they finish their checkpoint and every process exits 0."""
-    from pipetrain.backend.commands import free_port
+    from pipetrain.backend.process.command_lines import free_port
 
     mods = tmp_path / "mods"
     mods.mkdir()

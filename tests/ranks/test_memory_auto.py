@@ -24,11 +24,11 @@ pytestmark = pytest.mark.slow
 def _gib_between_no_checkpointing_and_full(config) -> float:
     """A limit halfway between what the plan gives the run without checkpointing and with every block
     checkpointed, traced on the run's own cached micro-batch exactly as the trainer traces it."""
-    from pipetrain.backend import memory_plan as mp
+    from pipetrain.backend.memory import plan as mp
     from pipetrain.backend.cache import CacheStore
     from pipetrain.backend.cache.manifest import CacheManifest, manifest_path
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.rundir import cache_folder
+    from pipetrain.backend.run.folder import cache_folder
     from pipetrain.backend.train.memory_auto import largest_entry, planning_inputs
     from pipetrain.backend.train.parts import CachedData
 
@@ -69,7 +69,7 @@ def test_auto_checkpoints_where_the_limit_needs_it_and_trains(micro_flux_files, 
     assert run.losses() and len(run.loras()) == 1
     # what the Train and Run Status nodes show
     from pipetrain.launcher.summaries import summarize
-    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.backend.run.folder import RunsRoot
     from pipetrain.nodes.runs import status_text
     text = status_text(summarize(RunsRoot(run.output_dir), run.run_dir.name, False))
     assert "memory auto: activation_checkpointing = " in text and "planned" in text, text

@@ -18,8 +18,8 @@ CASES = [(job, arch) for job, archs in JOBS.items() for arch in archs]
 
 
 def _estimate(arch: str, resolution: int, frames: int, checkpointing=True, fp8_compute: bool = False) -> float:
-    from pipetrain.backend import lora
-    from pipetrain.backend import memory_plan as mp
+    from pipetrain.backend.adapters import injection
+    from pipetrain.backend.memory import plan as mp
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers
@@ -28,7 +28,7 @@ def _estimate(arch: str, resolution: int, frames: int, checkpointing=True, fp8_c
     patcher = loading.build_model(arch, arch_spec(arch).unet_config("full"), torch.bfloat16, "meta")
     adapter = adapter_class(arch)(ModelConfig(type=arch, diffusion_model="unused", vae="unused", dtype="bfloat16"))
     adapter.use_model(patcher)
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
     inputs = probe_inputs(adapter, resolution, resolution, frames)
     footprints = trace_layers(adapter.to_layers(), to_meta_where_large(inputs))
     [stage] = mp.estimate(footprints, mp.MemorySettings(checkpointing), mp.Training(fp8_compute=fp8_compute))

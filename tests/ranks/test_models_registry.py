@@ -7,8 +7,8 @@ from pipetrain.backend.models import registry
 from pipetrain.backend.preflight import load_run
 from pipetrain.backend.models import encoders, vaes
 from pipetrain.backend.models.spec import SIZES
-from pipetrain.backend.runtime import PINNED_VERSION
-from pipetrain.backend.versions import TESTED_VERSIONS
+from pipetrain.backend.host.runtime import PINNED_VERSION
+from pipetrain.backend.host.versions import TESTED_VERSIONS
 
 RUN = """
 output_dir = "out"
@@ -66,10 +66,11 @@ def test_only_adapters_and_the_registry_name_architectures():
 
     backend = Path(registry.__file__).resolve().parents[1]
     generic = [backend / "models" / "loading.py", backend / "models" / "checkpoint_file.py",
-               backend / "models" / "tiny.py", backend / "sampling.py", backend / "sample_audio.py",
-               backend / "verify.py", backend / "parity.py", backend / "doctor.py", backend / "patches_comfyui.py",
-               backend / "patches_deepspeed.py", backend / "compat.py", backend / "check_config.py",
-               backend / "model_file_check.py", backend / "models" / "te_loading.py",
+               backend / "models" / "tiny.py", backend / "sampling" / "render.py", backend / "sampling" / "audio.py",
+               backend / "parity" / "verify.py", backend / "parity" / "check.py", backend / "commands" / "doctor.py",
+               backend / "host" / "patches_comfyui.py", backend / "train" / "patches_deepspeed.py",
+               backend / "config" / "compat.py", backend / "commands" / "check_config.py",
+               backend / "commands" / "model_file_check.py", backend / "models" / "te_loading.py",
                *(backend / "config").glob("*.py"), *(backend / "data").glob("*.py"),
                *(backend / "cache").glob("*.py"),
                *(backend / "train").glob("*.py")]

@@ -11,8 +11,8 @@ import pytest
 from conftest import Run
 
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.commands import free_port
-from pipetrain.backend.verify import check_lora
+from pipetrain.backend.process.command_lines import free_port
+from pipetrain.backend.parity.verify import check_lora
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed_launcher]   # tests/warm_ranks.py: why a real launch
 

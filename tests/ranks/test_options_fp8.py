@@ -11,7 +11,7 @@ import torch
 from conftest import train
 from safetensors.torch import load_file, save_file
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
 
 F8 = torch.float8_e4m3fn
@@ -44,16 +44,16 @@ def write_fp8_scaled(src, dst) -> None:
 def _loss_and_grads(files, weight_dtype=None, diffusion_model=None):
     """One LoRA forward/backward through the pipeline layers on a fixed probe batch."""
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
-    from pipetrain.backend.verify import probe_inputs
+    from pipetrain.backend.host.runtime import ensure_comfyui
+    from pipetrain.backend.parity.verify import probe_inputs
 
     ensure_comfyui()
     adapter = adapter_class("flux")(_model_cfg(files, weight_dtype, diffusion_model))
     adapter.load_diffusion_model()
     dm = adapter.diffusion_model
-    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, seed=1), adapter.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, seed=1), adapter.lora_block_prefixes)
     g = torch.Generator().manual_seed(2)
-    for m in lora.adapted_modules(dm):   # B starts at 0: give it values so A gets gradients too
+    for m in injection.adapted_modules(dm):   # B starts at 0: give it values so A gets gradients too
         m.lora_B.weight.data.normal_(0, 0.05, generator=g)
     x0, noise, t, text = probe_inputs(adapter)
     h = (x0, noise, t, *text)
@@ -61,8 +61,8 @@ def _loss_and_grads(files, weight_dtype=None, diffusion_model=None):
         h = layer(h)
     loss = adapter.loss(h, (x0, noise, t))
     loss.backward()
-    linears = [m for m in lora.adapted_modules(dm)]
-    grads = torch.cat([p.grad.flatten() for p in lora.trainable_parameters(dm)])
+    linears = [m for m in injection.adapted_modules(dm)]
+    grads = torch.cat([p.grad.flatten() for p in injection.trainable_parameters(dm)])
     return float(loss.detach()), grads, linears, dm
 
 
@@ -83,7 +83,7 @@ def test_fp8_base_weights_stay_frozen_float8_and_lora_trains(micro_flux_files, f
         loss, grads, linears, dm = _loss_and_grads(micro_flux_files, "float8")
     assert linears and {m.weight.dtype for m in linears} == {F8}
     assert not any(m.weight.requires_grad or m.weight.grad is not None for m in linears)
-    assert all(p.dtype == torch.float32 for p in lora.trainable_parameters(dm))
+    assert all(p.dtype == torch.float32 for p in injection.trainable_parameters(dm))
     ref_loss, ref_grads = fp32_reference
     assert loss != ref_loss                                        # really computed from fp8 weights ...
     assert loss == pytest.approx(ref_loss, rel=2e-2)               # ... and close to the float32 model
@@ -94,7 +94,7 @@ def test_fp8_base_weights_stay_frozen_float8_and_lora_trains(micro_flux_files, f
 @pytest.mark.slow
 def test_fp8_run_trains_and_its_lora_loads_in_comfyui(micro_flux_files, make_run):
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
 
     config = make_run(micro_flux_files, images=2, name="fp8", stages=1, epochs=1, checkpoint_every_n_epochs=None,
                       model={"diffusion_model_dtype": "float8"})

@@ -15,7 +15,7 @@ from pipetrain.backend.train.saving import full_finetune, merge_full_model, writ
 
 def _adapter(arch, files, dtype="float32", **model):
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     cfg = ModelConfig(type=arch, diffusion_model=str(files.diffusion_model), vae=str(files.vae),
@@ -61,7 +61,7 @@ def test_fp8_weights_cannot_be_fully_fine_tuned(micro_flux_files):
 
 def test_no_adapter_table_means_full_fine_tune():
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict, to_dict
+    from pipetrain.backend.config.schema import from_dict, to_dict
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     cfg = from_dict(RunConfig, base)
@@ -91,7 +91,7 @@ def test_two_stage_full_fine_tune_saves_a_model_comfyui_reproduces(micro_flux_fi
 
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.train.checkpoint import latest_tag
-    from pipetrain.backend.verify import check_full_model
+    from pipetrain.backend.parity.verify import check_full_model
 
     samples = {"prompts": ["a red circle"], "seed": 3, "width": 64, "height": 64, "steps": 2}
     config = make_run(micro_flux_files, images=4, name="fft", stages=2, epochs=1, adapter=None, samples=samples,

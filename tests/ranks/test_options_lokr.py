@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import AdapterConfig
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.adapters.lokr import factorization
@@ -21,15 +21,15 @@ def test_factorization_matches_lycoris():
 
 @pytest.mark.parametrize("rank, factored", [(2, True), (64, False)])
 def test_update_and_comfyui_reading_of_the_saved_keys(rank, factored):
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from comfy.weight_adapter.lokr import LoKrAdapter
 
     net = nn.Sequential(nn.Linear(48, 96))
     x = torch.randn(3, 5, 48)
     base = net(x)
-    spec = lora.spec_from_config(AdapterConfig(type="lokr", rank=rank, alpha=rank / 2), seed=3)
-    assert lora.inject(net, spec, ("0",)) == ["0"]
+    spec = injection.spec_from_config(AdapterConfig(type="lokr", rank=rank, alpha=rank / 2), seed=3)
+    assert injection.inject(net, spec, ("0",)) == ["0"]
     m = net[0].lokr
     assert m.factored is factored
     assert torch.equal(net(x), base)                     # w1 starts at zero
@@ -39,7 +39,7 @@ def test_update_and_comfyui_reading_of_the_saved_keys(rank, factored):
     assert [n for n, p in net.named_parameters() if p.requires_grad] == [f"0.lokr.{n}" for n in (
         ("lokr_w1", "lokr_w2_a", "lokr_w2_b") if factored else ("lokr_w1", "lokr_w2"))]
 
-    sd = lora.state_dict(net)
+    sd = injection.state_dict(net)
     assert ("diffusion_model.0.alpha" in sd) is factored
     x_key = "diffusion_model.0"
     alpha = sd[f"{x_key}.alpha"].item() if factored else None
@@ -49,13 +49,13 @@ def test_update_and_comfyui_reading_of_the_saved_keys(rank, factored):
     torch.testing.assert_close(patched - weight, delta.detach(), rtol=1e-5, atol=1e-6)
 
     fresh = nn.Sequential(nn.Linear(48, 96))             # and back into a new adapter (init_from_existing)
-    lora.inject(fresh, spec, ("0",))
-    assert lora.load_into(fresh, sd) == 1
+    injection.inject(fresh, spec, ("0",))
+    assert injection.load_into(fresh, sd) == 1
     torch.testing.assert_close(fresh[0].lokr.delta_weight(), m.delta_weight())
 
 
 def test_lokr_config_keys():
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     cfg = from_dict(AdapterConfig, {"type": "lokr", "rank": 8, "decompose_factor": 4})
     assert (cfg.type, cfg.decompose_factor) == ("lokr", 4)
@@ -72,7 +72,7 @@ def test_two_stage_lokr_run_loads_in_comfyui(micro_flux_files, make_run):
     from conftest import train
 
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
     from safetensors.torch import load_file
 
     config = make_run(micro_flux_files, images=4, name="lokr", stages=2, epochs=1, checkpoint_every_n_epochs=None,

@@ -12,7 +12,7 @@ import torch
 from conftest import micro_flux_with_lora
 from layer_checks import checkpointed_layers
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.train.swap import BlockSwapper, enable_block_swap, swappable_module
 
@@ -37,7 +37,7 @@ def _step(adapter, inputs, mode, swap: int):
         if swapper is not None:   # after each layer's forward no swapped block is resident
             seen.append([slot.resident for slot in swapper.slots])
     loss = adapter.loss(h, (x0, noise, t))
-    params = lora.trainable_parameters(adapter.diffusion_model)
+    params = injection.trainable_parameters(adapter.diffusion_model)
     for p in params:
         p.grad = None
     between = None
@@ -86,7 +86,7 @@ def test_too_many_blocks_for_a_stage_names_the_key(flux):
 
 def test_config_accepts_blocks_to_swap_for_adapters_only():
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     assert from_dict(RunConfig, {**base, "blocks_to_swap": 8, "adapter": {"rank": 4}}).blocks_to_swap == 8

@@ -15,7 +15,7 @@ import tomli_w
 from conftest import eval_set, train
 from safetensors.torch import load_file, save_file
 
-from pipetrain.backend.demo import make_dataset
+from pipetrain.backend.commands.demo import make_dataset
 from pipetrain.backend.train.schedule import lr_multiplier
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def _tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def captions_run(micro_flux_files, tmp_path_factory):
     """One rank: caption prefix, 2 shuffled variants per caption, caption dropout, Prodigy, an eval set, half the
     blocks checkpointed."""
-    from pipetrain.backend.demo import write_configs
+    from pipetrain.backend.commands.demo import write_configs
 
     root = tmp_path_factory.mktemp("captions")
     make_dataset(root / "dataset", 4)
@@ -138,19 +138,20 @@ def test_eval_datasets_held_out_loss_per_quantile(micro_flux_files, make_run, ca
 
 def _init_lora(files, path: Path, rank: int, seed: int = 3) -> dict[str, torch.Tensor]:
     """A LoRA for the micro Flux with every A and B random (ComfyUI keys), written to ``path``."""
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.flux import FluxAdapter
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     adapter = FluxAdapter(ModelConfig(type="flux", diffusion_model=str(files.diffusion_model), vae=str(files.vae),
                                       dtype="float32"))
     adapter.load_diffusion_model()
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=rank, alpha=float(rank)), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=rank, alpha=float(rank)),
+                     adapter.lora_block_prefixes)
     g = torch.Generator().manual_seed(seed)
     sd = {k: (torch.randn(v.shape, generator=g) * 0.1 if "lora_" in k else v)
-          for k, v in lora.state_dict(adapter.diffusion_model).items()}
+          for k, v in injection.state_dict(adapter.diffusion_model).items()}
     save_file(sd, str(path))
     return sd
 

@@ -1,4 +1,4 @@
-"""The parity check a run makes before caching (backend/parity.py): on the pinned ComfyUI every model type
+"""The parity check a run makes before caching (backend/parity/check.py): on the pinned ComfyUI every model type
 passes; a ComfyUI whose block maths differs by one line refuses the run, naming what and where, before any
 cache is written; verdicts are memoised."""
 import os
@@ -10,9 +10,9 @@ import pytest
 from comfyui_copies import comfyui_cache, doctor, other_comfyuis, planted_copy, python_env
 from conftest import train
 
-from pipetrain.backend import parity
+from pipetrain.backend.parity import check as parity
 from pipetrain.backend.models.registry import ADAPTERS, adapter_class
-from pipetrain.backend.runtime import PINNED_COMFYUI, PINNED_VERSION, ensure_comfyui
+from pipetrain.backend.host.runtime import PINNED_COMFYUI, PINNED_VERSION, ensure_comfyui
 
 # ComfyUI's Flux double block adds its image MLP through the modulation gate: a 1 % larger gate is the kind of
 # change an upstream release could make (and the kind a LoRA trained on the old maths would not survive)
@@ -79,7 +79,7 @@ def test_a_one_line_change_in_comfyuis_block_maths_refuses_the_run_before_cachin
     message = status["error"]
     for part in ("'flux'", f"ComfyUI {version} ({changed})", "computes something other than",
                  "largest difference", "the input of double_blocks.1.img_attn.qkv", "COMFYUI_PATH",
-                 # and no fallback (backend/fallback.py): the host's own forward differs from the pinned copy's
+                 # and no fallback (backend/parity/fallback.py): the host's own forward differs from the pinned copy's
                  f"did not fall back to its pinned ComfyUI {PINNED_VERSION}",
                  # 0.33.0 names Flux's RMSNorm weights otherwise than the pinned copy (files load on both): the two
                  # forwards cannot share weights by name, so nothing proves the pinned copy's maths the host's

@@ -68,8 +68,8 @@ _CHECK_LORA = """
 import json, sys
 from pathlib import Path
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.runtime import comfyui_version
-from pipetrain.backend.verify import check_lora
+from pipetrain.backend.host.runtime import comfyui_version
+from pipetrain.backend.parity.verify import check_lora
 check = check_lora(load_run_config(sys.argv[1]), Path(sys.argv[2]))
 print(json.dumps({**check.__dict__, "version": comfyui_version()}))
 """
@@ -121,11 +121,11 @@ def test_a_one_line_change_in_a_newer_comfyuis_flux_block_is_refused(version, tm
 
 _KITCHEN = """
 import json, torch
-from pipetrain.backend.runtime import comfy_training_paths, ensure_comfyui
+from pipetrain.backend.host.runtime import comfy_training_paths, ensure_comfyui
 ensure_comfyui()
 import comfy.ldm.flux.math as fm
 import comfy_kitchen, comfy_kitchen.backends.eager as eager
-from pipetrain.backend.patches_comfyui import kitchen_in_training
+from pipetrain.backend.host.patches_comfyui import kitchen_in_training
 from comfy.ldm.flux.math import rope
 pe = rope(torch.arange(6.0).reshape(1, 6), 8, 10000).unsqueeze(1)
 g = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def test_comfy_kitchens_kernels_train_through_its_eager_backend_with_true_gradie
 
 def test_doctor_tables_every_model_type_on_each_comfyui_given(tmp_path):
     """``doctor --comfyui A --comfyui B``: one row a model type, one column a ComfyUI version."""
-    from pipetrain.backend.runtime import PINNED_COMFYUI
+    from pipetrain.backend.host.runtime import PINNED_COMFYUI
 
     # the pinned version, and the oldest and newest others present (each costs a child process)
     others = sorted(COMFYUIS, key=lambda v: tuple(int(x) for x in v.split(".")))

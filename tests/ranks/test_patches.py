@@ -1,6 +1,6 @@
-"""The patches of ComfyUI (backend/patches_comfyui.py) and DeepSpeed (backend/patches_deepspeed.py): each applies to
-the pinned host and does what it replaces it for, and each refuses, naming the host's version and the attribute,
-where what it replaces is missing or takes other arguments."""
+"""The patches of ComfyUI (backend/host/patches_comfyui.py) and DeepSpeed (backend/train/patches_deepspeed.py): each
+applies to the pinned host and does what it replaces it for, and each refuses, naming the host's version and the
+attribute, where what it replaces is missing or takes other arguments."""
 from __future__ import annotations
 
 import os
@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipetrain.backend import patches_comfyui, patches_deepspeed
+from pipetrain.backend.host import patches_comfyui
+from pipetrain.backend.train import patches_deepspeed
 from pipetrain.backend.errors import RuntimeSetupError
-from pipetrain.backend.commands import free_port
-from pipetrain.backend.runtime import PINNED_VERSION, ensure_comfyui
+from pipetrain.backend.process.command_lines import free_port
+from pipetrain.backend.host.runtime import PINNED_VERSION, ensure_comfyui
 
 
 # --- ComfyUI -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ def _picture(path, colour):
 
 @pytest.mark.parametrize("model_type", ["qwen_image_edit", "qwen_image_edit_plus"])
 def test_edit_captions_read_the_control_images_as_comfyuis_edit_node_does(model_files, tmp_path, model_type):
-    from pipetrain.backend import sampling
+    from pipetrain.backend.sampling import render as sampling
     from pipetrain.backend.cache import CacheStore
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.data import load_pixels

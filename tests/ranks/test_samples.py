@@ -54,7 +54,7 @@ def test_a_video_models_samples_are_clips_of_the_asked_frames(model_files, tmp_p
     """Wan (t2v) on clips: each epoch sample is an animated WebP of [samples] frames at its fps, rendered through
     ComfyUI's sampler and Wan VAE, named as the stills are."""
     from media import make_video_dataset
-    from pipetrain.backend.demo import write_configs
+    from pipetrain.backend.commands.demo import write_configs
 
     root = tmp_path / "job"
     make_video_dataset(root / "dataset")

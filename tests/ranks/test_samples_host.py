@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipetrain.backend import sample_host
+from pipetrain.backend.sampling import host_render as sample_host
 from pipetrain.backend.config import load_run_config, save_toml
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.sampling import EpochSamples, fulfil, wait_together
+from pipetrain.backend.sampling.render import fulfil
+from pipetrain.backend.train.epoch_samples import EpochSamples, wait_together
 from pipetrain.backend.train.events import RunReporter
 
 PROMPTS = ["a red circle", "a blue square"]
@@ -120,7 +121,7 @@ def test_a_stop_leaves_the_request_and_a_later_epoch_announces_its_answer(run):
 
 
 def test_sample_host_queues_each_pending_request_once_per_process(tmp_path):
-    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.backend.run.folder import RunsRoot
     from pipetrain.launcher.samples import SAMPLES_NODE, SampleHost, request_file
 
     dirs = RunsRoot(tmp_path / "runs")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""The rules for values that reach other processes (``backend/process_inputs.py`` through ``ClusterConfig`` and
+"""The rules for values that reach other processes (``backend/config/process_inputs.py`` through ``ClusterConfig`` and
 the hostfile reader), payload family by payload family; and the layer below them: what ``.deepspeed_env``, the
 hostfile and the launcher command we write become in DeepSpeed's own pdsh runner, run by a real bash.
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.backend.cluster import node_commands, prepare_run_folder, read_hosts
+from pipetrain.backend.process.cluster import node_commands, prepare_run_folder, read_hosts
 from pipetrain.backend.config import ClusterConfig, RunConfig, load_run_config, save_toml
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.process_inputs import env_name_problem, env_value_problem, host_problem, ifname_problem
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.config.process_inputs import env_name_problem, env_value_problem, host_problem, ifname_problem
+from pipetrain.backend.config.schema import from_dict
 
 MARKER = "pipetrain-security-marker"
 BASE = {"launcher": "pdsh", "hosts": ["node-a:1", "node-b:1"], "master_addr": "10.0.0.1"}
@@ -285,7 +285,7 @@ def test_values_the_rules_pass_add_no_variable_to_srun_export(tmp_path):
 
 @pytest.fixture(scope="module")
 def nodes():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes import settings, samples
     return settings, samples
@@ -456,7 +456,7 @@ def test_an_epoch_lora_is_loaded_only_from_the_runs_own_folders(tmp_path):
     folder, never what a line of a run folder's file points elsewhere (#34, as the samples route)."""
     import json
 
-    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.backend.run.folder import RunsRoot
     from pipetrain.launcher.summaries import lora_for_epoch
 
     runs, lora_root = RunsRoot(tmp_path / "runs"), tmp_path / "loras"
@@ -484,7 +484,7 @@ def test_an_epoch_lora_is_loaded_only_from_the_runs_own_folders(tmp_path):
 def test_a_run_folder_whose_files_are_fifos_or_folders_is_read_as_empty(tmp_path):
     """The panel reads every run's records on each poll: a FIFO in place of events.jsonl or status.json would
     block the reading thread for ever, a folder would fail it; each reads as nothing instead."""
-    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.backend.run.folder import RunsRoot
     from pipetrain.launcher.core import Launcher
 
     la = Launcher(tmp_path / "runs")

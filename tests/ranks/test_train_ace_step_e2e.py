@@ -55,9 +55,9 @@ def test_all_in_one_checkpoint_trains_and_renders_songs(tmp_path, make_run):
     import tomli_w
     import tomllib
 
-    from pipetrain.backend import sample_audio
+    from pipetrain.backend.sampling import audio as sample_audio
     from pipetrain.backend.models import tiny
-    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.backend.run.folder import RunsRoot
     from pipetrain.launcher.summaries import sample_file, saved_loras
 
     checkpoint = tiny.write_checkpoint("ace_step", tmp_path / "models" / "ace_step_tiny.safetensors")

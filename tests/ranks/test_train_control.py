@@ -16,9 +16,9 @@ from conftest import Run, launch, train
 from PIL import Image
 from safetensors.torch import load_file
 
-from pipetrain.backend import run_control
-from pipetrain.backend.commands import deepspeed_cli_command
-from pipetrain.backend.rundir import RunDir, RunsRoot
+from pipetrain.backend.run import control as run_control
+from pipetrain.backend.process.command_lines import deepspeed_cli_command
+from pipetrain.backend.run.folder import RunDir, RunsRoot
 from pipetrain.launcher.summaries import summarize
 
 pytestmark = pytest.mark.slow

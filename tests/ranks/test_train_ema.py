@@ -27,7 +27,7 @@ def _ema_files(run) -> dict[tuple[bool, int], str]:
 
 def test_ema_files_follow_the_average_of_the_step_loras_and_survive_a_resume(micro_flux_files, make_run):
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.verify import check_lora
+    from pipetrain.backend.parity.verify import check_lora
 
     config = make_run(micro_flux_files, images=4, name="ema", stages=2, epochs=2, save_every_n_steps=1,
                       run_name="a-whole", ema=True, ema_decay=DECAY, optimizer={"type": "adamw", "lr": 5e-3})

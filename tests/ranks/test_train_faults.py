@@ -175,7 +175,7 @@ def test_one_writer_per_run_folder_and_ranks_end_with_their_launcher(micro_flux_
 
 
 def _lock_is_free(run_dir):
-    from pipetrain.backend.rundir import RunDir, RunDirBusy
+    from pipetrain.backend.run.folder import RunDir, RunDirBusy
     try:
         RunDir(run_dir).lock().close()
     except RunDirBusy:   # a process's files close a moment after its command line is gone

@@ -57,7 +57,7 @@ def test_flux_kontext_with_control_images_to_comfyui_lora(model_files, make_run)
     # epoch samples of an edit model attend to a reference: the dataset's first control image
     from PIL import ImageChops
 
-    from pipetrain.backend import sampling
+    from pipetrain.backend.sampling import render as sampling
     from pipetrain.backend.config import SamplesConfig
 
     cfg = load_run_config(config)
@@ -76,7 +76,7 @@ def test_flux2_edit_with_two_reference_folders_to_comfyui_lora(model_files, make
     samples edit the first picture's two control images."""
     from PIL import Image, ImageChops
 
-    from pipetrain.backend import sampling
+    from pipetrain.backend.sampling import render as sampling
     from pipetrain.backend.config import SamplesConfig
 
     config = make_run(model_files("flux2"), images=4, stages=2, epochs=1, model={"type": "flux2_edit"},

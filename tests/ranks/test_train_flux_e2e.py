@@ -4,7 +4,7 @@ import pytest
 from conftest import train
 
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.verify import check_lora
+from pipetrain.backend.parity.verify import check_lora
 
 pytestmark = pytest.mark.slow
 

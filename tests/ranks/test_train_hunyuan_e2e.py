@@ -5,7 +5,7 @@ import pytest
 from conftest import cached_latents, check_epoch_loras, train, train_on_clips
 from media import make_video_dataset
 
-from pipetrain.backend.demo import write_configs
+from pipetrain.backend.commands.demo import write_configs
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import torch
 from conftest import cached_latents, check_epoch_loras, train, train_on_clips
 from media import make_video_dataset
 
-from pipetrain.backend.demo import make_dataset, write_configs
+from pipetrain.backend.commands.demo import make_dataset, write_configs
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 import tomli_w
 from conftest import train
 
-from pipetrain.backend.demo import make_dataset
+from pipetrain.backend.commands.demo import make_dataset
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from media import make_video_dataset
 from pipetrain.backend.cache import CacheStore
 from pipetrain.backend.cache.manifest import CacheManifest
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.demo import write_configs
+from pipetrain.backend.commands.demo import write_configs
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from PIL import Image, ImageOps
 
 from pipetrain.backend.cache import CacheStore
 from pipetrain.backend.cache.manifest import CacheManifest
-from pipetrain.backend.demo import write_configs
+from pipetrain.backend.commands.demo import write_configs
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from server_fixtures import (REPO, comfy_page, install_test_shims, kill_runs, link_model_files, load_example,
                              needs_chromium, queued_text, simulate_gpus, start_server, workflow_to_prompt)
 
-from pipetrain.backend.rundir import read_json
+from pipetrain.backend.run.folder import read_json
 
 IMAGES = 2
 SHOTS = Path("/work/briefs/ux38-shots") if Path("/work/briefs").is_dir() else REPO / "test-artifacts"
@@ -19,7 +19,7 @@ SHOTS = Path("/work/briefs/ux38-shots") if Path("/work/briefs").is_dir() else RE
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
     from pipetrain.backend.models.tiny import cached_model_files
 
     base = tmp_path_factory.mktemp("first-hour")
@@ -83,8 +83,8 @@ def test_cancel_during_caching_stops_within_seconds_cleanly(user):
 
     import psutil
 
-    from pipetrain.backend.demo import make_dataset
-    from pipetrain.backend.rundir import RunsRoot
+    from pipetrain.backend.commands.demo import make_dataset
+    from pipetrain.backend.run.folder import RunsRoot
 
     make_dataset(user.base / "input" / "many", 40)
     prompt = template_prompt(user, widgets={"1": {"folder": "many", "resolutions": "512"}})
@@ -122,7 +122,7 @@ def fabricate_lora_run(runs_root, run_id: str, tensors: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.run.folder import RunDir
 
     run = RunDir(runs_root / run_id)
     run.path.mkdir(parents=True)
@@ -204,7 +204,7 @@ def fabricate_stopped_run(runs_root, run_id: str, name: str, created: float, cpu
     it last wrote)."""
     import json
 
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.run.folder import RunDir
 
     run = RunDir(runs_root / run_id)
     run.path.mkdir(parents=True)

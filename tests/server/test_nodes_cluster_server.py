@@ -8,7 +8,7 @@ import shlex
 from server_fixtures import comfy_server, kill_runs, queued_text  # noqa: F401  (fixture)
 from test_server_pipetrain import fake_sdxl_files, graph, node_error, raw
 
-from pipetrain.backend.commands import free_port
+from pipetrain.backend.process.command_lines import free_port
 
 
 def cluster_graph(info: dict, run_name="cluster", **cluster):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 from pipetrain.backend.config.patch import RunPatch
 from pipetrain.launcher.forms import folder_patch, model_patch
 from pipetrain.launcher.specs import DatasetSpec
@@ -13,35 +13,35 @@ from pipetrain.launcher.specs import DatasetSpec
 @pytest.fixture(scope="module")
 def forms():
     ensure_comfyui()
-    from pipetrain.nodes import NODES, data, settings
-    return NODES, data, settings
+    from pipetrain.nodes import NODES, data, parallelism, settings
+    return NODES, data, settings, parallelism
 
 
 def test_parsers(forms):
-    _, data, settings = forms
+    _, data, _, parallelism = forms
     assert data.parse_resolutions("512, 768") == (512, 768)
     for bad in ("", "500", "a"):
         with pytest.raises(ValueError):
             data.parse_resolutions(bad)
-    assert settings.parse_gpu_ids("2, 3") == (2, 3) and settings.parse_gpu_ids("") == ()
+    assert parallelism.parse_gpu_ids("2, 3") == (2, 3) and parallelism.parse_gpu_ids("") == ()
     with pytest.raises(ValueError):
-        settings.parse_gpu_ids("1,1")
-    assert "does not divide" in settings.ParallelismNode.validate_inputs(gpus=3, pipeline_stages=2, gpu_ids="")
-    assert settings.ParallelismNode.validate_inputs(gpus=4, pipeline_stages=2, gpu_ids="0,1,2,3") is True
+        parallelism.parse_gpu_ids("1,1")
+    assert "does not divide" in parallelism.ParallelismNode.validate_inputs(gpus=3, pipeline_stages=2, gpu_ids="")
+    assert parallelism.ParallelismNode.validate_inputs(gpus=4, pipeline_stages=2, gpu_ids="0,1,2,3") is True
 
 
 def test_specs_are_hashable_and_datasets_chain(forms):
-    nodes, _, settings = forms
+    nodes, _, settings, parallelism = forms
     a = DatasetSpec((folder_patch("/a"),))
     b = DatasetSpec((folder_patch("/b", num_repeats=3),), RunPatch.of({"resolutions": (1024,)}))
     chained = a.plus(b)
     assert [d.get("path") for d in chained.directories] == ["/b", "/a"]
     assert chained.table()["resolutions"] == [1024]
     assert hash(chained) == hash(a.plus(b))
-    out = settings.ParallelismNode.execute(gpus=2, pipeline_stages=2, micro_batch_size_per_gpu=1,
-                                           gradient_accumulation_steps=1, gpu_ids="4,5")
+    out = parallelism.ParallelismNode.execute(gpus=2, pipeline_stages=2, micro_batch_size_per_gpu=1,
+                                              gradient_accumulation_steps=1, gpu_ids="4,5")
     assert out.result[0].devices == (4, 5)
-    forms_only = [settings.AdapterNode, settings.OptimizerNode, settings.ScheduleNode, settings.ParallelismNode,
+    forms_only = [settings.AdapterNode, settings.OptimizerNode, settings.ScheduleNode, parallelism.ParallelismNode,
                   settings.MemoryNode]
     assert all(n in nodes for n in forms_only)
     assert {n.define_schema().category for n in forms_only} == {"PipeTrain"}
@@ -73,7 +73,7 @@ def test_every_node_option_reaches_the_run_config(forms, tmp_path, monkeypatch):
     from pipetrain.nodes import samples as samples_node
     from pipetrain.nodes import train as train_node
 
-    _, data, settings = forms
+    _, data, settings, _ = forms
     f = _files(tmp_path)
     dataset = _dataset(data, tmp_path / "train", caption_prefix="sks, ", shuffle_tags=True, cache_shuffle_num=3,
                        frame_buckets="1, 33", uncond_fraction=0.25)
@@ -132,7 +132,7 @@ def test_node_option_errors_are_caught_when_queued(forms, tmp_path):
     from pipetrain.launcher.specs import TrainSpec
     from pipetrain.nodes import samples as samples_node
 
-    _, data, settings = forms
+    _, data, settings, _ = forms
     f = _files(tmp_path)
     model = model_patch("flux", str(f["dm"]), str(f["vae"]), (str(f["te1"]), str(f["te2"])))
     assert "prompt" in samples_node.SamplesNode.validate_inputs(prompts="\n  \n")
@@ -160,7 +160,7 @@ def test_model_type_picks_what_the_weights_cannot_tell(tmp_path):
     """A Flux file trains as Flux Kontext when the user says so; a type of another family is refused."""
     from server_fixtures import write_fake_model
 
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.data import AUTO, detect
 
@@ -180,7 +180,7 @@ def test_the_dataset_node_pairs_control_images_for_edit_models(forms, tmp_path):
     from pipetrain.launcher.build import check_spec, dataset_config, write_config
     from pipetrain.launcher.specs import TrainSpec
 
-    _, data, _ = forms
+    _, data, _, _ = forms
     f = _files(tmp_path)
     for folder, name in (("pictures", "a.png"), ("pictures", "b.png"), ("controls", "a.jpg"), ("controls", "b.jpg")):
         (tmp_path / folder).mkdir(exist_ok=True)

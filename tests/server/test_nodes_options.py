@@ -7,7 +7,7 @@ import pytest
 
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig, RunConfig
 from pipetrain.backend.config.patch import default, leaf_keys
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 from pipetrain.launcher.build import LAUNCHER_KEYS
 
 # section -> the node whose inputs set its keys ("": top-level run keys, on any setting node)
@@ -93,7 +93,7 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
     from pipetrain.backend.preflight import load_run
     from pipetrain.launcher.build import write_config
     from pipetrain.launcher.specs import TrainSpec
-    from pipetrain.nodes import data, samples, settings
+    from pipetrain.nodes import data, parallelism, samples, settings
 
     # ComfyUI's model folders are process-wide: this test's folders go with it (later tests list the LoRA folder)
     monkeypatch.setattr(folder_paths, "folder_names_and_paths",
@@ -130,13 +130,14 @@ def test_the_options_without_a_node_before_reach_the_run_file(tmp_path, monkeypa
                                              eval_image_micro_batch_size_per_gpu=6,
                                              eval_micro_batch_size_by_resolution="512:2, 1024:1",
                                              eval_image_micro_batch_size_by_resolution="512:6").result[0]
-    parallelism = settings.ParallelismNode.execute(2, 2, 1, 1, "", partition_method="manual",
-                                                   partition_split="3", image_micro_batch_size_per_gpu=4).result[0]
+    parallelism_patch = parallelism.ParallelismNode.execute(2, 2, 1, 1, "", partition_method="manual",
+                                                            partition_split="3",
+                                                            image_micro_batch_size_per_gpu=4).result[0]
     memory = settings.MemoryNode.execute(True, 0, compile=True, compile_cuda_graphs=False).result[0]
     shots = samples.SamplesNode.execute("a fox", negative_prompt="", seed=0, width=64, height=64, steps=2, cfg=1.0,
                                         guidance=3.5, sampler="euler", scheduler="simple", render_on="host ComfyUI",
                                         host_timeout_s=60.0).result[0]
-    spec = TrainSpec(dataset, model, adapter, optimizer, schedule, parallelism, memory, samples=shots)
+    spec = TrainSpec(dataset, model, adapter, optimizer, schedule, parallelism_patch, memory, samples=shots)
     cfg = load_run(write_config(spec, tmp_path / "run", output_dir=tmp_path / "out", run_name="r", lora_dir=None))
 
     m = cfg.model

@@ -265,7 +265,7 @@ BAD_LRS = [b'{"lr": NaN}', b'{"lr": Infinity}', b'{"lr": -Infinity}', b'{"lr": 0
 
 def live_run(server, run_id: str):
     """A fabricated run whose recorded process is alive (a sleeper), so a request reaches the run's files."""
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.run.folder import RunDir
     from pipetrain.launcher.procs import spawn
 
     fabricate_run(server, run_id, "training")

@@ -48,7 +48,7 @@ class Session:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
     from pipetrain.backend.models.tiny import cached_model_files
 
     s = Session(tmp_path_factory.mktemp("comfy-e2e"))
@@ -88,7 +88,7 @@ def wait_run(server, run_id: str, until, timeout: float, what: str) -> dict:
 
 
 def events(server, run_id: str, type_: str) -> list[dict]:
-    from pipetrain.backend.rundir import read_events
+    from pipetrain.backend.run.folder import read_events
     found, _ = read_events(server.runs_root / run_id / "events.jsonl")
     return [e for e in found if e.get("type") == type_]
 

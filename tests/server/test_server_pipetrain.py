@@ -147,7 +147,7 @@ def test_routes_list_get_and_refuse_bad_ids(server):
 def test_stop_route_stops_a_live_run_started_elsewhere(server):
     """A run whose process this ComfyUI did not start (e.g. before a restart) is found from its files."""
     from pipetrain.launcher.procs import spawn
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.run.folder import RunDir
 
     fabricate_run(server, "fab-live", "training")
     d = server.runs_root / "fab-live"

@@ -23,7 +23,7 @@ PROMPTS = ["a red circle", "a blue square"]
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory, micro_flux_files):
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
 
     base = tmp_path_factory.mktemp("comfy-samples")
     link_model_files(base, micro_flux_files)
@@ -72,7 +72,7 @@ def wait_for(what: str, until, timeout: float, log=None):
 
 
 def test_host_renders_every_epochs_samples(session, micro_flux_files):
-    from pipetrain.backend import sample_host
+    from pipetrain.backend.sampling import host_render as sample_host
 
     server = session["server"]
     code, body = server.queue(train_prompt(server, micro_flux_files))
@@ -121,7 +121,7 @@ def test_host_renders_every_epochs_samples(session, micro_flux_files):
 
 def test_a_restarted_comfyui_renders_a_pending_request(session):
     """A run stopped while it waited leaves its request; the next ComfyUI queues it at start-up."""
-    from pipetrain.backend import sample_host
+    from pipetrain.backend.sampling import host_render as sample_host
 
     run_dir, lora = session.get("run_dir"), session.get("lora")
     if run_dir is None:

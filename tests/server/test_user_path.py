@@ -36,7 +36,7 @@ from server_fixtures import (REPO, SHIM_NODE, comfy_page, comfyui_of, fetch_imag
                              link_model_files, load_example, needs_chromium, node_box, overlapping, start_server,
                              workflow_to_prompt)
 
-from pipetrain.backend.runtime import PINNED_VERSION
+from pipetrain.backend.host.runtime import PINNED_VERSION
 
 pytestmark = [pytest.mark.slow, needs_chromium]
 
@@ -57,7 +57,7 @@ class User:
 
 @pytest.fixture(scope="module", params=[PINNED_VERSION, *NEWER_VERSIONS])
 def user(request, tmp_path_factory):
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
     from pipetrain.backend.models.tiny import cached_model_files
 
     comfyui = comfyui_of(request.param)

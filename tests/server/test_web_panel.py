@@ -21,7 +21,7 @@ import pytest
 from server_fixtures import (CHART_POINTS_JS, REPO, card, comfyui_of, needs_chromium, panel_page, progress_js,
                              start_server)
 
-from pipetrain.backend.runtime import PINNED_VERSION
+from pipetrain.backend.host.runtime import PINNED_VERSION
 
 ARTIFACTS = REPO / "test-artifacts"
 RUN_ID = "ui-run"
@@ -35,7 +35,7 @@ class FakeRun:
 
     def __init__(self, runs_root: Path):
         from pipetrain.launcher.procs import spawn
-        from pipetrain.backend.rundir import RunDir
+        from pipetrain.backend.run.folder import RunDir
 
         self.dir = runs_root / RUN_ID
         self.dir.mkdir(parents=True)
@@ -86,7 +86,7 @@ class FakeRun:
         """An audio model's sample of the epoch's LoRA: a FLAC as ``sample_audio.save`` writes it, announced."""
         import torch
 
-        from pipetrain.backend.sample_audio import save
+        from pipetrain.backend.sampling.audio import save
 
         path = self.dir / f"{RUN_ID}-epoch{epoch:04d}-sample09.flac"
         wave = torch.sin(torch.arange(44100) / 44100 * 2 * torch.pi * 440) * 0.5
@@ -95,12 +95,12 @@ class FakeRun:
                     "prompt_index": 9, "strength": 1.0})
 
     def samples(self, epoch: int, step: int, strengths: list[float], prompts: list[str]) -> None:
-        """PNGs beside the epoch's LoRA, announced as the backend does (``sampling.EpochSamples.announce``); the
+        """PNGs beside the epoch's LoRA, announced as the backend does (``train/epoch_samples.EpochSamples.announce``); the
         first strength's are a video model's clips (animated WebP, ``sample_clips.save_clip``)."""
         import torch
         from PIL import Image
 
-        from pipetrain.backend.sample_clips import save_clip
+        from pipetrain.backend.sampling.clips import save_clip
 
         for w in strengths:
             for i, prompt in enumerate(prompts):

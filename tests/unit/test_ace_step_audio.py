@@ -8,7 +8,7 @@ import wave
 import pytest
 import torch
 
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 

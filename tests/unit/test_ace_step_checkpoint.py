@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pipetrain.backend.runtime import comfy_nodes, ensure_comfyui
+from pipetrain.backend.host.runtime import comfy_nodes, ensure_comfyui
 
 ensure_comfyui()
 pytest.importorskip("torchaudio")   # ComfyUI's ACE VAE builds its mel filter bank with torchaudio
@@ -171,7 +171,7 @@ def test_a_toml_run_that_leaves_the_vae_to_a_file_without_one_is_refused_before_
 
     import tomli_w
 
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
 
     _, split = files
     make_dataset(tmp_path / "dataset", 2)

@@ -9,8 +9,8 @@ from layer_checks import (captions_batch_as_if_alone, every_boundary_is_a_stage_
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
                           lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 CONTEXT = 24
@@ -66,7 +66,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_ace):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_ace):
     a = small_ace
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert len(names) == 2 * 8 and "transformer_blocks.1.cross_attn.to_out.0" in names
     assert not any("add_" in n for n in names)   # projections ComfyUI's processor never runs
     give_lora_b_values(dm)

@@ -6,7 +6,7 @@ import tomli_w
 import pytest
 import torch
 
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 
@@ -42,12 +42,12 @@ def test_epoch_samples_of_an_audio_model_are_flac_songs(tmp_path):
     pytest.importorskip("torchaudio")
     from comfy_extras.nodes_ace import TextEncodeAceStepAudio
 
-    from pipetrain.backend import sample_audio, sampling
+    from pipetrain.backend.sampling import audio as sample_audio, render as sampling
     from pipetrain.backend.cache import CacheStore, text_key
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.models import tiny
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.rundir import cache_folder
+    from pipetrain.backend.run.folder import cache_folder
 
     checkpoint = tiny.write_checkpoint("ace_step", tmp_path / "models" / "ace_step_tiny.safetensors")
     cfg = load_run_config(_run_config(tmp_path, checkpoint, lyrics=LYRICS))
@@ -113,7 +113,7 @@ def test_a_full_fine_tune_of_a_checkpoint_samples_with_the_checkpoints_vae(tmp_p
 
     import tomllib
 
-    from pipetrain.backend import sample_audio, sampling
+    from pipetrain.backend.sampling import audio as sample_audio, render as sampling
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.models import tiny
 
@@ -137,10 +137,10 @@ def test_host_rendered_songs_are_previewed_as_audio(tmp_path, monkeypatch):
 
     import folder_paths
 
-    import pipetrain.backend.sampling as sampling
+    import pipetrain.backend.sampling.render as sampling
     import pipetrain.launcher.comfy as comfy_launcher
     import pipetrain.launcher.samples as samples
-    from pipetrain.backend import sample_audio
+    from pipetrain.backend.sampling import audio as sample_audio
     from pipetrain.nodes.samples import EpochSamplesNode
 
     t = torch.arange(22050) / 44100

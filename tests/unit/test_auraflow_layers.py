@@ -9,8 +9,8 @@ from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_bou
                           layout_state_dict, lora_gradients_match_finite_differences, padded_caption_inputs,
                           small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 CONTEXT = 24   # Pile-T5-XL's width is 2048
@@ -74,7 +74,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_aura):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_aura):
     a = small_aura
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     # per double layer: 8 attention projections, 2 SwiGLU MLPs of 3, 2 modulations; per single layer: 4 + 3 + 1
     assert len(names) == 2 * 16 + 8
     assert {"double_layers.1.attn.w2o", "double_layers.0.modC.1", "single_layers.0.mlp.c_proj"} <= set(names)

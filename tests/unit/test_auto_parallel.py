@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipetrain.backend import memory_plan as mp
+from pipetrain.backend.memory import plan as mp
 
 
 def fits(traced, training, stages: int, total: int) -> bool:
@@ -22,7 +22,7 @@ def smallest_total(traced, training, stages: int) -> int:
 
 def test_the_fewest_stages_that_fit_are_chosen(tiny_flux_files, make_run, tmp_path):
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.memory_plan_config import footprints, largest_probe
+    from pipetrain.backend.memory.plan_config import footprints, largest_probe
     from pipetrain.launcher.auto_parallel import planned_stages
 
     memo = tmp_path / "memo"

@@ -1,4 +1,4 @@
-"""check-config reads the model files a config names (``backend/model_file_check.py``): each file's or folder's
+"""check-config reads the model files a config names (``backend/commands/model_file_check.py``): each file's or folder's
 safetensors header, bounded, nothing unpickled; it reports the model type ComfyUI's detection finds and each text
 encoder's kind, and a missing file, another model's folder, a text-encoder folder ComfyUI cannot load or a VAE of
 another kind is an error under the key the user wrote. The configs are diffusion-pipe's tables with the tiny model
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from dp_files import DP_OPTIMIZER, diffusers_folder, wan_checkpoint_folder
 
-from pipetrain.backend.check_config import report
+from pipetrain.backend.commands.check_config import report
 from pipetrain.backend.cli import main as cli_main
 
 RUN = "output_dir = 'out'\ndataset = 'dataset.toml'\nepochs = 1\n" + DP_OPTIMIZER + "[adapter]\ntype = 'lora'\nrank = 4\n"

@@ -92,7 +92,7 @@ class _Payload:
 
 
 def test_a_pickle_that_runs_code_is_refused_by_name(tmp_path, monkeypatch):
-    from pipetrain.backend.patches_deepspeed import load_weights_only
+    from pipetrain.backend.train.patches_deepspeed import load_weights_only
 
     monkeypatch.chdir(tmp_path)
     planted = tmp_path / "mp_rank_00_model_states.pt"

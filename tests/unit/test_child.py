@@ -13,7 +13,7 @@ def test_a_child_dies_with_its_killed_parent(tmp_path):
     marker = tmp_path / "written-after-the-parent-died"
     child = textwrap.dedent(f"""
         import time
-        from pipetrain.backend.child import die_with_parent
+        from pipetrain.backend.process.child import die_with_parent
         die_with_parent()
         print("ready", flush=True)
         time.sleep(3)
@@ -21,7 +21,7 @@ def test_a_child_dies_with_its_killed_parent(tmp_path):
     """)
     parent = textwrap.dedent(f"""
         import subprocess, sys, time
-        from pipetrain.backend.child import child_env
+        from pipetrain.backend.process.child import child_env
         child = subprocess.Popen([sys.executable, "-c", {child!r}], env=child_env(), stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline() == "ready\\n"
         print(child.pid, flush=True)

@@ -6,8 +6,8 @@ import torch
 from layer_checks import (captions_batch_as_if_alone, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 CONTEXT = 40   # T5-XXL's is 4096
@@ -76,7 +76,7 @@ def test_layers_match_comfyui_forward(small_chroma):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_chroma):
     a = small_chroma
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert len(names) == 2 * 8 + 2 * 2 and "double_blocks.1.txt_mlp.2" in names and "single_blocks.0.linear1" in names
     give_lora_b_values(dm)
     # eps 1e-4: ComfyUI applies RoPE in float32 (comfy.ldm.flux.math), which limits finite differences

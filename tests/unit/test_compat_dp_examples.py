@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from dp_files import DP_AR_BUCKETS, DP_MAIN, DP_MONITORING, DP_OPTIMIZER
 
-from pipetrain.backend.check_config import report
+from pipetrain.backend.commands.check_config import report
 from pipetrain.backend.cli import main as cli_main
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.preflight import load_run
@@ -276,8 +276,8 @@ QWEN_24GB_OPTIMIZER = "[optimizer]\ntype = 'automagic'\nweight_decay = 0.01\n"
 
 
 def test_qwen_image_24gb_example_loads_its_folder_and_its_optimizer(tmp_path):
-    from pipetrain.backend.optim import resolve_optimizer
-    from pipetrain.backend.optim_automagic import Automagic
+    from pipetrain.backend.optim.registry import resolve_optimizer
+    from pipetrain.backend.optim.automagic import Automagic
     from dp_files import diffusers_folder
 
     from pipetrain.backend.models.tiny import cached_model_files
@@ -368,7 +368,7 @@ def test_check_config_tells_what_first_frame_conditioning_p_trains(tmp_path, cap
 
 
 def test_the_config_docs_list_every_default_difference():
-    from pipetrain.backend import compat
+    from pipetrain.backend.config import compat
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     for _, key, _, _ in compat.DEFAULT_DIFFERENCES:
@@ -402,7 +402,7 @@ def test_cosmos_size_buckets_example_loads(tmp_path):
     size each image takes)."""
     from pipetrain.backend.config import DatasetConfig
     from pipetrain.backend.config.files import _read_toml
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     lines = "size_buckets = [[960, 960, 1], [960, 704, 1]]\n[[directory]]\npath = 'images'\nnum_repeats = 10\n"
     path = _write(tmp_path, MAIN + _model("hunyuan_video", LOADS[0][3]) + ADAPTER + OPTIMIZER, lines)

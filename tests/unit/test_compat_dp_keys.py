@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_compat_dp_examples import ADAPTER, DATASETS, LOADS, MAIN, OPTIMIZER, _model, _write
 
-from pipetrain.backend import compat
-from pipetrain.backend.check_config import report
+from pipetrain.backend.config import compat
+from pipetrain.backend.commands.check_config import report
 from pipetrain.backend.config import load_run_config
 from pipetrain.backend.preflight import load_run
 
@@ -102,7 +102,7 @@ def test_partition_by_parameters_counts_every_parameter(micro_flux_files):
     """With a LoRA the frozen weights are most of each layer: dp balances the stages on them, not on the LoRA's."""
     from deepspeed.runtime import utils as ds_utils
 
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
     from pipetrain.backend.train.pipeline import partition_bounds
@@ -112,7 +112,7 @@ def test_partition_by_parameters_counts_every_parameter(micro_flux_files):
     adapter = adapter_class("flux")(cfg)
     adapter.load_diffusion_model()
     adapter.diffusion_model.requires_grad_(False)
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
     layers = adapter.to_layers()
     every = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     trainable = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
@@ -128,7 +128,7 @@ def test_one_dimensional_parameters_train_without_weight_decay(micro_flux_files,
     """A full fine-tune: biases and norm scales in a group with weight_decay 0, matrices with the config's."""
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.optim import make_optimizer
+    from pipetrain.backend.optim.registry import make_optimizer
 
     cfg = ModelConfig(type="flux", diffusion_model=str(micro_flux_files.diffusion_model), vae=str(micro_flux_files.vae),
                       text_encoders=[str(p) for p in micro_flux_files.text_encoders], dtype="float32")

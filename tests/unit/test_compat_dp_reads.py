@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from test_compat_dp_examples import ADAPTER, MAIN, OPTIMIZER, _model, _table, _write
 
-from pipetrain.backend import lora
-from pipetrain.backend.check_config import report
+from pipetrain.backend.adapters import injection
+from pipetrain.backend.commands.check_config import report
 from pipetrain.backend.errors import ConfigError, DatasetError
 from pipetrain.backend.preflight import load_run
 
@@ -30,10 +30,10 @@ def test_a_float_rank_of_a_million_is_lokrs_full_matrix(tmp_path):
     cfg = load_run(path)
     assert cfg.adapter.rank == 1_000_000 and isinstance(cfg.adapter.rank, int)
     model = _Blocks()
-    lora.inject(model, lora.spec_from_config(cfg.adapter), ("blocks",))
+    injection.inject(model, injection.spec_from_config(cfg.adapter), ("blocks",))
     adapter = model.blocks[0]["attn"]["qkv"].lokr
     assert hasattr(adapter, "lokr_w2") and not hasattr(adapter, "lokr_w2_a")   # one full second factor
-    assert lora.spec_from_config(cfg.adapter).alpha / cfg.adapter.rank == 1.0   # dp: alpha = rank
+    assert injection.spec_from_config(cfg.adapter).alpha / cfg.adapter.rank == 1.0   # dp: alpha = rank
     path.write_text(path.read_text().replace("rank = 1e6", "rank = 2.5"))
     with pytest.raises(ConfigError, match="adapter.rank"):
         load_run(path)
@@ -50,7 +50,8 @@ def test_exclude_modules_leaves_the_named_modules_without_an_adapter(tmp_path, e
     cfg = load_run(_write(tmp_path, MAIN + _model("flux", flux) + ADAPTER + f"exclude_modules = {exclude}\n" +
                           OPTIMIZER))
     model = _Blocks()
-    adapted = lora.inject(model, lora.spec_from_config(cfg.adapter), ("blocks",), exclude=cfg.adapter.exclude_modules)
+    adapted = injection.inject(model, injection.spec_from_config(cfg.adapter), ("blocks",),
+                               exclude=cfg.adapter.exclude_modules)
     every = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.count(".") in (2, 3)
              and "lora" not in n}
     assert set(adapted) == every - left
@@ -74,7 +75,7 @@ def test_lumina_shift_is_lumina_2s_resolution_dependent_shift(tmp_path):
 
 
 def test_sdxls_learning_rates(tmp_path):
-    from pipetrain.backend.optim import resolve_optimizer
+    from pipetrain.backend.optim.registry import resolve_optimizer
 
     path = _write(tmp_path, MAIN + _model("sdxl", SDXL + "unet_lr = 4e-5\ntext_encoder_1_lr = 0\n"
                                            "text_encoder_2_lr = 0.0\n") + ADAPTER + OPTIMIZER)
@@ -229,7 +230,7 @@ LONG_CAPTION = " ".join(f"word{i} of a long caption" for i in range(120))   # hu
 def _adapter(model_files, arch: str, **keys):
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     files = model_files(arch)

@@ -10,9 +10,9 @@ from layer_checks import (comfyui_detects, every_boundary_is_a_stage_boundary_wi
                           layers_match_comfyui_forward, layout_state_dict, lora_gradients_match_finite_differences,
                           meta_state_dict, run_layers, small_adapter)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 40   # the old T5-XXL's width is 1024
@@ -124,7 +124,7 @@ def test_training_targets_agree_with_comfyui_edm_sampling(small_cosmos1):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_cosmos1):
     a = small_cosmos1
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert len(names) == 2 * 16 and "blocks.block1.blocks.1.block.attn.to_v.0" in names
     assert {"blocks.block0.blocks.2.block.layer2", "blocks.block0.blocks.0.adaLN_modulation.2"} <= set(names)
     give_lora_b_values(dm)

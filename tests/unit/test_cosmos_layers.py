@@ -8,9 +8,9 @@ from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, give_lor
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers,
                           small_adapter)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 40   # the old T5-XXL's width is 1024
@@ -106,7 +106,7 @@ def test_training_targets_agree_with_comfyui_cosmos_rflow_sampling(small_predict
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_predict2):
     a = small_predict2
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert len(names) == 2 * 16 and "blocks.1.cross_attn.v_proj" in names and "blocks.0.mlp.layer2" in names
     assert "blocks.0.adaln_modulation_mlp.2" in names
     give_lora_b_values(dm)

@@ -105,7 +105,7 @@ def test_bucket_sides_follow_the_models_spatial_multiple():
 def test_ar_buckets_replace_the_spaced_ratios_and_pairs_become_ratios(tmp_path):
     """diffusion-pipe's ar_buckets: the listed ratios (a [w, h] pair is w / h) at each resolution's area."""
     from pipetrain.backend.config import DatasetConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     cfg = from_dict(DatasetConfig, {"resolutions": [[1280, 720]], "enable_ar_bucket": True,
                                     "ar_buckets": [1.0, [1216, 832]], "directory": [{"path": "x"}]},
@@ -121,7 +121,7 @@ def test_size_buckets_give_stills_and_clips_the_nearest_ratio_and_the_longest_cl
     from pipetrain.backend.config import DatasetConfig
     from pipetrain.backend.errors import DatasetError
     from pipetrain.backend.data.buckets import check_frame_buckets
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     cfg = from_dict(DatasetConfig, {"size_buckets": [[832, 480, 1], [480, 832], [832, 480, 33], [832, 480, 17],
                                                      [512, 512, 33]], "directory": [{"path": "x"}]},
@@ -142,7 +142,7 @@ def test_size_buckets_give_stills_and_clips_the_nearest_ratio_and_the_longest_cl
 def test_bad_explicit_buckets_are_refused_naming_the_key(tmp_path, data, key):
     from pipetrain.backend.config import DatasetConfig
     from pipetrain.backend.errors import ConfigError
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     with pytest.raises(ConfigError, match=f"key '{key.replace('[', '.').replace(']', '.')}"):
         from_dict(DatasetConfig, {**data, "directory": [{"path": "x"}]}, file=tmp_path / "dataset.toml")

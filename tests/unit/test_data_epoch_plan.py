@@ -153,7 +153,7 @@ def test_per_resolution_batches_follow_the_nearest_resolution_of_each_bucket(tmp
     first batch kept as the integer), and each bucket batches the entry nearest sqrt(width x height)."""
     from pipetrain.backend.config import RunConfig
     from pipetrain.backend.data.epoch_plan import EpochPlan, batches_by_resolution
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     cfg = from_dict(RunConfig, {"output_dir": str(tmp_path), "dataset": "d.toml",
                                 "micro_batch_size_per_gpu": [[512, 4], [1024, 1]],
@@ -188,7 +188,7 @@ def test_eval_batches_follow_diffusion_pipes_per_resolution_eval_lists(tmp_path,
     from types import SimpleNamespace
 
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
     from pipetrain.backend.train.eval import build_eval_sets
 
     cfg = from_dict(RunConfig, {"output_dir": str(tmp_path), "dataset": "d.toml", **keys,

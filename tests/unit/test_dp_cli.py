@@ -1,12 +1,12 @@
-"""diffusion-pipe's command line, parsed in-process (``backend/dp_cli.py``): ``train.py --deepspeed --config X`` and
-its underscore flags mean here what they mean in diffusion-pipe, the flags of no equivalent are refused naming what
+"""diffusion-pipe's command line, parsed in-process (``backend/process/dp_cli.py``): ``train.py --deepspeed --config X``
+and its underscore flags mean here what they mean in diffusion-pipe, the flags of no equivalent are refused naming what
 to use; ``tests/ranks/test_dp_command_line.py`` trains with that line."""
 from __future__ import annotations
 
 import pytest
 
 from pipetrain.backend.cli import _parser
-from pipetrain.backend.dp_cli import script_as_command
+from pipetrain.backend.process.dp_cli import script_as_command
 
 
 def _train_args(*argv: str):

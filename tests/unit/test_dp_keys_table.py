@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dp_files import DP_KEYS
 
-from pipetrain.backend.check_config import dp_key_line, dp_key_table
+from pipetrain.backend.commands.check_config import dp_key_line, dp_key_table
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "dp_keys.md"
 START = "<!-- generated: check_config.dp_key_table(tests/dp_files.py DP_KEYS) -->\n"

@@ -3,7 +3,7 @@ checkpoint and a stop (the stop file); each is taken once. ``tests/ranks/test_dp
 in a real run."""
 from __future__ import annotations
 
-from pipetrain.backend.rundir import RunDir
+from pipetrain.backend.run.folder import RunDir
 from pipetrain.backend.train.dp_layout import take_signals
 
 

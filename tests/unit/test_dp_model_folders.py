@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from dp_files import DP_OPTIMIZER
 
-from pipetrain.backend.check_config import report
+from pipetrain.backend.commands.check_config import report
 from pipetrain.backend.config import load_run_config
 from pipetrain.backend.errors import ConfigError, ModelError
 
@@ -168,7 +168,7 @@ def _sharded(folder: Path, tensors: dict, shards: int = 2) -> None:
 def test_weight_files_follow_the_index_and_skip_variant_copies(tmp_path):
     import torch
 
-    from pipetrain.backend.model_folders import weight_files
+    from pipetrain.backend.config.model_folders import weight_files
     _sharded(tmp_path / "a", {"x": torch.zeros(1), "y": torch.ones(1), "z": torch.ones(2)})
     _save(tmp_path / "a" / "stray.safetensors", {"q": torch.zeros(1)})   # not in the index: not read
     assert [p.name for p in weight_files(tmp_path / "a")] == [
@@ -353,7 +353,7 @@ def test_the_comfyui_version_probe_reads_a_folders_model(model_files, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from pipetrain.backend.comfyui_probe import probe_lora
+    from pipetrain.backend.parity.probe import probe_lora
     comfy_sd = _as_diffusers_transformer(model_files("sd3").diffusion_model, "sd3", tmp_path / "transformer")
     module = "joint_blocks.0.x_block.attn.qkv"
     width = comfy_sd[f"{module}.weight"].shape

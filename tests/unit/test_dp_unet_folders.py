@@ -40,7 +40,7 @@ def _diffusers_unet(config: dict) -> dict:
     diffusers = pytest.importorskip("diffusers")
     import torch
 
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     with torch.device("meta"):
         return diffusers.UNet2DConditionModel(**config).state_dict()

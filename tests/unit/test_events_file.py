@@ -3,7 +3,7 @@
 first event (a resume's ``start``)."""
 import pytest
 
-from pipetrain.backend.rundir import RunDir, read_events
+from pipetrain.backend.run.folder import RunDir, read_events
 from pipetrain.backend.train.events import RunReporter
 
 

@@ -71,8 +71,8 @@ def test_nothing_outside_the_run_survives_in_any_spelling(text, tmp_path):
 
 def test_the_trainer_names_its_run_folder_and_the_files_its_config_names(tmp_path):
     from pipetrain.backend.config import DatasetConfig, RunConfig
-    from pipetrain.backend.rundir import RunDir
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.run.folder import RunDir
+    from pipetrain.backend.config.schema import from_dict
     from pipetrain.backend.train.trainer import Trainer, TrainOptions
 
     cfg = from_dict(RunConfig, {"output_dir": str(tmp_path / "out"), "dataset": "d.toml", "lora_dir": "loras",

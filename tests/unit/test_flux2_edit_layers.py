@@ -9,10 +9,10 @@ from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_l
                           give_lora_b_values, layers_match_comfyui_forward, layout_state_dict,
                           lora_gradients_match_finite_differences)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.errors import ModelError
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24
@@ -45,7 +45,7 @@ def _inputs(adapter, size=(3, 5), refs=2, seed=1):
 
 
 def test_a_flux2_file_is_detected_as_flux2_and_trains_with_references_only_when_asked():
-    from pipetrain.backend import compat
+    from pipetrain.backend.config import compat
     from pipetrain.backend.models import loading, registry
 
     sd = layout_state_dict("flux2_edit", "full")
@@ -97,7 +97,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_edit):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_edit):
     a = small_edit
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert "double_blocks.0.img_attn.qkv" in names and "single_blocks.0.linear2" in names
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(a), eps=1e-4)   # ComfyUI's RoPE runs in float32

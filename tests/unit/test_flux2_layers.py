@@ -8,9 +8,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, flow_targets_agree_with_comfyui,
                           give_lora_b_values, layers_match_comfyui_forward, lora_gradients_match_finite_differences)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24   # Mistral's is 3 x 5120
@@ -134,7 +134,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_flux2):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_flux2):
     a = small_flux2
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert len(names) == 2 * 8 + 2 * 2   # qkv, proj and 2 MLP linears per stream; linear1 / linear2
     assert "double_blocks.1.txt_mlp.2" in names and "single_blocks.0.linear1" in names
     assert not any("modulation" in n for n in names)   # the shared modulation layers sit outside the blocks

@@ -7,10 +7,10 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.errors import ModelError
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 
@@ -102,7 +102,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_kontext):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_kontext):
     a = small_kontext
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert "double_blocks.0.img_attn.qkv" in names and "single_blocks.1.linear2" in names
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(), eps=1e-4)   # ComfyUI's RoPE runs in float32

@@ -5,7 +5,7 @@ import torch
 from layer_checks import (every_boundary_is_a_stage_boundary, give_lora_b_values,
                           lora_gradients_match_finite_differences, run_layers, small_flux_adapter)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_layers_match_comfyui_forward(small_flux):
 
 
 def _with_lora(adapter):
-    names = lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64),
+    names = injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64),
                         adapter.lora_block_prefixes)
     give_lora_b_values(adapter.diffusion_model)
     return names

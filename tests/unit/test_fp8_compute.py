@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.models import fp8
 
@@ -24,7 +24,7 @@ def _rel(a, b) -> float:
 def _adapted(in_features=256, out_features=512, bias=True, seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(in_features, out_features, bias=bias)).to(torch.bfloat16)
-    lora.inject(model, lora.LoRASpec(rank=8, alpha=8.0), ("0",))
+    injection.inject(model, injection.AdapterSpec(rank=8, alpha=8.0), ("0",))
     with torch.no_grad():
         model[0].lora_B.weight.normal_(0, 0.02)   # a LoRA that already does something
     return model
@@ -66,7 +66,7 @@ def test_convert_replaces_the_base_weight_in_place_and_skips_unaligned_or_traine
     model = _adapted()
     odd = nn.Linear(24, 40).to(torch.bfloat16)      # 24 and 40 are not multiples of 16
     model.append(odd)
-    lora.inject(model, lora.LoRASpec(rank=4, alpha=4.0), ("1",))
+    injection.inject(model, injection.AdapterSpec(rank=4, alpha=4.0), ("1",))
     keys = set(model.state_dict())
     param, weight = model[0].weight, model[0].weight.detach().clone()
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -88,7 +88,7 @@ def test_dora_reads_the_e4m3_weight_with_its_row_scales():
     orders of magnitude)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512)).to(torch.bfloat16)
-    lora.inject(model, lora.LoRASpec(rank=8, alpha=8.0, dora=True), ("0",))
+    injection.inject(model, injection.AdapterSpec(rank=8, alpha=8.0, dora=True), ("0",))
     with torch.no_grad():
         model[0].lora_B.weight.normal_(0, 0.02)
     x = torch.randn(2, 30, 256, dtype=torch.bfloat16)
@@ -116,7 +116,7 @@ def test_refused_without_an_fp8_gpu():
 
 def test_config_refuses_fp8_compute_for_full_finetunes_and_block_swapping():
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     assert from_dict(RunConfig, {**base, "adapter": {"rank": 4}, "fp8_compute": True}).fp8_compute is True
@@ -128,7 +128,7 @@ def test_config_refuses_fp8_compute_for_full_finetunes_and_block_swapping():
 
 
 def test_memory_node_passes_fp8_compute_to_the_run_config():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.settings import MemoryNode
     from test_options_nodes_memory_adapter import _config

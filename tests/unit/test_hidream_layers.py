@@ -9,8 +9,8 @@ from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_bou
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
                           layout_state_dict, lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 T5, LLAMA, POOLED, LLAMA_LAYERS = 24, 20, 16, 3   # HiDream's: 4096, 4096, 2048, 32
@@ -84,7 +84,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_hidream):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_hidream):
     a = small_hidream
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     # double: adaLN + 8 attention + shared expert 3 + 4 routed experts x 3 + text FFN 3; single: 1 + 4 + 3 + 12
     assert len(names) == 2 * 27 + 2 * 20
     assert {"double_stream_blocks.1.block.ff_i.experts.3.w2", "double_stream_blocks.0.block.attn1.to_k_t",

@@ -8,9 +8,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24          # the LLM's width (4096 / 3584 for real)
@@ -159,7 +159,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small):
     a = small
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     dead = 0 if len(dm.single_blocks) else 3   # no single blocks: the last text projection and MLP reach nothing
     assert len(names) == 10 * len(dm.double_blocks) + 3 * len(dm.single_blocks) - dead
     assert "double_blocks.1.txt_mod.lin" in names and "double_blocks.0.img_mlp.2" in names

@@ -1,11 +1,14 @@
-"""The dependency rule of ARCHITECTURE.md, checked over every import statement (function-local ones included):
+"""The dependency rule of ARCHITECTURE.md, checked over every import statement (function-local ones included);
+``test_architecture_states_this_rule`` holds ARCHITECTURE.md to the constants below, word for word:
 
 - ``backend`` runs headless and in the detached ranks: it never imports the launcher, the nodes, or ComfyUI's
   server side (``server``, ``execution``, ``comfy_api``, ``aiohttp``);
+- inside ``backend``, each room (a folder, or one of the few modules at its root) imports only the rooms listed
+  before it in ``ROOMS``, but for the function-local imports of ``UPWARD``;
 - ``launcher`` owns processes and routes: it never imports the nodes, and from the backend only its launcher
   façade (``LAUNCHER_FACADE``);
 - ``nodes`` are forms: from the backend they import only its façade (``NODE_FACADE``);
-- only ``backend/runtime.py`` changes ``sys.path``;
+- only ``backend/host/runtime.py`` changes ``sys.path``;
 - our own modules import each other relatively (ComfyUI imports the extension under a module name made of its
   folder's path, so ``pipetrain.`` is not its name there).
 """
@@ -19,18 +22,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("backend", "launcher", "nodes")
 SERVER_SIDE = ("server", "execution", "comfy_api", "comfy_execution", "aiohttp")
+# the backend's rooms, lowest first: a room imports only rooms before it (the modules at the root are rooms of one)
+ROOMS = ("errors", "fsutil", "config", "host", "models", "adapters", "data", "cache", "optim", "run", "process",
+         "memory", "parity", "sampling", "train", "preflight", "commands", "cli")
+# the only imports of a later room, each inside a function: a fact the lower room reads when asked
+UPWARD = (("backend.config.compat", "backend.models.registry"),      # which model type claims a file
+          ("backend.run.folder", "backend.train.checkpoint"),        # the checkpoint a resume starts from
+          ("backend.memory.plan_config", "backend.train.preservation"))  # the rows of a preservation batch
 # what a node may import from the backend: config and its run patches, preflight checks, errors, and the
 # model-type facts the Model node shows (registry, file detection, parity verdict), and the writer of datasets
 # made in the graph (Images To Dataset)
-NODE_FACADE = ("backend.config", "backend.preflight", "backend.errors", "backend.schema", "backend.parity",
+NODE_FACADE = ("backend.config", "backend.preflight", "backend.errors", "backend.parity.check",
                "backend.models.registry", "backend.models.loading", "backend.data.graph_dataset")
 # what the launcher (in the ComfyUI process) may import from the backend: config and run folders, the commands and
 # environments of the processes it starts, the checks it runs before starting one, and the sample files it serves
-LAUNCHER_FACADE = ("backend.config", "backend.errors", "backend.schema", "backend.preflight", "backend.rundir",
-                   "backend.run_control", "backend.commands", "backend.deepspeed_cli", "backend.cluster",
-                   "backend.fallback", "backend.fsutil", "backend.data", "backend.models.registry", "backend.optim",
-                   "backend.memory_plan", "backend.memory_plan_cli", "backend.memory_plan_config",
-                   "backend.sampling", "backend.sample_host", "backend.sample_audio", "backend.sample_clips")
+LAUNCHER_FACADE = ("backend.config", "backend.errors", "backend.fsutil", "backend.preflight", "backend.run",
+                   "backend.data", "backend.memory", "backend.sampling", "backend.process.command_lines",
+                   "backend.process.deepspeed_cli", "backend.process.cluster", "backend.parity.fallback",
+                   "backend.models.registry", "backend.optim.registry")
 
 
 def _modules():
@@ -39,20 +48,25 @@ def _modules():
             yield path, ".".join(path.relative_to(REPO).with_suffix("").parts)
 
 
-def _imports(path: Path, module: str):
+def _imports(path: Path, module: str, local: bool = False):
     """(line, name) of each import: our own modules (relative imports) as ``.backend.config`` etc., others
-    (ComfyUI's ``nodes``, torch, ...) as written; ``from m import x`` as ``m.x``, since x may be a module."""
+    (ComfyUI's ``nodes``, torch, ...) as written; ``from m import x`` as ``m.x``, since x may be a module.
+    With ``local``: (line, name, whether the import is inside a function)."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        found = []
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
+            found = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 base = "." + ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
-            for alias in node.names:
-                yield node.lineno, f"{base.rstrip('.')}.{alias.name}"
+            found = [f"{base.rstrip('.')}.{alias.name}" for alias in node.names]
+        for name in found:
+            yield (node.lineno, name, id(node) in in_functions) if local else (node.lineno, name)
 
 
 def _violations(rule) -> list[str]:
@@ -71,6 +85,45 @@ def _ours(packages) -> tuple[str, ...]:
 def test_the_backend_imports_neither_the_launcher_nor_the_nodes_nor_the_server():
     assert _violations(lambda module, name: module.startswith("backend.")
                        and _within(name, (*_ours(("launcher", "nodes")), *SERVER_SIDE))) == []
+
+
+def _room(module: str) -> str | None:
+    """The backend room of a module (``backend.train.loop``: ``train``; ``backend.cli``: ``cli``)."""
+    parts = module.lstrip(".").split(".")
+    return parts[1] if parts[0] == "backend" and len(parts) > 1 else None
+
+
+def test_each_backend_room_imports_only_the_rooms_before_it():
+    found = []
+    for path, module in _modules():
+        room = _room(module)
+        if room is None:
+            continue
+        for line, name, local in _imports(path, module, local=True):
+            target = _room(name) if name.startswith(".backend.") else None
+            if target is None or target == room or ROOMS.index(target) < ROOMS.index(room):
+                continue
+            if not (local and any(module == m and _within(name[1:], (t,)) for m, t in UPWARD)):
+                found.append(f"{path.relative_to(REPO)}:{line} ({room}) imports {name} ({target})")
+    assert found == []
+
+
+def test_every_room_is_ordered_and_every_upward_import_is_still_made():
+    on_disk = {p.stem for p in (REPO / "backend").glob("*.py") if p.stem != "__init__"} | {
+        p.parent.name for p in (REPO / "backend").glob("*/__init__.py")}
+    assert sorted(on_disk) == sorted(ROOMS)
+    made = {(module, name[1:]) for path, module in _modules() for _, name, local in _imports(path, module, local=True)
+            if local and name.startswith(".backend.")}
+    assert [(m, t) for m, t in UPWARD if not any(mm == m and _within(n, (t,)) for mm, n in made)] == []
+
+
+def test_architecture_states_this_rule():
+    """ARCHITECTURE.md names the rooms in this order, the upward imports and both façades, as this file does."""
+    text = " ".join((REPO / "ARCHITECTURE.md").read_text().split())
+    stated = [" → ".join(f"`{r}`" for r in ROOMS), *(f"`{m}` → `{t}`" for m, t in UPWARD),
+              ", ".join(f"`{f}`" for f in NODE_FACADE), ", ".join(f"`{f}`" for f in LAUNCHER_FACADE),
+              "Only `backend/host/runtime.py` changes `sys.path`"]
+    assert [s for s in stated if s not in text] == []
 
 
 def test_the_launcher_never_imports_the_nodes():
@@ -100,7 +153,7 @@ def test_only_the_runtime_module_changes_sys_path():
             if (isinstance(target, ast.Attribute) and target.attr == "path"
                     and isinstance(target.value, ast.Name) and target.value.id == "sys"):
                 found.append(module)
-    assert sorted(set(found)) == ["backend.runtime"]
+    assert sorted(set(found)) == ["backend.host.runtime"]
 
 
 def test_every_torch_load_is_restricted_to_tensors_and_plain_values():
@@ -125,7 +178,7 @@ def test_every_torch_load_is_restricted_to_tensors_and_plain_values():
     ("from ..launcher.core import x", "backend.train.loop", ".backend.launcher.core.x"),
     ("from ...launcher import core", "backend.train.loop", ".launcher.core"),
     ("from . import lora", "backend.train.loop", ".backend.train.lora"),
-    ("import server", "backend.verify", "server"),
+    ("import server", "backend.parity.verify", "server"),
     ("from nodes import NODE_CLASS_MAPPINGS", "launcher.comfy", "nodes.NODE_CLASS_MAPPINGS"),
 ])
 def test_the_checker_resolves_relative_imports(tmp_path, source, module, expected):

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 
 
 class Block(nn.Module):
@@ -21,7 +21,7 @@ class Net(nn.Module):
 
 def test_inject_targets_only_block_linears_and_freezes_the_rest():
     net = Net()
-    names = lora.inject(net, lora.LoRASpec(rank=2, alpha=4.0), ("blocks",), patterns=[r"qkv$"])
+    names = injection.inject(net, injection.AdapterSpec(rank=2, alpha=4.0), ("blocks",), patterns=[r"qkv$"])
     assert names == ["blocks.0.qkv", "blocks.1.qkv"]
     trainable = [n for n, p in net.named_parameters() if p.requires_grad]
     assert trainable == ["blocks.0.qkv.lora_A.weight", "blocks.0.qkv.lora_B.weight",
@@ -32,7 +32,7 @@ def test_forward_adds_scaled_low_rank_update():
     net = Net()
     x = torch.randn(3, 8)
     base = net.blocks[0].qkv(x)
-    lora.inject(net, lora.LoRASpec(rank=2, alpha=4.0), ("blocks",))
+    injection.inject(net, injection.AdapterSpec(rank=2, alpha=4.0), ("blocks",))
     m = net.blocks[0].qkv
     assert torch.equal(m(x), base)  # B starts at zero
     m.lora_B.weight.data.normal_()
@@ -42,22 +42,22 @@ def test_forward_adds_scaled_low_rank_update():
 
 def test_saved_keys_are_comfyui_keys_and_roundtrip(tmp_path):
     net = Net()
-    lora.inject(net, lora.LoRASpec(rank=2, alpha=3.0, seed=5), ("blocks",))
-    sd = lora.state_dict(net)
+    injection.inject(net, injection.AdapterSpec(rank=2, alpha=3.0, seed=5), ("blocks",))
+    sd = injection.state_dict(net)
     assert set(sd) == {f"diffusion_model.blocks.{i}.{m}.{k}" for i in (0, 1) for m in ("qkv", "proj")
                        for k in ("lora_A.weight", "lora_B.weight", "alpha")}
     assert float(sd["diffusion_model.blocks.0.qkv.alpha"]) == 3.0
     path = tmp_path / "x.safetensors"
-    lora.save_file(sd, path, lora.metadata_for({"rank": 2}))
+    injection.save_file(sd, path, injection.metadata_for({"rank": 2}))
     assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temporary left behind
     other = Net()
-    lora.inject(other, lora.LoRASpec(rank=2, alpha=3.0, seed=6), ("blocks",))
-    assert lora.load_into(other, lora.read_file(path)) == 4
+    injection.inject(other, injection.AdapterSpec(rank=2, alpha=3.0, seed=6), ("blocks",))
+    assert injection.load_into(other, injection.read_file(path)) == 4
     assert torch.equal(other.blocks[1].proj.lora_A.weight, net.blocks[1].proj.lora_A.weight)
 
 
 def test_initialisation_depends_on_seed_and_module_name_only():
     a, b = Net(), Net()
-    lora.inject(a, lora.LoRASpec(rank=2, alpha=2.0, seed=1), ("blocks",))
-    lora.inject(b, lora.LoRASpec(rank=2, alpha=2.0, seed=1), ("blocks.1",))
+    injection.inject(a, injection.AdapterSpec(rank=2, alpha=2.0, seed=1), ("blocks",))
+    injection.inject(b, injection.AdapterSpec(rank=2, alpha=2.0, seed=1), ("blocks.1",))
     assert torch.equal(a.blocks[1].qkv.lora_A.weight, b.blocks[1].qkv.lora_A.weight)

@@ -10,8 +10,8 @@ from feed_stubs import FlowAdapter, Store, cache_entries
 from pipetrain.backend.config import ModelConfig, RunConfig
 from pipetrain.backend.errors import ConfigError
 from pipetrain.backend.models.losses import Loss
-from pipetrain.backend.runtime import ensure_comfyui
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.host.runtime import ensure_comfyui
+from pipetrain.backend.config.schema import from_dict
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,7 +138,7 @@ def test_noise_offset_reaches_the_training_feed_not_the_eval_feed():
 # --- min_t / max_t on every flow model ----------------------------------------------------------------------
 def _flow_types():
     from pipetrain.backend.models.registry import ADAPTERS, adapter_class, unavailable_reason
-    from pipetrain.backend.runtime import PINNED_VERSION
+    from pipetrain.backend.host.runtime import PINNED_VERSION
     # the types the pinned ComfyUI trains (Flux 2 Klein needs a newer one: check_model refuses it there)
     return [t for t in sorted(ADAPTERS) if adapter_class(t).timestep_range
             and not unavailable_reason(t, PINNED_VERSION)]

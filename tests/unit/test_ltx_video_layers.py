@@ -11,9 +11,9 @@ from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, give_lor
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences,
                           padded_caption_inputs, run_layers, small_adapter)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import comfy_nodes, ensure_comfyui
+from pipetrain.backend.host.runtime import comfy_nodes, ensure_comfyui
 
 ensure_comfyui()
 TEXT = 48   # T5-XXL's width is 4096
@@ -145,7 +145,7 @@ def test_timesteps_take_the_shift_comfyui_samples_ltx_with_at_that_resolution(sm
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_ltx):
     a = small_ltx
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert len(names) == 2 * 10 and "transformer_blocks.1.attn2.to_v" in names
     assert "transformer_blocks.0.ff.net.0.proj" in names and "transformer_blocks.0.attn1.to_out.0" in names
     give_lora_b_values(dm)
@@ -227,7 +227,7 @@ def test_i2v_loss_leaves_out_the_given_first_frame(small_ltx_i2v):
 def test_i2v_lora_gradients_and_stage_boundaries(small_ltx_i2v):
     a = small_ltx_i2v
     dm = a.diffusion_model
-    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _i2v_inputs(), eps=1e-5)
     every_boundary_is_a_stage_boundary_with_lora(a, _i2v_inputs())

@@ -8,9 +8,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 40
@@ -154,9 +154,9 @@ def test_lora_targets_every_linear_of_the_layers_and_refiners_as_comfyui_keys_th
 
     a = small
     dm = a.diffusion_model
-    if not list(lora.adapted_modules(dm)):
-        lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
-    names = [m.lora_name for m in lora.adapted_modules(dm)]
+    if not list(injection.adapted_modules(dm)):
+        injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = [m.lora_name for m in injection.adapted_modules(dm)]
     modulation = {"z_image": "adaLN_modulation.0", "lumina2": "adaLN_modulation.1"}[a.arch]
     per_block = ["attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
     want = [f"{stack}.{i}.{n}" for stack in ("noise_refiner", "layers") for i in range(2)
@@ -170,8 +170,8 @@ def test_lora_targets_every_linear_of_the_layers_and_refiners_as_comfyui_keys_th
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small):
     a = small
     dm = a.diffusion_model
-    if not list(lora.adapted_modules(dm)):
-        lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    if not list(injection.adapted_modules(dm)):
+        injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(), eps=1e-4)   # ComfyUI's RoPE runs in float32
 

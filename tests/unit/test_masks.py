@@ -38,7 +38,7 @@ def test_a_mask_image_becomes_red_channel_weights_on_the_latent_grid(tmp_path):
 
 def _dataset(tmp_path, **directory):
     from pipetrain.backend.config import DatasetConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     images = tmp_path / "images"
     images.mkdir(exist_ok=True)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from pipetrain.backend import memory_plan as mp
+from pipetrain.backend.memory import plan as mp
 from pipetrain.backend.models.meta_trace import LayerFootprint
 
 MIB = 2 ** 20
@@ -61,7 +61,7 @@ def test_fp8_compute_halves_the_linear_weights_in_training_but_loads_them_in_bf1
 
 def test_training_of_counts_fp8_compute_only_where_the_weights_load_in_bf16():
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     base = {"output_dir": "o", "dataset": "d.toml", "adapter": {"rank": 4}, "fp8_compute": True,
             "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
@@ -102,7 +102,7 @@ def test_auto_takes_the_fastest_settings_that_fit_and_says_when_none_do():
 
 
 def _trace(files, device):
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers
@@ -114,7 +114,7 @@ def _trace(files, device):
         adapter.use_model(loading.build_meta_model(files.diffusion_model, torch.float32, "flux"))
     else:
         adapter.load_diffusion_model()
-    lora.inject(adapter.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
+    injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=4, alpha=4.0), adapter.lora_block_prefixes)
     inputs = probe_inputs(adapter, 64, 48, batch=2)
     return trace_layers(adapter.to_layers(), to_meta_where_large(inputs) if device == "meta" else inputs)
 
@@ -184,7 +184,7 @@ def test_memory_limit_out_of_range_is_refused_naming_the_key(value, tiny_flux_fi
 def test_a_plan_is_traced_once_per_model_and_size(tiny_flux_files, make_run, tmp_path, monkeypatch):
     """The queue-time plan memoises the traced footprints: the second plan of the same run does not trace; a
     different size traces again."""
-    from pipetrain.backend import memory_plan_config as mpc
+    from pipetrain.backend.memory import plan_config as mpc
     from pipetrain.backend.config import load_run_config
 
     cfg = load_run_config(make_run(tiny_flux_files, images=2))
@@ -205,7 +205,7 @@ def test_the_largest_bucket_counts_size_buckets_and_frames(tiny_flux_files, make
     import dataclasses
 
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.memory_plan_config import largest_probe
+    from pipetrain.backend.memory.plan_config import largest_probe
 
     cfg = load_run_config(make_run(tiny_flux_files, images=2))
     object.__setattr__(cfg, "_dataset", dataclasses.replace(cfg.dataset_config, resolutions=[256],
@@ -265,7 +265,7 @@ def test_a_run_nothing_fits_is_told_the_smallest_change_that_would():
 def test_the_plan_carries_the_preservation_rows(tiny_flux_files, make_run):
     """diff_output_preservation triples each micro-batch's rows in the pipeline: the queue-time plan traces them."""
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.memory_plan_config import largest_probe
+    from pipetrain.backend.memory.plan_config import largest_probe
 
     plain = largest_probe(load_run_config(make_run(tiny_flux_files, images=2, name="plain")))
     dop = largest_probe(load_run_config(make_run(tiny_flux_files, images=2, name="dop", diff_output_preservation=True,

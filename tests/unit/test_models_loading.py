@@ -12,7 +12,7 @@ from pipetrain.backend.errors import ModelError
 from pipetrain.backend.models import loading, tiny
 from pipetrain.backend.models.flux import build_flux
 from pipetrain.backend.models.sdxl import SDXL_UNET_FULL, SDXL_UNET_TINY, build_sdxl_unet
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 import comfy.model_detection  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 from pipetrain.launcher.cluster_form import cluster_form, cluster_table, local_devices, parse_env, parse_hosts
 from pipetrain.launcher.specs import ClusterSpec
 
@@ -15,7 +15,7 @@ NO_SSH = {"cluster": "no_ssh", "hosts": "node-a:1, node-b:1", "master_addr": "12
 @pytest.fixture(scope="module")
 def node():
     ensure_comfyui()
-    from pipetrain.nodes.settings import ParallelismNode
+    from pipetrain.nodes.parallelism import ParallelismNode
     return ParallelismNode
 
 
@@ -82,7 +82,7 @@ def test_only_this_machines_slots_are_held():
 
 
 def test_the_launcher_writes_a_cluster_run_config_the_backend_loads(tmp_path):
-    from pipetrain.backend.cluster import node_environment, read_hosts
+    from pipetrain.backend.process.cluster import node_environment, read_hosts
     from pipetrain.backend.config import load_run_config
     from pipetrain.launcher.build import write_config
     from pipetrain.backend.config.patch import RunPatch

@@ -10,9 +10,9 @@ from layer_checks import (captions_batch_as_if_alone, comfyui_detects, every_bou
                           layout_state_dict, lora_gradients_match_finite_differences, padded_caption_inputs,
                           small_adapter)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24   # Qwen2.5-VL-3B's width is 2048
@@ -80,7 +80,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_omnigen2):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_omnigen2):
     a = small_omnigen2
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     # modulated blocks: q/k/v/out + 3 feed-forward + the modulation linear; the context refiner has no modulation
     assert len(names) == 2 * 8 + 2 * 7 + 2 * 8
     assert {"layers.1.attn.to_out.0", "noise_refiner.0.norm1.linear",

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""diffusion-pipe's ``automagic`` optimizer (backend/optim_automagic.py): per-element learning rates that grow
+"""diffusion-pipe's ``automagic`` optimizer (backend/optim/automagic.py): per-element learning rates that grow
 while an element's step keeps its sign and shrink when it flips, within [min_lr, max_lr]."""
 import io
 
 import pytest
 import torch
 
-from pipetrain.backend.optim_automagic import Automagic
+from pipetrain.backend.optim.automagic import Automagic
 
 
 def _step(opt, p, grad):

@@ -11,7 +11,7 @@ from dp_files import DP_AR_BUCKETS, DP_MONITORING, DP_OPTIMIZER
 from feed_stubs import FlowAdapter as _Adapter, Store as _Store, cache_entries as _entries
 from safetensors.torch import save_file
 
-from pipetrain.backend import optim
+from pipetrain.backend.optim import registry as optim
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig, load_dataset_config, load_run_config, save_toml
 from pipetrain.backend.data import caption_variants, drops_caption, expand_captions, scan_dataset
 from pipetrain.backend.data.buckets import build_examples
@@ -340,7 +340,7 @@ def test_step_intervals_from_examples():
 
 def test_eval_timesteps_are_quantiles_of_the_training_distribution():
     from pipetrain.backend.models.objectives import FlowMatching
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     g = torch.Generator().manual_seed(0)
@@ -356,7 +356,7 @@ def test_eval_timesteps_are_quantiles_of_the_training_distribution():
 
 
 def test_the_training_feed_swaps_dropped_captions_for_the_empty_one():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.feed import MicroBatchFeed
 
     ensure_comfyui()
@@ -375,7 +375,7 @@ def test_the_training_feed_swaps_dropped_captions_for_the_empty_one():
 def test_a_prefetched_step_is_the_step_built_in_place_and_a_stale_one_is_rebuilt():
     import threading
 
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.feed import MicroBatchFeed
 
     ensure_comfyui()
@@ -418,7 +418,7 @@ def test_a_micro_batch_moves_each_tensor_once_keeping_the_labels_the_inputs_tens
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_feed_hands_over_device_tensors_built_in_pinned_memory():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.feed import MicroBatchFeed
 
     ensure_comfyui()
@@ -434,7 +434,7 @@ def test_on_a_gpu_the_feed_hands_over_device_tensors_built_in_pinned_memory():
 
 
 def test_the_eval_feed_is_deterministic_per_sample_whatever_the_batching():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.backend.train.eval import EvalFeed
 
     ensure_comfyui()
@@ -449,18 +449,18 @@ def test_the_eval_feed_is_deterministic_per_sample_whatever_the_batching():
 
 
 def _lora_net(seed):
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection
 
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    lora.inject(net, lora.LoRASpec(rank=2, alpha=2.0, seed=seed), ("0", "1"))
+    injection.inject(net, injection.AdapterSpec(rank=2, alpha=2.0, seed=seed), ("0", "1"))
     return net
 
 
 def _cfg(init, rank=2):
     """A real run config with ``[adapter] init_from_existing`` (absolute paths: resolve leaves them)."""
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     return from_dict(RunConfig, {"output_dir": "o", "dataset": "d.toml",
                                  "model": {"type": "flux", "diffusion_model": "m", "vae": "v"},
@@ -468,12 +468,12 @@ def _cfg(init, rank=2):
 
 
 def test_init_from_existing_reads_a_file_or_a_diffusion_pipe_folder_and_checks_it(tmp_path):
-    from pipetrain.backend import lora
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.adapters import injection
+    from pipetrain.backend.run.folder import RunDir
     from pipetrain.backend.train.engine import load_existing
     from pipetrain.backend.train.events import RunReporter
 
-    source = lora.state_dict(_lora_net(1))
+    source = injection.state_dict(_lora_net(1))
     source = {k: v + 1.0 if "lora_" in k else v for k, v in source.items()}
     (tmp_path / "run").mkdir()
     save_file(source, str(tmp_path / "run" / "adapter_model.safetensors"))    # diffusion-pipe's folder layout
@@ -481,7 +481,7 @@ def test_init_from_existing_reads_a_file_or_a_diffusion_pipe_folder_and_checks_i
     run_dir = RunDir(tmp_path / "report")
     run_dir.path.mkdir()
     load_existing(_cfg(tmp_path / "run"), net, ["0", "1"], RunReporter(run_dir, enabled=True))
-    assert all(torch.equal(v, source[k]) for k, v in lora.state_dict(net).items() if "lora_" in k)
+    assert all(torch.equal(v, source[k]) for k, v in injection.state_dict(net).items() if "lora_" in k)
     [event] = run_dir.read_events()[0]
     assert event["type"] == "init_from_existing" and event["modules_loaded"] == 2 and event["modules"] == 2
     silent = RunReporter(run_dir, enabled=False)
@@ -530,16 +530,16 @@ def test_init_from_existing_reads_diffusion_pipes_diffusers_named_flux_save_as_c
     """diffusion-pipe's Flux saves are Diffusers-named (``transformer.transformer_blocks.N.attn.to_q.lora_A``: q, k,
     v apart, where ComfyUI's Flux has one qkv linear). Loaded into the run's adapter, every module's update is the
     one ComfyUI's own LoRA loader applies from that file; a rank too small to hold the fused parts is refused."""
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     import comfy.lora
     import comfy.utils
 
-    from pipetrain.backend import lora
+    from pipetrain.backend.adapters import injection as lora
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.rundir import RunDir
+    from pipetrain.backend.run.folder import RunDir
     from pipetrain.backend.train.engine import load_existing
     from pipetrain.backend.train.events import RunReporter
 

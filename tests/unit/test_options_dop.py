@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Differential output preservation (``diff_output_preservation``): under ``lora.base_rows`` the last third of every
-adapted layer's rows is the base layer's output exactly, for each adapter type, and through a Flux model's pipeline
-layers the target rows are the base model's prediction on the preservation caption while the middle rows are the
-adapted one's; the loss adds the multiplier times the preservation loss against the detached target and keeps it
+"""Differential output preservation (``diff_output_preservation``): under ``injection.base_rows`` the last third of
+every adapted layer's rows is the base layer's output exactly, for each adapter type, and through a Flux model's
+pipeline layers the target rows are the base model's prediction on the preservation caption while the middle rows are
+the adapted one's; the loss adds the multiplier times the preservation loss against the detached target and keeps it
 apart; the feed builds the rows; the preservation caption swaps whole words and has its own cache key; the config
 names its keys; the LoRA Adapter node sets them."""
 from __future__ import annotations
@@ -13,12 +13,12 @@ from feed_stubs import FlowAdapter, Store, cache_entries
 from layer_checks import give_lora_b_values, run_layers, small_flux_adapter
 from torch import nn
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.adapters import ADAPTERS
 from pipetrain.backend.config import RunConfig
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.runtime import ensure_comfyui
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.host.runtime import ensure_comfyui
+from pipetrain.backend.config.schema import from_dict
 from pipetrain.backend.train.feed import MicroBatchFeed
 from pipetrain.backend.train.preservation import PARTS, PreservationLoss, has_trigger, preservation_caption
 from pipetrain.backend.train.reg_loss import SplitLoss, StepSums, group_losses
@@ -28,11 +28,11 @@ def _adapted(kind: str, dora: bool = False) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8)).double()
     base = [m.weight.detach().clone() for m in model if isinstance(m, nn.Linear)]
-    spec = lora.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64, kind=kind, dora=dora)
-    lora.inject(model, spec, ("0", "2"))
+    spec = injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64, kind=kind, dora=dora)
+    injection.inject(model, spec, ("0", "2"))
     with torch.no_grad():   # every type moves away from the base layer (several start as the identity)
         g = torch.Generator().manual_seed(3)
-        for p in lora.trainable_parameters(model):
+        for p in injection.trainable_parameters(model):
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2)
     assert all(torch.equal(w, m.weight) for w, m in zip(base, [model[0], model[2]]))
     return model
@@ -51,14 +51,14 @@ def test_the_last_third_of_the_rows_sees_the_base_layers_alone(kind, dora):
     model = _adapted(kind, dora)
     x = torch.randn(6, 5, 8, dtype=torch.float64)       # 2 samples x 3 parts, 5 tokens each
     adapted = model(x)
-    with lora.base_rows(PARTS):
+    with injection.base_rows(PARTS):
         out = model(x)
     base = _base_output(model, x)
     assert torch.equal(out[4:], base[4:])                # the target rows: the base model, bit for bit
     assert torch.allclose(out[:4], adapted[:4], rtol=0, atol=1e-12)
     assert (out[2:4] - base[2:4]).abs().max() > 1e-3     # the adapter acts on the other rows
     out[4:].sum().backward()                             # and the target rows send it no gradient
-    assert all(p.grad is None or not p.grad.any() for p in lora.trainable_parameters(model))
+    assert all(p.grad is None or not p.grad.any() for p in injection.trainable_parameters(model))
     assert torch.equal(model(x), adapted)                # off again after the block
 
 
@@ -66,7 +66,7 @@ def test_the_last_third_of_the_rows_sees_the_base_layers_alone(kind, dora):
 def test_on_the_gpu_in_bfloat16_the_target_rows_are_the_base_output_bit_for_bit():
     model = _adapted("lora").to("cuda", torch.bfloat16)
     x = torch.randn(6, 5, 8, device="cuda", dtype=torch.bfloat16)
-    with lora.base_rows(PARTS):
+    with injection.base_rows(PARTS):
         out = model(x)
     assert torch.equal(out[4:], _base_output(model, x)[4:])
     assert (out[2:4].float() - _base_output(model, x)[2:4].float()).abs().max() > 1e-2
@@ -74,7 +74,7 @@ def test_on_the_gpu_in_bfloat16_the_target_rows_are_the_base_output_bit_for_bit(
 
 def test_rows_not_in_three_equal_parts_are_refused():
     model = _adapted("lora")
-    with lora.base_rows(PARTS), pytest.raises(RuntimeError, match="not 3 equal parts"):
+    with injection.base_rows(PARTS), pytest.raises(RuntimeError, match="not 3 equal parts"):
         model(torch.randn(4, 8, dtype=torch.float64))
 
 
@@ -92,13 +92,14 @@ def test_through_flux_layers_the_target_is_the_base_models_prediction_on_the_pre
             torch.cat([pooled, kept_pooled, kept_pooled]))
     with torch.no_grad():
         base = run_layers(a.to_layers(), (x0, noise, t, kept_ctx, kept_pooled))   # no adapter yet: the base model
-    lora.inject(a.diffusion_model, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    injection.inject(a.diffusion_model, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64),
+                     a.lora_block_prefixes)
     give_lora_b_values(a.diffusion_model, std=0.2)
     layers = a.to_layers()
     with torch.no_grad():
         main = run_layers(layers, (x0, noise, t, ctx, pooled))
         kept = run_layers(layers, (x0, noise, t, kept_ctx, kept_pooled))
-    with lora.base_rows(PARTS):
+    with injection.base_rows(PARTS):
         out = run_layers(layers, rows)
     assert torch.allclose(out[4:], base, rtol=0, atol=1e-12)      # the target: the base model's prediction
     assert torch.allclose(out[:2], main, rtol=0, atol=1e-12)      # the training rows: the adapted model's
@@ -110,7 +111,7 @@ def test_through_flux_layers_the_target_is_the_base_models_prediction_on_the_pre
     expected = a.loss(main, (x0, noise, t)) + 0.5 * nn.functional.mse_loss(kept, base)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
     loss.backward()
-    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in lora.trainable_parameters(a.diffusion_model))
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in injection.trainable_parameters(a.diffusion_model))
 
 
 def _mse(pred, labels):
@@ -230,7 +231,7 @@ def test_compiled_layers_follow_base_rows_in_and_out():
     adapted, base = model(x), _base_output(model, x)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
     assert torch.allclose(compiled(x), adapted, rtol=0, atol=1e-12)       # traced without base rows first
-    with lora.base_rows(PARTS):
+    with injection.base_rows(PARTS):
         out = compiled(x)
     assert torch.equal(out[4:], base[4:])
     assert (out[2:4] - base[2:4]).abs().max() > 1e-3

@@ -10,7 +10,7 @@ from torch import nn
 
 from pipetrain.backend.config import RunConfig
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.config.schema import from_dict
 from pipetrain.backend.train.ema import WeightAverage
 
 
@@ -120,7 +120,7 @@ def test_a_decay_without_ema_names_the_key():
 
 
 def test_the_adapter_node_sets_ema_and_its_decay():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.settings import AdapterNode
 

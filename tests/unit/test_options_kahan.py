@@ -10,7 +10,7 @@ import torch
 
 from pipetrain.backend.config import ModelConfig, OptimizerConfig
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.optim import make_optimizer, resolve_optimizer
+from pipetrain.backend.optim.registry import make_optimizer, resolve_optimizer
 
 START = (torch.rand(64, 64, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.5).bfloat16().float()
 
@@ -66,7 +66,7 @@ def test_without_bitsandbytes_the_error_names_the_package(monkeypatch):
         if name.split(".")[0] == "bitsandbytes":
             raise ImportError("No module named 'bitsandbytes'", name="bitsandbytes")
         return real_import(name, *args, **kwargs)
-    for mod in [m for m in sys.modules if m.startswith("bitsandbytes") or m.endswith("optim_kahan")]:
+    for mod in [m for m in sys.modules if m.startswith("bitsandbytes") or m.endswith("optim.kahan")]:
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setattr(builtins, "__import__", no_bnb)
     with pytest.raises(ConfigError, match=r"key 'optimizer.type'.*pip install bitsandbytes"):

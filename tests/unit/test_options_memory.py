@@ -10,7 +10,7 @@ from conftest import micro_flux_with_lora
 from layer_checks import checkpointed_layers, is_down_projection, saved_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.models.checkpointing import ATTENTION_OPS
 
 
@@ -29,7 +29,7 @@ def _step(adapter, inputs, mode):
         h = layer(h)
         grad_fns |= {type(x.grad_fn).__name__ for x in (h if isinstance(h, tuple) else (h,)) if x.grad_fn}
     loss = adapter.loss(h, (x0, noise, t))
-    params = lora.trainable_parameters(adapter.diffusion_model)
+    params = injection.trainable_parameters(adapter.diffusion_model)
     for p in params:
         p.grad = None
     loss.backward()   # as DeepSpeed does (the offloaded recompute accumulates into .grad, like reentrant checkpoints)
@@ -120,7 +120,7 @@ def test_selective_warns_only_where_its_policy_runs_eagerly():
 def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():
     from pipetrain.backend.config import RunConfig
     from pipetrain.backend.errors import ConfigError
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
     assert from_dict(RunConfig, {**base, "activation_checkpointing": "unsloth"}).activation_checkpointing == "unsloth"
@@ -134,7 +134,7 @@ def test_unsloth_is_accepted_in_the_config_and_wrong_values_named():
 def _saved_bytes(adapter, inputs, layers) -> tuple[int, torch.Tensor]:
     """Bytes autograd keeps for backward over one forward (what activation checkpointing trades for compute)."""
     x0, noise, t, text = inputs
-    params = lora.trainable_parameters(adapter.diffusion_model)
+    params = injection.trainable_parameters(adapter.diffusion_model)
     for p in params:
         p.grad = None
     torch.manual_seed(11)   # LoRA dropout masks
@@ -197,7 +197,7 @@ def test_the_checkpointed_share_is_spread_evenly():
 def _config_from_memory_node(memory):
     """The RunConfig the launcher writes for a Memory node's spec."""
     from pipetrain.backend.config import RunConfig
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
     from pipetrain.launcher.build import run_table
     from pipetrain.launcher.forms import model_patch
     from test_options_nodes_memory_adapter import DATA
@@ -212,7 +212,7 @@ def _config_from_memory_node(memory):
 def test_the_fraction_is_checked_and_reaches_the_config_from_the_memory_node():
     from pipetrain.backend.config import RunConfig
     from pipetrain.backend.errors import ConfigError
-    from pipetrain.backend.schema import from_dict
+    from pipetrain.backend.config.schema import from_dict
     from pipetrain.launcher.forms import memory_patch
 
     base = {"output_dir": "o", "dataset": "d.toml", "model": {"type": "flux", "diffusion_model": "m", "vae": "v"}}
@@ -233,8 +233,8 @@ def test_the_fraction_is_checked_and_reaches_the_config_from_the_memory_node():
 def test_the_activation_memory_budget_is_checked_and_reaches_the_config_from_the_memory_node():
     from pipetrain.backend.config import RunConfig
     from pipetrain.backend.errors import ConfigError
-    from pipetrain.backend.schema import from_dict
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.config.schema import from_dict
+    from pipetrain.backend.host.runtime import ensure_comfyui
     from pipetrain.launcher.forms import memory_patch
 
     ensure_comfyui()   # the nodes import comfy_api

@@ -4,12 +4,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.errors import ModelError
 from pipetrain.backend.models.registry import adapter_class
-from pipetrain.backend.runtime import ensure_comfyui
-from pipetrain.backend.verify import comfy_lora_model
+from pipetrain.backend.host.runtime import ensure_comfyui
+from pipetrain.backend.parity.verify import comfy_lora_model
 
 ensure_comfyui()
 
@@ -26,17 +26,18 @@ def _flux(files, merge=()):
 def _random_lora(files, path, seed=1):
     """A LoRA in PipeTrain's (ComfyUI's) keys with non-zero B, so it changes the weights."""
     donor = _flux(files)
-    lora.inject(donor.diffusion_model, lora.LoRASpec(rank=4, alpha=8.0, seed=seed), donor.lora_block_prefixes)
+    injection.inject(donor.diffusion_model, injection.AdapterSpec(rank=4, alpha=8.0, seed=seed),
+                     donor.lora_block_prefixes)
     g = torch.Generator().manual_seed(seed)
-    for m in lora.adapted_modules(donor.diffusion_model):
+    for m in injection.adapted_modules(donor.diffusion_model):
         m.lora_B.weight.data.normal_(0, 0.05, generator=g)
-    save_file(lora.state_dict(donor.diffusion_model), str(path))
+    save_file(injection.state_dict(donor.diffusion_model), str(path))
     return path
 
 
 def _flux_with_lora(files):
     a = _flux(files)
-    lora.inject(a.diffusion_model, lora.LoRASpec(rank=4, alpha=8.0), a.lora_block_prefixes)
+    injection.inject(a.diffusion_model, injection.AdapterSpec(rank=4, alpha=8.0), a.lora_block_prefixes)
     return a.diffusion_model
 
 
@@ -51,7 +52,8 @@ def test_merged_weights_equal_comfyuis_lora_patched_weights(micro_flux_files, tm
     patched.patch_model()   # bakes the patches into the (shared) model's weights, as ComfyUI does to sample
     expected = patched.model.diffusion_model.state_dict()
     changed = [k for k in expected if not torch.equal(expected[k], original[k])]
-    assert len(changed) == len(list(lora.adapted_modules(_flux_with_lora(micro_flux_files))))   # every adapted linear
+    # every adapted linear
+    assert len(changed) == len(list(injection.adapted_modules(_flux_with_lora(micro_flux_files))))
     for k, v in expected.items():
         torch.testing.assert_close(merged[k], v, rtol=1e-6, atol=1e-7)
     patched.unpatch_model()

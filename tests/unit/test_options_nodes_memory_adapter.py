@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.backend.config import RunConfig
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.config.schema import from_dict
 from pipetrain.backend.config.patch import RunPatch
 from pipetrain.launcher.build import run_table
 from pipetrain.launcher.forms import adapter_patch, folder_patch, memory_patch, model_patch
@@ -34,7 +34,7 @@ def test_adapter_types_optimizer_and_block_swap_reach_the_config():
 
 
 def test_node_forms_build_those_specs():
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.settings import AdapterNode, MemoryNode, OptimizerNode
 
@@ -58,7 +58,7 @@ def test_a_merged_lora_from_the_model_node_reaches_the_config():
 
 def test_the_memory_nodes_checkpointing_switches_pick_the_mode():
     from pipetrain.backend.errors import ConfigError
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.settings import MemoryNode
 

@@ -14,7 +14,7 @@ import torch
 from pipetrain.backend.config import DatasetConfig
 from pipetrain.backend.data import EpochPlan, MediaItem, Example
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.config.schema import from_dict
 from pipetrain.backend.train.reg_loss import SplitLoss, group_losses
 
 SQUARE, WIDE = (512, 512), (640, 400)
@@ -119,7 +119,7 @@ def test_reg_directories_alone_are_refused_naming_the_key():
 def test_is_reg_reaches_the_scanned_items(tmp_path):
     from pipetrain.backend.cache.manifest import CacheEntry
     from pipetrain.backend.data import scan_dataset
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
 
     make_dataset(tmp_path / "a", 2)
     make_dataset(tmp_path / "b", 3)
@@ -131,8 +131,8 @@ def test_is_reg_reaches_the_scanned_items(tmp_path):
 
 
 def test_the_dataset_node_sets_is_reg_and_reg_ratio(tmp_path):
-    from pipetrain.backend.demo import make_dataset
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.commands.demo import make_dataset
+    from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     from pipetrain.nodes.data import DatasetNode
 

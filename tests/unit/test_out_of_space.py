@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from pipetrain.backend.fsutil import OutOfSpace
-from pipetrain.backend.rundir import RunDir
+from pipetrain.backend.run.folder import RunDir
 from pipetrain.backend.train.events import RunReporter
 
 

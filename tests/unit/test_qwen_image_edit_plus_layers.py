@@ -7,9 +7,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, flow_targets_agree_with_comfyui,
                           give_lora_b_values, layers_match_comfyui_forward, lora_gradients_match_finite_differences)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24
@@ -102,7 +102,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_plus):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_plus):
     a = small_plus
     dm = a.diffusion_model
-    lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(2), eps=1e-5)
     every_boundary_is_a_stage_boundary_with_lora(a, _inputs(2))

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """diffusion-pipe's Qwen-Image ``diffusers_path``: a Diffusers Qwen-Image pipeline folder's VAE (diffusers'
 AutoencoderKLQwenImage) and Qwen2.5-VL text encoder (Hugging Face, either key layout) load in ComfyUI, renamed to
-its keys (``backend/model_folders.py``), as the networks diffusers / transformers run from the same weights: the
+its keys (``backend/config/model_folders.py``), as the networks diffusers / transformers run from the same weights: the
 same latents for the same pixels, the same hidden states for the same tokens."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from pipetrain.backend.model_folders import qwen_vl_state_dict, text_encoder_kind, wan_vae_state_dict
+from pipetrain.backend.config.model_folders import qwen_vl_state_dict, text_encoder_kind, wan_vae_state_dict
 
 QWEN_VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])   # Qwen-Image's layout at a sixth of its width (96)

@@ -9,9 +9,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 24   # Qwen2.5-VL-7B's width is 3584
@@ -141,7 +141,8 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_qwen, small_qwe
 def test_lora_targets_every_block_linear_that_reaches_the_output(small_qwen):
     import copy
     dm = copy.deepcopy(small_qwen.diffusion_model)
-    names = lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), small_qwen.lora_block_prefixes)
+    spec = injection.AdapterSpec(rank=2, alpha=2.0, dtype=torch.float64)
+    names = injection.inject(dm, spec, small_qwen.lora_block_prefixes)
     assert len(names) == 14 + 10
     assert "transformer_blocks.0.attn.to_add_out" in names and "transformer_blocks.0.txt_mlp.net.2" in names
     assert "transformer_blocks.1.img_mod.1" in names and "transformer_blocks.1.attn.add_k_proj" in names
@@ -155,8 +156,8 @@ def test_lora_targets_every_block_linear_that_reaches_the_output(small_qwen):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_qwen, small_qwen_edit, model_type):
     a = small_qwen if model_type == "qwen_image" else small_qwen_edit
     dm = a.diffusion_model
-    if not list(lora.adapted_modules(dm)):
-        lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    if not list(injection.adapted_modules(dm)):
+        injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
         give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(reference=model_type == "qwen_image_edit"), eps=1e-5)
 

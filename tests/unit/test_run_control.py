@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from pipetrain.backend import run_control
-from pipetrain.backend.run_control import ControlValueError, Requests
-from pipetrain.backend.rundir import RunDir
+from pipetrain.backend.run import control as run_control
+from pipetrain.backend.run.control import ControlValueError, Requests
+from pipetrain.backend.run.folder import RunDir
 from pipetrain.backend.train.schedule import lr_multiplier, set_base_lr
 
 

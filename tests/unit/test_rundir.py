@@ -1,4 +1,4 @@
-"""The run folder as one contract (``backend/rundir.py``): the run-id rules both processes apply, the format
+"""The run folder as one contract (``backend/run/folder.py``): the run-id rules both processes apply, the format
 version each run folder records, and no other module spelling the folder's file names."""
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.backend import rundir
+from pipetrain.backend.run import folder as rundir
 from pipetrain.backend.config import RunConfig
 from pipetrain.backend.errors import ConfigError
-from pipetrain.backend.rundir import (FORMAT, RUN_ID, RunDir, RunFormatError, RunsRoot, check_run_id,
-                                      choose_run_dir, new_run_id)
-from pipetrain.backend.schema import from_dict
+from pipetrain.backend.run.folder import (FORMAT, RUN_ID, RunDir, RunFormatError, RunsRoot, check_run_id,
+    choose_run_dir, new_run_id)
+from pipetrain.backend.config.schema import from_dict
 
 REPO = Path(__file__).resolve().parents[2]
-# names that belong to the run folder alone: only rundir.py may spell them
+# names that belong to the run folder alone: only run/folder.py may spell them
 CONTRACT = {"status.json", "events.jsonl", "stop", "launcher.json", "format.json", ".lock"}
-OTHER_FOLDERS = {REPO / "backend" / "rundir.py",
+OTHER_FOLDERS = {REPO / "backend" / "run" / "folder.py",
                  REPO / "bench" / "diffusion_pipe.py"}   # diffusion-pipe's own run folder, not a PipeTrain one
-NOT_FILE_NAMES = {("backend/patches_deepspeed.py", "stop")}     # a parameter name in DeepSpeed's signature guard
+NOT_FILE_NAMES = {("backend/train/patches_deepspeed.py", "stop")}     # a parameter name in DeepSpeed's signature guard
 
 
 def _cfg(tmp_path: Path, **run) -> RunConfig:
@@ -148,7 +148,7 @@ def test_a_finished_run_is_not_resumed_and_the_newest_unfinished_one_is(tmp_path
 
 
 def test_a_new_run_with_a_taken_run_name_is_refused_naming_resume(tmp_path):
-    from pipetrain.backend.rundir import check_unused
+    from pipetrain.backend.run.folder import check_unused
 
     cfg = _cfg(tmp_path, run_name="chain")
     prepared = choose_run_dir(cfg, None)

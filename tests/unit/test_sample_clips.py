@@ -61,7 +61,7 @@ def test_i2v_samples_start_from_the_datasets_first_clip_frame(arch, latent_frame
 
 
 def test_a_clip_is_an_animated_webp_at_the_frame_rate(tmp_path):
-    from pipetrain.backend.sample_clips import save_clip
+    from pipetrain.backend.sampling.clips import save_clip
 
     pixels = torch.linspace(0, 1, 5)[:, None, None, None].expand(5, 32, 48, 3)
     save_clip(pixels, tmp_path / "c.webp", fps=8)
@@ -74,7 +74,7 @@ def test_a_clip_is_an_animated_webp_at_the_frame_rate(tmp_path):
 
 def _load(files, make_run, name="job", **samples):
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.sample_clips import check_samples
+    from pipetrain.backend.sampling.clips import check_samples
 
     model = {"type": samples.pop("type", "wan_i2v")}
     config = make_run(files, images=1, name=name, model=model, samples={"prompts": ["x"], **samples})
@@ -105,7 +105,7 @@ def test_start_image_and_frames_against_the_model_type(model_files, make_run, tm
 
 
 def test_the_samples_nodes_start_image_stays_in_comfyuis_input_folder(monkeypatch, tmp_path):
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     import folder_paths

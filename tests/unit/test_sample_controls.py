@@ -132,9 +132,9 @@ def test_fun_control_samples_carry_the_control_and_start_image(start, model_file
 
 
 def test_control_samples_need_a_control_and_fun_control_without_start_refuses_one(model_files, make_run, tmp_path):
-    from pipetrain.backend import sampling
+    from pipetrain.backend.sampling import render as sampling
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.sample_clips import check_samples
+    from pipetrain.backend.sampling.clips import check_samples
 
     config = make_run(model_files("wan_vace"), images=1, model={"type": "wan_vace"}, samples={"prompts": ["x"]})
     with pytest.raises(ConfigError, match="samples.*control video.*set control_path"):
@@ -150,7 +150,7 @@ def test_control_samples_need_a_control_and_fun_control_without_start_refuses_on
 def test_control_samples_render_through_comfyuis_model(arch, model_files, make_run, monkeypatch, tmp_path):
     """ComfyUI's own sampler and model take the conditioning (wan_vace with a reference: the longer latent, then
     trimmed): a 5-frame clip comes out, and another control gives another clip."""
-    from pipetrain.backend import sampling
+    from pipetrain.backend.sampling import render as sampling
     from pipetrain.backend.config import load_run_config
 
     def reference(path):
@@ -198,7 +198,7 @@ def test_samples_control_video_replaces_the_datasets(arch, model_files, make_run
 
 def test_control_video_against_the_model_type_and_its_file(model_files, make_run, tmp_path):
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.sample_clips import check_samples
+    from pipetrain.backend.sampling.clips import check_samples
 
     def load(arch, name, path):
         config = make_run(model_files(arch), images=1, name=name, model={"type": arch},
@@ -222,7 +222,7 @@ def test_control_video_against_the_model_type_and_its_file(model_files, make_run
 
 
 def test_the_samples_nodes_control_video_stays_in_comfyuis_input_folder(monkeypatch, tmp_path):
-    from pipetrain.backend.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import ensure_comfyui
 
     ensure_comfyui()
     import folder_paths

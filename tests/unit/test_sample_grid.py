@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.backend.sampling import sample_paths, sample_strength
+from pipetrain.backend.sampling.render import sample_paths, sample_strength
 from pipetrain.launcher.summaries import _lora_of_sample, best_epoch
 
 

@@ -9,8 +9,8 @@ from layer_checks import (captions_batch_as_if_alone, comfyui_detects, discrete_
                           layers_match_comfyui_forward, layout_state_dict,
                           lora_gradients_match_finite_differences, small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 CONTEXT_DIM = 64   # SD 1.x's is 768, SD 2.x's 1024
 ARCHS = ("sd15", "sd2")
@@ -122,7 +122,7 @@ def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sd, predi
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sd):
     a = small_sd
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     linears = {n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear)
                and any(n.startswith(p + ".") for p in a.lora_block_prefixes) and n.split(".")[-1] not in
                ("lora_A", "lora_B")}
@@ -162,12 +162,12 @@ def test_caption_encoding_keeps_only_the_cross_attention_context(small_sd):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_check_every_run_makes_passes_with_every_lora_getting_a_gradient(arch):
-    """The start-of-run parity check (``parity.py``, float64 on ComfyUI's own model): its probe latent is large
+    """The start-of-run parity check (``parity/check.py``, float64 on ComfyUI's own model): its probe latent is large
     enough that the middle block's self-attention sees more than one position (at 8x8 its q and k got no gradient),
     and SD 2.x's float32 attention precision is no difference of ours."""
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models.registry import adapter_class
-    from pipetrain.backend.parity import check_model_type
+    from pipetrain.backend.parity.check import check_model_type
 
     adapter = adapter_class(arch)(ModelConfig(type=arch, diffusion_model="unused", vae="unused"))
     assert min(adapter.probe_latent(torch.Generator().manual_seed(0)).shape[-2:]) // 8 >= 2   # after 3 downsamplings

@@ -7,9 +7,9 @@ from layer_checks import (captions_batch_as_if_alone, comfy_model, every_boundar
                           flow_targets_agree_with_comfyui, give_lora_b_values, layers_match_comfyui_forward,
                           lora_gradients_match_finite_differences, padded_caption_inputs)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 CONTEXT, POOLED = 48, 32   # SD3's are 4096 and 2048
 ensure_comfyui()
@@ -71,7 +71,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_sd3):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sd3):
     a = small_sd3
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert "joint_blocks.0.x_block.attn2.qkv" in names and "joint_blocks.1.context_block.adaLN_modulation.1" in names
     linears = [n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("joint_blocks.")
                and n.split(".")[-1] not in ("lora_A", "lora_B")]

@@ -6,9 +6,9 @@ import torch
 from layer_checks import (discrete_targets_agree_with_comfyui, every_boundary_is_a_stage_boundary, give_lora_b_values,
                           lora_gradients_match_finite_differences)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 CONTEXT_DIM = 64  # SDXL's is 2048; the pooled vector stays 1280 (ComfyUI's encode_adm makes y 2816)
 
@@ -186,7 +186,7 @@ def test_training_inputs_and_targets_agree_with_comfyui_sampling(small_sdxl, pre
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_sdxl):
     a = small_sdxl
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert "input_blocks.4.1.proj_in" in names and "output_blocks.5.1.transformer_blocks.0.ff.net.2" in names
     assert "middle_block.1.transformer_blocks.0.attn2.to_v" in names
     assert not [n for n in names if "emb_layers" in n]  # ResBlocks stay untouched
@@ -201,8 +201,8 @@ def test_every_layer_boundary_can_be_a_deepspeed_stage_boundary(small_sdxl):
     """Every layer boundary can be where DeepSpeed cuts the pipeline (see layer_checks)."""
     a = small_sdxl
     dm = a.diffusion_model
-    if not list(lora.adapted_modules(dm)):
-        lora.inject(dm, lora.LoRASpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
+    if not list(injection.adapted_modules(dm)):
+        injection.inject(dm, injection.AdapterSpec(rank=2, alpha=2.0, dtype=torch.float64), a.lora_block_prefixes)
         give_lora_b_values(dm)
     every_boundary_is_a_stage_boundary(a, _inputs())
 

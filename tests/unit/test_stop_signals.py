@@ -5,7 +5,7 @@ run's status."""
 import json
 import signal
 
-from pipetrain.backend.deepspeed_cli import outcome
+from pipetrain.backend.process.deepspeed_cli import outcome
 from pipetrain.backend.train import stop_signals
 from pipetrain.backend.train.stop_signals import StopSignals
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.rundir import RunDir
+from pipetrain.backend.run.folder import RunDir
 from pipetrain.backend.train.events import RunReporter
 from pipetrain.backend.train.parts import CachedData, RunState, Topology
 
@@ -41,7 +41,7 @@ def test_eval_due_by_steps_or_by_finished_epochs():
 def cached(micro_flux_files, tmp_path_factory):
     """The cache phase alone: a real adapter, a real dataset of 4 images plus a 4-image eval dataset, rank 0 of
     one process (the collectives pass through without a process group)."""
-    from pipetrain.backend.demo import make_dataset, write_configs
+    from pipetrain.backend.commands.demo import make_dataset, write_configs
     from pipetrain.backend.models.registry import adapter_class
     from pipetrain.backend.train.caching import prepare_cache
 

@@ -4,7 +4,7 @@ attention first on every CUDA machine; on a CPU it sets no order, so the test se
 import pytest
 from torch.nn.attention import SDPBackend
 
-from pipetrain.backend.runtime import comfy_training_paths, ensure_comfyui
+from pipetrain.backend.host.runtime import comfy_training_paths, ensure_comfyui
 
 INFERENCE = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

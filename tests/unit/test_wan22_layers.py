@@ -9,9 +9,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 48   # UMT5-XXL's width is 4096
@@ -143,7 +143,7 @@ def test_training_targets_agree_with_comfyui_model(small):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small):
     variant, a = small
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     per_block = 12 if variant.startswith("i2v_21") or variant == "flf2v" else 10   # Wan 2.1 i2v: + k_img, v_img
     assert len(names) == 2 * per_block and "blocks.1.cross_attn.v" in names
     give_lora_b_values(dm)
@@ -192,7 +192,7 @@ def test_flf2v_conditioning_is_the_first_and_last_frames(tmp_path, model_files):
     """As ComfyUI's WanFirstLastFrameToVideo builds them (its own node run here on the same frames): ``concat`` =
     ComfyUI's mask + the latent of [first frame, mid-grey, last frame]; ``clip_fea`` = the first then the last
     frame's CLIP-vision tokens. A middle frame changes nothing, the last one changes the latent and tokens."""
-    from pipetrain.backend.runtime import comfy_nodes
+    from pipetrain.backend.host.runtime import comfy_nodes
     comfy_nodes()   # ComfyUI's own ``nodes``, which nodes_wan imports (``python -m pytest`` puts our nodes/ first)
     import comfy_extras.nodes_wan as nodes_wan
 

@@ -10,7 +10,7 @@ from layer_checks import comfy_model, every_boundary_is_a_stage_boundary_with_lo
 
 from pipetrain.backend.config import ModelConfig
 from pipetrain.backend.errors import ConfigError, DatasetError
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 48
@@ -251,7 +251,7 @@ def test_masks_and_references_pair_by_stem_and_enter_the_cache_key(tmp_path):
 def test_the_nodes_set_the_keys(tmp_path, monkeypatch):
     """Dataset node: control_mask_folder / reference -> control_mask_path / reference_path (empty: left out); Model
     node: control_start_image off -> false (on: the key left out, so other models take the node as before)."""
-    from pipetrain.backend.demo import make_dataset
+    from pipetrain.backend.commands.demo import make_dataset
     from pipetrain.nodes.data import DatasetNode, ModelNode
 
     make_dataset(tmp_path / "a", 1)

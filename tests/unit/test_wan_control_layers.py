@@ -7,9 +7,9 @@ import torch
 from layer_checks import (comfy_model, every_boundary_is_a_stage_boundary_with_lora, give_lora_b_values,
                           layers_match_comfyui_forward, lora_gradients_match_finite_differences, run_layers)
 
-from pipetrain.backend import lora
+from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 48
@@ -88,7 +88,7 @@ def test_training_targets_agree_with_comfyui_model(small):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small):
     a = small
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     blocks, per_block = (4, 10) if a.arch == "wan_vace" else (2, 12)   # Fun-Control: + k_img / v_img
     assert len(names) == blocks * per_block and not any(n.startswith("vace") for n in names)
     give_lora_b_values(dm)

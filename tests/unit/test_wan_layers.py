@@ -7,8 +7,8 @@ from layer_checks import (every_boundary_is_a_stage_boundary_with_lora, flow_tar
                           give_lora_b_values, layers_match_comfyui_forward, lora_gradients_match_finite_differences,
                           small_adapter)
 
-from pipetrain.backend import lora
-from pipetrain.backend.runtime import ensure_comfyui
+from pipetrain.backend.adapters import injection
+from pipetrain.backend.host.runtime import ensure_comfyui
 
 ensure_comfyui()
 TEXT = 48   # UMT5-XXL's width is 4096
@@ -89,7 +89,7 @@ def test_training_targets_agree_with_comfyui_flow_sampling(small_wan):
 def test_lora_gradients_match_finite_differences_of_comfyui_forward(small_wan):
     a = small_wan
     dm = a.diffusion_model
-    names = lora.inject(dm, lora.LoRASpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
+    names = injection.inject(dm, injection.AdapterSpec(rank=4, alpha=4.0, dtype=torch.float64), a.lora_block_prefixes)
     assert len(names) == 2 * 10 and "blocks.1.cross_attn.v" in names and "blocks.0.ffn.2" in names
     give_lora_b_values(dm)
     lora_gradients_match_finite_differences(a, _inputs(), eps=1e-4)   # ComfyUI's RoPE runs in float32

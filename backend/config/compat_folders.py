@@ -1,0 +1,185 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""diffusion-pipe's model-folder keys (``diffusers_path``, ``checkpoint_path``, ``ckpt_path``) read as our file keys.
+
+A folder key fills in each of ``diffusion_model``, ``vae`` and ``text_encoders`` the table leaves out with the
+folder's component (as diffusion-pipe does: its ``transformer_path`` & co. override a folder's parts). The
+components stay folders; the loaders (``models/loading.py``) read their shards into one state dict and hand it to
+ComfyUI's own loaders, which convert the Diffusers keys, so training runs ComfyUI's model code and the LoRA has
+ComfyUI's keys. Only the model types whose every component ComfyUI converts are read from a folder; for the others
+the key is refused naming the single files to use.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ConfigError
+
+SINGLE_FILES_HINT = ("PipeTrain loads single-file ComfyUI weights: set diffusion_model = "
+                     "'<diffusion model>.safetensors' (ComfyUI's models/diffusion_models), vae = '<vae>.safetensors' "
+                     "(models/vae) and text_encoders = ['<text encoder>.safetensors', ...] (models/text_encoders) "
+                     "instead")
+HINT = (f"{SINGLE_FILES_HINT} (diffusion-pipe's transformer_path, vae_path and llm_path / clip_path / "
+        "text_encoder_path / t5_path name the same files)")
+# Model types whose Diffusers pipeline folder ComfyUI 0.3.75 loads whole: the transformer / UNet through
+# comfy.model_detection's Diffusers conversions (Flux, SD3 MMDiT, SDXL / SD1.x UNet), the VAE through
+# comfy.sd.VAE's Diffusers VAE conversion, and their CLIP / T5 text encoders, whose Hugging Face keys are ComfyUI's.
+# Qwen-Image's transformer keys are ComfyUI's own; its VAE (diffusers' Wan-architecture AutoencoderKLQwenImage)
+# and its Qwen2.5-VL text encoder are renamed to ComfyUI's keys first (``model_folders.wan_vae_state_dict`` /
+# ``qwen_vl_state_dict``). diffusion-pipe's Qwen-Image-Edit table names the Qwen-Image folder plus the Edit
+# transformer file (transformer_path). Others, e.g. HiDream, OmniGen2, LTX-Video, AuraFlow (Pile-T5), are read
+# from single files only.
+QWEN_TYPES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
+DIFFUSERS_TYPES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", *QWEN_TYPES)
+# the model_index.json class a type's own pipeline folder has (checked where the folder gives the transformer)
+PIPELINE_CLASS_PREFIX = {t: "QwenImage" for t in QWEN_TYPES}
+# Model types that take only some parts of another model's Diffusers folder: diffusion-pipe's Chroma table names a
+# Flux pipeline folder (diffusers_path) for its VAE and its T5, and the Chroma transformer as transformer_path
+# (Chroma has no Diffusers folder of its own; it reads no CLIP). type -> (its text-encoder kinds, as
+# ``model_folders.text_encoder_kind`` tells a folder's, the example transformer file)
+BORROWERS = {"chroma": (("t5xxl",), "chroma-unlocked-v50.safetensors")}
+# Official checkpoint folders (ckpt_path) whose parts ComfyUI reads: Wan's transformer shards carry the keys of
+# ComfyUI's WanModel and its VAE .pth those of ComfyUI's Wan VAE; its T5 .pth is the original code's layout,
+# which ComfyUI does not read, so the text encoder comes from llm_path (ComfyUI's umt5_xxl file).
+WAN_VAES = ("Wan2.1_VAE.pth", "Wan2.2_VAE.pth")
+CKPT_TYPES = ("wan", "wan22")
+TEXT_ENCODER_HINT = "llm_path = '<umt5_xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)"
+
+
+FOLDER_KEYS = {"diffusers_path": (*DIFFUSERS_TYPES, *BORROWERS), "checkpoint_path": DIFFUSERS_TYPES,
+               "ckpt_path": CKPT_TYPES}
+
+
+def describe(key: str, model_type) -> str:
+    """check-config's line for a folder key in a table of ``model_type`` (our spelling)."""
+    types = FOLDER_KEYS[key]
+    if model_type not in types:
+        return f"REFUSED: read for model types {', '.join(types)} only; {HINT}"
+    if key == "ckpt_path":
+        return ("Wan's official checkpoint folder: its transformer shards and VAE .pth where the table names no "
+                "single file for them (the text encoder comes from llm_path)")
+    if model_type in BORROWERS:
+        return (f"a Flux Diffusers pipeline folder lending its vae and {' and '.join(BORROWERS[model_type][0])} text "
+                "encoder folders, converted by ComfyUI's own loaders (the diffusion model comes from transformer_path)")
+    if model_type in QWEN_TYPES:
+        return ("a Diffusers Qwen-Image pipeline folder: its transformer (ComfyUI's keys), vae (diffusers' "
+                "AutoencoderKLQwenImage, renamed to the Wan VAE keys ComfyUI loads) and Qwen2.5-VL text_encoder "
+                "(renamed to ComfyUI's keys) where the table names no single file for them")
+    either = " (checkpoint_path: or a combined checkpoint file, read as CheckpointLoaderSimple reads it)" \
+        if key == "checkpoint_path" else ""
+    return ("a Diffusers pipeline folder: its transformer/unet, vae and text encoders where the table names no "
+            f"single file for them, converted by ComfyUI's own loaders{either}")
+
+
+def expand(data: dict, file, prefix: str) -> None:
+    for key in ("diffusers_path", "checkpoint_path"):
+        if key in data:
+            _diffusers(data, key, file, prefix)
+    if "ckpt_path" in data:
+        _checkpoint_folder(data, file, prefix)
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _resolve(value, file) -> Path:
+    """A path as ``RunConfig.resolve`` will read it (relative to the TOML file)."""
+    path = Path(str(value)).expanduser()
+    return path if path.is_absolute() or file is None else Path(file).parent / path
+
+
+def _folder(data: dict, key: str, file, prefix: str) -> tuple[str, Path]:
+    value = data.pop(key)
+    if not isinstance(value, str):
+        raise ConfigError(f"got {value!r}; give the folder's path as a string", file=file, key=_key(prefix, key))
+    folder = _resolve(value, file)
+    if not folder.is_dir():
+        kind = "a Diffusers folder or a combined checkpoint file" if key == "checkpoint_path" else "a Diffusers folder"
+        what = "a file, where this key reads a Diffusers folder" if folder.is_file() else "folder not found"
+        raise ConfigError(f"{folder}: {what}; give {kind}, or {HINT}", file=file, key=_key(prefix, key))
+    return value, folder
+
+
+def _fill(data: dict, parts: dict[str, object]) -> None:
+    """The folder's parts where the table names none (diffusion-pipe's single-file keys win)."""
+    for name, part in parts.items():
+        if part and not data.get(name):
+            data[name] = part
+
+
+def _diffusers(data: dict, key: str, file, prefix: str) -> None:
+    from .model_folders import pipeline_components
+    model_type = data.get("type")
+    if model_type not in FOLDER_KEYS[key]:
+        raise ConfigError(f"PipeTrain reads a Diffusers folder for model types {', '.join(FOLDER_KEYS[key])} "
+                          f"(ComfyUI converts their keys); for {model_type!r} {HINT}", file=file,
+                          key=_key(prefix, key))
+    if key == "checkpoint_path" and isinstance(data[key], str) and _resolve(data[key], file).is_file():
+        # a combined checkpoint (what CheckpointLoaderSimple reads): our diffusion_model, whose VAE and text
+        # encoders are read from the same file where the table names no single file for them
+        _fill(data, {"diffusion_model": data.pop(key)})
+        return
+    value, folder = _folder(data, key, file, prefix)
+    try:
+        parts = pipeline_components(folder)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; give the pipeline folder (with model_index.json), or {HINT}", file=file,
+                          key=_key(prefix, key)) from None
+    _check_pipeline_class(data, model_type, folder, file, _key(prefix, key))
+    join = lambda sub: str(Path(value) / sub)  # noqa: E731  (relative stays relative to the TOML file)
+    encoders = parts["text_encoders"]
+    if model_type in BORROWERS:
+        encoders = _borrowed(data, model_type, folder, encoders, file, _key(prefix, key))
+    _fill(data, {"diffusion_model": join(parts["diffusion_model"]), "vae": join(parts["vae"]),
+                 "text_encoders": [join(sub) for sub in encoders]})
+
+
+def _check_pipeline_class(data: dict, model_type: str, folder: Path, file, key: str) -> None:
+    """Another model's folder would give a transformer of the wrong architecture: refuse it, naming the key that
+    gives the right one."""
+    import json
+    want = PIPELINE_CLASS_PREFIX.get(model_type)
+    if want is None or data.get("diffusion_model"):
+        return
+    try:
+        found = str(json.loads((folder / "model_index.json").read_text()).get("_class_name", ""))
+    except (OSError, ValueError, AttributeError):
+        found = ""
+    if not found.startswith(want):
+        raise ConfigError(f"{folder} is a {found or 'unknown'} folder, not a {want}*Pipeline one: give the "
+                          f"{model_type} pipeline folder, or its transformer file as transformer_path = "
+                          "'<file>.safetensors' (ComfyUI's models/diffusion_models)", file=file, key=key)
+
+
+def _borrowed(data: dict, model_type: str, folder: Path, encoders: list[str], file, key: str) -> list[str]:
+    """The text-encoder folders a ``BORROWERS`` type takes from another model's pipeline folder; its diffusion
+    model must come from its own file."""
+    from .model_folders import read_config, text_encoder_kind
+    kinds, example = BORROWERS[model_type]
+    if not data.get("diffusion_model"):
+        raise ConfigError(f"this folder's transformer is not a {model_type} model: add transformer_path = "
+                          f"'<{example}>' (ComfyUI's models/diffusion_models); the folder gives the VAE and text "
+                          "encoder", file=file, key=key)
+    taken = [sub for sub in encoders if text_encoder_kind(read_config(folder / sub)) in kinds]
+    if not taken and not data.get("text_encoders"):
+        raise ConfigError(f"{folder}: no {' or '.join(kinds)} text encoder folder (told by its config.json) for "
+                          f"{model_type}; add t5_path = '<t5xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)",
+                          file=file, key=key)
+    return taken
+
+
+def _checkpoint_folder(data: dict, file, prefix: str) -> None:
+    model_type = data.get("type")
+    if model_type not in CKPT_TYPES:
+        raise ConfigError(f"PipeTrain reads an official checkpoint folder for Wan only; for {model_type!r} {HINT}",
+                          file=file, key=_key(prefix, "ckpt_path"))
+    value, folder = _folder(data, "ckpt_path", file, prefix)
+    if not data.get("text_encoders"):
+        raise ConfigError(f"the folder's T5 (.pth, the original code's layout) is not read by ComfyUI; add "
+                          f"{TEXT_ENCODER_HINT}", file=file, key=_key(prefix, "ckpt_path"))
+    vae = next((name for name in WAN_VAES if (folder / name).is_file()), None)
+    if vae is None and not data.get("vae"):
+        raise ConfigError(f"{folder}: no {' or '.join(WAN_VAES)} in this folder; add vae_path = "
+                          "'<wan_2.1_vae.safetensors>' (ComfyUI's models/vae)", file=file,
+                          key=_key(prefix, "ckpt_path"))
+    _fill(data, {"diffusion_model": value, "vae": str(Path(value) / vae) if vae else None})

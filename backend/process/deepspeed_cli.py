@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""``python -m pipetrain deepspeed ARGS``: DeepSpeed's launcher (what ``deepspeed ARGS`` runs), in this process,
+with an exit status that says whether the run finished.
+
+DeepSpeed's runner exits 0 whenever its ``launch.py`` ends without an error of its own, a ``launch.py`` killed by a
+signal included, though the ranks it started never finished. Here global rank 0 names its run folder in a file
+this process chose (``RUN_DIR_NOTE_ENV``), and the run's status decides: finished (or, for ``cache``, cached) is 0,
+a stop asked for through the run folder is 0, a stop by a signal is 128 + the signal's number, anything else is
+non-zero with one line saying why. SIGINT and SIGTERM are passed to the ranks only (they checkpoint at the next
+step and stop, ``train/stop_signals.py``): DeepSpeed's runner would die of them and leave the ranks to end without
+a checkpoint when they see it gone, and its ``launch.py`` kills the ranks if they take long."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+RUN_DIR_NOTE_ENV = "PIPETRAIN_RUN_DIR_NOTE"
+RANK_FLAG = "--local_rank="
+_ENDED_AS_ASKED = {"finished", "cached"}
+
+
+def note_run_dir(run_dir: Path) -> None:
+    """Global rank 0: tell the launching CLI which folder the run writes (nothing when not launched by it)."""
+    note = os.environ.get(RUN_DIR_NOTE_ENV)
+    if note:
+        Path(note).write_text(str(run_dir))
+
+
+def ranks_among(processes) -> list:
+    """The training ranks among ``processes`` (psutil): DeepSpeed's ``launch.py`` starts each with
+    ``--local_rank=N``; a process gone meanwhile is left out."""
+    import psutil
+
+    found = []
+    for p in processes:
+        try:
+            if any(arg.startswith(RANK_FLAG) for arg in p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _ranks() -> list:
+    import psutil
+
+    return ranks_among(psutil.Process().children(recursive=True))
+
+
+def _pass_to_ranks(signum, frame) -> None:
+    import psutil
+
+    for rank in _ranks():
+        try:
+            rank.send_signal(signum)
+        except psutil.Error:
+            continue
+
+
+def outcome(run_dir: str | None, launcher_status: int) -> tuple[int, str | None]:
+    """(exit status, the line that says why the run did not finish, or None) from the run's status."""
+    from ..run.folder import RunDir, read_json
+
+    if run_dir is None:
+        return (launcher_status or 1), "no run started (see the errors above)"
+    run = RunDir(Path(run_dir))
+    status = read_json(run.status_file)
+    state = status.get("state")
+    if state in _ENDED_AS_ASKED:
+        return 0, None
+    if state == "stopped":
+        signum = status.get("stop_signal")
+        if isinstance(signum, int) and not isinstance(signum, bool) and 0 < signum < 64:
+            return 128 + signum, f"the run in {run} stopped on {signal.Signals(signum).name}: {status.get('stop_reason')}"
+        return 0, None
+    if state == "failed" and status.get("error"):
+        why = str(status["error"]).splitlines()[0]
+    else:
+        why = (f"its status is still {state!r}: its DeepSpeed launcher ended before the run did (killed?). Resume "
+               f"it with --resume {run.name}")
+    return (launcher_status if launcher_status > 0 else 1), f"the run in {run} did not finish: {why}"
+
+
+def main(args: list[str]) -> int:
+    from deepspeed.launcher import runner
+
+    from .command_lines import ENTRY
+    from .dp_cli import script_as_command
+
+    args = script_as_command(args, str(ENTRY))   # diffusion-pipe's `deepspeed ... train.py --deepspeed --config X`
+    with tempfile.TemporaryDirectory(prefix="pipetrain-launch-") as tmp:
+        note = Path(tmp) / "run_dir"
+        os.environ[RUN_DIR_NOTE_ENV] = str(note)
+        previous = {sig: signal.signal(sig, _pass_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            runner.main(args)
+            launcher_status = 0
+        except SystemExit as e:
+            launcher_status = e.code if isinstance(e.code, int) else 1
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            os.environ.pop(RUN_DIR_NOTE_ENV, None)
+        run_dir = note.read_text() if note.is_file() else None
+    status, why = outcome(run_dir, launcher_status)
+    if why is not None:
+        print(f"pipetrain: {why}", file=sys.stderr, flush=True)
+    return status
