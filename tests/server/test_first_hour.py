@@ -14,7 +14,7 @@ from server_fixtures import (REPO, comfy_page, install_test_shims, kill_runs, li
 from pipetrain.backend.run.folder import read_json
 
 IMAGES = 2
-SHOTS = Path("/work/briefs/ux38-shots") if Path("/work/briefs").is_dir() else REPO / "test-artifacts"
+SHOTS = REPO / "test-artifacts"
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,10 @@ betas = [0.9, 0.99]
 weight_decay = 0.01
 stabilize = false
 """
-WRITTEN = {"output_dir": "/work/out", "dataset": "/work/dataset.toml", "epochs": 1000, "max_steps": 8,
+WRITTEN = {"output_dir": "/data/out", "dataset": "/data/dataset.toml", "epochs": 1000, "max_steps": 8,
            "save_every_n_epochs": 1000, "activation_checkpointing": True, "gradient_accumulation_steps": 1,
-           "model": {"type": "wan", "ckpt_path": "/work/wan-dp-full", "transformer_path": "/work/wan.safetensors",
-                     "llm_path": "/work/umt5.safetensors", "dtype": "bfloat16"},
+           "model": {"type": "wan", "ckpt_path": "/data/wan-dp-full", "transformer_path": "/data/wan.safetensors",
+                     "llm_path": "/data/umt5.safetensors", "dtype": "bfloat16"},
            "optimizer": {"type": "adamw", "lr": 1e-4}}
 
 
@@ -58,9 +58,9 @@ def test_diffusion_pipe_runs_its_example_with_only_paths_and_the_step_count_chan
     assert (config["activation_checkpointing"], config["blocks_to_swap"], config["gradient_accumulation_steps"]) == \
         ("unsloth", 20, 3)
     assert config["optimizer"] == example["optimizer"]
-    assert config["model"] == {"type": "wan", "ckpt_path": "/work/wan-dp-full", "dtype": "bfloat16",
+    assert config["model"] == {"type": "wan", "ckpt_path": "/data/wan-dp-full", "dtype": "bfloat16",
                                "transformer_dtype": "float8", "timestep_sample_method": "logit_normal",
-                               "transformer_path": "/work/wan.safetensors", "llm_path": "/work/umt5.safetensors"}
+                               "transformer_path": "/data/wan.safetensors", "llm_path": "/data/umt5.safetensors"}
 
 
 def test_pipetrain_keeps_the_users_choices_from_the_same_config_and_plans_its_memory_at_the_cap():
@@ -161,7 +161,7 @@ def test_set_dp_keeps_the_harness_keys_under_settings_without_an_example_and_rep
     (tmp_path / "dataset.toml").write_text(f'resolutions = [64]\n\n[[directory]]\npath = "{tmp_path / "dataset"}"\n'
                                            "num_repeats = 2\n")
     written = {**WRITTEN, "micro_batch_size_per_gpu": 1, "steps_per_print": 1, "caching_batch_size": 1,
-               "model": {"type": "flux", "diffusers_path": "/work/flux-dp-full", "dtype": "bfloat16",
+               "model": {"type": "flux", "diffusers_path": "/data/flux-dp-full", "dtype": "bfloat16",
                          "transformer_dtype": "bfloat16"}}
     (tmp_path / "main.toml").write_text(tomli_w.dumps(written))
     _, swapped = dp_settings(RACES["flux-1024"], None)
