@@ -8,7 +8,7 @@ scripts/setup.sh
 echo "disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free before the tests"
 workers=${PIPETRAIN_TEST_WORKERS:-2}
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 start=$(date +%s)
 status=0
 .venv/bin/python -m pytest -q -ra --durations=25 "${parallel[@]}" "$@" || status=$?

@@ -32,8 +32,8 @@ def pytest_runtest_logreport(report):
         _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
 
 
-# the order the test files are handed to the workers (scripts/test.sh): the tiers of long files first, so the many
-# short unit files fill the end and no worker is left alone with a long file at the end
+# the order the test files are handed to the workers (scripts/test.sh keeps it: --no-loadscope-reorder): the tiers of
+# long files first, so the many short unit files fill the end and no worker is left alone with a long file at the end
 _TIER_ORDER = {"server": 0, "ranks": 1, "unit": 2}
 
 
