@@ -28,7 +28,7 @@ def _comfyui() -> Path:
 
 # --- the pinned ComfyUI: refused by name --------------------------------------------------------------------------
 def test_the_parity_check_on_the_pinned_comfyui_refuses_anima_by_name(tmp_path, monkeypatch):
-    from pipetrain.backend import parity
+    from pipetrain.backend.parity import check as parity
 
     monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(tmp_path))
     r = parity.check_model_type("anima")
