@@ -2,6 +2,8 @@
 # Run the test suite (sets up the machine first when needed).
 # The tests run in PIPETRAIN_TEST_WORKERS processes (default 2; 1 runs them in this process), a test file at a time
 # each: most of a test's time is one busy core (a rank waits while the other works), so two share two cores well.
+# The tests marked `alone` (they bound wall time or responsiveness) then run one at a time. Arguments (paths, -k, -m)
+# give one run of what they select, in the workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -9,8 +11,18 @@ echo "disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free before the test
 workers=${PIPETRAIN_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
+pytest=(.venv/bin/python -m pytest -q -ra --durations=25)
 start=$(date +%s)
-status=0
-.venv/bin/python -m pytest -q -ra --durations=25 "${parallel[@]}" "$@" || status=$?
-echo "tests: $(( ($(date +%s) - start) / 60 )) min $(( ($(date +%s) - start) % 60 )) s wall, $workers worker(s)"
-exit $status
+took() { echo "$1: $(( ($(date +%s) - $2) / 60 )) min $(( ($(date +%s) - $2) % 60 )) s wall"; }
+if [ $# -gt 0 ]; then
+  status=0; "${pytest[@]}" "${parallel[@]}" "$@" || status=$?
+  took "tests ($workers worker(s))" "$start"
+  exit $status
+fi
+first=0; "${pytest[@]}" "${parallel[@]}" -m "not alone" || first=$?
+took "tests not marked alone ($workers worker(s))" "$start"
+second_start=$(date +%s)
+second=0; "${pytest[@]}" -m alone || second=$?
+took "tests marked alone (one at a time)" "$second_start"
+took "all tests" "$start"
+[ $first -eq 0 ] && [ $second -eq 0 ]

@@ -38,6 +38,7 @@ def test_equivalence_and_pipeline_efficiency_cases_run_through_the_trainer(tmp_p
     assert "| equiv-stages |" in table and f"| flux-1024-2stages-ga8 | 2 | {e['speedup']:.2f}x | 89% |" in table
 
 
+@pytest.mark.alone
 def test_a_case_past_its_timeout_is_killed_with_its_ranks_and_the_next_still_runs(tmp_path):
     """The trainer's launcher and ranks run under the case's process (not in a session of their own), so the
     harness's kill at the timeout takes them too. Each case trains long enough (300 steps per run) that no machine

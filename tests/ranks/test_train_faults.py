@@ -367,6 +367,7 @@ def _steps(run_dir: Path) -> int:
     return _status(run_dir).get("step") or 0
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_a_frozen_rank_is_named_within_seconds_and_once_thawed_the_run_ends_as_an_uninterrupted_one(
         micro_flux_files, make_run, monkeypatch):

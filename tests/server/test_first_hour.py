@@ -76,6 +76,7 @@ def server_children(server) -> list:
     return psutil.Process(server.proc.pid).children(recursive=True)
 
 
+@pytest.mark.alone
 def test_cancel_during_caching_stops_within_seconds_cleanly(user):
     """ComfyUI's Cancel (``/interrupt``) while the Cache node encodes: the prompt ends as interrupted in seconds
     (no library error), the caching process is gone and reaped, and the cache holds no temporary file."""

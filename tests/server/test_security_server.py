@@ -439,6 +439,7 @@ def test_the_samples_route_serves_only_samples_pipetrain_wrote_for_the_run(serve
     nothing_ran(server, marker)
 
 
+@pytest.mark.alone
 def test_the_server_answers_while_hostile_prompts_and_run_listings_are_served(server, marker):
     """Queue-time checks run on ComfyUI's event loop, which serves every route and the websocket: 8 chained Dataset
     nodes on a folder of 100,000 entries, posted again and again beside runs listings of hundreds of folders,
@@ -515,6 +516,7 @@ def big_png(megabytes: int) -> bytes:
             + chunk(b"IEND", b""))
 
 
+@pytest.mark.alone
 def test_the_server_answers_while_model_and_samples_nodes_name_slow_files(server, marker):
     """The Model and Samples nodes check their files at queue time, on ComfyUI's event loop: a pickled checkpoint
     in models/checkpoints (its tensors are listed only once it is unpickled whole: seconds for this 10 MB one) named
@@ -589,6 +591,7 @@ def test_what_comfyuis_save_nodes_write_into_a_checkpoint_costs_the_run_no_resum
     nothing_ran(server, marker)
 
 
+@pytest.mark.alone
 def test_the_server_answers_while_the_runs_folder_holds_a_flood_of_folders(server, marker):
     """SaveImage makes any number of folders in the runs folder; the Run combos list it each time ComfyUI validates
     a Run Status node (its schema is built on the event loop): 60,000 folders and prompts of 20 Run Status nodes,

@@ -20,7 +20,7 @@ from server_fixtures import (CHART_POINTS_JS, CHROMIUM, REPO, SHIM_NODE, fetch_i
                              link_model_files, load_example, panel_page, progress_step_js, start_server,
                              workflow_to_prompt)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]   # alone: the Train node must answer within seconds
 
 IMAGES = 4            # 64 px, micro batch 1, 1 data-parallel rank: 4 steps per epoch
 EPOCHS = 5            # long enough that the stop lands mid-run on a slow machine; ~4 s a step on 2 cores

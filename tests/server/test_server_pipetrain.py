@@ -171,6 +171,7 @@ def test_stop_route_stops_a_live_run_started_elsewhere(server):
             ref.popen.kill()
 
 
+@pytest.mark.alone
 def test_train_returns_fast_and_the_run_is_listed(server):
     t0 = time.monotonic()
     code, body = server.queue(graph(run_name="fast"))

@@ -19,6 +19,7 @@ def test_the_scan_reads_every_synthetic_picture_at_its_displayed_size(tmp_path):
 
 
 @pytest.mark.perf
+@pytest.mark.alone
 def test_scan_and_plan_grow_linearly_and_stay_within_bounds(tmp_path):
     """Each count runs in a fresh process (bench/scale.py's own measurement): CPU time, not wall time, so that
     other work on the machine moves the figures less."""
