@@ -118,7 +118,7 @@ _BATCH = """
 import json, torch
 from pipetrain.backend.host.runtime import ensure_comfyui
 ensure_comfyui()
-from pipetrain.backend.parity import _run_layers, _small_adapter
+from pipetrain.backend.parity.check import _run_layers, _small_adapter
 from pipetrain.backend.host.runtime import comfy_training_paths
 adapter = _small_adapter("anima")
 g = torch.Generator().manual_seed(3)
