@@ -564,7 +564,7 @@ def test_init_from_existing_reads_diffusion_pipes_diffusers_named_flux_save_as_c
     save.mkdir()
     save_file(source, str(save / "pytorch_lora_weights.safetensors"))   # Diffusers' save_lora_weights name
 
-    names = lora.inject(dm, lora.LoRASpec(rank=4 * r, alpha=2.0 * r, seed=1), adapter.lora_block_prefixes)
+    names = lora.inject(dm, lora.AdapterSpec(rank=4 * r, alpha=2.0 * r, seed=1), adapter.lora_block_prefixes)
     run_dir = RunDir(tmp_path / "report")
     run_dir.path.mkdir()
     load_existing(_cfg(save, rank=4 * r), dm, names, RunReporter(run_dir, enabled=False))
@@ -585,6 +585,6 @@ def test_init_from_existing_reads_diffusion_pipes_diffusers_named_flux_save_as_c
     dm_small = adapter_class("flux")(ModelConfig(type="flux", diffusion_model=str(files.diffusion_model),
                                                  vae=str(files.vae), dtype="float32"))
     dm_small.load_diffusion_model()
-    small = lora.inject(dm_small.diffusion_model, lora.LoRASpec(rank=r, alpha=r, seed=1), adapter.lora_block_prefixes)
+    small = lora.inject(dm_small.diffusion_model, lora.AdapterSpec(rank=r, alpha=r, seed=1), adapter.lora_block_prefixes)
     with pytest.raises(ConfigError, match=f"set \\[adapter\\] rank = {4 * r}"):
         load_existing(_cfg(save, rank=r), dm_small.diffusion_model, small, RunReporter(run_dir, enabled=False))
