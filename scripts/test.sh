@@ -10,7 +10,12 @@ scripts/setup.sh
 echo "disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free before the tests"
 workers=${PIPETRAIN_TEST_WORKERS:-2}
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
+if [ "$workers" -gt 1 ]; then
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+  # one compute thread a process: torch's default (one per core) in every worker and rank oversubscribes the cores,
+  # and the unit tier then took three times as long in two workers as with one thread each
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+fi
 pytest=(.venv/bin/python -m pytest -q -ra --durations=25)
 start=$(date +%s)
 took() { echo "$1: $(( ($(date +%s) - $2) / 60 )) min $(( ($(date +%s) - $2) % 60 )) s wall"; }
