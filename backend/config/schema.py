@@ -28,6 +28,10 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# the TOML types checked as they are, and how an error names them
+_PLAIN = {bool: "true or false", str: "a string", dict: "a table"}
+
+
 def _convert(value: Any, tp, file, key: str):
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -68,17 +72,9 @@ def _convert(value: Any, tp, file, key: str):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"got {value!r}; expected an integer", file=file, key=key)
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"got {value!r}; expected true or false", file=file, key=key)
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"got {value!r}; expected a string", file=file, key=key)
-        return value
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"got {value!r}; expected a table", file=file, key=key)
+    if tp in _PLAIN:
+        if not isinstance(value, tp):
+            raise ConfigError(f"got {value!r}; expected {_PLAIN[tp]}", file=file, key=key)
         return value
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 
