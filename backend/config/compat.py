@@ -81,7 +81,7 @@ def reads_lumina_shift(model_type) -> bool:
 # name for diffusion_model_dtype on its older models)
 MODEL_RENAMES = {"transformer_path": "diffusion_model", "vae_path": "vae", "transformer_dtype": "diffusion_model_dtype"}
 # diffusion-pipe's model-folder keys (``compat_folders``), as check-config describes them
-FOLDER_KEYS = model_folders.FOLDER_KEYS   # key -> the model types it is read for
+FOLDER_KEYS = model_folders.FOLDER_KEYS   # read for the model types ``model_folders.folder_types`` names
 # both spellings diffusion-pipe's code and its example read
 RUN_RENAMES = {"image_eval_micro_batch_size_per_gpu": "eval_image_micro_batch_size_per_gpu"}
 # diffusion-pipe's micro-batch keys that take a per-resolution list [[resolution, batch], ...] (training and eval):

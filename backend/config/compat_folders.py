@@ -20,47 +20,47 @@ SINGLE_FILES_HINT = ("PipeTrain loads single-file ComfyUI weights: set diffusion
                      "instead")
 HINT = (f"{SINGLE_FILES_HINT} (diffusion-pipe's transformer_path, vae_path and llm_path / clip_path / "
         "text_encoder_path / t5_path name the same files)")
-# Model types whose Diffusers pipeline folder ComfyUI 0.3.75 loads whole: the transformer / UNet through
-# comfy.model_detection's Diffusers conversions (Flux, SD3 MMDiT, SDXL / SD1.x UNet), the VAE through
-# comfy.sd.VAE's Diffusers VAE conversion, and their CLIP / T5 text encoders, whose Hugging Face keys are ComfyUI's.
-# Qwen-Image's transformer keys are ComfyUI's own; its VAE (diffusers' Wan-architecture AutoencoderKLQwenImage)
-# and its Qwen2.5-VL text encoder are renamed to ComfyUI's keys first (``model_folders.wan_vae_state_dict`` /
-# ``qwen_vl_state_dict``). diffusion-pipe's Qwen-Image-Edit table names the Qwen-Image folder plus the Edit
-# transformer file (transformer_path). Others, e.g. HiDream, OmniGen2, LTX-Video, AuraFlow (Pile-T5), are read
-# from single files only.
-QWEN_TYPES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
-DIFFUSERS_TYPES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", *QWEN_TYPES)
-# the model_index.json class a type's own pipeline folder has (checked where the folder gives the transformer)
-PIPELINE_CLASS_PREFIX = {t: "QwenImage" for t in QWEN_TYPES}
-# Model types that take only some parts of another model's Diffusers folder: diffusion-pipe's Chroma table names a
-# Flux pipeline folder (diffusers_path) for its VAE and its T5, and the Chroma transformer as transformer_path
-# (Chroma has no Diffusers folder of its own; it reads no CLIP). type -> (its text-encoder kinds, as
-# ``model_folders.text_encoder_kind`` tells a folder's, the example transformer file)
-BORROWERS = {"chroma": (("t5xxl",), "chroma-unlocked-v50.safetensors")}
-# Official checkpoint folders (ckpt_path) whose parts ComfyUI reads: Wan's transformer shards carry the keys of
-# ComfyUI's WanModel and its VAE .pth those of ComfyUI's Wan VAE; its T5 .pth is the original code's layout,
-# which ComfyUI does not read, so the text encoder comes from llm_path (ComfyUI's umt5_xxl file).
+# Which model types read a folder key is declared on their adapter classes (``models/base.py``):
+# ``dp_diffusers_folder``: a Diffusers pipeline folder ComfyUI loads whole (the transformer / UNet through
+# comfy.model_detection's Diffusers conversions, the VAE through comfy.sd.VAE's, CLIP / T5 by their Hugging Face
+# keys; Qwen-Image's VAE and Qwen2.5-VL are renamed to ComfyUI's keys first, ``model_folders.wan_vae_state_dict`` /
+# ``qwen_vl_state_dict``). ``dp_folder_borrows``: only some parts of another model's folder (diffusion-pipe's Chroma
+# table names a Flux folder for its VAE and T5, the transformer as transformer_path). ``dp_ckpt_folder``: an official
+# checkpoint folder whose transformer shards and VAE .pth carry ComfyUI's keys (Wan's; its T5 .pth is the original
+# code's layout, which ComfyUI does not read, so the text encoder comes from llm_path). Others, e.g. HiDream,
+# OmniGen2, LTX-Video, AuraFlow (Pile-T5), are read from single files only.
 WAN_VAES = ("Wan2.1_VAE.pth", "Wan2.2_VAE.pth")
-CKPT_TYPES = ("wan", "wan22")
 TEXT_ENCODER_HINT = "llm_path = '<umt5_xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)"
 
+FOLDER_KEYS = ("diffusers_path", "checkpoint_path", "ckpt_path")
 
-FOLDER_KEYS = {"diffusers_path": (*DIFFUSERS_TYPES, *BORROWERS), "checkpoint_path": DIFFUSERS_TYPES,
-               "ckpt_path": CKPT_TYPES}
+
+def _facts(fact: str) -> dict:
+    from ..models.registry import dp_facts   # the model types' declared facts (ARCHITECTURE.md: upward imports)
+    return dp_facts(fact)
+
+
+def folder_types(key: str) -> list[str]:
+    """The model types that read ``key`` (one of ``FOLDER_KEYS``)."""
+    if key == "ckpt_path":
+        return sorted(_facts("dp_ckpt_folder"))
+    whole = sorted(_facts("dp_diffusers_folder"))
+    return whole + sorted(_facts("dp_folder_borrows")) if key == "diffusers_path" else whole
 
 
 def describe(key: str, model_type) -> str:
     """check-config's line for a folder key in a table of ``model_type`` (our spelling)."""
-    types = FOLDER_KEYS[key]
+    types = folder_types(key)
     if model_type not in types:
         return f"REFUSED: read for model types {', '.join(types)} only; {HINT}"
     if key == "ckpt_path":
         return ("Wan's official checkpoint folder: its transformer shards and VAE .pth where the table names no "
                 "single file for them (the text encoder comes from llm_path)")
-    if model_type in BORROWERS:
-        return (f"a Flux Diffusers pipeline folder lending its vae and {' and '.join(BORROWERS[model_type][0])} text "
+    borrows = _facts("dp_folder_borrows")
+    if model_type in borrows:
+        return (f"a Flux Diffusers pipeline folder lending its vae and {' and '.join(borrows[model_type])} text "
                 "encoder folders, converted by ComfyUI's own loaders (the diffusion model comes from transformer_path)")
-    if model_type in QWEN_TYPES:
+    if _facts("dp_folder_pipeline").get(model_type) == "QwenImage":
         return ("a Diffusers Qwen-Image pipeline folder: its transformer (ComfyUI's keys), vae (diffusers' "
                 "AutoencoderKLQwenImage, renamed to the Wan VAE keys ComfyUI loads) and Qwen2.5-VL text_encoder "
                 "(renamed to ComfyUI's keys) where the table names no single file for them")
@@ -110,8 +110,8 @@ def _fill(data: dict, parts: dict[str, object]) -> None:
 def _diffusers(data: dict, key: str, file, prefix: str) -> None:
     from .model_folders import pipeline_components
     model_type = data.get("type")
-    if model_type not in FOLDER_KEYS[key]:
-        raise ConfigError(f"PipeTrain reads a Diffusers folder for model types {', '.join(FOLDER_KEYS[key])} "
+    if model_type not in folder_types(key):
+        raise ConfigError(f"PipeTrain reads a Diffusers folder for model types {', '.join(folder_types(key))} "
                           f"(ComfyUI converts their keys); for {model_type!r} {HINT}", file=file,
                           key=_key(prefix, key))
     if key == "checkpoint_path" and isinstance(data[key], str) and _resolve(data[key], file).is_file():
@@ -128,7 +128,7 @@ def _diffusers(data: dict, key: str, file, prefix: str) -> None:
     _check_pipeline_class(data, model_type, folder, file, _key(prefix, key))
     join = lambda sub: str(Path(value) / sub)  # noqa: E731  (relative stays relative to the TOML file)
     encoders = parts["text_encoders"]
-    if model_type in BORROWERS:
+    if model_type in _facts("dp_folder_borrows"):
         encoders = _borrowed(data, model_type, folder, encoders, file, _key(prefix, key))
     _fill(data, {"diffusion_model": join(parts["diffusion_model"]), "vae": join(parts["vae"]),
                  "text_encoders": [join(sub) for sub in encoders]})
@@ -138,7 +138,7 @@ def _check_pipeline_class(data: dict, model_type: str, folder: Path, file, key: 
     """Another model's folder would give a transformer of the wrong architecture: refuse it, naming the key that
     gives the right one."""
     import json
-    want = PIPELINE_CLASS_PREFIX.get(model_type)
+    want = _facts("dp_folder_pipeline").get(model_type)
     if want is None or data.get("diffusion_model"):
         return
     try:
@@ -152,10 +152,10 @@ def _check_pipeline_class(data: dict, model_type: str, folder: Path, file, key: 
 
 
 def _borrowed(data: dict, model_type: str, folder: Path, encoders: list[str], file, key: str) -> list[str]:
-    """The text-encoder folders a ``BORROWERS`` type takes from another model's pipeline folder; its diffusion
-    model must come from its own file."""
+    """The text-encoder folders a ``dp_folder_borrows`` type takes from another model's pipeline folder; its
+    diffusion model must come from its own file."""
     from .model_folders import read_config, text_encoder_kind
-    kinds, example = BORROWERS[model_type]
+    kinds, example = _facts("dp_folder_borrows")[model_type], _facts("dp_transformer_example")[model_type]
     if not data.get("diffusion_model"):
         raise ConfigError(f"this folder's transformer is not a {model_type} model: add transformer_path = "
                           f"'<{example}>' (ComfyUI's models/diffusion_models); the folder gives the VAE and text "
@@ -170,7 +170,7 @@ def _borrowed(data: dict, model_type: str, folder: Path, encoders: list[str], fi
 
 def _checkpoint_folder(data: dict, file, prefix: str) -> None:
     model_type = data.get("type")
-    if model_type not in CKPT_TYPES:
+    if model_type not in folder_types("ckpt_path"):
         raise ConfigError(f"PipeTrain reads an official checkpoint folder for Wan only; for {model_type!r} {HINT}",
                           file=file, key=_key(prefix, "ckpt_path"))
     value, folder = _folder(data, "ckpt_path", file, prefix)

@@ -91,6 +91,15 @@ class ModelAdapter(ABC):
     #                                          init_from_existing reads such a save (``flux.diffusers_lora_parts``)
     dp_token_length_key: str = ""            # the [model] key of diffusion-pipe's caption token length this model
     #                                          reads (AuraFlow's max_sequence_length, HiDream's Llama one)
+    dp_diffusers_folder: bool = False        # its Diffusers pipeline folder (diffusers_path, checkpoint_path) is read:
+    #                                          ComfyUI's loaders convert each of its components' keys
+    dp_folder_pipeline: str = ""             # the model_index.json class prefix of a folder whose transformer is
+    #                                          this model's (another model's folder would give the wrong one)
+    dp_folder_borrows: tuple[str, ...] = ()  # the text-encoder kinds this model takes from another model's Diffusers
+    #                                          folder (diffusers_path), its own transformer coming from a file
+    dp_transformer_example: str = ""         # that file's usual name, for the message asking for it
+    dp_ckpt_folder: bool = False             # its official checkpoint folder (ckpt_path) is read (Wan's: transformer
+    #                                          shards and VAE .pth in ComfyUI's keys)
 
     @staticmethod
     def claims_file(shapes: dict, metadata: dict) -> bool:

@@ -157,6 +157,8 @@ class ChromaOutput(FluxOutput):
 
 
 class ChromaAdapter(ModelAdapter):
+    dp_folder_borrows = ("t5xxl",)
+    dp_transformer_example = "chroma-unlocked-v50.safetensors"
     arch = "chroma"
     spec = CHROMA_SPEC
     latent_format = "Flux"

@@ -190,6 +190,7 @@ def unpatchify(out: torch.Tensor, grid, patch_size: int) -> torch.Tensor:
 
 
 class FluxAdapter(ModelAdapter):
+    dp_diffusers_folder = True
     arch = "flux"
     spec = FLUX_SPEC
     dp_diffusers_lora = True

@@ -46,6 +46,7 @@ class KontextInput(FluxInput):
 
 
 class FluxKontextAdapter(FluxAdapter):
+    dp_diffusers_folder = True
     arch = "flux_kontext"
     dp_edit_of = "flux"
     dp_diffusers_lora = True

@@ -178,6 +178,8 @@ class QwenOutput(TupleLayer):
 
 
 class QwenImageAdapter(ModelAdapter):
+    dp_diffusers_folder = True
+    dp_folder_pipeline = "QwenImage"
     arch = "qwen_image"
     spec = QWEN_IMAGE_SPEC
     latent_format = "Wan21"
@@ -255,6 +257,8 @@ class QwenImageAdapter(ModelAdapter):
 
 class QwenImageEditAdapter(QwenImageAdapter):
     """Qwen-Image-Edit: the control image's latent goes in as reference tokens (``ref_latents``)."""
+    dp_diffusers_folder = True
+    dp_folder_pipeline = "QwenImage"
     arch = "qwen_image_edit"
     dp_edit_of = "qwen_image"
     spec = QWEN_IMAGE_EDIT_SPEC
@@ -300,6 +304,8 @@ class QwenPlusInput(QwenInput):
 class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     """Qwen-Image-Edit-2509: up to three control images a sample (one folder each in control_path), each a
     reference latent (RoPE index 1, 2, 3) and each read by the text encoder ("Picture k: " before the caption)."""
+    dp_diffusers_folder = True
+    dp_folder_pipeline = "QwenImage"
     arch = "qwen_image_edit_plus"
     spec = QWEN_IMAGE_EDIT_PLUS_SPEC
     conditioning_fields = ("references",)

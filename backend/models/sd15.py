@@ -76,6 +76,7 @@ SD2_SPEC = ArchSpec(
 
 class SD15Adapter(SDXLAdapter):
     """SDXL's layers and objective (``sdxl.py``), one caption tensor and no ADM vector."""
+    dp_diffusers_folder = True
     arch = "sd15"
     spec = SD15_SPEC
     latent_format = "SD15"

@@ -135,6 +135,7 @@ class SD3Output(TupleLayer):
 
 
 class SD3Adapter(ModelAdapter):
+    dp_diffusers_folder = True
     arch = "sd3"
     spec = SD3_SPEC
     latent_format = "SD3"

@@ -375,6 +375,7 @@ class SDXLOutput(TupleLayer):
 
 
 class SDXLAdapter(ModelAdapter):
+    dp_diffusers_folder = True
     arch = "sdxl"
     unet = True
     dp_text_encoder_lora = True

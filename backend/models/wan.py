@@ -201,6 +201,7 @@ def nodes_wan():
 
 
 class WanAdapter(VideoLatents, ModelAdapter):
+    dp_ckpt_folder = True
     arch = "wan"
     spec = WAN_SPEC
     latent_format = "Wan21"

@@ -28,6 +28,7 @@ ROOMS = ("errors", "fsutil", "config", "host", "models", "adapters", "data", "ca
 # the only imports of a later room, each inside a function: a fact the lower room reads when asked
 UPWARD = (("backend.config.compat", "backend.models.registry"),      # which model type claims a file
           ("backend.config.model", "backend.models.registry"),       # which model types read a [model] key
+          ("backend.config.compat_folders", "backend.models.registry"),  # which model types read a model folder
           ("backend.run.folder", "backend.train.checkpoint"),        # the checkpoint a resume starts from
           ("backend.memory.plan_config", "backend.train.preservation"))  # the rows of a preservation batch
 # what a node may import from the backend: config and its run patches, preflight checks, errors, and the
