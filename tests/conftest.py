@@ -26,10 +26,64 @@ REPO = Path(__file__).resolve().parents[1]
 _TIER_SECONDS: dict[str, float] = {}
 
 
+# and the CPU time each test costs (this process, the processes it waited for, and the CPU its live descendants used,
+# warm-rank servers and their forked ranks included): unlike wall time, it does not grow when the other worker is
+# busy, so it says what a test costs wherever it runs. PIPETRAIN_TEST_COSTS=FILE writes each test's (JSON lines).
+_TIER_CPU: dict[str, float] = {}
+_PHASE_START: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    import resource
+    total = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+    tick = os.sysconf("SC_CLK_TCK")
+    parents, used = {}, {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parents[int(entry.name)] = int(fields[1])
+            used[int(entry.name)] = sum(int(f) for f in fields[11:15]) / tick   # utime stime cutime cstime
+    me = os.getpid()
+    for pid in used:
+        ancestor = parents.get(pid)
+        while ancestor and ancestor != me:
+            ancestor = parents.get(ancestor)
+        if ancestor == me:
+            total += used[pid]
+    return total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    start = _PHASE_START.pop(item.nodeid, None)
+    if start is not None:
+        report.user_properties.append(("cpu_s", round(_cpu_seconds() - start, 2)))
+
+
+def _phase_start(item):
+    _PHASE_START[item.nodeid] = _cpu_seconds()
+
+
+pytest_runtest_setup = pytest_runtest_call = pytest_runtest_teardown = _phase_start
+
+
 def pytest_runtest_logreport(report):
     if report.nodeid.startswith("tests/"):
         tier = report.nodeid.split("/")[1]
         _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+        cpu = dict(report.user_properties).get("cpu_s", 0.0)
+        _TIER_CPU[tier] = _TIER_CPU.get(tier, 0.0) + cpu
+        costs = os.environ.get("PIPETRAIN_TEST_COSTS")
+        if costs and "PYTEST_XDIST_WORKER" not in os.environ:   # the controller writes each report once
+            with open(costs, "a") as f:
+                f.write(json.dumps({"test": report.nodeid, "phase": report.when, "wall_s": round(report.duration, 2),
+                                    "cpu_s": cpu}) + "\n")
 
 
 # the order the test files are handed to the workers (scripts/test.sh keeps it: --no-loadscope-reorder): the tiers of
@@ -54,6 +108,8 @@ def pytest_terminal_summary(terminalreporter):
     if _TIER_SECONDS:
         terminalreporter.write_line("time per tier: " + ", ".join(f"{tier} {seconds / 60:.1f} min" for tier, seconds
                                                                   in sorted(_TIER_SECONDS.items())))
+        terminalreporter.write_line("CPU time per tier: " + ", ".join(f"{tier} {seconds / 60:.1f} min" for tier, seconds
+                                                                      in sorted(_TIER_CPU.items())))
     covered = ", ".join([PINNED_VERSION, *other_comfyuis()])
     terminalreporter.write_line(f"ComfyUI versions covered: {covered}")
     missing = missing_newer_versions()
