@@ -320,12 +320,14 @@ def check_epoch_loras(run: Run, config: Path, keys: int, last_only: bool = False
     """Every saved LoRA (or the last one: a first epoch of two steps may barely move) loads in ComfyUI (``keys``
     modules patched), reproduces the training side and has an effect."""
     from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.parity.verify import check_lora
+    from pipetrain.backend.parity.verify import check_loras
 
     cfg = load_run_config(config)
     assert run.loras()
-    for path in run.loras()[-1:] if last_only else run.loras():
-        check = check_lora(cfg, path)
+    paths = run.loras()[-1:] if last_only else run.loras()
+    checks = check_loras(cfg, paths)
+    assert len(checks) == len(paths)
+    for check in checks:
         assert check.keys_loaded == keys
         assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
         assert check.lora_effect > MIN_EFFECT

@@ -53,6 +53,13 @@ def _reference(adapter, x_t, t, text) -> torch.Tensor:
 
 
 def check_lora(cfg: RunConfig, lora_path: Path, seed: int = 0) -> LoRACheck:
+    return check_loras(cfg, [lora_path], seed)[0]
+
+
+def check_loras(cfg: RunConfig, lora_paths: list[Path], seed: int = 0) -> list[LoRACheck]:
+    """``check_lora`` for each of a run's saved LoRAs (its epochs), the base model loaded and run once: every
+    ComfyUI-side output first (each LoRA patched onto the base model, then unpatched), then the training layers with
+    the adapter injected once and each file's weights loaded into it in turn."""
     ensure_comfyui()
     import comfy.model_management as mm
 
@@ -63,26 +70,30 @@ def check_lora(cfg: RunConfig, lora_path: Path, seed: int = 0) -> LoRACheck:
 
     with torch.no_grad():
         base_out = _reference(adapter, x_t, t, text)
-        patched = comfy_lora_model(base, lora_path)
-        keys_loaded = len(patched.patches)
-        mm.load_models_gpu([patched], force_full_load=True)
-        adapter.use_model(patched)
-        comfy_out = _reference(adapter, x_t, t, text)
-        # unpatching restores the patched weights from backups kept on the offload device (the CPU):
-        # bring the whole model back to one device
-        patched.unpatch_model(device_to=patched.load_device)
-        adapter.use_model(base)
+        comfy = []
+        for path in lora_paths:
+            patched = comfy_lora_model(base, path)
+            mm.load_models_gpu([patched], force_full_load=True)
+            adapter.use_model(patched)
+            comfy.append((_reference(adapter, x_t, t, text), len(patched.patches)))
+            # unpatching restores the patched weights from backups kept on the offload device (the CPU):
+            # bring the whole model back to one device
+            patched.unpatch_model(device_to=patched.load_device)
+            adapter.use_model(base)
 
         injection.inject(adapter.diffusion_model, injection.spec_from_config(cfg.adapter), adapter.lora_block_prefixes,
-                    cfg.adapter.target_modules)
-        injection.load_into(adapter.diffusion_model, injection.read_file(lora_path))
-        h = tuple(x.to(_model_device(adapter)) for x in (x0, noise, t, *text))
-        for layer in adapter.to_layers():
-            h = layer(h)
-        train_out = h.float().cpu()
-    return LoRACheck(comfy_vs_training=float((comfy_out - train_out).abs().max()),
-                     lora_effect=float((comfy_out - base_out).abs().max()),
-                     scale=float(base_out.abs().max()), keys_loaded=keys_loaded)
+                         cfg.adapter.target_modules)
+        checks = []
+        for path, (comfy_out, keys_loaded) in zip(lora_paths, comfy):
+            injection.load_into(adapter.diffusion_model, injection.read_file(path))
+            h = tuple(x.to(_model_device(adapter)) for x in (x0, noise, t, *text))
+            for layer in adapter.to_layers():
+                h = layer(h)
+            train_out = h.float().cpu()
+            checks.append(LoRACheck(comfy_vs_training=float((comfy_out - train_out).abs().max()),
+                                    lora_effect=float((comfy_out - base_out).abs().max()),
+                                    scale=float(base_out.abs().max()), keys_loaded=keys_loaded))
+    return checks
 
 
 @dataclass
