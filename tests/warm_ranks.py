@@ -123,10 +123,31 @@ def _warm_up() -> bool:
 
     import pipetrain.backend.cli  # noqa: F401
     import pipetrain.backend.train.trainer  # noqa: F401
-    from pipetrain.backend.models.registry import ADAPTERS  # noqa: F401
+    from pipetrain.backend.models.registry import ADAPTERS, adapter_class
     from pipetrain.backend.host.runtime import ensure_comfyui
     ensure_comfyui()
     import comfy.sd  # noqa: F401  (ComfyUI's loaders and with them its model code)
+    # what every rank imports later, on its way through a run: each rank would import it again after the fork
+    for name in ADAPTERS:
+        adapter_class(name)
+    import pipetrain.backend.cache.builder  # noqa: F401
+    import pipetrain.backend.data.audio  # noqa: F401
+    import pipetrain.backend.data.video  # noqa: F401
+    import pipetrain.backend.parity.check  # noqa: F401
+    import pipetrain.backend.train.epoch_samples  # noqa: F401
+    import pipetrain.backend.preflight  # noqa: F401
+    import pipetrain.backend.sampling.render  # noqa: F401
+    import pipetrain.backend.train.caching  # noqa: F401
+    import pipetrain.backend.train.engine  # noqa: F401
+    import pipetrain.backend.train.loop  # noqa: F401
+    import torch._dynamo  # noqa: F401  (the engine's backward and checkpointing reach torch.compile's machinery)
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401  (the events' TensorBoard writer)
+    import deepspeed.module_inject  # noqa: F401  (DeepSpeed's engine reaches it as it starts)
+    import deepspeed.moe.ep_router  # noqa: F401
+    from PIL import Image
+    Image.init()   # the image formats' plugins, loaded at a dataset's first read
     return True
 
 
