@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..adapters import injection
+from ..models.compiling import cuda_graphs_allowed
 from ..run import control as run_control
 from ..optim.registry import prodigy_d
 from . import distributed, dp_layout
@@ -139,12 +140,15 @@ def run_loop(t: Trainer) -> None:
     profiler = StepProfiler.from_env(t.topology.rank)
     control = ControlFlags(t.topology.world, distributed.device())
     stop_after_epoch = False
+    # only compiled regions replayed as CUDA graphs need the mark (a first call imports all of torch's compiler)
+    graphed = t.cfg.compile and cuda_graphs_allowed(t.cfg)
     while state.global_step < state.total_steps:
         if batches_epoch != state.epoch:
             batches, batches_epoch = plan.epoch(state.epoch), state.epoch
         lr = engine.get_lr()[0]
         engine.reset_activation_shape()
-        torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
+        if graphed:
+            torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
         if profiler:
             profiler.before_step(state.global_step + 1)
         with injection.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: the target rows
