@@ -110,9 +110,9 @@ import json, sys
 from pathlib import Path
 from pipetrain.backend.config import load_run_config
 from pipetrain.backend.host.runtime import comfyui_version
-from pipetrain.backend.parity.verify import check_lora
+from pipetrain.backend.parity.verify import check_loras
 cfg = load_run_config(sys.argv[1])
-checks = [check_lora(cfg, Path(p)).__dict__ for p in sys.argv[2:]]
+checks = [c.__dict__ for c in check_loras(cfg, [Path(p) for p in sys.argv[2:]])]
 print(json.dumps({"version": comfyui_version(), "type": cfg.model.type, "checks": checks}))
 """
 

@@ -4,7 +4,7 @@ import pytest
 from conftest import train
 
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.parity.verify import check_lora
+from pipetrain.backend.parity.verify import check_loras
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,7 @@ def test_flux_two_stage_pipeline_to_comfyui_lora(tiny_flux_files, make_run):
 
     cfg = load_run_config(config)
     effects = []
-    for path in loras:
-        check = check_lora(cfg, path)
+    for check in check_loras(cfg, loras):
         assert check.keys_loaded == 13                  # every adapted linear of 1 double + 1 single block
         assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
         assert check.lora_effect > MIN_EFFECT

@@ -5,7 +5,7 @@ import pytest
 from conftest import train
 
 from pipetrain.backend.config import load_run_config
-from pipetrain.backend.parity.verify import check_lora
+from pipetrain.backend.parity.verify import check_loras
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,7 @@ def test_sd3_two_stage_pipeline_to_comfyui_lora(model_files, make_run):
     assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]     # input + block 0 | block 1 + output
     assert [e["epoch"] for e in run.events("lora_saved")] == [1, 2]
     cfg = load_run_config(config)
-    for path in run.loras():
-        check = check_lora(cfg, path)
+    for check in check_loras(cfg, run.loras()):
         assert check.keys_loaded == 19           # 12 linears in joint block 0 (with attn2), 7 in the last
         assert check.comfy_vs_training < MATCH_TOLERANCE * max(1.0, check.scale)
         assert check.lora_effect > MIN_EFFECT
