@@ -80,6 +80,9 @@ class WarmRanks:
             _close(self._servers.pop(next(iter(self._servers))))
         server = subprocess.Popen([sys.executable, "-u", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env, cwd=Path(__file__).parent)
+        if env.get("PIPETRAIN_TEST_COSTS"):   # how often a test run pays for a server's start (conftest's costs)
+            with open(env["PIPETRAIN_TEST_COSTS"], "a") as f:
+                f.write(json.dumps({"warm_server": {name: env.get(name, "") for name in _START_ENV}}) + "\n")
         try:
             ready = self._answer(server, 300.0)
         except (TimeoutError, ConnectionError):
