@@ -24,6 +24,12 @@ class UnreadableFile(ValueError):
         self.missing = missing
 
 
+def user_cache_dir() -> Path:
+    """PipeTrain's folder in the user's cache (``$XDG_CACHE_HOME/pipetrain``, else ``~/.cache/pipetrain``): what
+    one run learns that the next may reuse (ComfyUI parity verdicts, model files' digests)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "pipetrain"
+
+
 def read_regular(path: str | Path, limit: int) -> bytes:
     """A regular file's bytes, at most ``limit``; ``UnreadableFile`` for anything else. A device (/dev/zero),
     a FIFO or a folder is refused before a byte is read, on the opened file itself (no swap between a check

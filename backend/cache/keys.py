@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, user_cache_dir
 
 CACHE_FORMAT = 1          # bump when the stored layout or the encoding code changes
 
@@ -29,6 +30,9 @@ def model_fingerprint(path: Path, memo: Path | None = None) -> str:
     read once: ``memo`` (a JSON file in the cache folder) keeps each digest under the file's device, inode,
     size, mtime and ctime, and any write to the file or a file put in its place changes the ctime.
 
+    The user's cache folder keeps the same digests (``model-digests.json``, ``PIPETRAIN_DIGEST_CACHE`` names another
+    folder), so a run with a new output folder does not read the files again either.
+
     A model folder (a Diffusers component, an official checkpoint folder) is the digest over each file that
     decides what loads from it (every weight shard and JSON config, ``model_folders.fingerprint_files``) with its
     name: editing, adding or renaming a shard changes it."""
@@ -39,15 +43,44 @@ def model_fingerprint(path: Path, memo: Path | None = None) -> str:
     st = path.stat()
     identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     name = str(path.resolve())
-    known = _read_memo(memo)
-    if known.get(name, {}).get("stat") == identity:
-        return known[name]["sha256"]
+    user = _user_memo()
+    for m in (memo, user):
+        digest = _remembered(_read_memo(m), name, identity)
+        if digest is not None:
+            if m is user and memo is not None:
+                _remember(memo, name, identity, digest)
+            return digest
     digest = file_digest(path)
     if memo is not None:
-        known = _read_memo(memo)   # another rank or run may have added files meanwhile
-        known[name] = {"stat": identity, "sha256": digest}
-        atomic_write_json(memo, known)
+        _remember(memo, name, identity, digest)
+    try:
+        _remember(user, name, identity, digest)
+    except OSError:   # the user's cache folder only saves time: a read-only or full home never stops a run
+        pass
     return digest
+
+
+def _user_memo() -> Path:
+    return Path(os.environ.get("PIPETRAIN_DIGEST_CACHE") or user_cache_dir()) / "model-digests.json"
+
+
+def _remembered(known: dict, name: str, identity: list) -> str | None:
+    entry = known.get(name)
+    if not isinstance(entry, dict) or entry.get("stat") != identity:
+        return None
+    digest = entry.get("sha256")
+    return digest if isinstance(digest, str) and len(digest) == 64 and set(digest) <= HEX else None
+
+
+def _remember(memo: Path, name: str, identity: list, digest: str) -> None:
+    known = _read_memo(memo)   # another rank or run may have added files meanwhile
+    known = {k: v for k, v in known.items() if os.path.exists(k)}   # files gone (moved, deleted) are forgotten
+    known[name] = {"stat": identity, "sha256": digest}
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(memo, known)
+
+
+HEX = frozenset("0123456789abcdef")
 
 
 def _read_memo(memo: Path | None) -> dict:
@@ -55,7 +88,7 @@ def _read_memo(memo: Path | None) -> dict:
         return {}
     try:
         known = json.loads(memo.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return {}
     return known if isinstance(known, dict) else {}
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PipeTrainError
+from ..fsutil import user_cache_dir
 
 # float64 on both sides: what remains is rounding (and ComfyUI's float32 rotary tables, which both sides share);
 # a change in the maths (a scale, an epsilon, a gate) shows orders of magnitude above it
@@ -104,9 +105,7 @@ class ParityResult:
 
 # --- memo -------------------------------------------------------------------------------------------------------
 def _memo_file() -> Path:
-    root = os.environ.get("PIPETRAIN_PARITY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pipetrain")
-    return Path(root) / "parity.json"
+    return Path(os.environ.get("PIPETRAIN_PARITY_CACHE") or user_cache_dir()) / "parity.json"
 
 
 def _hash_files(files) -> str:

@@ -96,3 +96,40 @@ def test_model_fingerprint_sees_a_changed_middle_under_the_same_size_ends_and_mt
     copy = tmp_path / "copy.safetensors"
     shutil.copy2(original, copy)                               # same content elsewhere: same identity
     assert store.fingerprint(copy) == store.fingerprint(original)
+
+
+def test_a_new_cache_folder_takes_a_model_files_digest_from_the_users_cache(tmp_path, monkeypatch):
+    """A run with a new output folder does not read its multi-GB model files again: the digest the user's cache
+    keeps under the file's stat is used (an entry naming another stat, or no digest, is not), and a user cache
+    folder that cannot be written never stops a run."""
+    import os
+
+    from pipetrain.backend.cache import CacheStore
+
+    monkeypatch.setenv("PIPETRAIN_DIGEST_CACHE", str(tmp_path / "user"))
+    model = tmp_path / "vae.safetensors"
+    model.write_bytes(b"weights" * 1000)
+    real = CacheStore(tmp_path / "run1" / "cache").fingerprint(model)
+    user = tmp_path / "user" / "model-digests.json"
+    known = json.loads(user.read_text())
+    assert known[str(model)]["sha256"] == real
+
+    # what the user's cache says for this very file is what a new cache folder uses (no reading of the file) ...
+    known[str(model)]["sha256"] = "ab" * 32
+    user.write_text(json.dumps(known))
+    run2 = CacheStore(tmp_path / "run2" / "cache")
+    assert run2.fingerprint(model) == "ab" * 32
+    assert json.loads((run2.root / "model-digests.json").read_text())[str(model)]["sha256"] == "ab" * 32
+    # ... but not an entry of another stat of the file, nor one that is no digest: those read the file
+    for entry in ({**known[str(model)], "stat": [0, 0, 0, 0, 0]}, {**known[str(model)], "sha256": "../x"}):
+        user.write_text(json.dumps({str(model): entry}))
+        assert CacheStore(tmp_path / f"run-{len(entry['sha256'])}-{entry['stat'][0]}" / "cache").fingerprint(model) == real
+    # entries of files that are gone are dropped as the user's cache is written
+    gone = tmp_path / "gone.safetensors"
+    user.write_text(json.dumps({str(gone): {"stat": [1, 2, 3, 4, 5], "sha256": "cd" * 32}}))
+    CacheStore(tmp_path / "run3" / "cache").fingerprint(model)
+    assert list(json.loads(user.read_text())) == [str(model)]
+    # a user cache folder that is a file (cannot be written): the run's own cache still works
+    monkeypatch.setenv("PIPETRAIN_DIGEST_CACHE", str(model))
+    assert CacheStore(tmp_path / "run4" / "cache").fingerprint(model) == real
+    assert os.path.isfile(tmp_path / "run4" / "cache" / "model-digests.json")
