@@ -48,6 +48,8 @@ class WarmRanks:
             timeout: float) -> int | None:
         """Runs ``pipetrain ARGV`` on ``ranks`` forked ranks, their output into ``log``; returns the exit status as
         DeepSpeed's runner would give it, or None where this run needs a real launch."""
+        if _trained_by_another_comfyui(argv, env):   # no server of that ComfyUI: it would start for nothing
+            return None
         server = self._server(env)
         if server is None:
             return None
@@ -103,6 +105,21 @@ class WarmRanks:
         if not line:
             raise ConnectionError(f"the warm-ranks server ended (exit status {server.wait()})")
         return json.loads(line)
+
+
+def _trained_by_another_comfyui(argv: list[str], env: dict[str, str]) -> bool:
+    """Whether a run whose environment names a ComfyUI (COMFYUI_PATH) is trained by another one (the pinned copy:
+    ``backend/parity/fallback.py`` decides, without importing a ComfyUI, remembering its verdict for the run)."""
+    host = env.get("COMFYUI_PATH")
+    if not host or len(argv) < 2 or argv[0] not in ("train", "cache"):
+        return False
+    from pipetrain.backend.config import load_run_config
+    from pipetrain.backend.parity.fallback import choose_comfyui
+    try:
+        chosen = choose_comfyui(load_run_config(Path(argv[1])).model.type, host=Path(host))
+    except Exception:   # a config the CLI refuses: a rank says so
+        return False
+    return not chosen.refused and Path(chosen.path).resolve() != Path(host).resolve()
 
 
 def _close(server: subprocess.Popen) -> None:
