@@ -108,7 +108,9 @@ def _saved_bytes_loss_and_grads(adapter, layers, inputs):
 def test_an_activation_memory_budget_keeps_fewer_activations_with_the_same_gradients():
     """``activation_memory_budget``: the partitioner keeps at most that share of each compiled block's activations
     and recomputes the rest in the backward; loss and LoRA gradients stay the eager ones."""
-    inputs = _inputs(8, 8)
+    # the bucket the selective test compiles without checkpointing: with no budget, the same graphs, which then come
+    # from Inductor's caches (the budget's effect does not depend on the shape)
+    inputs = _inputs(6, 10)
     adapter = _small_flux()
     loss_e, grads_e = _loss_and_grads(adapter, adapter.to_layers(), inputs)
     saved = {}

@@ -4,6 +4,7 @@
 cases and Flux-dev with ``fp8_compute``; LoRA rank 32 in float32 with AdamW, one GPU): the published-size model
 traced on the meta device, at the benchmark's resolution and frames, must come within 10% of the measured
 ``torch.cuda.max_memory_allocated``."""
+import functools
 import json
 from pathlib import Path
 
@@ -17,9 +18,11 @@ JOBS = {"images_1024_checkpointing": ["flux_kontext", "z_image", "hunyuan_image_
 CASES = [(job, arch) for job, archs in JOBS.items() for arch in archs]
 
 
-def _estimate(arch: str, resolution: int, frames: int, checkpointing=True, fp8_compute: bool = False) -> float:
+@functools.cache
+def _footprints(arch: str, resolution: int, frames: int) -> tuple:
+    """The traced layers of the published-size model at that size (LoRA rank 32): they do not depend on the
+    checkpointing or fp8 settings the estimate applies, so cases of one model and size trace it once."""
     from pipetrain.backend.adapters import injection
-    from pipetrain.backend.memory import plan as mp
     from pipetrain.backend.config import ModelConfig
     from pipetrain.backend.models import loading
     from pipetrain.backend.models.meta_trace import probe_inputs, to_meta_where_large, trace_layers
@@ -30,7 +33,13 @@ def _estimate(arch: str, resolution: int, frames: int, checkpointing=True, fp8_c
     adapter.use_model(patcher)
     injection.inject(adapter.diffusion_model, injection.AdapterSpec(rank=32, alpha=32.0), adapter.lora_block_prefixes)
     inputs = probe_inputs(adapter, resolution, resolution, frames)
-    footprints = trace_layers(adapter.to_layers(), to_meta_where_large(inputs))
+    return tuple(trace_layers(adapter.to_layers(), to_meta_where_large(inputs)))
+
+
+def _estimate(arch: str, resolution: int, frames: int, checkpointing=True, fp8_compute: bool = False) -> float:
+    from pipetrain.backend.memory import plan as mp
+
+    footprints = list(_footprints(arch, resolution, frames))
     [stage] = mp.estimate(footprints, mp.MemorySettings(checkpointing), mp.Training(fp8_compute=fp8_compute))
     return stage.gpu / mp.GIB
 
