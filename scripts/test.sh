@@ -16,6 +16,9 @@ if [ "$workers" -gt 1 ]; then
   # and the unit tier then took three times as long in two workers as with one thread each
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 fi
+# torch.compile's kernels (the compile tests build a few hundred on the CPU, each a C++ compile) kept in the user's
+# cache beside the ComfyUI copies: a later run loads them; a fresh machine compiles them once
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pipetrain/inductor}
 pytest=(.venv/bin/python -m pytest -q -ra --durations=25)
 start=$(date +%s)
 took() { echo "$1: $(( ($(date +%s) - $2) / 60 )) min $(( ($(date +%s) - $2) % 60 )) s wall"; }
