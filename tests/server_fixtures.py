@@ -572,8 +572,10 @@ async def comfy_page(server: ComfyServer, profile: Path):
                 try:
                     yield page
                 finally:   # Chromium's own shutdown reaps its renderers, so their CPU time counts in the test's
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(Exception):   # its answer may be lost as the connection closes
                         await asyncio.wait_for(page.call("Browser.close"), 10)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        await asyncio.to_thread(browser.wait, 10)   # a signal while it closes orphans them
     finally:
         stop_process(browser)
 
