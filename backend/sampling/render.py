@@ -188,10 +188,13 @@ def _prepared(adapter, vae, positive: list, negative: list, s, frames: int, star
 
 def _with_lora(patcher, lora_path: Path, strength: float = 1.0):
     """What ComfyUI's ``LoraLoaderModelOnly`` does with the file, without adding its folder to ComfyUI's
-    ``loras`` paths (this may run inside a long-lived ComfyUI)."""
+    ``loras`` paths (this may run inside a long-lived ComfyUI). At strength 0 that is the base model itself, as
+    that node returns it: no patches, so the base model's weights are not recomputed a second time."""
     import comfy.sd
     import comfy.utils
 
+    if strength == 0:
+        return patcher
     lora = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
     patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, strength, 0)
     return patched

@@ -57,3 +57,28 @@ def test_a_full_fine_tune_has_no_strengths(micro_flux_files, make_run):
     config = make_run(micro_flux_files, images=1, adapter=None, samples={"prompts": ["x"], "strengths": [0.5, 1.0]})
     with pytest.raises(ConfigError, match="samples.strengths"):
         load_run_config(config)
+
+
+def test_strength_0_samples_the_base_model_itself_as_comfyuis_lora_loader_does(micro_flux_files, tmp_path):
+    """ComfyUI's LoraLoaderModelOnly returns the model it was given at strength 0; the samples' strength-0 row takes
+    that model too (no LoRA patches to compute into its weights), and a non-zero strength patches a copy."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.host.runtime import ensure_comfyui
+    from pipetrain.backend.models.registry import adapter_class
+    from pipetrain.backend.sampling.render import _with_lora
+
+    ensure_comfyui()
+    files = micro_flux_files
+    cfg = ModelConfig(type="flux", diffusion_model=str(files.diffusion_model), vae=str(files.vae),
+                      text_encoders=[str(p) for p in files.text_encoders], dtype="float32")
+    base = adapter_class("flux")(cfg).load_diffusion_model()
+    width, channels = base.model.diffusion_model.img_in.weight.shape
+    lora = tmp_path / "epoch0001.safetensors"
+    save_file({"diffusion_model.img_in.lora_up.weight": torch.ones(width, 1),
+               "diffusion_model.img_in.lora_down.weight": torch.ones(1, channels)}, str(lora))
+    assert _with_lora(base, lora, 0.0) is base and not base.patches
+    patched = _with_lora(base, lora, 1.0)
+    assert patched is not base and list(patched.patches) == ["diffusion_model.img_in.weight"] and not base.patches
