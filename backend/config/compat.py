@@ -120,6 +120,8 @@ MEANING_DIFFERENCES = {
     "partition_split": "layer indices of PipeTrain's layer list (a different list from diffusion-pipe's)",
     "model.min_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
     "model.max_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "subsample_ratio": "each epoch trains the first int(global batches x ratio) of its own shuffled global batches, "
+                       "another share every epoch (diffusion-pipe: the same share every epoch, its order being fixed)",
     "model.debiased_estimation_loss": "false is off (diffusion-pipe weighs the loss whenever the key is present, "
                                       "false included)",
 }
@@ -178,10 +180,11 @@ DATASET = {
     "control_path": Unsupported("set control_path in each [[directory]] of an edit model's dataset"),
     "mask_path": Unsupported("set mask_path in each [[directory]] whose images have masks"),
     "default_mask_file": Unsupported("set default_mask_file in each [[directory]] it applies to"),
-    "subsample_ratio": Unsupported("not implemented; use a smaller directory or num_repeats"),
 }
 DIRECTORY = {
     **_DATASET_COMMON,
+    "subsample_ratio": Unsupported("diffusion-pipe reads it at the top of the dataset file only (it ignores it in a "
+                                   "[[directory]]); set it there to train a share of each epoch", inert=ANY),
     **{key: Unsupported("per-directory bucket settings are not supported; set it at the top of the dataset "
                         "file (or use one dataset file per setting)")
        for key in ("enable_ar_bucket", "min_ar", "max_ar", "num_ar_buckets", "ar_buckets", "size_buckets")},

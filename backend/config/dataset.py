@@ -107,6 +107,8 @@ class DatasetConfig:
     frame_buckets: list[int] = field(default_factory=lambda: [1])
     # with is_reg directories: the share of each epoch's samples drawn from them (the rest: every training sample)
     reg_ratio: float = 0.5
+    # diffusion-pipe's: keep int(global batches x ratio) of each epoch's global batches (EpochPlan); None: all
+    subsample_ratio: Optional[float] = None
     # where relative directory paths are resolved; set from the file's location, not written back
     _base: Optional[Path] = None
 
@@ -136,6 +138,10 @@ class DatasetConfig:
         if not 0 < self.reg_ratio < 1:
             raise ConfigError(f"got {self.reg_ratio}; must be between 0 and 1, e.g. 0.5: half of each epoch's "
                               "samples from the is_reg directories", file=file, key="reg_ratio")
+        if self.subsample_ratio is not None and not 0 < self.subsample_ratio <= 1:
+            raise ConfigError(f"got {self.subsample_ratio}; give the share of each epoch to train, above 0 and at "
+                              "most 1 (e.g. 0.5: half of its batches), or remove the key to train on all of it",
+                              file=file, key="subsample_ratio")
         if all(d.is_reg for d in self.directory):
             raise ConfigError("every [[directory]] is marked is_reg: regularisation images go beside the training "
                               "images; set is_reg = false on the directory of the images to learn", file=file,
