@@ -185,9 +185,8 @@ DIRECTORY = {
     **_DATASET_COMMON,
     "subsample_ratio": Unsupported("diffusion-pipe reads it at the top of the dataset file only (it ignores it in a "
                                    "[[directory]]); set it there to train a share of each epoch", inert=ANY),
-    **{key: Unsupported("per-directory bucket settings are not supported; set it at the top of the dataset "
-                        "file (or use one dataset file per setting)")
-       for key in ("enable_ar_bucket", "min_ar", "max_ar", "num_ar_buckets", "ar_buckets", "size_buckets")},
+    "size_buckets": Unsupported("per-directory size_buckets are not supported; set them at the top of the dataset "
+                                "file (or use one dataset file per setting)"),
 }
 
 OPTIMIZER_NOT_SUPPORTED = {

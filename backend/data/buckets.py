@@ -92,8 +92,10 @@ def build_examples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float 
     ``side_multiple`` (the model's ``spatial_multiple``)."""
     from .video import frame_bucket, frames_at_rate
 
-    buckets_by_resolution: dict[int, list[tuple[int, int]]] = {}
-    assigned: dict[tuple[int, int, int], tuple[int, int]] = {}   # (width, height, resolution): pictures share sizes
+    top = cfg.aspect_buckets(None)
+    # (resolution, a directory's aspect buckets) -> sizes; (width, height, resolution, aspect buckets) -> the size
+    buckets_by_resolution: dict[tuple, list[tuple[int, int]]] = {}
+    assigned: dict[tuple, tuple[int, int]] = {}   # pictures of one shape share sizes
     examples, too_short = [], []
     for item in items:
         if cfg.size_buckets:
@@ -110,14 +112,16 @@ def build_examples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float 
             if frames is None:
                 too_short.append(item)
                 continue
+        aspect = item.aspect or top
         for resolution in item.resolutions:
-            if resolution not in buckets_by_resolution:
-                buckets_by_resolution[resolution] = make_buckets(
-                    resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets, side_multiple,
-                    cfg.ar_buckets)
-            size = (item.width, item.height, resolution)
+            sizes = (resolution, aspect)
+            if sizes not in buckets_by_resolution:
+                buckets_by_resolution[sizes] = make_buckets(
+                    resolution, aspect.enabled, aspect.min_ar, aspect.max_ar, aspect.count, side_multiple,
+                    None if aspect.ratios is None else list(aspect.ratios))
+            size = (item.width, item.height, *sizes)
             if size not in assigned:
-                assigned[size] = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
+                assigned[size] = assign_bucket(item.width, item.height, buckets_by_resolution[sizes])
             bucket = assigned[size]
             examples.append(Example(item=item, bucket=bucket if frames is None else (*bucket, frames)))
     if too_short and cfg.size_buckets:
