@@ -12,7 +12,7 @@ from .model import AdapterConfig, Dtype, ModelConfig, TextEncoderConfig, WeightD
 from .run import RunConfig
 from .sections import ClusterConfig, EvalDatasetConfig, MonitoringConfig, OptimizerConfig, SamplesConfig
 
-__all__ = ["MAX_RESOLUTION", "AdapterConfig", "AspectBuckets", "CaptionOptions", "ClusterConfig", "DatasetConfig", "DirectoryConfig",
-           "Dtype", "EvalDatasetConfig", "ModelConfig", "MonitoringConfig", "OptimizerConfig", "RunConfig", "SamplesConfig",
-           "TextEncoderConfig", "WeightDtype", "check_caption_extension", "load_dataset_config", "load_run_config",
-           "replace", "save_toml", "without_secrets"]
+__all__ = ["MAX_RESOLUTION", "AdapterConfig", "AspectBuckets", "CaptionOptions", "ClusterConfig", "DatasetConfig",
+           "DirectoryConfig", "Dtype", "EvalDatasetConfig", "ModelConfig", "MonitoringConfig", "OptimizerConfig",
+           "RunConfig", "SamplesConfig", "TextEncoderConfig", "WeightDtype", "check_caption_extension",
+           "load_dataset_config", "load_run_config", "replace", "save_toml", "without_secrets"]
