@@ -193,8 +193,6 @@ DIRECTORY = {
     **_DATASET_COMMON,
     "subsample_ratio": Unsupported("diffusion-pipe reads it at the top of the dataset file only (it ignores it in a "
                                    "[[directory]]); set it there to train a share of each epoch", inert=ANY),
-    "size_buckets": Unsupported("per-directory size_buckets are not supported; set them at the top of the dataset "
-                                "file (or use one dataset file per setting)"),
 }
 
 OPTIMIZER_NOT_SUPPORTED = {

@@ -24,12 +24,13 @@ class DirectoryConfig:
     cache_shuffle_delimiter: Optional[str] = None
     skip_empty_caption: Optional[bool] = None
     frame_buckets: Optional[list[int]] = None   # video models: clip lengths in frames (see DatasetConfig)
-    # aspect-ratio buckets (see DatasetConfig); diffusion-pipe's per-directory values over the top level's
+    # bucket keys (see DatasetConfig); diffusion-pipe's per-directory values over the top level's
     enable_ar_bucket: Optional[bool] = None
     min_ar: Optional[float] = None
     max_ar: Optional[float] = None
     num_ar_buckets: Optional[int] = None
     ar_buckets: Optional[list[float]] = None
+    size_buckets: Optional[list[list[int]]] = None
     # edit models: control images paired by file stem; a list of folders gives each image several (Qwen-Image-Edit
     # 2509, Flux 2 edit: one reference each, in the list's order; ai-toolkit's list form of the key)
     control_path: Union[str, list[str], None] = None
@@ -66,7 +67,7 @@ class DirectoryConfig:
 _ASPECT_KEYS = ("min_ar", "max_ar", "num_ar_buckets", "ar_buckets")
 
 
-def check_aspect_buckets(a: AspectBuckets, file, prefix: str, given: list[str]) -> None:
+def check_aspect_buckets(a: BucketOptions, file, prefix: str, given: list[str]) -> None:
     """The aspect-ratio keys of one table (``prefix``: 'directory[i].' or ''), checked at the values that table trains
     with; only ``given`` keys (those the table sets) are checked, so a directory is not blamed for the top level."""
     if ({"min_ar", "max_ar"} & set(given)) and not 0 < a.min_ar <= 1 <= a.max_ar:
@@ -84,26 +85,29 @@ def control_folders(d: DirectoryConfig) -> list[str]:
     return [] if d.control_path is None else [d.control_path] if isinstance(d.control_path, str) else d.control_path
 
 
-def check_size_buckets(buckets: list, file) -> None:
+def check_size_buckets(buckets: list, file, prefix: str = "") -> None:
     for i, b in enumerate(buckets):
         if not isinstance(b, list) or len(b) not in (2, 3) or not all(isinstance(v, int) for v in b) \
                 or not all(64 <= v <= MAX_RESOLUTION and v % 16 == 0 for v in b[:2]) or (len(b) == 3 and b[2] < 1):
             raise ConfigError(f"entry {b!r}: give [width, height] or [width, height, frames], sides multiples of 16 "
-                              f"from 64 to {MAX_RESOLUTION}, frames 1 or more", file=file, key=f"size_buckets[{i}]")
+                              f"from 64 to {MAX_RESOLUTION}, frames 1 or more", file=file,
+                              key=f"{prefix}size_buckets[{i}]")
     if not buckets:
         raise ConfigError("give at least one [width, height] (or leave size_buckets out)", file=file,
-                          key="size_buckets")
+                          key=f"{prefix}size_buckets")
 
 
 @dataclass(frozen=True)
-class AspectBuckets:
-    """One directory's aspect-ratio buckets: ``ratios`` (``ar_buckets``) where given, else ``count`` ratios from
-    ``min_ar`` to ``max_ar``; ``enabled`` false: one square bucket."""
+class BucketOptions:
+    """One directory's bucket keys: exact ``sizes`` (``size_buckets``) where given; else aspect-ratio buckets,
+    ``ratios`` (``ar_buckets``) where given, else ``count`` ratios from ``min_ar`` to ``max_ar``; ``enabled``
+    false: one square bucket."""
     enabled: bool = False
     min_ar: float = 0.5
     max_ar: float = 2.0
     count: int = 7
     ratios: Optional[tuple[float, ...]] = None
+    sizes: Optional[tuple[tuple[int, ...], ...]] = None
 
 
 @dataclass(frozen=True)
@@ -152,10 +156,12 @@ class DatasetConfig:
         if not self.directory:
             raise ConfigError("at least one [[directory]] is required", file=file, key="directory")
         check_resolutions(self.resolutions, file, "resolutions")
-        check_aspect_buckets(self.aspect_buckets(None), file, "", list(_ASPECT_KEYS))
+        check_aspect_buckets(self.bucket_options(None), file, "", list(_ASPECT_KEYS))
         for i, d in enumerate(self.directory):
-            check_aspect_buckets(self.aspect_buckets(d), file, f"directory[{i}].",
+            check_aspect_buckets(self.bucket_options(d), file, f"directory[{i}].",
                                  [k for k in _ASPECT_KEYS if getattr(d, k) is not None])
+            if d.size_buckets is not None:
+                check_size_buckets(d.size_buckets, file, f"directory[{i}].")
         if self.size_buckets is not None:
             check_size_buckets(self.size_buckets, file)
         if self.num_repeats < 1:
@@ -186,15 +192,17 @@ class DatasetConfig:
         return CaptionOptions(prefix=pick("caption_prefix"), shuffle_num=shuffle_num,
                               delimiter=pick("cache_shuffle_delimiter"), skip_empty=pick("skip_empty_caption"))
 
-    def aspect_buckets(self, d: DirectoryConfig | None) -> AspectBuckets:
-        """Directory ``d``'s aspect-ratio buckets (None: the top level's), each key the directory's where it sets it,
-        as diffusion-pipe reads them: ar_buckets (the directory's, else the top level's) wins over min_ar..max_ar."""
+    def bucket_options(self, d: DirectoryConfig | None) -> BucketOptions:
+        """Directory ``d``'s bucket keys (None: the top level's), each the directory's where it sets it, as
+        diffusion-pipe reads them: size_buckets win over the rest, ar_buckets over min_ar..max_ar (each the
+        directory's, else the top level's)."""
         def pick(name):
             value = None if d is None else getattr(d, name)
             return getattr(self, name) if value is None else value
-        ratios = pick("ar_buckets")
-        return AspectBuckets(enabled=pick("enable_ar_bucket"), min_ar=pick("min_ar"), max_ar=pick("max_ar"),
-                             count=pick("num_ar_buckets"), ratios=None if ratios is None else tuple(ratios))
+        ratios, sizes = pick("ar_buckets"), pick("size_buckets")
+        return BucketOptions(enabled=pick("enable_ar_bucket"), min_ar=pick("min_ar"), max_ar=pick("max_ar"),
+                             count=pick("num_ar_buckets"), ratios=None if ratios is None else tuple(ratios),
+                             sizes=None if sizes is None else tuple(tuple(b) for b in sizes))
 
     def with_absolute_paths(self) -> "DatasetConfig":
         dirs = [dataclasses.replace(d, path=str(self.directory_path(d).resolve()),

@@ -156,7 +156,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     scan.unreadable += archived.unreadable
     files = _candidate_files(path, caption_extension) + archived.files
     frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
-    aspect = cfg.aspect_buckets(directory)
+    buckets = cfg.bucket_options(directory)
     probed = _probed(pool, _probe_media if videos else _probe_size,
                      None if captions_json is not None else caption_extension, files)
     for file, (size, caption) in zip(files, probed):
@@ -182,7 +182,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
             scan.missing_captions.append(file)
         scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
                                     num_repeats=num_repeats, resolutions=resolutions, captions=captions,
-                                    frame_buckets=frame_buckets, aspect=aspect, is_reg=directory.is_reg,
+                                    frame_buckets=frame_buckets, buckets=buckets, is_reg=directory.is_reg,
                                     more_captions=more, **video))
     if scan.controls:
         _pair_controls(scan, caption_extension)

@@ -189,3 +189,31 @@ def test_a_directorys_bad_aspect_ratio_key_is_refused_naming_the_file_and_key(tm
                                            f"[[directory]]\npath = 'y'\n{line}\n")
     with pytest.raises(ConfigError, match=re.escape(f"dataset.toml: key '{key}'")):
         load_dataset_config(tmp_path / "dataset.toml")
+
+
+def test_a_directorys_size_buckets_override_the_top_levels_and_their_frames_are_checked(tmp_path):
+    """diffusion-pipe's per-[[directory]] size_buckets: that directory's items take its exact sizes, the others the
+    top level's buckets; a video model checks the frames of every directory's size_buckets."""
+    from PIL import Image
+
+    from pipetrain.backend.config import load_dataset_config
+    from pipetrain.backend.data import scan_dataset
+    from pipetrain.backend.data.buckets import check_frame_buckets
+    from pipetrain.backend.errors import DatasetError
+
+    for name in ("sized", "plain"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (300, 100), (10, 200, 10)).save(tmp_path / name / "wide.png")
+    (tmp_path / "dataset.toml").write_text(
+        "resolutions = [256]\n[[directory]]\npath = 'sized'\nsize_buckets = [[512, 512], [640, 320], [640, 320, 34]]\n"
+        "[[directory]]\npath = 'plain'\n")
+    cfg = load_dataset_config(tmp_path / "dataset.toml")
+    items = scan_dataset(cfg).items
+    assert {e.item.path.parent.name: e.bucket for e in build_examples(cfg, items)} == {"sized": (640, 320),
+                                                                                       "plain": (256, 256)}
+    with pytest.raises(DatasetError, match=r"size_buckets frames \[34\]"):
+        check_frame_buckets(items, 4)
+    check_frame_buckets([i for i in items if i.path.parent.name == "plain"], 4)
+    (tmp_path / "dataset.toml").write_text("[[directory]]\npath = 'sized'\nsize_buckets = [[500, 512]]\n")
+    with pytest.raises(Exception, match=re.escape("dataset.toml: key 'directory[0].size_buckets[0]'")):
+        load_dataset_config(tmp_path / "dataset.toml")
