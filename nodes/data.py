@@ -175,6 +175,10 @@ class DatasetNode(CheckedNode):
                                step=0.01, tooltip="With is_reg folders: the share of each epoch's samples drawn "
                                "from them (0.5: as many as the training samples). The dataset's value: the one on "
                                "the Dataset node wired to Cache or Train"),
+                io.Float.Input("subsample_ratio", optional=True, default=start("subsample_ratio", DATASET, off=1.0),
+                               min=0.01, max=1.0, step=0.01, tooltip="The share of each epoch's batches to train "
+                               "(diffusion-pipe's key; 1: all). The dataset's value: the one on the Dataset node "
+                               "wired to Cache or Train"),
                 io.String.Input("mask_folder", optional=True, default="", tooltip="Masked training: a folder of "
                                 "mask images named like the training images (a.png <-> a.png); each pixel's red "
                                 "value is its loss weight (white trains, black does not, grey partly); under "
@@ -208,8 +212,8 @@ class DatasetNode(CheckedNode):
     @classmethod
     def execute(cls, folder, resolutions, enable_ar_bucket, min_ar, max_ar, num_ar_buckets, num_repeats,
                 caption_extension, frame_buckets=None, uncond_fraction=None, control_folder="", previous=None,
-                on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None, ar_buckets="",
-                size_buckets="", mask_folder="", default_mask_file="", control_mask_folder="", reference="",
+                on_unreadable=None, caching_batch_size=None, is_reg=False, reg_ratio=None, subsample_ratio=None,
+                ar_buckets="", size_buckets="", mask_folder="", default_mask_file="", control_mask_folder="", reference="",
                 **directory_keys) -> io.NodeOutput:
         frame_buckets = frame_buckets or ", ".join(map(str, start("frame_buckets", DATASET)))
         error = dataset_input_error(folder, resolutions, caption_extension, frame_buckets, control_folder)
@@ -232,6 +236,8 @@ class DatasetNode(CheckedNode):
                                  "reference_path": str(dataset_folder(reference)) if reference.strip() else None})
         shared = RunPatch.of(dict(resolutions=res, enable_ar_bucket=enable_ar_bucket, min_ar=min_ar, max_ar=max_ar,
                                   num_ar_buckets=num_ar_buckets, on_unreadable=on_unreadable, reg_ratio=reg_ratio,
+                                  subsample_ratio=None if subsample_ratio is None or subsample_ratio >= 1
+                                  else subsample_ratio,   # 1: every batch, the key left out
                                   ar_buckets=parse_ar_buckets(ar_buckets), size_buckets=parse_size_buckets(size_buckets)))
         run = RunPatch.of(dict(uncond_fraction=uncond_fraction, caching_batch_size=caching_batch_size))
         spec = DatasetSpec((directory,), shared, run)

@@ -169,5 +169,6 @@ DP_KEYS = [
     *(("directory", k, v, None) for k, v in (
         ("path", "images"), ("mask_path", "masks"), ("control_path", "control"), ("default_mask_file", "mask.png"),
         ("num_repeats", 1), ("resolutions", [512]), ("frame_buckets", [1, 33]), ("caption_prefix", ""),
-        ("enable_ar_bucket", True))),
+        ("enable_ar_bucket", True), ("min_ar", 0.5), ("max_ar", 2.0), ("num_ar_buckets", 7), ("ar_buckets", [1.0]),
+        ("size_buckets", [[512, 512]]))),
 ]

@@ -88,6 +88,11 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
             given = compat.first_frame_types().get(compat.type_aliases().get(data.get("type"), data.get("type")))
             lines.append(f"  {key}: 1 trains type {given!r} (every clip's first frame given), 0 plain "
                          "text to video; other values are refused")
+        elif (cls.__name__ == "ModelConfig" and name == "llama3_path"
+              and compat.reads_llama3_path(compat.type_aliases().get(data.get("type"), data.get("type")))):
+            lines.append(f"  {key}: DIFFERENT: a Hugging Face Llama folder, read into text_encoders after the others "
+                         "as ComfyUI's Llama (its lm_head left out), which runs without Llama 3.1's RoPE scaling as "
+                         "ComfyUI's own Llama 3.1 file does (diffusion-pipe: transformers' Llama, scaled)")
         elif cls.__name__ == "ModelConfig" and name in compat.TEXT_ENCODER_KEYS:
             lines.append(f"  {key}: a text-encoder file, read into text_encoders (order: "
                          f"{', '.join(compat.TEXT_ENCODER_KEYS)})")

@@ -71,6 +71,13 @@ def first_frame_types() -> dict[str, str]:
     return {base: t for t, base in dp_facts("dp_first_frame_of").items()}
 
 
+def reads_llama3_path(model_type) -> bool:
+    """diffusion-pipe's HiDream reads llama3_path, a Hugging Face Llama folder, as its Llama text encoder (the
+    adapters' ``dp_llama3_path``)."""
+    from ..models.registry import dp_facts
+    return model_type in dp_facts("dp_llama3_path")
+
+
 def reads_lumina_shift(model_type) -> bool:
     """diffusion-pipe's Lumina 2 reads lumina_shift: Flux's resolution-dependent shift (our flux_shift), on the same
     token count; its other models ignore the key (the adapters' ``dp_lumina_shift``)."""
@@ -120,6 +127,8 @@ MEANING_DIFFERENCES = {
     "partition_split": "layer indices of PipeTrain's layer list (a different list from diffusion-pipe's)",
     "model.min_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
     "model.max_t": "every flow model draws its timesteps in [min_t, max_t] (diffusion-pipe reads it for Wan only)",
+    "subsample_ratio": "each epoch trains the first int(global batches x ratio) of its own shuffled global batches, "
+                       "another share every epoch (diffusion-pipe: the same share every epoch, its order being fixed)",
     "model.debiased_estimation_loss": "false is off (diffusion-pipe weighs the loss whenever the key is present, "
                                       "false included)",
 }
@@ -130,6 +139,7 @@ MEANING_DIFFERENCES = {
 PATH_KEYS = {"output_dir", "dataset", "config", "lora_dir", "hostfile", "diffusion_model", "vae", "text_encoders",
              "path", "paths", "clip_vision", "merge_adapters", "init_from_existing", "mask_path", "default_mask_file",
              "control_path", "control_mask_path", "reference_path", "start_image", "end_image", "control_video",
+             "llama3_path",
              *MODEL_RENAMES.keys() - {"transformer_dtype"}, *TEXT_ENCODER_KEYS, *model_folders.FOLDER_KEYS}
 
 _SINGLE = ("diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and text_encoder_path are read as "
@@ -137,8 +147,8 @@ _SINGLE = ("diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and
 MODEL = {
     "single_file_path": Unsupported(f"a model's single-file release (LTX-Video's transformer + VAE in one file) is "
                                     f"not read; {SINGLE_FILES_HINT}. {_SINGLE}"),
-    "llama3_path": Unsupported(f"a Hugging Face Llama folder is not read (ComfyUI reads no Llama keys from a "
-                               f"folder); {SINGLE_FILES_HINT}. {_SINGLE}"),
+    # read for the types reads_llama3_path names (preprocess_model); diffusion-pipe's other models ignore it
+    "llama3_path": Unsupported("diffusion-pipe reads it for hidream only", inert=ANY),
     **{key: Unsupported(f"not read by PipeTrain. {SINGLE_FILES_HINT}")
        for key in ("text_encoder", "audio_vae", "llm_adapter_path")},
     "cache_text_embeddings": Unsupported("text embeddings are always cached", inert=(True,)),
@@ -178,13 +188,11 @@ DATASET = {
     "control_path": Unsupported("set control_path in each [[directory]] of an edit model's dataset"),
     "mask_path": Unsupported("set mask_path in each [[directory]] whose images have masks"),
     "default_mask_file": Unsupported("set default_mask_file in each [[directory]] it applies to"),
-    "subsample_ratio": Unsupported("not implemented; use a smaller directory or num_repeats"),
 }
 DIRECTORY = {
     **_DATASET_COMMON,
-    **{key: Unsupported("per-directory bucket settings are not supported; set it at the top of the dataset "
-                        "file (or use one dataset file per setting)")
-       for key in ("enable_ar_bucket", "min_ar", "max_ar", "num_ar_buckets", "ar_buckets", "size_buckets")},
+    "subsample_ratio": Unsupported("diffusion-pipe reads it at the top of the dataset file only (it ignores it in a "
+                                   "[[directory]]); set it there to train a share of each epoch", inert=ANY),
 }
 
 OPTIMIZER_NOT_SUPPORTED = {
@@ -238,6 +246,10 @@ def preprocess_model(data: dict, file, prefix: str) -> dict:
             raise ConfigError(f"give text_encoders or {' and '.join(given)}, not both (the same files)", file=file,
                               key=_key(prefix, given[0]))
         data["text_encoders"] = [data.pop(k) for k in given]
+    if "llama3_path" in data and reads_llama3_path(data.get("type")):
+        # HiDream's fourth text encoder; diffusion-pipe takes the other three from diffusers_path
+        given = data.get("text_encoders", [])
+        data["text_encoders"] = [*(given if isinstance(given, list) else [given]), data.pop("llama3_path")]
     model_folders.expand(data, file, prefix)
     return data
 

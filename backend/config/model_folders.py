@@ -134,12 +134,13 @@ def pipeline_components(folder: Path) -> dict[str, object]:
 
 
 # Hugging Face text-encoder configs -> the text-encoder kind (``models/encoders.py``) ComfyUI loads their keys as:
-# CLIP and T5, whose Hugging Face keys are ComfyUI's own (its CLIP and T5 modules use the same names), and
-# Qwen2.5-VL (Qwen-Image's), whose keys ``qwen_vl_state_dict`` renames. Other encoders (Llama, Gemma, ...) keep
-# keys ComfyUI does not read from a folder: their single files.
+# CLIP, T5 and Llama, whose Hugging Face keys are ComfyUI's own (its CLIP, T5 and Llama modules use the same names;
+# a Llama folder's lm_head is left out, ``llm_state_dict``), and Qwen2.5-VL (Qwen-Image's), whose keys
+# ``qwen_vl_state_dict`` renames. Other encoders (Gemma, ...) are read from their single files only.
 CLIP_WIDTHS = {768: "clip_l", 1024: "clip_h", 1280: "clip_g"}
 T5_TYPES = {"t5": "t5xxl", "umt5": "umt5xxl"}
 QWEN_VL_TYPES = ("qwen2_5_vl",)
+LLAMA_TYPES = ("llama",)   # Llama 3 / 3.1 8B (HiDream's llama3_path; HunyuanVideo's LLaVA-Llama-3 text model)
 QWEN_VL_3B_WIDTH = 2048   # Qwen2.5-VL-3B's language model (OmniGen2's); every other width reads as the 7B's kind
 
 
@@ -148,6 +149,8 @@ def text_encoder_kind(config: dict) -> str | None:
     model_type = config.get("model_type", "")
     if model_type in ("clip_text_model", "clip"):
         return CLIP_WIDTHS.get(config.get("hidden_size", (config.get("text_config") or {}).get("hidden_size")))
+    if model_type in LLAMA_TYPES:
+        return "llama"
     if model_type in QWEN_VL_TYPES:
         return "qwen25_3b" if text_config(config).get("hidden_size") == QWEN_VL_3B_WIDTH else "qwen25_7b"
     if model_type == "t5" and not str(config.get("feed_forward_proj", "")).startswith("gated"):
@@ -231,4 +234,10 @@ def qwen_vl_state_dict(sd: dict) -> dict:
             if key.startswith(old):
                 return new + key[len(old):]
         return key
-    return {renamed(k): v for k, v in sd.items() if not k.startswith("lm_head.")}
+    return {renamed(k): v for k, v in llm_state_dict(sd).items()}
+
+
+def llm_state_dict(sd: dict) -> dict:
+    """A Hugging Face causal language model's state dict without lm_head: a text encoder never runs the vocabulary
+    projection, and ComfyUI's LLM modules have none (a Llama folder's other keys are ComfyUI's as they are)."""
+    return {k: v for k, v in sd.items() if not k.startswith("lm_head.")}

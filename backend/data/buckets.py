@@ -70,14 +70,17 @@ def assign_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tu
 
 
 def check_frame_buckets(items: list[MediaItem], frame_multiple: int, size_buckets=None) -> None:
-    """A video model whose clips must be ``frame_multiple`` k + 1 frames long (Wan: 4k + 1) rejects others."""
-    if size_buckets:
-        bad = sorted({b[2] for b in size_buckets if len(b) == 3 and (b[2] - 1) % frame_multiple})
-        if bad:
-            raise DatasetError(f"size_buckets frames {bad}: this model trains on clips of {frame_multiple}k + 1 "
-                               "frames; change those size_buckets entries")
-        return
-    bad = sorted({f for item in items for f in item.frame_buckets if (f - 1) % frame_multiple})
+    """A video model whose clips must be ``frame_multiple`` k + 1 frames long (Wan: 4k + 1) rejects others: the
+    size_buckets' frames where they are set (an item's directory's, else the top level's ``size_buckets``), else the
+    items' frame buckets."""
+    def sizes(item):
+        return item.buckets.sizes if item.buckets is not None else size_buckets
+    sized = [b for item in items for b in sizes(item) or ()] if items else list(size_buckets or ())
+    bad = sorted({b[2] for b in sized if len(b) == 3 and (b[2] - 1) % frame_multiple})
+    if bad:
+        raise DatasetError(f"size_buckets frames {bad}: this model trains on clips of {frame_multiple}k + 1 "
+                           "frames; change those size_buckets entries")
+    bad = sorted({f for item in items if not sizes(item) for f in item.frame_buckets if (f - 1) % frame_multiple})
     if bad:
         fits = ", ".join(str(frame_multiple * k + 1) for k in range(5))
         raise DatasetError(f"frame_buckets {bad}: this model trains on clips of {frame_multiple}k + 1 frames "
@@ -92,15 +95,18 @@ def build_examples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float 
     ``side_multiple`` (the model's ``spatial_multiple``)."""
     from .video import frame_bucket, frames_at_rate
 
-    buckets_by_resolution: dict[int, list[tuple[int, int]]] = {}
-    assigned: dict[tuple[int, int, int], tuple[int, int]] = {}   # (width, height, resolution): pictures share sizes
-    examples, too_short = [], []
+    top = cfg.bucket_options(None)
+    # (resolution, a directory's bucket keys) -> sizes; (width, height, resolution, bucket keys) -> the size
+    buckets_by_resolution: dict[tuple, list[tuple[int, int]]] = {}
+    assigned: dict[tuple, tuple[int, int]] = {}   # pictures of one shape share sizes
+    examples, too_short, unsized = [], [], []
     for item in items:
-        if cfg.size_buckets:
+        options = item.buckets or top
+        if options.sizes:
             clip = frames_at_rate(item.frames, item.fps, model_fps) if item.frames > 1 and model_fps else None
-            bucket = size_bucket(item.width, item.height, clip, cfg.size_buckets, side_multiple)
+            bucket = size_bucket(item.width, item.height, clip, [list(b) for b in options.sizes], side_multiple)
             if bucket is None:
-                too_short.append(item)
+                unsized.append(item)
             else:
                 examples.append(Example(item=item, bucket=bucket))
             continue
@@ -111,19 +117,20 @@ def build_examples(cfg: DatasetConfig, items: list[MediaItem], model_fps: float 
                 too_short.append(item)
                 continue
         for resolution in item.resolutions:
-            if resolution not in buckets_by_resolution:
-                buckets_by_resolution[resolution] = make_buckets(
-                    resolution, cfg.enable_ar_bucket, cfg.min_ar, cfg.max_ar, cfg.num_ar_buckets, side_multiple,
-                    cfg.ar_buckets)
-            size = (item.width, item.height, resolution)
+            sizes = (resolution, options)
+            if sizes not in buckets_by_resolution:
+                buckets_by_resolution[sizes] = make_buckets(
+                    resolution, options.enabled, options.min_ar, options.max_ar, options.count, side_multiple,
+                    None if options.ratios is None else list(options.ratios))
+            size = (item.width, item.height, *sizes)
             if size not in assigned:
-                assigned[size] = assign_bucket(item.width, item.height, buckets_by_resolution[resolution])
+                assigned[size] = assign_bucket(item.width, item.height, buckets_by_resolution[sizes])
             bucket = assigned[size]
             examples.append(Example(item=item, bucket=bucket if frames is None else (*bucket, frames)))
-    if too_short and cfg.size_buckets:
+    if unsized:
         log.warning("leaving out %d item(s) that no size bucket of their kind (stills: 1 frame, clips: up to "
-                    "their length) takes:%s", len(too_short), "".join(f"\n  {i.path}" for i in too_short))
-    elif too_short:
+                    "their length) takes:%s", len(unsized), "".join(f"\n  {i.path}" for i in unsized))
+    if too_short:
         log.warning("leaving out %d video(s) shorter than every frame bucket above 1 at %g fps:%s", len(too_short),
                     model_fps, "".join(f"\n  {i.path}: {frames_at_rate(i.frames, i.fps, model_fps)} frames, "
                                        f"frame_buckets {list(i.frame_buckets)}" for i in too_short))

@@ -72,12 +72,17 @@ class EpochPlan:
     ``reg`` marks regularisation examples (``is_reg`` directories): they are not all in every epoch, but drawn so
     that they make ``reg_ratio`` of it (``RegDraw``), each bucket the same number every epoch (so every epoch has
     the same steps), shuffled in with the training examples of their bucket.
+
+    ``subsample_ratio`` (diffusion-pipe's dataset key) keeps ``int(global batches x ratio)`` of each epoch's global
+    batches, as diffusion-pipe truncates its epoch order; here the kept ones are the first of each epoch's own
+    shuffle, so every epoch trains another share (diffusion-pipe's order, and so its share, is the same each epoch).
     """
 
     def __init__(self, examples: list[Example], repeats: list[int] | None, micro_batch_size: int,
                  grad_accum_steps: int, dp_rank: int, dp_world: int, seed: int,
                  image_micro_batch_size: int | None = None, reg: list[bool] | None = None,
-                 reg_ratio: float = 0.5, by_resolution: dict[str, list] | None = None):
+                 reg_ratio: float = 0.5, by_resolution: dict[str, list] | None = None,
+                 subsample_ratio: float | None = None):
         if repeats is None:
             repeats = [example.item.num_repeats for example in examples]
         if len(repeats) != len(examples):
@@ -95,6 +100,7 @@ class EpochPlan:
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.seed = seed
+        self.subsample_ratio = subsample_ratio
         reg = reg or [False] * len(examples)
         self._by_bucket = self._expand_and_group([s for s, r in zip(examples, reg) if not r],
                                                  [n for n, r in zip(repeats, reg) if not r])
@@ -133,8 +139,14 @@ class EpochPlan:
         """Examples of each bucket in every epoch: its training examples and the regularisation ones drawn."""
         return {bucket: len(group) + self.reg.counts.get(bucket, 0) for bucket, group in self._by_bucket.items()}
 
-    def steps_per_epoch(self) -> int:
+    def _global_batches(self) -> int:
+        """Global batches of an epoch before ``subsample_ratio``."""
         return sum(n // self.global_batch_of(bucket) for bucket, n in self._sizes().items())
+
+    def steps_per_epoch(self) -> int:
+        full = self._global_batches()
+        # diffusion-pipe's int(len(order) * ratio), float rounding included; a ratio of 0 or None keeps all
+        return int(full * self.subsample_ratio) if self.subsample_ratio else full
 
     def dropped(self) -> dict[Bucket, int]:
         """Examples (after repeats) left out of each bucket every epoch because they fill no global batch."""
@@ -161,7 +173,7 @@ class EpochPlan:
             usable = len(shuffled) - len(shuffled) % size
             global_batches += [shuffled[i:i + size] for i in range(0, usable, size)]
         rng.shuffle(global_batches)
-        return [self._rank_slice(batch) for batch in global_batches]
+        return [self._rank_slice(batch) for batch in global_batches[:self.steps_per_epoch()]]
 
     def _rank_slice(self, global_batch: list[Example]) -> list[list[Example]]:
         """This rank's micro batches of one global batch: micro batch m holds ranks' slices side by side."""
@@ -174,6 +186,11 @@ class EpochPlan:
         total = sum(sizes.values())
         if total == 0:
             return "the dataset has no examples, so an epoch has no steps; check the dataset directories"
+        if self._global_batches():
+            batches = self._global_batches()
+            return (f"subsample_ratio = {self.subsample_ratio} keeps none of the epoch's {batches} global "
+                    f"batch{'es' if batches > 1 else ''} (it keeps int(global batches x ratio)); "
+                    "raise subsample_ratio, or remove it to train on every batch")
         counts = ", ".join(f"{_bucket_name(b)}: {n}" for b, n in sizes.items())
         return (
             f"the dataset has {_plural(total, 'example')} (after repeats) in "

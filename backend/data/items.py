@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CaptionOptions
+from ..config import BucketOptions, CaptionOptions
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class MediaItem:
     frames: int = 1       # a video's source frames (1: an image)
     fps: float = 0.0      # a video's source frame rate
     frame_buckets: tuple[int, ...] = (1,)  # its directory's frame buckets (video models)
+    buckets: BucketOptions | None = None   # its directory's bucket keys (None: the dataset's top level's)
     control: Path | None = None  # edit models: the paired control image (same stem, the directory's control_path)
     more_controls: tuple[Path, ...] = ()  # multi-reference edit models: the images of the further control folders
     mask: Path | None = None     # masked training: its mask image (same stem in mask_path, or default_mask_file)

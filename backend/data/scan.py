@@ -156,6 +156,7 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
     scan.unreadable += archived.unreadable
     files = _candidate_files(path, caption_extension) + archived.files
     frame_buckets = tuple(directory.frame_buckets or cfg.frame_buckets)
+    buckets = cfg.bucket_options(directory)
     probed = _probed(pool, _probe_media if videos else _probe_size,
                      None if captions_json is not None else caption_extension, files)
     for file, (size, caption) in zip(files, probed):
@@ -181,7 +182,8 @@ def _scan_directory(cfg: DatasetConfig, directory: DirectoryConfig, pool: Thread
             scan.missing_captions.append(file)
         scan.items.append(MediaItem(path=file, caption=caption or "", width=size[0], height=size[1],
                                     num_repeats=num_repeats, resolutions=resolutions, captions=captions,
-                                    frame_buckets=frame_buckets, is_reg=directory.is_reg, more_captions=more, **video))
+                                    frame_buckets=frame_buckets, buckets=buckets, is_reg=directory.is_reg,
+                                    more_captions=more, **video))
     if scan.controls:
         _pair_controls(scan, caption_extension)
     _pair_masks(scan, cfg, directory, caption_extension)

@@ -80,9 +80,10 @@ def largest_probe(cfg, width: int | None = None, frames: int | None = None) -> P
 
     ds = cfg.dataset_config
     sides = [r for d in ds.directory for r in (d.resolutions or [])] + list(ds.resolutions)
-    sizes = [(s, s) for s in sides] + [tuple(b[:2]) for b in (ds.size_buckets or [])]
+    size_buckets = [b for d in ds.directory for b in (d.size_buckets or [])] + list(ds.size_buckets or [])
+    sizes = [(s, s) for s in sides] + [tuple(b[:2]) for b in size_buckets]
     clips = [f for d in ds.directory for f in (d.frame_buckets or [])] + list(ds.frame_buckets) + \
-        [b[2] for b in (ds.size_buckets or []) if len(b) > 2]
+        [b[2] for b in size_buckets if len(b) > 2]
     w, h = (width, width) if width else max(sizes, key=lambda s: s[0] * s[1])
     clip = frames or max(clips)
     from ..train.preservation import PARTS

@@ -100,6 +100,8 @@ class ModelAdapter(ABC):
     dp_transformer_example: str = ""         # that file's usual name, for the message asking for it
     dp_ckpt_folder: bool = False             # its official checkpoint folder (ckpt_path) is read (Wan's: transformer
     #                                          shards and VAE .pth in ComfyUI's keys)
+    dp_llama3_path: bool = False             # reads diffusion-pipe's llama3_path (a Hugging Face Llama folder) as its
+    #                                          Llama text encoder, after the others in text_encoders (HiDream)
 
     @staticmethod
     def claims_file(shapes: dict, metadata: dict) -> bool:

@@ -179,6 +179,7 @@ class HiDreamAdapter(ModelAdapter):
     arch = "hidream"
     spec = HIDREAM_SPEC
     dp_token_length_key = "max_llama3_sequence_length"
+    dp_llama3_path = True
     latent_format = "Flux"
     lora_block_prefixes = ("double_stream_blocks", "single_stream_blocks")
     samples_first = False   # the routed experts' linears see the tokens each expert picked, from any sample

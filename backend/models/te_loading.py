@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..config.model_folders import qwen_vl_state_dict, read_config, text_config, text_encoder_kind
+from ..config.model_folders import llm_state_dict, qwen_vl_state_dict, read_config, text_config, text_encoder_kind
 from ..host.patches_comfyui import text_encoder_kinds
 from ..host.runtime import ensure_comfyui
 from . import encoders
@@ -109,9 +109,9 @@ def load_text_encoders(paths: list[Path], arch: str, dtype: torch.dtype | None):
 
 
 def _given_kind(path: Path, shapes: dict, metadata: dict, arch: str) -> tuple[str, dict | None]:
-    """(kind, config) of one text encoder: a Hugging Face folder's from its config.json (CLIP and T5 only, whose
-    keys ComfyUI reads), a tiny file's from its metadata, a real file's kind from ComfyUI's detection (and its
-    config ComfyUI's own)."""
+    """(kind, config) of one text encoder: a Hugging Face folder's from its config.json (CLIP, T5, Llama and
+    Qwen2.5-VL, whose keys ComfyUI reads), a tiny file's from its metadata, a real file's kind from ComfyUI's
+    detection (and its config ComfyUI's own)."""
     if path.is_dir():
         config = read_config(path)
         kind = text_encoder_kind(config)
@@ -119,8 +119,9 @@ def _given_kind(path: Path, shapes: dict, metadata: dict, arch: str) -> tuple[st
             need = " + ".join(_te_title(k) for k in arch_spec(arch).text_encoders)
             raise ModelError(
                 f"{path}: ComfyUI reads no {config.get('model_type') or 'unknown'} text encoder from a Hugging Face "
-                f"folder (only CLIP, T5 and Qwen2.5-VL); give {arch}'s text encoders ({need}) as ComfyUI's single files "
-                "(models/text_encoders) in text_encoders, or diffusion-pipe's llm_path / text_encoder_path")
+                f"folder (only CLIP, T5, Llama and Qwen2.5-VL); give {arch}'s text encoders ({need}) as ComfyUI's "
+                "single files (models/text_encoders) in text_encoders, or diffusion-pipe's llm_path / "
+                "text_encoder_path")
         return kind, _sized_config(kind, config)
     if META_TE in metadata:
         return metadata.get(META_TE_KIND, "unknown"), json.loads(metadata[META_TE])
@@ -141,6 +142,8 @@ def _folder_keys(kind: str, sd: dict) -> dict:
         return {k if k.startswith("text_projection") else f"text_model.{k}": v for k, v in sd.items()}
     if kind in QWEN_VL_KINDS:
         return qwen_vl_state_dict(sd)
+    if kind == "llama":
+        return llm_state_dict(sd)
     return sd
 
 

@@ -220,7 +220,8 @@ def plan_epochs(cfg: RunConfig, entries, topology: Topology, reporter: RunReport
     plan = EpochPlan(entries, [e.num_repeats for e in entries], cfg.micro_batch_size_per_gpu,
                      cfg.gradient_accumulation_steps, topology.dp_rank, topology.dp_world, cfg.seed,
                      image_micro_batch_size=cfg.image_micro_batch_size_per_gpu, reg=[e.is_reg for e in entries],
-                     reg_ratio=cfg.dataset_config.reg_ratio, by_resolution=batches_by_resolution(cfg))
+                     reg_ratio=cfg.dataset_config.reg_ratio, by_resolution=batches_by_resolution(cfg),
+                     subsample_ratio=cfg.dataset_config.subsample_ratio)
     if topology.is_main:
         for message in plan.warnings():
             reporter.event("warning", message=message)

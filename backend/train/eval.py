@@ -59,12 +59,15 @@ def build_eval_sets(cfg: RunConfig, adapter, data: CachedData, topology: Topolog
                     reporter: RunReporter) -> list[EvalSet]:
     micro = cfg.eval_micro_batch_size_per_gpu or cfg.micro_batch_size_per_gpu
     sets = []
+    configs = cfg.eval_dataset_configs()
     for name, entries in data.eval_entries.items():
+        ratio = configs[name].subsample_ratio if name in configs else None   # its dataset file's share of an epoch
         try:
             plan = EpochPlan(entries, [e.num_repeats for e in entries], micro, cfg.eval_gradient_accumulation_steps,
                              topology.dp_rank, topology.dp_world, cfg.seed,
                              image_micro_batch_size=cfg.eval_image_micro_batch_size_per_gpu or micro,
-                             by_resolution=eval_batches_by_resolution(cfg))
+                             by_resolution=eval_batches_by_resolution(cfg),
+                             subsample_ratio=ratio)
         except DatasetError as e:
             raise DatasetError(f"eval dataset {name!r}: {e} (eval_micro_batch_size_per_gpu, its per-resolution "
                                "list and eval_gradient_accumulation_steps set the eval batch)") from None

@@ -143,3 +143,20 @@ def test_wandb_without_the_package_is_refused_naming_the_key(files):
     with pytest.raises(ConfigError, match="monitoring.wandb_api_key") as err:
         load_run(run)
     assert "a b" not in str(err.value)
+
+
+def test_subsample_ratio_is_read_at_the_top_of_the_dataset_file_and_checked(files):
+    """diffusion-pipe's subsample_ratio: a share of each epoch (above 0, at most 1), read where diffusion-pipe reads
+    it (the top of the dataset file; in a [[directory]] it changes nothing there, nor here); it survives the copy a
+    run folder keeps."""
+    (files / "dataset.toml").write_text("subsample_ratio = 0.25\n" + DATASET + "subsample_ratio = 0.5\n")
+    ds = load_run_config(files / "run.toml").dataset_config
+    assert ds.subsample_ratio == 0.25
+    save_toml(ds, files / "copy.toml")
+    assert load_dataset_config(files / "copy.toml").subsample_ratio == 0.25
+    assert load_dataset_config(files / "dataset.toml").directory[0].num_repeats == 2
+    for bad in ("0", "1.5", "-0.5", '"half"'):
+        (files / "dataset.toml").write_text(f"subsample_ratio = {bad}\n" + DATASET)
+        with pytest.raises(ConfigError, match=r"dataset.toml: key 'subsample_ratio'") as err:
+            load_run_config(files / "run.toml")
+        assert bad in str(err.value) or "expected" in str(err.value)

@@ -1,5 +1,6 @@
 """Bucket maths: sizes, aspect-ratio range, assignment, and one sample per item and resolution."""
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,73 @@ def test_bad_explicit_buckets_are_refused_naming_the_key(tmp_path, data, key):
 
     with pytest.raises(ConfigError, match=f"key '{key.replace('[', '.').replace(']', '.')}"):
         from_dict(DatasetConfig, {**data, "directory": [{"path": "x"}]}, file=tmp_path / "dataset.toml")
+
+
+def test_a_directorys_aspect_ratio_keys_override_the_top_levels_as_in_diffusion_pipe(tmp_path):
+    """diffusion-pipe's per-[[directory]] enable_ar_bucket / min_ar / max_ar / num_ar_buckets / ar_buckets: each key a
+    directory sets wins over the top level's; ar_buckets (the directory's, else the top level's) wins over the
+    spaced ratios. A wide image of each folder, scanned from a dataset file, trains at its folder's bucket."""
+    from PIL import Image
+
+    from pipetrain.backend.config import load_dataset_config
+    from pipetrain.backend.data import scan_dataset
+
+    for name in ("square", "spaced", "listed", "top"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (300, 100), (10, 200, 10)).save(tmp_path / name / "wide.png")
+    (tmp_path / "dataset.toml").write_text(
+        "resolutions = [256]\nenable_ar_bucket = false\nmin_ar = 0.5\nmax_ar = 2.0\nnum_ar_buckets = 7\n"
+        "[[directory]]\npath = 'square'\n"
+        "[[directory]]\npath = 'spaced'\nenable_ar_bucket = true\nmax_ar = 3.0\nnum_ar_buckets = 2\n"
+        "[[directory]]\npath = 'listed'\nenable_ar_bucket = true\nar_buckets = [1.0, [1216, 608]]\n"
+        "[[directory]]\npath = 'top'\nenable_ar_bucket = true\n")
+    cfg = load_dataset_config(tmp_path / "dataset.toml")
+    examples = build_examples(cfg, scan_dataset(cfg).items)
+    buckets = {e.item.path.parent.name: e.bucket for e in examples}
+    assert buckets == {"square": (256, 256),
+                       "spaced": (448, 144),   # ratios 0.5 and 3.0 (its max_ar, the top level's min_ar): 3.0
+                       "listed": (368, 176),   # its ratios 1.0 and 2.0: 2.0
+                       "top": (368, 176)}      # the top level's 0.5..2.0 in 7: 2.0
+
+
+@pytest.mark.parametrize("line, key", [("min_ar = 1.5", "directory[1].min_ar"), ("max_ar = 0.8", "directory[1].max_ar"),
+                                       ("num_ar_buckets = 0", "directory[1].num_ar_buckets"),
+                                       ("ar_buckets = [30.0]", "directory[1].ar_buckets"),
+                                       ("ar_buckets = [[1216, 608.5]]", "directory[1].ar_buckets[0]"),
+                                       ("enable_ar_bucket = 'yes'", "directory[1].enable_ar_bucket")])
+def test_a_directorys_bad_aspect_ratio_key_is_refused_naming_the_file_and_key(tmp_path, line, key):
+    from pipetrain.backend.config import load_dataset_config
+    from pipetrain.backend.errors import ConfigError
+
+    (tmp_path / "dataset.toml").write_text(f"resolutions = [256]\n[[directory]]\npath = 'x'\n"
+                                           f"[[directory]]\npath = 'y'\n{line}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"dataset.toml: key '{key}'")):
+        load_dataset_config(tmp_path / "dataset.toml")
+
+
+def test_a_directorys_size_buckets_override_the_top_levels_and_their_frames_are_checked(tmp_path):
+    """diffusion-pipe's per-[[directory]] size_buckets: that directory's items take its exact sizes, the others the
+    top level's buckets; a video model checks the frames of every directory's size_buckets."""
+    from PIL import Image
+
+    from pipetrain.backend.config import load_dataset_config
+    from pipetrain.backend.data import scan_dataset
+    from pipetrain.backend.data.buckets import check_frame_buckets
+    from pipetrain.backend.errors import DatasetError
+
+    for name in ("sized", "plain"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (300, 100), (10, 200, 10)).save(tmp_path / name / "wide.png")
+    (tmp_path / "dataset.toml").write_text(
+        "resolutions = [256]\n[[directory]]\npath = 'sized'\nsize_buckets = [[512, 512], [640, 320], [640, 320, 34]]\n"
+        "[[directory]]\npath = 'plain'\n")
+    cfg = load_dataset_config(tmp_path / "dataset.toml")
+    items = scan_dataset(cfg).items
+    assert {e.item.path.parent.name: e.bucket for e in build_examples(cfg, items)} == {"sized": (640, 320),
+                                                                                       "plain": (256, 256)}
+    with pytest.raises(DatasetError, match=r"size_buckets frames \[34\]"):
+        check_frame_buckets(items, 4)
+    check_frame_buckets([i for i in items if i.path.parent.name == "plain"], 4)
+    (tmp_path / "dataset.toml").write_text("[[directory]]\npath = 'sized'\nsize_buckets = [[500, 512]]\n")
+    with pytest.raises(Exception, match=re.escape("dataset.toml: key 'directory[0].size_buckets[0]'")):
+        load_dataset_config(tmp_path / "dataset.toml")

@@ -201,3 +201,27 @@ def test_eval_batches_follow_diffusion_pipes_per_resolution_eval_lists(tmp_path,
     assert {bucket: eval_set.plan.micro_batch_size_of(bucket) for bucket in expected} == expected
     assert sorted(len(step[0]) for step in eval_set.plan.epoch(0)) == sorted(
         size for bucket, size in expected.items() for _ in range(20 // size))
+
+
+def test_subsample_ratio_trains_int_of_the_share_of_each_epochs_global_batches_another_share_each_epoch():
+    """diffusion-pipe's subsample_ratio: int(global batches x ratio) of the epoch's global batches (its float
+    rounding: 100 x 0.29 is 28.999..., so 28); the kept ones are the first of each epoch's own shuffle."""
+    data = examples(40)
+    half = EpochPlan(data, None, 2, 1, 0, 1, seed=5, subsample_ratio=0.5)
+    full = EpochPlan(data, None, 2, 1, 0, 1, seed=5)
+
+    assert half.steps_per_epoch() == len(half.epoch(1)) == 10 and full.steps_per_epoch() == 20
+    assert half.epoch(1) == full.epoch(1)[:10]   # the same shuffle, cut where diffusion-pipe cuts
+    kept = [{e.item.path.name for e in flatten(half.epoch(epoch))} for epoch in (1, 2)]
+    assert all(len(k) == 20 for k in kept) and kept[0] != kept[1]
+    assert EpochPlan(examples(100), None, 1, 1, 0, 1, seed=0, subsample_ratio=0.29).steps_per_epoch() == 28
+    # two data-parallel ranks split the same kept batches
+    ranks = [EpochPlan(data, None, 1, 1, rank, 2, seed=5, subsample_ratio=0.5) for rank in range(2)]
+    assert [r.steps_per_epoch() for r in ranks] == [10, 10]
+    assert sorted(e.item.path.name for r in ranks for e in flatten(r.epoch(3))) == \
+        sorted(e.item.path.name for e in flatten(EpochPlan(data, None, 2, 1, 0, 1, 5, subsample_ratio=0.5).epoch(3)))
+
+
+def test_a_subsample_ratio_that_keeps_no_batch_is_an_error_naming_the_key():
+    with pytest.raises(DatasetError, match=r"subsample_ratio = 0.1 keeps none of the epoch's 4 global batches"):
+        EpochPlan(examples(4), None, 1, 1, 0, 1, seed=0, subsample_ratio=0.1)

@@ -174,7 +174,8 @@ def test_typos_list_the_accepted_keys_instead(dp):
 
 
 @pytest.mark.parametrize("dataset_edit, key, reason", [
-    (("num_repeats = 1", "num_repeats = 1\nmin_ar = 0.3"), "directory[0].min_ar", "top of the dataset file"),
+    (("[[directory]]", "default_mask_file = 'mask.png'\n[[directory]]"), "default_mask_file",
+     "in each [[directory]]"),   # diffusion-pipe reads it per directory only
 ])
 def test_dataset_keys_we_do_not_support(dp, dataset_edit, key, reason):
     (dp / "dataset.toml").write_text(DP_DATASET.replace(*dataset_edit, 1))
