@@ -175,10 +175,6 @@ class DatasetNode(CheckedNode):
                                step=0.01, tooltip="With is_reg folders: the share of each epoch's samples drawn "
                                "from them (0.5: as many as the training samples). The dataset's value: the one on "
                                "the Dataset node wired to Cache or Train"),
-                io.Float.Input("subsample_ratio", optional=True, default=start("subsample_ratio", DATASET, off=1.0),
-                               min=0.01, max=1.0, step=0.01, tooltip="The share of each epoch's batches to train "
-                               "(diffusion-pipe's key; 1: all). The dataset's value: the one on the Dataset node "
-                               "wired to Cache or Train"),
                 io.String.Input("mask_folder", optional=True, default="", tooltip="Masked training: a folder of "
                                 "mask images named like the training images (a.png <-> a.png); each pixel's red "
                                 "value is its loss weight (white trains, black does not, grey partly); under "
@@ -197,6 +193,10 @@ class DatasetNode(CheckedNode):
                 io.String.Input("size_buckets", optional=True, default="", tooltip="Exact training sizes instead of "
                                 "resolutions and ratios: WxH for stills, WxHxFRAMES for clips (e.g. 832x480, "
                                 "832x480x33); each image takes the nearest ratio. Empty: off"),
+                io.Float.Input("subsample_ratio", optional=True, default=start("subsample_ratio", DATASET, off=1.0),
+                               min=0.01, max=1.0, step=0.01, tooltip="The share of each epoch's batches to train "
+                               "(diffusion-pipe's key; 1: all). The dataset's value: the one on the Dataset node "
+                               "wired to Cache or Train"),
             ],
             outputs=[t.Dataset.Output(display_name="dataset")],
         )
