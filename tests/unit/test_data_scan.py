@@ -6,6 +6,7 @@ import pytest
 from PIL import Image
 
 from pipetrain.backend.config import DatasetConfig, DirectoryConfig
+from pipetrain.backend.config.dataset import BucketOptions
 from pipetrain.backend.data import MediaItem, scan_dataset
 from pipetrain.backend.errors import DatasetError
 
@@ -40,8 +41,8 @@ def test_reads_captions_sizes_and_settings_in_sorted_order(tmp_path):
     result = scan_dataset(dataset(DirectoryConfig(str(tmp_path)), resolutions=[256, 512], num_repeats=3))
 
     assert result.items == [
-        MediaItem(tmp_path / "a.jpg", "a red square", 32, 48, 3, (256, 512)),
-        MediaItem(tmp_path / "b.png", "wide", 40, 20, 3, (256, 512)),
+        MediaItem(tmp_path / "a.jpg", "a red square", 32, 48, 3, (256, 512), buckets=BucketOptions()),
+        MediaItem(tmp_path / "b.png", "wide", 40, 20, 3, (256, 512), buckets=BucketOptions()),
     ]
     assert result.missing_captions == []
     assert result.unreadable == []
@@ -55,7 +56,7 @@ def test_directory_overrides_repeats_resolutions_and_caption_extension(tmp_path)
 
     result = scan_dataset(dataset(directory, num_repeats=2, resolutions=[512]))
 
-    assert result.items == [MediaItem(tmp_path / "a.png", "from .caption", 40, 20, 5, (1024,))]
+    assert result.items == [MediaItem(tmp_path / "a.png", "from .caption", 40, 20, 5, (1024,), buckets=BucketOptions())]
     assert result.unreadable == []                 # a.txt is no media file: never opened
 
 
