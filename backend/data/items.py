@@ -21,7 +21,7 @@ class MediaItem:
     frames: int = 1       # a video's source frames (1: an image)
     fps: float = 0.0      # a video's source frame rate
     frame_buckets: tuple[int, ...] = (1,)  # its directory's frame buckets (video models)
-    buckets: BucketOptions | None = None   # its directory's bucket keys, the top level's where it sets none (the scan fills it)
+    buckets: BucketOptions | None = None   # its directory's bucket keys (the top level's where it sets none)
     control: Path | None = None  # edit models: the paired control image (same stem, the directory's control_path)
     more_controls: tuple[Path, ...] = ()  # multi-reference edit models: the images of the further control folders
     mask: Path | None = None     # masked training: its mask image (same stem in mask_path, or default_mask_file)
