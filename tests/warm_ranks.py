@@ -108,18 +108,24 @@ class WarmRanks:
 
 
 def _trained_by_another_comfyui(argv: list[str], env: dict[str, str]) -> bool:
-    """Whether a run whose environment names a ComfyUI (COMFYUI_PATH) is trained by another one (the pinned copy:
-    ``backend/parity/fallback.py`` decides, without importing a ComfyUI, remembering its verdict for the run)."""
+    """Whether a run whose environment names a ComfyUI (COMFYUI_PATH) is trained by another one (the pinned copy)."""
     host = env.get("COMFYUI_PATH")
-    if not host or len(argv) < 2 or argv[0] not in ("train", "cache"):
-        return False
+    chosen = _chosen_comfyui(argv, Path(host)) if host else None
+    return chosen is not None and not chosen.refused and Path(chosen.path).resolve() != Path(host).resolve()
+
+
+def _chosen_comfyui(argv: list[str], host: Path | None = None):
+    """The ComfyUI that trains a ``train`` or ``cache`` run's config (``backend/parity/fallback.py`` decides, without
+    importing a ComfyUI, remembering its verdict for the run); None for other commands and configs the CLI refuses
+    (a rank says why)."""
+    if len(argv) < 2 or argv[0] not in ("train", "cache"):
+        return None
     from pipetrain.backend.config import load_run_config
     from pipetrain.backend.parity.fallback import choose_comfyui
     try:
-        chosen = choose_comfyui(load_run_config(Path(argv[1])).model.type, host=Path(host))
-    except Exception:   # a config the CLI refuses: a rank says so
-        return False
-    return not chosen.refused and Path(chosen.path).resolve() != Path(host).resolve()
+        return choose_comfyui(load_run_config(Path(argv[1])).model.type, host=host)
+    except Exception:
+        return None
 
 
 def _close(server: subprocess.Popen) -> None:
@@ -172,18 +178,10 @@ def _warm_up() -> bool:
 
 
 def _same_comfyui(argv: list[str]) -> bool:
-    """Whether the ComfyUI that trains this config is the one imported here (``backend/parity/fallback.py`` decides)."""
-    if len(argv) < 2 or argv[0] not in ("train", "cache"):
-        return True
-    from pipetrain.backend.config import load_run_config
-    from pipetrain.backend.parity.fallback import choose_comfyui
+    """Whether the ComfyUI that trains this config is the one imported here."""
     from pipetrain.backend.host.runtime import _already_imported
-    try:
-        model_type = load_run_config(Path(argv[1])).model.type
-        chosen = choose_comfyui(model_type)
-    except Exception:   # a config the CLI refuses: the rank itself says so
-        return True
-    return Path(chosen.path).resolve() == _already_imported()
+    chosen = _chosen_comfyui(argv)
+    return chosen is None or Path(chosen.path).resolve() == _already_imported()
 
 
 def _rank(argv: list[str], local_rank: int, ranks: int, port: int, request: dict, log_fd: int) -> None:
