@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 
@@ -58,6 +59,34 @@ def planning_inputs(cfg: RunConfig, data: CachedData, entry):
     return inputs_of
 
 
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE = "expandable_segments:True"
+
+
+def less_fragmentation(settings: mp.MemorySettings, environ) -> str | None:
+    """The allocator setting the plan switches on for its settings, None where it leaves the allocator as it is.
+
+    A plan fills its GPU (or ``memory_limit_gib``) to a fixed share, and checkpointing and swapping free and take
+    blocks of many sizes every step: PyTorch's default allocator then keeps freed blocks it cannot reuse, and a run
+    whose allocations fit the plan still runs out of memory (seen under a 16 GiB cap with block swapping). Expandable
+    segments map memory into growing segments instead, so freed memory is reused. Settings without checkpointing or
+    swapping may replay CUDA graphs, whose private pools are left to PyTorch's default; a user's own
+    ``PYTORCH_CUDA_ALLOC_CONF`` is always left as it is."""
+    if ALLOC_CONF_ENV in environ:
+        return None
+    if not settings.activation_checkpointing and not settings.blocks_to_swap:
+        return None
+    return EXPANDABLE
+
+
+def use_allocator(setting: str) -> None:
+    """Switch the CUDA caching allocator to ``setting`` in this rank (segments made from now on follow it), and
+    pass it to the processes the rank starts (the sample renderer)."""
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings(setting)
+    os.environ[ALLOC_CONF_ENV] = setting
+
+
 def plan_memory(cfg: RunConfig, data: CachedData, topology: Topology, reporter) -> RunConfig:
     """``cfg`` with the settings the plan chose (``memory = "auto"``), the same on every rank."""
     totals = [t for t in distributed.all_gather_object(gpu_bytes(cfg)) if t is not None]
@@ -86,11 +115,15 @@ def plan_memory(cfg: RunConfig, data: CachedData, topology: Topology, reporter) 
             reporter.event("warning", message=message)
         return cfg
     settings, stages = value
+    allocator = less_fragmentation(settings, os.environ) if distributed.device().type == "cuda" else None
     if topology.is_main:
-        text = mp.report(settings, stages, total)
+        text = mp.report(settings, stages, total) + (f"; CUDA allocator: {allocator}" if allocator else "")
         log.info(text)
         reporter.event("memory_plan", chosen=dataclasses.asdict(settings), gpu_gib=round(total / mp.GIB, 2),
+                       allocator=allocator,
                        stages_gib=[round(st.gpu / mp.GIB, 3) for st in stages], message=text)
         reporter.update(memory={"chosen": settings.describe(), "gpu_gib": round(total / mp.GIB, 2),
                                 "stages_gib": [round(st.gpu / mp.GIB, 2) for st in stages]})
+    if allocator:
+        use_allocator(allocator)
     return mp.apply(cfg, settings)

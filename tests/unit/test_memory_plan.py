@@ -271,3 +271,17 @@ def test_the_plan_carries_the_preservation_rows(tiny_flux_files, make_run):
     dop = largest_probe(load_run_config(make_run(tiny_flux_files, images=2, name="dop", diff_output_preservation=True,
                                                  trigger_word="sks")))
     assert dop.batch == 3 * plain.batch
+
+
+def test_a_plan_that_checkpoints_or_swaps_asks_for_expandable_segments_unless_the_user_set_the_allocator():
+    from pipetrain.backend.train.memory_auto import EXPANDABLE, less_fragmentation
+
+    swap = mp.MemorySettings(True, 1.0, 12)
+    assert less_fragmentation(swap, {}) == EXPANDABLE == "expandable_segments:True"
+    assert less_fragmentation(mp.MemorySettings("unsloth", 1.0), {}) == EXPANDABLE
+    assert less_fragmentation(mp.MemorySettings(True, 0.25), {"PATH": "/usr/bin"}) == EXPANDABLE
+    # nothing checkpointed or swapped: CUDA graphs may replay, their pools stay with PyTorch's default
+    assert less_fragmentation(mp.MemorySettings(), {}) is None
+    # the user's own allocator settings win, whatever they are
+    assert less_fragmentation(swap, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) is None
+    assert less_fragmentation(swap, {"PYTORCH_CUDA_ALLOC_CONF": ""}) is None
