@@ -69,6 +69,10 @@ def _key_lines(cls, data: dict, prefix: str = "", base: Path | None = None) -> l
         elif name in fields:
             section, items = _section(hints[name]), _list_item_class(hints[name])
             if section is not None and isinstance(value, dict):
+                if (cls.__name__ == "RunConfig" and name == "adapter" and "fuse_adapters" in value
+                        and compat.reads_fuse_adapters((data.get("model") or {}).get("type"))):
+                    lines.append(f"  {key}.fuse_adapters: {compat.FUSE_ADAPTERS_LINE}")
+                    value = {k: v for k, v in value.items() if k != "fuse_adapters"}
                 lines += _key_lines(section, value, key, base)
             elif items is not None and isinstance(value, list) and all(isinstance(v, dict) for v in value):
                 for i, v in enumerate(value):
@@ -252,7 +256,11 @@ def dp_key_line(table: str, key: str, value, dp_type: str | None = None) -> str:
     cls = getattr(config, name)
     data = {key: value} if table != "model" or key == "type" else {"type": dp_type, key: value}
     shown = f"{prefix}.{key}" if prefix else key
-    line = next(l for l in _key_lines(cls, data, prefix) if l.startswith(f"  {shown}:"))
+    if (table, key) == ("adapter", "fuse_adapters"):   # read by model type, which the adapter table lacks
+        line = f"  {shown}: {compat.FUSE_ADAPTERS_LINE} (for flux and chroma; diffusion-pipe's other models " \
+               "ignore the key, as here)"
+    else:
+        line = next(l for l in _key_lines(cls, data, prefix) if l.startswith(f"  {shown}:"))
     said = line.split(": ", 1)[1]
     notes = []
     if said.startswith("accepted at this value"):

@@ -47,6 +47,8 @@ def source_key(raw_model: dict, role: str, index: int = 0) -> str:
         given = [k for k in compat.TEXT_ENCODER_KEYS if k in raw_model]
         return f"model.{given[index] if index < len(given) else folder or 'text_encoders'}"
     own = next((k for k in ROLE_KEYS[role] if k in raw_model), None)
+    if role == "merge_adapters" and own is None:   # diffusion-pipe's [adapter] fuse_adapters (compat.py)
+        return f"adapter.fuse_adapters[{index}]"
     suffix = f"[{index}]" if role == "merge_adapters" else ""
     return f"model.{own or folder or role}{suffix}"
 
@@ -66,7 +68,7 @@ def check_model_files(cfg, raw_model: dict) -> list[Finding]:
         found += _text_encoders([cfg.resolve(p) for p in model.text_encoder_files], model.type, raw_model)
     if model.clip_vision:
         found.append(_readable(cfg.resolve(model.clip_vision), source_key(raw_model, "clip_vision"), "CLIP-vision"))
-    for i, lora in enumerate(model.merge_adapters):
+    for i, (lora, _) in enumerate(model.merged_loras):
         found.append(_readable(cfg.resolve(lora), source_key(raw_model, "merge_adapters", i), "LoRA"))
     return found
 

@@ -78,6 +78,18 @@ def reads_llama3_path(model_type) -> bool:
     return model_type in dp_facts("dp_llama3_path")
 
 
+def reads_fuse_adapters(model_type) -> bool:
+    """diffusion-pipe's Flux and Chroma fuse ``[adapter] fuse_adapters`` into the base weights before training; its
+    other models ignore the key (the adapters' ``dp_fuse_adapters``)."""
+    from ..models.registry import dp_facts
+    return type_aliases().get(model_type, model_type) in dp_facts("dp_fuse_adapters")
+
+
+FUSE_ADAPTERS_LINE = ("DIFFERENT: read as [model] merge_adapters, each LoRA merged at its weight by ComfyUI's LoRA "
+                      "maths into the weights as loaded (diffusion-pipe: by Diffusers' into its bfloat16 weights "
+                      "before a float8 cast); the same sums, rounded once more where the weights are float8")
+
+
 def reads_lumina_shift(model_type) -> bool:
     """diffusion-pipe's Lumina 2 reads lumina_shift: Flux's resolution-dependent shift (our flux_shift), on the same
     token count; its other models ignore the key (the adapters' ``dp_lumina_shift``)."""
@@ -168,7 +180,8 @@ MODEL = {
 ADAPTER = {
     "rank_dropout": Unsupported("LoKr's rank dropout is not implemented; use dropout (on the adapter's input)",
                                 inert=(0, 0.0)),
-    "fuse_adapters": Unsupported("merge the LoRA into the base model in ComfyUI and train on the merged file"),
+    # read for the types reads_fuse_adapters names (preprocess_run); diffusion-pipe's other models ignore it
+    "fuse_adapters": Unsupported("diffusion-pipe fuses them for flux and chroma only", inert=ANY),
 }
 
 OPTIMIZER = {
@@ -219,7 +232,35 @@ def preprocess_run(data: dict, file, prefix: str) -> dict:
             data = {**data, key: pairs[0][1], PER_RESOLUTION_KEYS[key]: pairs}
     if ("save_every_n_steps" in data or "save_every_n_examples" in data) and "save_every_n_epochs" not in data:
         data["save_every_n_epochs"] = None   # as in diffusion-pipe: saving by steps alone means no epoch saves
-    return data
+    return _fuse_adapters(data, file, prefix)
+
+
+def _fuse_adapters(data: dict, file, prefix: str) -> dict:
+    """diffusion-pipe's ``[adapter] fuse_adapters = [{path, weight}]`` on the types that read it: the same LoRAs,
+    merged at the same weights, as ``[model] merge_adapters`` tables."""
+    adapter, model = data.get("adapter"), data.get("model")
+    if not (isinstance(adapter, dict) and "fuse_adapters" in adapter and isinstance(model, dict)
+            and reads_fuse_adapters(model.get("type"))):
+        return data
+    key = _key(prefix, "adapter.fuse_adapters")
+    fuse = adapter["fuse_adapters"]
+    if not isinstance(fuse, list) or not all(isinstance(e, dict) for e in fuse):
+        raise ConfigError("give a list of tables, e.g. [{path = 'lora.safetensors', weight = 1.0}]", file=file,
+                          key=key)
+    for i, entry in enumerate(fuse):
+        extra = sorted(set(entry) - {"path", "weight"})
+        if not isinstance(entry.get("path"), str) or extra:
+            raise ConfigError(f"each entry is {{path = '...', weight = 1.0}} (weight optional); entry {i} "
+                              + (f"has {extra[0]!r}" if extra else "has no path"), file=file, key=f"{key}[{i}]")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError("a weight is a number (1.0: the LoRA as trained)", file=file, key=f"{key}[{i}].weight")
+    if model.get("merge_adapters"):
+        raise ConfigError("give [model] merge_adapters or [adapter] fuse_adapters, not both (the same setting)",
+                          file=file, key=key)
+    merged = [{"path": e["path"], "weight": float(e.get("weight", 1.0))} for e in fuse]
+    return {**data, "adapter": {k: v for k, v in adapter.items() if k != "fuse_adapters"},
+            "model": {**model, "merge_adapters": merged}}
 
 
 def _rename(data: dict, alias: str, target: str, file, prefix: str) -> None:

@@ -5,6 +5,7 @@ file, its text encoders' types) is the architecture's own check (``models/base.p
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
@@ -45,6 +46,19 @@ class TextEncoderConfig:
 
 
 @dataclass
+class MergeAdapterConfig:
+    """A ``merge_adapters`` entry's table form: a LoRA file and the strength it is merged at (diffusion-pipe's
+    ``fuse_adapters`` entries, ``{path, weight}``)."""
+    path: str
+    weight: float = 1.0
+
+    def validate(self, file):
+        if not math.isfinite(self.weight):
+            raise ConfigError(f"got {self.weight}; a strength is a finite number (1.0: the LoRA as trained)",
+                              file=file, key="model.merge_adapters")
+
+
+@dataclass
 class ModelConfig:
     type: str
     diffusion_model: str
@@ -69,7 +83,8 @@ class ModelConfig:
     # wan_fun_control: WanFunControlToVideo's start_image = the clip's first frame (true, the default), or none
     # (false: the control alone conditions, as the node runs without a start image; stills can train then)
     control_start_image: Optional[bool] = None
-    merge_adapters: list[str] = field(default_factory=list)   # LoRAs merged into the base weights before training
+    # LoRAs merged into the base weights before training: paths (strength 1) or {path, weight} tables
+    merge_adapters: list[Union[str, MergeAdapterConfig]] = field(default_factory=list)
     unet_lr: Optional[float] = None     # UNet models: the UNet's learning rate, over [optimizer] lr (diffusion-pipe's)
     # diffusion-pipe's token lengths: a caption's tokens cut to this many and padded to it. AuraFlow's Pile-T5
     # (max_sequence_length, the end token kept; diffusion-pipe requires it: 256 for AuraFlow, 768 for Pony V7; left
@@ -119,7 +134,12 @@ class ModelConfig:
         return [("model.diffusion_model", self.diffusion_model)] + ([("model.vae", self.vae)] if self.vae else []) + [
             (f"model.text_encoders[{i}]", p) for i, p in enumerate(self.text_encoder_files)] + (
             [("model.clip_vision", self.clip_vision)] if self.clip_vision else []) + [
-            (f"model.merge_adapters[{i}]", p) for i, p in enumerate(self.merge_adapters)]
+            (f"model.merge_adapters[{i}]", p) for i, (p, _) in enumerate(self.merged_loras)]
+
+    @property
+    def merged_loras(self) -> list[tuple[str, float]]:
+        """(path, strength) of each ``merge_adapters`` entry, in order."""
+        return [(m, 1.0) if isinstance(m, str) else (m.path, m.weight) for m in self.merge_adapters]
 
 
 @dataclass

@@ -102,6 +102,8 @@ class ModelAdapter(ABC):
     #                                          shards and VAE .pth in ComfyUI's keys)
     dp_llama3_path: bool = False             # reads diffusion-pipe's llama3_path (a Hugging Face Llama folder) as its
     #                                          Llama text encoder, after the others in text_encoders (HiDream)
+    dp_fuse_adapters: bool = False           # reads diffusion-pipe's [adapter] fuse_adapters (LoRAs fused into the
+    #                                          base weights before training) as merge_adapters (Flux, Chroma)
 
     @staticmethod
     def claims_file(shapes: dict, metadata: dict) -> bool:
@@ -220,7 +222,7 @@ class ModelAdapter(ABC):
         weight_dtype = DTYPES[self.cfg.diffusion_model_dtype] if self.cfg.diffusion_model_dtype else self.dtype
         self.use_model(load_diffusion_model(self.model_files()["diffusion_model"][0], weight_dtype))
         if self.cfg.merge_adapters:
-            merge_loras(self.patcher, [self.resolve(p) for p in self.cfg.merge_adapters])
+            merge_loras(self.patcher, [(self.resolve(p), weight) for p, weight in self.cfg.merged_loras])
         return self.patcher
 
     def use_model(self, patcher) -> None:

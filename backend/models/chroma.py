@@ -159,6 +159,7 @@ class ChromaOutput(FluxOutput):
 class ChromaAdapter(ModelAdapter):
     dp_folder_borrows = ("t5xxl",)
     dp_transformer_example = "chroma-unlocked-v50.safetensors"
+    dp_fuse_adapters = True
     arch = "chroma"
     spec = CHROMA_SPEC
     latent_format = "Flux"

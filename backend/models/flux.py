@@ -194,6 +194,7 @@ class FluxAdapter(ModelAdapter):
     arch = "flux"
     spec = FLUX_SPEC
     dp_diffusers_lora = True
+    dp_fuse_adapters = True
     latent_format = "Flux"
     lora_block_prefixes = ("double_blocks", "single_blocks")
     text_fields = ("t5", "pooled")

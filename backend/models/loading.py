@@ -303,16 +303,16 @@ def build_meta_model(path, dtype: torch.dtype, arch: str, manual_cast_dtype: tor
     return build_model(arch, unet_config, dtype, "meta", manual_cast_dtype)
 
 
-def merge_loras(patcher, paths: list[Path]) -> None:
+def merge_loras(patcher, loras: list[tuple[Path, float]]) -> None:
     """``[model] merge_adapters``: each LoRA (any format ComfyUI's LoRA loader reads) baked into the base
-    weights at strength 1, exactly as ComfyUI's ``LoraLoaderModelOnly`` patches them, before the training
-    adapter goes on top (e.g. Z-Image Turbo's de-distillation adapter)."""
+    weights at its strength, exactly as ComfyUI's ``LoraLoaderModelOnly`` patches them at that strength, before
+    the training adapter goes on top (e.g. Z-Image Turbo's de-distillation adapter)."""
     import comfy.lora
     import comfy.utils
 
     key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
     sd = patcher.model.state_dict()
-    for path in paths:
+    for path, strength in loras:
         path = _require_file(path)
         try:
             lora = comfy.utils.load_torch_file(str(path), safe_load=True)
@@ -322,7 +322,7 @@ def merge_loras(patcher, paths: list[Path]) -> None:
         for k, patch in comfy.lora.load_lora(lora, key_map, log_missing=False).items():
             key, offset, function = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
             if key in sd:   # ModelPatcher.add_patches' tuple: (strength, patch, strength_model, offset, function)
-                by_key.setdefault(key, []).append((1.0, patch, 1.0, offset, function))
+                by_key.setdefault(key, []).append((strength, patch, 1.0, offset, function))
         if not by_key:
             raise ModelError(f"{path}: none of its keys fits this {type(patcher.model).__name__} model; "
                              "merge_adapters takes LoRAs made for the model being trained")

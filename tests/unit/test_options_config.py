@@ -589,3 +589,32 @@ def test_init_from_existing_reads_diffusion_pipes_diffusers_named_flux_save_as_c
     small = lora.inject(dm_small.diffusion_model, lora.AdapterSpec(rank=r, alpha=r, seed=1), adapter.lora_block_prefixes)
     with pytest.raises(ConfigError, match=f"set \\[adapter\\] rank = {4 * r}"):
         load_existing(_cfg(save, rank=r), dm_small.diffusion_model, small, RunReporter(run_dir, enabled=False))
+
+
+def test_fuse_adapters_is_read_as_merge_adapters_at_its_weights_on_flux_and_ignored_where_dp_ignores_it(dp):
+    fuse = "rank = 32\nfuse_adapters = [{path = 'loras/a.safetensors', weight = 0.5}, {path = '/loras/b.safetensors'}]"
+    (dp / "run.toml").write_text(DP_MAIN.replace("rank = 32", fuse, 1))
+    cfg = load_run_config(dp / "run.toml")
+    assert cfg.model.merged_loras == [("loras/a.safetensors", 0.5), ("/loras/b.safetensors", 1.0)]
+    # diffusion-pipe's other models never read the key: nothing is merged there either
+    sdxl = DP_MAIN.replace("type = 'flux'", "type = 'sdxl'", 1).replace("rank = 32", fuse, 1)
+    (dp / "sdxl.toml").write_text(sdxl.replace("transformer_dtype = 'float8'\n", ""))
+    assert load_run_config(dp / "sdxl.toml").model.merged_loras == []
+
+
+@pytest.mark.parametrize("value, key, says", [
+    ("'a.safetensors'", "adapter.fuse_adapters", "a list of tables"),
+    ("[{path = 'a.safetensors', strength = 1.0}]", "adapter.fuse_adapters[0]", "has 'strength'"),
+    ("[{weight = 1.0}]", "adapter.fuse_adapters[0]", "has no path"),
+    ("[{path = 'a.safetensors', weight = 'full'}]", "adapter.fuse_adapters[0].weight", "a number"),
+])
+def test_a_bad_fuse_adapters_entry_names_the_key(dp, value, key, says):
+    (dp / "run.toml").write_text(DP_MAIN.replace("rank = 32", f"rank = 32\nfuse_adapters = {value}", 1))
+    message = _error(dp / "run.toml")
+    assert f"key '{key}'" in message and says in message, message
+
+
+def test_fuse_adapters_beside_merge_adapters_is_refused(dp):
+    text = DP_MAIN.replace("rank = 32", "rank = 32\nfuse_adapters = [{path = 'a.safetensors'}]", 1)
+    (dp / "run.toml").write_text(text.replace("flux_shift = true", "flux_shift = true\nmerge_adapters = ['b.s']"))
+    assert "not both" in _error(dp / "run.toml")

@@ -6,6 +6,7 @@ from safetensors.torch import save_file
 
 from pipetrain.backend.adapters import injection
 from pipetrain.backend.config import ModelConfig
+from pipetrain.backend.config.model import MergeAdapterConfig
 from pipetrain.backend.errors import ModelError
 from pipetrain.backend.models.registry import adapter_class
 from pipetrain.backend.host.runtime import ensure_comfyui
@@ -65,3 +66,28 @@ def test_a_lora_of_another_model_is_refused(micro_flux_files, tmp_path):
                "lora_unet_input_blocks_1_1_proj_in.lora_up.weight": torch.zeros(8, 4)}, str(other))
     with pytest.raises(ModelError, match="sdxl_lora.safetensors: none of its keys fits"):
         _flux(micro_flux_files, [other])
+
+
+def test_a_weight_merges_the_lora_as_comfyui_applies_it_at_that_strength(micro_flux_files, tmp_path):
+    """diffusion-pipe's fuse_adapters weight (read as a merge_adapters table): ComfyUI's strength."""
+    lora = _random_lora(micro_flux_files, tmp_path / "a.safetensors", 3)
+    cfg = ModelConfig(type="flux", diffusion_model=str(micro_flux_files.diffusion_model),
+                      vae=str(micro_flux_files.vae), text_encoders=[str(p) for p in micro_flux_files.text_encoders],
+                      dtype="float32", merge_adapters=[MergeAdapterConfig(str(lora), 0.5)])
+    adapter = adapter_class("flux")(cfg)
+    adapter.load_diffusion_model()
+    merged = adapter.diffusion_model.state_dict()
+    full = _flux(micro_flux_files, [lora]).diffusion_model.state_dict()
+
+    base = _flux(micro_flux_files).patcher
+    original = {k: v.clone() for k, v in base.model.diffusion_model.state_dict().items()}
+    patched = comfy_lora_model(base, lora, 0.5)
+    patched.patch_model()
+    expected = patched.model.diffusion_model.state_dict()
+    changed = [k for k in expected if not torch.equal(expected[k], original[k])]
+    assert changed
+    for k in changed:
+        torch.testing.assert_close(merged[k], expected[k], rtol=1e-6, atol=1e-7)
+        # half the strength: half the change of the LoRA merged as trained
+        torch.testing.assert_close(merged[k] - original[k], (full[k] - original[k]) / 2, rtol=1e-3, atol=1e-6)
+    patched.unpatch_model()
