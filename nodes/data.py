@@ -103,6 +103,9 @@ def dataset_input_error(folder=None, resolutions=None, caption_extension=None, f
 
 
 class DatasetNode(CheckedNode):
+    SHOWN = ("folder", "resolutions", "enable_ar_bucket", "num_repeats", "caption_extension", "frame_buckets",
+             "control_folder")   # the rest folded as advanced
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -404,6 +407,9 @@ def parity_text(model_type: str) -> str:
 
 
 class ModelNode(CheckedNode):
+    SHOWN = ("diffusion_model", "model_type", "text_encoder_1", "text_encoder_2", "text_encoder_3", "vae",
+             "weight_dtype", "compute_dtype")   # the rest folded as advanced
+
     @classmethod
     def define_schema(cls):
         import folder_paths

@@ -6,6 +6,10 @@ options only on values typed into it (not on linked ones, nor on inputs the node
 The nodes turn their inputs into run keys, so an undeclared input would set any run key (a VAE outside models/,
 a secret) and a linked one could pass any number. ``CheckedNode`` checks every call of ``execute`` against the
 node's own schema first: the schema is the allow-list.
+
+A node that names the widgets it ``SHOWN``s declares every other widget input "advanced": the frontend folds them
+(the node's "Show Advanced" menu entry), so a node opens with its essential settings only; folded widgets keep
+their values, saved and queued as before.
 """
 from __future__ import annotations
 
@@ -64,11 +68,35 @@ def check_inputs(cls, values: dict) -> None:
                              "node's widget")
 
 
+def fold_advanced(schema, shown: tuple[str, ...]):
+    """``schema`` with every widget input whose id is not in ``shown`` declared advanced (the input's ``advanced``
+    where ComfyUI has it, and in its extra options, which every ComfyUI passes on to the frontend)."""
+    for spec in schema.inputs:
+        if isinstance(spec, io.WidgetInput) and spec.id not in shown:
+            spec.extra_dict = {**(spec.extra_dict or {}), "advanced": True}
+            if hasattr(spec, "advanced"):
+                spec.advanced = True
+    return schema
+
+
 class CheckedNode(io.ComfyNode):
-    """A ComfyUI node whose ``execute`` sees only its declared inputs, within their bounds (``check_inputs``)."""
+    """A ComfyUI node whose ``execute`` sees only its declared inputs, within their bounds (``check_inputs``);
+    with ``SHOWN`` (widget ids), its other widgets are advanced (``fold_advanced``)."""
+
+    SHOWN: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        define = cls.__dict__.get("define_schema")
+        if cls.__dict__.get("SHOWN") and define is not None and not getattr(define.__func__, _CHECKED, False):
+            inner_schema = define.__func__
+
+            @functools.wraps(inner_schema)
+            def folded(klass):
+                return fold_advanced(inner_schema(klass), klass.SHOWN)
+
+            setattr(folded, _CHECKED, True)
+            cls.define_schema = classmethod(folded)
         execute = cls.__dict__.get("execute")
         # ComfyUI clones node classes (their __dict__ copied): an execute already wrapped stays as it is
         if execute is None or getattr(execute.__func__, _CHECKED, False):

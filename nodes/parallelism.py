@@ -46,6 +46,9 @@ def hostfile_path(text: str | None) -> str:
 
 
 class ParallelismNode(CheckedNode):
+    # the widgets shown; the rest folded as advanced
+    SHOWN = ("gpus", "pipeline_stages", "micro_batch_size_per_gpu", "gradient_accumulation_steps", "gpu_ids")
+
     @classmethod
     def define_schema(cls):
         return io.Schema(

@@ -47,6 +47,9 @@ def parse_prompts(text: str) -> tuple[str, ...]:
 
 
 class SamplesNode(CheckedNode):
+    # the widgets shown; the rest folded as advanced
+    SHOWN = ("prompts", "negative_prompt", "seed", "width", "height", "steps", "cfg", "strengths", "render_on")
+
     @classmethod
     def define_schema(cls):
         import comfy.samplers

@@ -32,6 +32,9 @@ def lora_path(name: str | None) -> str | None:
 
 
 class AdapterNode(CheckedNode):
+    # the widgets shown; the rest folded as advanced
+    SHOWN = ("type", "rank", "alpha", "dropout", "target_modules", "dtype", "save_dtype", "init_from_existing")
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -160,6 +163,8 @@ def parse_kwargs(text: str) -> tuple[tuple[str, object], ...]:
 
 
 class OptimizerNode(CheckedNode):
+    SHOWN = ("type", "lr", "beta1", "beta2", "weight_decay", "eps", "gradient_clipping")   # the rest folded as advanced
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -232,6 +237,9 @@ class OptimizerNode(CheckedNode):
 
 
 class ScheduleNode(CheckedNode):
+    SHOWN = ("epochs", "lr_scheduler", "warmup_steps", "save_every_n_epochs", "checkpoint_every_n_minutes", "seed",
+             "max_steps", "eval_every_n_epochs")   # the rest folded as advanced
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -324,6 +332,9 @@ UNSET_BY_ZERO = {"force_constant_lr", "save_every_n_epochs", "checkpoint_every_n
 
 
 class MemoryNode(CheckedNode):
+    # the widgets shown; the rest folded as advanced
+    SHOWN = ("memory", "memory_limit_gib", "activation_checkpointing", "blocks_to_swap", "compile", "fp8_compute")
+
     @classmethod
     def define_schema(cls):
         return io.Schema(

@@ -45,6 +45,19 @@ function showDigits(node) {
   }
 }
 
+// A node's advanced inputs (``nodes/declared.py``: all but its essential widgets) stay folded until the node's
+// "Show Advanced" menu entry: the frontends from 1.32 fold a widget marked advanced, but before 1.49 they do not
+// mark it from the input's options. A node opened folded is only as tall as what it shows.
+function foldAdvanced(node) {
+  let folded = false;
+  for (const w of node.widgets ?? []) {
+    if (w.options?.advanced) folded = w.advanced = true;
+  }
+  if (folded && !node.showAdvanced && node.computeSize) {
+    node.setSize([node.size[0], node.computeSize()[1]]);
+  }
+}
+
 function show(node, text) {
   const box = statusBox(node);
   box.dataset.node = String(node.id);
@@ -118,6 +131,12 @@ app.registerExtension({
   },
   nodeCreated(node) {
     if (TEXT_NODES.has(node.comfyClass)) statusBox(node);
-    if (node.comfyClass?.startsWith("PipeTrain")) showDigits(node);
+    if (node.comfyClass?.startsWith("PipeTrain")) {
+      showDigits(node);
+      foldAdvanced(node);
+    }
+  },
+  loadedGraphNode(node) {   // a saved workflow's node: its saved size was made for every widget shown
+    if (node.comfyClass?.startsWith("PipeTrain")) foldAdvanced(node);
   },
 });

@@ -71,6 +71,12 @@ def test_object_info_lists_every_node_with_tooltips(server):
                 assert spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
     assert info["PipeTrainTrain"]["output_node"] and info["PipeTrainCache"]["output_node"]
     assert info["PipeTrainTrain"]["output"] == ["PIPETRAIN_RUN"]
+    # a node's widgets beyond its essential ones reach the frontend as advanced (folded until asked for)
+    dataset = {k: v[1] for section in ("required", "optional") for k, v in info["PipeTrainDataset"]["input"].get(
+        section, {}).items()}
+    assert [k for k, spec in dataset.items() if not spec.get("advanced")] == [
+        "folder", "resolutions", "enable_ar_bucket", "num_repeats", "caption_extension", "frame_buckets",
+        "control_folder", "previous"], dataset
 
 
 @pytest.mark.parametrize("change, node, message", [

@@ -10,9 +10,10 @@ the editable PipeTrain install is not there) and into which ``pip install -r req
 everything already satisfied. Then, in headless Chromium through the real frontend: each template is
 opened as the template browser opens it (fetched from ComfyUI's template route, ``app.loadGraphData``), its
 widgets checked against the file (no shifted values), queued with the frontend's own queue (the training template
-with a few values changed and its Samples node deleted, as a user may), and what was queued checked; the run trains, the Train and Run Status nodes show it on the canvas, and its epoch LoRA renders
-an image through the test template. Also: one message per validation error, the internal Epoch Samples node
-hidden, the optimizer's small numbers as entered in the new node renderer. Screenshots of each template as loaded,
+with a few values changed as a user would; its Samples node deleted but on today's ComfyUI), and what was queued
+checked; the run trains, the Train and Run Status nodes show it on the canvas, each epoch's samples are rendered
+(today's ComfyUI), and its epoch LoRA renders an image through the test template. Also: one message per
+validation error, the internal Epoch Samples node hidden, the optimizer's small numbers as entered in the new node renderer. Screenshots of each template as loaded,
 of the finished run and of the new renderer go to ``test-artifacts/``.
 
 The tiny Flux's text encoders need the test-only stand-in for ``DualCLIPLoader`` (``server_fixtures.SHIM_NODE``),
@@ -25,7 +26,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -92,9 +92,14 @@ def user(request, tmp_path_factory):
 # --- the page ------------------------------------------------------------------------------------------------
 API = "(window.comfyAPI?.api?.api ?? window.app.api)"
 # frontend 1.49 (ComfyUI 0.33) keeps a loaded workflow's node ids as strings: compared as the file's numbers
+# visible: the widgets the canvas draws (folded advanced ones are not)
 NODES_JS = ("app.graph.nodes.map((n) => ({id: Number(n.id), type: n.type, pos: [...n.pos], size: [...n.size], "
             "title: n.title, widgets: (n.widgets ?? []).filter((w) => w.serialize !== false)"
-            ".map((w) => ({name: w.name, value: w.value}))}))")
+            ".map((w) => ({name: w.name, value: w.value})), "
+            "visible: (n.widgets ?? []).filter((w) => n.isWidgetVisible(w)).map((w) => w.name)}))")
+# the training template's nodes open with their essential widgets only (nodes/*.py SHOWN; the seed's "control after
+# generate" and the Model node's status box besides)
+MOST_VISIBLE = 10
 
 
 def open_template_js(name: str) -> str:
@@ -192,18 +197,30 @@ def as_queued(prompt: dict) -> dict:
 
 # activation checkpointing off: no block's forward computed twice in the steps (nothing here is about memory)
 TRAIN_CHANGES = {"1": {"resolutions": "64"}, "2": {"compute_dtype": "float32"}, "4": {"lr": 2e-3},
-                 "5": {"epochs": EPOCHS}, "7": {"activation_checkpointing": False}}
-# the Samples node deleted on the page, as a user may: no assert here reads epoch samples (a failed render only
-# warns), and their child process per epoch (ComfyUI imported, the model loaded and patched with the LoRA) was a
-# third of this test's CPU time; tests/ranks/test_samples.py and tests/server/test_server_samples.py assert on them
+                 "5": {"epochs": EPOCHS}, "7": {"activation_checkpointing": False},
+                 "12": {"width": 64, "height": 64, "steps": 1}}
+# Epoch samples, as the template renders them (rank 0 of the run, a child process per epoch that imports ComfyUI
+# and loads the model), on today's ComfyUI; on the others the page deletes the Samples node, as a user may: they
+# were a third of this test's CPU time, and tests/ranks/test_samples.py and tests/server/test_server_samples.py
+# assert on them on the pinned copy
+SAMPLES_ON = NEWER_VERSIONS[-1]
 SAMPLES_NODE = 12
 DELETE_SAMPLES_JS = f"(() => {{ app.graph.remove(app.graph.getNodeById({SAMPLES_NODE})); return true; }})()"
 
 
-def without_samples(prompt: dict) -> dict:
-    """The train template's prompt once its Samples node is deleted (the Train node's input goes with it)."""
-    del prompt[str(SAMPLES_NODE)], prompt["9"]["inputs"]["samples"]
+def train_changes(version: str) -> dict:
+    return TRAIN_CHANGES if version == SAMPLES_ON else {k: v for k, v in TRAIN_CHANGES.items()
+                                                         if k != str(SAMPLES_NODE)}
+
+
+def expected_train_prompt(version: str, object_info: dict) -> dict:
+    """The train template's prompt with the page's changes (without its Samples node where the page deletes it)."""
+    prompt = workflow_to_prompt(load_example("train_a_lora"), object_info, widgets=train_changes(version))
+    if version != SAMPLES_ON:
+        del prompt[str(SAMPLES_NODE)], prompt["9"]["inputs"]["samples"]
     return prompt
+
+
 TEST_CHANGES = {"7": {"width": 64, "height": 64}, "8": {"steps": 1}}   # one step: the LoRA's effect shows already
 
 
@@ -218,16 +235,16 @@ async def drive(u: User) -> dict:
 
         # train: the template as loaded, a few values changed as a user would, queued with the Queue button's call
         await page.js(open_template_js("train_a_lora"))
-        await page.js(set_widgets_js(TRAIN_CHANGES))
-        await page.js(DELETE_SAMPLES_JS)
+        await page.js(set_widgets_js(train_changes(u.version)))
+        if u.version != SAMPLES_ON:
+            await page.js(DELETE_SAMPLES_JS)
         seen = set(server.get("/history")[1])
         await page.js(QUEUE_JS)
         async with page.behind():     # caching and training: the page only follows the run's messages
             prompt_id = queued_since(server, seen)
             hist = queued_prompt(server, prompt_id)
             out["train_queued"] = as_queued(hist["prompt"][2])
-            out["train_expected"] = without_samples(workflow_to_prompt(load_example("train_a_lora"), object_info,
-                                                                       widgets=TRAIN_CHANGES))
+            out["train_expected"] = expected_train_prompt(u.version, object_info)
             out["train_outputs"] = hist["outputs"]
             train_text = hist["outputs"]["9"]["text"][0]
             assert train_text.startswith("started run my_lora-"), train_text
@@ -317,6 +334,13 @@ def test_readme_install_trains_and_renders_from_the_page(user):
         assert out[name], f"{name}: not served by /workflow_templates/{FOLDER}/"
         shown = {n["id"]: [w["value"] for w in n["widgets"]] for n in out[name]}
         assert shown == template_values(name), (name, shown)
+        # the rest folded as advanced: every value still there (above), at most MOST_VISIBLE widgets shown
+        crowded = {n["title"]: n["visible"] for n in out[name] if len(n["visible"]) > MOST_VISIBLE}
+        assert not crowded, (name, crowded)
+        if name == "train_a_lora":
+            dataset = next(n for n in out[name] if n["type"] == "PipeTrainDataset")
+            assert dataset["visible"] == ["folder", "resolutions", "enable_ar_bucket", "num_repeats",
+                                          "caption_extension", "frame_buckets", "control_folder"], dataset["visible"]
         # at the sizes the frontend gives the nodes (at least their content's), none covers another
         boxes = {f"{n['id']} {n['title']}": node_box(n["pos"], n["size"]) for n in out[name]}
         assert not overlapping(boxes), (name, overlapping(boxes), boxes)
@@ -335,6 +359,11 @@ def test_readme_install_trains_and_renders_from_the_page(user):
     assert "started run " + run_id in train_node, train_node
     run = out["run"]
     assert run["step"] == IMAGES * EPOCHS and sorted(x["epoch"] for x in run["loras"]) == [1, 2], run
+    if user.version == SAMPLES_ON:   # every epoch's samples, as the template renders them, shown on the panel
+        lines = (user.server.runs_root / run_id / "events.jsonl").read_text().splitlines()
+        saved = [e for e in map(json.loads, lines) if e["type"] == "sample_saved"]
+        assert sorted({e["epoch"] for e in saved}) == [1, 2], saved
+        assert all(len(x["samples"]) == len(saved) // EPOCHS > 0 for x in run["loras"]), run["loras"]
     lora, base = out["images"]
     diff = abs(lora.astype(int) - base.astype(int))
     assert lora.shape == (64, 64, 3) and diff.mean() > 0.5, diff.mean()
