@@ -257,6 +257,18 @@ def _launch_kind(request):
     _REAL_LAUNCH["now"] = False
 
 
+@pytest.fixture
+def warm_bench_ranks(monkeypatch):
+    """The bench harness's runs (``bench/ranks.py``, in this process or the harness's subprocesses) fork their ranks
+    from the warm server of this environment, as ``train`` does, unless this test launches for real."""
+    from pipetrain.bench.ranks import WARM_RANKS_ENV
+
+    if not _REAL_LAUNCH["now"]:
+        address = _WARM.address({**os.environ, "PYTHONUNBUFFERED": "1"})
+        if address is not None:
+            monkeypatch.setenv(WARM_RANKS_ENV, address)
+
+
 def train(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:
     """The CLI's ``train`` on ``ranks`` ranks: forked from a warm server (``warm_ranks.py``) where that is a fair
     copy of a DeepSpeed launch, else (a GPU machine, a test of the launcher) through DeepSpeed's own launcher."""

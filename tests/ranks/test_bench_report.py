@@ -34,7 +34,7 @@ def test_benchmark_text_encoders_keep_the_width_the_diffusion_model_reads():
 
 
 @pytest.mark.slow
-def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path):
+def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path, warm_bench_ranks):
     """The GPU cases for Z-Image (batch 4), Qwen-Image, Wan 2.1 1.3B (81-frame clips) and Flux compiled under an
     activation memory budget through the real trainer with tiny models at 64^2 (9 frames): configs, generated
     clips and step events all work."""
