@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from conftest import share_model_files
 from pipetrain.bench import multi_gpu as mg
 
 
@@ -18,19 +19,12 @@ def _harness(tmp_path, *args: str, timeout: float = 1500) -> dict:
     return json.loads((tmp_path / "out" / "multi_gpu.json").read_text())
 
 
-def _shared_micro_flux(work, files) -> None:
-    """The speed cases train on the suite's shared micro Flux files: ``write_models`` finds them by its marker.
-    Writing a fresh 1.1 GB copy cost this test more than a run; test_bench_report.py's tiny cases write theirs."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "flux-micro.json").write_text(json.dumps({
-        "diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
-        "text_encoders": [str(p) for p in files.text_encoders]}))
-
-
 @pytest.mark.slow
 def test_equivalence_and_pipeline_efficiency_cases_run_through_the_trainer(tmp_path, warm_bench_ranks,
                                                                            micro_flux_files):
-    _shared_micro_flux(tmp_path / "work", micro_flux_files)
+    # the speed cases train on the suite's micro Flux: writing a fresh 1.1 GB copy cost more than a run here, and
+    # test_bench_report.py's tiny cases run write_models' writing
+    share_model_files(tmp_path / "work", "flux-micro", micro_flux_files)
     report = _harness(tmp_path, "--cases", "equiv-stages,flux-1024-1stage-ga8,flux-1024-2stages-ga8",
                       "--steps", "2", "--warmup", "1", "--equiv-steps", "2")
     cases = report["cases"]

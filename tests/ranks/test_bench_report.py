@@ -4,6 +4,8 @@ from dataclasses import asdict
 
 import pytest
 
+from conftest import share_model_files
+
 
 def test_pipeline_efficiency_compares_stages_with_the_bubble_bound():
     from pipetrain.bench.run import CASES, pipeline_efficiency
@@ -34,13 +36,18 @@ def test_benchmark_text_encoders_keep_the_width_the_diffusion_model_reads():
 
 
 @pytest.mark.slow
-def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path, warm_bench_ranks):
+def test_every_new_bench_case_runs_its_code_path_on_tiny_models(tmp_path, warm_bench_ranks, model_files):
     """The GPU cases for Z-Image (batch 4), Qwen-Image, Wan 2.1 1.3B (81-frame clips) and Flux compiled under an
     activation memory budget through the real trainer with tiny models at 64^2 (9 frames): configs, generated
     clips and step events all work."""
     import json
     import subprocess
     import sys
+
+    # Z-Image's case writes its tiny files (write_models' own writing, the quickest of the four); the others train on
+    # the suite's shared tiny files, which other tests use anyway (the tiny Flux's copy alone took the longest here)
+    for arch in ("qwen_image", "wan", "flux"):
+        share_model_files(tmp_path / "work", f"{arch}-tiny", model_files(arch))
 
     cases = ["zimage-1024-b4", "qwen_image-1024-ckpt", "wan1.3b-480x832x81", "flux-1024-budget50-compile"]
     out = subprocess.run([sys.executable, "-m", "pipetrain.bench.run", "--cases", ",".join(cases), "--size", "tiny",
