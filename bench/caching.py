@@ -100,14 +100,12 @@ def rate(events: list[dict], kind: str) -> dict:
 
 def run_pipetrain(config: Path) -> dict:
     """``pipetrain cache`` on one rank; its rates from events.jsonl."""
-    from pipetrain.backend.process.command_lines import deepspeed_command
     from pipetrain.backend.run.folder import RunDir
+    from pipetrain.bench.ranks import start_ranks
 
     log = config.parent / "pipetrain-cache.log"
     t = time.monotonic()
-    with open(log, "w") as f:
-        rc = subprocess.run(deepspeed_command("cache", config, 1), cwd=config.parent, stdout=f,
-                            stderr=subprocess.STDOUT).returncode
+    rc = start_ranks("cache", config, 1, [], log, dict(os.environ)).wait()
     wall = time.monotonic() - t
     events_file = RunDir(config.parent / "output" / "cache").events_file   # a cache-only job reports beside its cache
     events = [json.loads(x) for x in events_file.read_text().splitlines()] if events_file.exists() else []

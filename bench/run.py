@@ -272,13 +272,13 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
 
 def train_run(config: Path, ranks: int, log: Path, env: dict | None = None, timeout_s: float | None = None,
               stop_after: str | None = None, run_name: str = "bench") -> tuple[int, list[dict]]:
-    """``pipetrain train CONFIG`` on ``ranks`` ranks under DeepSpeed's launcher, its output in ``log``; returns the
-    exit status and the events of the run ``run_name`` in the config's ``output`` folder. The launcher and its
-    ranks are killed at ``timeout_s`` (status 124), or once an event of type ``stop_after`` is written (status 0:
-    what was to be measured is in). They stay in the caller's process group, so whoever kills that group (the
-    multi-GPU harness at a case's timeout) takes them too."""
-    from pipetrain.backend.process.command_lines import deepspeed_command
+    """``pipetrain train CONFIG`` on ``ranks`` ranks under DeepSpeed's launcher (or the warm ranks of
+    ``bench/ranks.py``), its output in ``log``; returns the exit status and the events of the run ``run_name`` in the
+    config's ``output`` folder. The launcher and its ranks are killed at ``timeout_s`` (status 124), or once an event
+    of type ``stop_after`` is written (status 0: what was to be measured is in). They stay in the caller's process
+    group, so whoever kills that group (the multi-GPU harness at a case's timeout) takes them too."""
     from pipetrain.backend.run.folder import RunDir
+    from pipetrain.bench.ranks import start_ranks
 
     # a measurement's run is disposable, and a run_name that holds a run is refused: an earlier case's or job's
     # run of this name goes first
@@ -289,38 +289,19 @@ def train_run(config: Path, ranks: int, log: Path, env: dict | None = None, time
         lines = events_file.read_text().splitlines() if events_file.exists() else []
         return [json.loads(x) for x in lines if x.strip()]
 
-    cmd = deepspeed_command("train", config, ranks, ["--no-progress"])
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=config.parent, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
-        while (rc := proc.poll()) is None:
-            stop = bool(stop_after) and any(e["type"] == stop_after for e in events())
-            if stop or time.monotonic() > deadline:
-                kill_tree(proc)
+    run = start_ranks("train", config, ranks, ["--no-progress"], log, {**os.environ, **(env or {})})
+    while (rc := run.poll()) is None:
+        stop = bool(stop_after) and any(e["type"] == stop_after for e in events())
+        if stop or time.monotonic() > deadline:
+            run.kill()
+            with open(log, "a") as f:
                 f.write(f"\n[bench] stopped at the {stop_after} event\n" if stop else
                         f"\n[bench] killed after {timeout_s:.0f} s\n")
-                rc = 0 if stop else 124
-                break
-            time.sleep(1.0)
+            rc = 0 if stop else 124
+            break
+        time.sleep(1.0)
     return rc, events()
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Kill a process and every process under it (DeepSpeed's launcher, its per-node launcher and the ranks)."""
-    import psutil
-
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in [*tree, proc]:
-        try:
-            p.kill()
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-    proc.wait()
-    psutil.wait_procs(tree, timeout=60)   # gone, and their GPU memory with them, before the next run starts
 
 
 # PyAV: ComfyUI's comfy_api imports it (and names two of its submodules) when TrainLoraNode's module loads

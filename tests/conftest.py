@@ -257,6 +257,26 @@ def _launch_kind(request):
     _REAL_LAUNCH["now"] = False
 
 
+def share_model_files(work: Path, name: str, files) -> None:
+    """``bench/run.py``'s ``write_models`` marker ``name`` (its ``models_name``: ``flux-micro``, ``wan-tiny``) under
+    ``work``, naming the suite's shared model files: the bench's cases there train on them, writing no copy."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / f"{name}.json").write_text(json.dumps({"diffusion_model": str(files.diffusion_model), "vae": str(files.vae),
+                                                   "text_encoders": [str(p) for p in files.text_encoders]}))
+
+
+@pytest.fixture
+def warm_bench_ranks(monkeypatch):
+    """The bench harness's runs (``bench/ranks.py``, in this process or the harness's subprocesses) fork their ranks
+    from the warm server of this environment, as ``train`` does, unless this test launches for real."""
+    from pipetrain.bench.ranks import WARM_RANKS_ENV
+
+    if not _REAL_LAUNCH["now"]:
+        address = _WARM.address({**os.environ, "PYTHONUNBUFFERED": "1"})
+        if address is not None:
+            monkeypatch.setenv(WARM_RANKS_ENV, address)
+
+
 def train(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:
     """The CLI's ``train`` on ``ranks`` ranks: forked from a warm server (``warm_ranks.py``) where that is a fair
     copy of a DeepSpeed launch, else (a GPU machine, a test of the launcher) through DeepSpeed's own launcher."""

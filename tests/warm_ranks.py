@@ -12,15 +12,23 @@ set-ups, of faults and of resume keep real launches (``conftest.launch``, or the
 A run whose config is trained by another ComfyUI than the one a server imported (the pinned copy in place of the
 host's) falls back to a real launch, as does any machine with a GPU (CUDA must not start before a fork).
 
-Run as a script, this file is the server: JSON requests on stdin, JSON answers on stdout."""
+The bench harness's runs (``bench/ranks.py``) reach a server through the Unix socket it listens on
+(``WarmRanks.address``, passed to the harness as ``PIPETRAIN_BENCH_WARM_RANKS``): the same requests and answers, one
+run a connection, refused where the run's start environment is not the server's.
+
+Run as a script, this file is the server: JSON requests on stdin (or the socket named by its argument), JSON answers
+on stdout (or that connection)."""
 from __future__ import annotations
 
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,6 +73,12 @@ class WarmRanks:
             raise
         return None if code == OTHER_COMFYUI else code
 
+    def address(self, env: dict[str, str]) -> str | None:
+        """The socket of the server for ``env`` (started if need be), for runs started by another process (the bench
+        harness's); None where forking is no fair copy of a launch here."""
+        server = self._server(env)
+        return server.address if server is not None else None
+
     def close(self) -> None:
         for server in self._servers.values():
             _close(server)
@@ -80,8 +94,10 @@ class WarmRanks:
             return server
         while len(self._servers) >= _MAX_SERVERS:   # each holds a ComfyUI's worth of memory
             _close(self._servers.pop(next(iter(self._servers))))
-        server = subprocess.Popen([sys.executable, "-u", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, env=env, cwd=Path(__file__).parent)
+        address = os.path.join(tempfile.mkdtemp(prefix="pipetrain-warm-ranks-"), "socket")
+        server = subprocess.Popen([sys.executable, "-u", __file__, address], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).parent)
+        server.address = address
         if env.get("PIPETRAIN_TEST_COSTS"):   # how often a test run pays for a server's start (conftest's costs)
             with open(env["PIPETRAIN_TEST_COSTS"], "a") as f:
                 f.write(json.dumps({"warm_server": {name: env.get(name, "") for name in _START_ENV}}) + "\n")
@@ -135,6 +151,7 @@ def _close(server: subprocess.Popen) -> None:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+    shutil.rmtree(Path(server.address).parent, ignore_errors=True)
 
 
 # --- the server --------------------------------------------------------------------------------------------------
@@ -224,9 +241,9 @@ def _rank(argv: list[str], local_rank: int, ranks: int, port: int, request: dict
         os._exit(code & 0xFF)   # a forked rank never returns into the server
 
 
-def _launch(request: dict, answers) -> int:
+def _launch(request: dict, answers, peer: socket.socket | None = None) -> int:
     """One run: fork its ranks into one process group (the client's timeout kills that group), wait as DeepSpeed's
-    ``launch.py`` does."""
+    ``launch.py`` does. With ``peer`` (a socket's client), the ranks are killed if it goes away."""
     from pipetrain.backend.process.command_lines import free_port
 
     ranks, argv, port = int(request["ranks"]), list(request["argv"]), free_port()
@@ -239,6 +256,8 @@ def _launch(request: dict, answers) -> int:
         pid = os.fork()
         if pid == 0:
             os.setpgid(0, pids[0] if pids else 0)
+            for inherited in _SOCKETS:   # a rank holds no connection of the server's open
+                os.close(inherited.fileno())
             _rank(argv, local_rank, ranks, port, request, log_fd)
         try:   # in the parent too: the group exists before either process goes on
             os.setpgid(pid, pids[0] if pids else pid)
@@ -257,6 +276,9 @@ def _launch(request: dict, answers) -> int:
                 code = os.waitstatus_to_exitcode(status)
                 if code != 0 and failed is None:
                     failed = code
+        if peer is not None and alive and _hung_up(peer):   # the client was killed: its run goes with it
+            _signal(alive, signal.SIGKILL)
+            peer = None
         if failed is not None and alive:
             if killed_at is None:   # DeepSpeed's launch.py ends the other ranks of a failed one
                 killed_at = time.monotonic()
@@ -279,19 +301,67 @@ def _signal(pids, signum: int) -> None:
             pass
 
 
-def serve() -> None:
+def _hung_up(peer: socket.socket) -> bool:
+    try:
+        return peer.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+# the listening socket and the connection being served: closed in each forked rank
+_SOCKETS: list[socket.socket] = []
+
+
+def _serve_connection(conn: socket.socket, start_env: dict[str, str]) -> None:
+    """One run requested through the socket (``bench/ranks.py``): its group, then its exit status, on the
+    connection; a run whose start environment differs from this server's gets no group (it launches for real)."""
+    _SOCKETS.append(conn)
+    try:
+        with conn, conn.makefile("rw", buffering=1) as stream:
+            request = json.loads(stream.readline() or "null")
+            if not isinstance(request, dict):
+                return
+            differs = [name for name in _START_ENV if request["env"].get(name, "") != start_env[name]]
+            if differs:
+                stream.write(json.dumps({"group": None, "why": f"{', '.join(differs)} differ"}) + "\n")
+                return
+            stream.write(json.dumps({"returncode": _launch(request, stream, conn)}) + "\n")
+    except OSError:   # the client went away
+        pass
+    finally:
+        _SOCKETS.remove(conn)
+
+
+def serve(address: str | None = None) -> None:
     # the answers get standard output's pipe to themselves: what ComfyUI and others print goes to standard error
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
+    start_env = {name: os.environ.get(name, "") for name in _START_ENV}
     from pipetrain.backend.process.command_lines import ENTRY
     sys.path[0] = str(ENTRY.parent)   # a rank runs the entry file by its path: its folder comes first, not tests/
     ready = _warm_up()
+    listener = None
+    if ready and address:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen()
+        _SOCKETS.append(listener)
     print(json.dumps({"ready": ready}), file=answers, flush=True)
     if not ready:
         return
-    for line in sys.stdin:
-        print(json.dumps({"returncode": _launch(json.loads(line), answers)}), file=answers, flush=True)
+    # one run at a time: a client waits for its answer before it asks again
+    while True:
+        readable = select.select([sys.stdin, *([listener] if listener else [])], [], [])[0]
+        if listener in readable:
+            _serve_connection(listener.accept()[0], start_env)
+        if sys.stdin in readable:
+            line = sys.stdin.readline()
+            if not line:
+                return
+            print(json.dumps({"returncode": _launch(json.loads(line), answers)}), file=answers, flush=True)
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1] if len(sys.argv) > 1 else None)

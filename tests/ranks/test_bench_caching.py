@@ -8,7 +8,7 @@ import pytest
 
 
 @pytest.mark.slow
-def test_the_caching_case_runs_on_the_cpu(tmp_path):
+def test_the_caching_case_runs_on_the_cpu(tmp_path, warm_bench_ranks):
     out = subprocess.run([sys.executable, "-m", "pipetrain.bench.caching", "--size", "micro", "--resolution", "64",
                           "--images", "4", "--batch", "2", "--short-captions", "--work", str(tmp_path / "work"),
                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=900)

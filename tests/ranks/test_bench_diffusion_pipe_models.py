@@ -501,9 +501,10 @@ def test_a_case_beside_diffusion_pipe_trains_on_its_files_after_freeing_other_mo
 
 
 @pytest.mark.slow
-def test_pipetrain_trains_on_the_hunyuan_video_files_written_for_diffusion_pipe(tiny_folder, tmp_path):
+def test_pipetrain_trains_on_the_hunyuan_video_files_written_for_diffusion_pipe(tiny_folder, tmp_path,
+                                                                                warm_bench_ranks):
     """Our side of the HunyuanVideo case on the shared tiny files (the transformer in ComfyUI's saved layout, the
-    Llama and CLIP-L files of diffusion-pipe's folders, ComfyUI's VAE), through the DeepSpeed launcher on the CPU."""
+    Llama and CLIP-L files of diffusion-pipe's folders, ComfyUI's VAE), on CPU ranks (forked from the warm ranks)."""
     pytest.importorskip("diffusers")
     from pipetrain.bench.diffusion_pipe_models import pipetrain_files
     from pipetrain.bench.run import CASES, run_ours

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from conftest import share_model_files
 from pipetrain.bench import multi_gpu as mg
 
 
@@ -19,9 +20,15 @@ def _harness(tmp_path, *args: str, timeout: float = 1500) -> dict:
 
 
 @pytest.mark.slow
-def test_equivalence_and_pipeline_efficiency_cases_run_through_the_trainer(tmp_path):
+def test_equivalence_and_pipeline_efficiency_cases_run_through_the_trainer(tmp_path, warm_bench_ranks,
+                                                                           micro_flux_files):
+    # the speed cases train on the suite's micro Flux: writing a fresh 1.1 GB copy cost more than a run here, and
+    # test_bench_report.py's tiny cases run write_models' writing
+    share_model_files(tmp_path / "work", "flux-micro", micro_flux_files)
+    # one timed step a speed case, none left out as warm-up: what is checked is that a rate comes back and the
+    # arithmetic on it, for any number of steps (each is 8 micro-batches); the equivalence keeps its 2 steps
     report = _harness(tmp_path, "--cases", "equiv-stages,flux-1024-1stage-ga8,flux-1024-2stages-ga8",
-                      "--steps", "2", "--warmup", "1", "--equiv-steps", "2")
+                      "--steps", "1", "--warmup", "0", "--equiv-steps", "2")
     cases = report["cases"]
     equiv = cases["equiv-stages"]
     assert equiv["passed"], equiv
@@ -42,12 +49,15 @@ def test_equivalence_and_pipeline_efficiency_cases_run_through_the_trainer(tmp_p
 def test_a_case_past_its_timeout_is_killed_with_its_ranks_and_the_next_still_runs(tmp_path):
     """The trainer's launcher and ranks run under the case's process (not in a session of their own), so the
     harness's kill at the timeout takes them too. Each case trains long enough (300 steps per run) that no machine
-    finishes it inside the timeout: a fast one once did at the default 3 steps, and nothing was killed."""
-    report = _harness(tmp_path, "--cases", "equiv-stages,equiv-dp", "--equiv-steps", "300", "--case-timeout-s", "30",
+    finishes it inside the timeout: a fast one once did at the default 3 steps, and nothing was killed. A real
+    launch (the launcher's process tree is what is killed). The timeout only has to outlast the case's way to its
+    first run (its process's start, its imports and dataset: a few seconds, and this test runs alone), not the
+    run: the kill must find the launcher and its ranks starting or training, either way."""
+    report = _harness(tmp_path, "--cases", "equiv-stages,equiv-dp", "--equiv-steps", "300", "--case-timeout-s", "10",
                       timeout=300)
     for name in ("equiv-stages", "equiv-dp"):
         case = report["cases"][name]
-        assert (case.get("rc"), case.get("error")) == (124, "timed out after 30 s"), case
+        assert (case.get("rc"), case.get("error")) == (124, "timed out after 10 s"), case
         assert case["wall_s"] < 90
         assert "run_log_tail" in case, case                           # the trainer had started when it was killed
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True)
