@@ -121,10 +121,12 @@ class WarmRanks:
 def _start_key(env: dict[str, str]) -> str:
     """What tells servers apart: ``_START_ENV``, the ComfyUI by the folder it resolves to (none named: the one this
     process finds), so a run trained by the pinned copy shares the server of the runs that name none."""
-    from pipetrain.backend.host.runtime import locate_comfyui
+    from pipetrain.backend.host.runtime import _candidates, is_comfyui
 
     named = env.get("COMFYUI_PATH")
-    comfyui = str(Path(named or locate_comfyui()).resolve())
+    # none named: the one a fresh process finds (not the one this process may have imported)
+    found = [path for origin, path in _candidates() if origin != "COMFYUI_PATH" and is_comfyui(path)]
+    comfyui = str(Path(named).resolve() if named else found[0].resolve() if found else "")
     return "\0".join([comfyui, *(env.get(name, "") for name in _START_ENV if name != "COMFYUI_PATH")])
 
 
