@@ -76,12 +76,21 @@ def python_env(comfyui: Path, **extra: str) -> dict:
     return env
 
 
-def doctor(comfyui: Path, *model_types: str, timeout: float = 600, **env: str) -> dict:
-    """``python -m pipetrain doctor --json`` on ``comfyui`` in a child process (ComfyUI imports once per process)."""
-    argv = [sys.executable, "-m", "pipetrain", "doctor", "--json", "--comfyui", str(comfyui)]
+def doctor(comfyui: Path, *model_types: str, timeout: float = 600, warm: bool = False, **env: str) -> dict:
+    """``python -m pipetrain doctor --json`` on ``comfyui`` in a child process (ComfyUI imports once per process);
+    ``warm``: forked from that ComfyUI's warm server (``conftest.python_child``: where other tests of the file use it,
+    not for a one-off copy)."""
+    argv = ["doctor", "--json", "--comfyui", str(comfyui)]
     for t in model_types:
         argv += ["--model-type", t]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=python_env(comfyui, **env))
+    if warm:
+        from conftest import last_json, python_child
+
+        out = python_child(argv, python_env(comfyui, **env), timeout=timeout)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return last_json(out.stdout)
+    out = subprocess.run([sys.executable, "-m", "pipetrain", *argv], capture_output=True, text=True, timeout=timeout,
+                         env=python_env(comfyui, **env))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

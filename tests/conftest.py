@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,20 +283,51 @@ def train(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:
     copy of a DeepSpeed launch, else (a GPU machine, a test of the launcher) through DeepSpeed's own launcher."""
     root = config.parent
     if not _REAL_LAUNCH["now"]:
-        fd, name = tempfile.mkstemp(prefix="pipetrain-warm-ranks-", suffix=".log")
-        os.close(fd)
-        log = Path(name)
-        try:
-            code = _WARM.run(["train", str(config), *extra, "--no-progress"], ranks, root,
-                             {**os.environ, "PYTHONUNBUFFERED": "1"}, log, timeout)
-            out = log.read_text(errors="replace")
-        except TimeoutError:
-            raise AssertionError(f"training timed out after {timeout} s\n{log.read_text(errors='replace')[-5000:]}")
-        finally:
-            log.unlink(missing_ok=True)
+        code, out = _forked(["train", str(config), *extra, "--no-progress"], ranks, root,
+                            {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout, "training")
         if code is not None:
             return Run(code, out, root / "output")
     return train_launched(config, ranks, *extra, timeout=timeout)
+
+
+def _forked(argv: list[str], ranks: int, cwd: Path, env: dict[str, str], timeout: float, what: str,
+            code: str | None = None) -> tuple[int | None, str]:
+    """``WarmRanks.run``: the exit status (None: no warm server fits) and the output."""
+    fd, name = tempfile.mkstemp(prefix="pipetrain-warm-ranks-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    try:
+        status = _WARM.run(argv, ranks, cwd, env, log, timeout, code=code)
+        return status, log.read_text(errors="replace")
+    except TimeoutError:
+        raise AssertionError(f"{what} timed out after {timeout} s\n{log.read_text(errors='replace')[-5000:]}")
+    finally:
+        log.unlink(missing_ok=True)
+
+
+def python_child(args: list[str], env: dict[str, str], code: str | None = None,
+                 timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m pipetrain ARGS`` (with ``code``: ``python -c CODE ARGS``) in ``env``: forked from the warm server of
+    the ComfyUI ``env`` names (``warm_ranks.py``: a fresh process whose imports were paid once), else (a GPU machine)
+    a fresh interpreter. Its ``stdout`` holds standard output and error together where it forked: read its last line
+    of JSON with ``last_json``."""
+    status, out = _forked(list(args), 1, Path.cwd(), env, timeout, "the child", code=code)
+    if status is not None:
+        return subprocess.CompletedProcess(args, status, out, out)
+    argv = ["-c", code, *args] if code is not None else ["-m", "pipetrain", *args]
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def last_json(output: str):
+    """The last line of ``output`` that is JSON (a child prints its result last; in a forked child, what it logs on
+    standard error may follow)."""
+    for line in reversed(output.strip().splitlines()):
+        if line.startswith(("{", "[")):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise AssertionError(f"no JSON line in the child's output:\n{output[-3000:]}")
 
 
 def train_launched(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:

@@ -9,8 +9,13 @@ argv (``--local_rank=N`` first) and the same entry (``pipetrain.backend.cli.main
 
 What it leaves out is what DeepSpeed's runner and launcher do, so tests of the launcher, of signals, of multi-node
 set-ups, of faults and of resume keep real launches (``conftest.launch``, or the ``deepspeed_launcher`` marker).
-A run whose config is trained by another ComfyUI than the one a server imported (the pinned copy in place of the
-host's) falls back to a real launch, as does any machine with a GPU (CUDA must not start before a fork).
+A run whose config is trained by another ComfyUI than the one its environment names (the pinned copy in place of the
+host's, ``backend/parity/fallback.py``) forks from the server of the ComfyUI that trains it, as a launch's rank imports
+that one; any machine with a GPU launches for real (CUDA must not start before a fork).
+
+A test's child process that imports a ComfyUI (a ``doctor``, a LoRA check in that ComfyUI's loader) forks from that
+ComfyUI's server too (``WarmRanks.run`` with ``code``, ``conftest.python_child``): a fresh process with the imports
+paid once.
 
 The bench harness's runs (``bench/ranks.py``) reach a server through the Unix socket it listens on
 (``WarmRanks.address``, passed to the harness as ``PIPETRAIN_BENCH_WARM_RANKS``): the same requests and answers, one
@@ -53,15 +58,21 @@ class WarmRanks:
         self._unfit: set[str] = set()   # start environments whose server said forking is no fair copy (a GPU)
 
     def run(self, argv: list[str], ranks: int, cwd: Path, env: dict[str, str], log: Path,
-            timeout: float) -> int | None:
-        """Runs ``pipetrain ARGV`` on ``ranks`` forked ranks, their output into ``log``; returns the exit status as
-        DeepSpeed's runner would give it, or None where this run needs a real launch."""
-        if _trained_by_another_comfyui(argv, env):   # no server of that ComfyUI: it would start for nothing
-            return None
-        server = self._server(env)
+            timeout: float, code: str | None = None) -> int | None:
+        """Runs ``pipetrain ARGV`` on ``ranks`` forked ranks (with ``code``: ``python -c CODE ARGV`` in one forked
+        process), their output into ``log``; returns the exit status as DeepSpeed's runner would give it, or None
+        where this run needs a real launch."""
+        other = _trained_by_another_comfyui(argv, env)
+        if other is not None:   # a launched rank takes this decision (memoised) and imports that ComfyUI: its server
+            from pipetrain.backend.parity.fallback import CHOICE_ENV
+
+            # the ranks are told the decision, as a parent process tells its children: a fork finds the ComfyUI its
+            # server imported, where a fresh rank finds the host named by COMFYUI_PATH and decides
+            env = {**env, CHOICE_ENV: json.dumps(other.event())}
+        server = self._server({**env, "COMFYUI_PATH": other.path} if other is not None else env)
         if server is None:
             return None
-        request = {"argv": argv, "ranks": ranks, "cwd": str(cwd), "env": env, "log": str(log)}
+        request = {"argv": argv, "ranks": ranks, "cwd": str(cwd), "env": env, "log": str(log), "code": code}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         group = self._answer(server, 60.0)["group"]
@@ -85,7 +96,7 @@ class WarmRanks:
         self._servers.clear()
 
     def _server(self, env: dict[str, str]) -> subprocess.Popen | None:
-        key = "\0".join(env.get(name, "") for name in _START_ENV)
+        key = _start_key(env)
         if key in self._unfit:
             return None
         server = self._servers.pop(key, None)
@@ -123,11 +134,26 @@ class WarmRanks:
         return json.loads(line)
 
 
-def _trained_by_another_comfyui(argv: list[str], env: dict[str, str]) -> bool:
-    """Whether a run whose environment names a ComfyUI (COMFYUI_PATH) is trained by another one (the pinned copy)."""
+def _start_key(env: dict[str, str]) -> str:
+    """What tells servers apart: ``_START_ENV``, the ComfyUI by the folder it resolves to (none named: the one this
+    process finds), so a run trained by the pinned copy shares the server of the runs that name none."""
+    from pipetrain.backend.host.runtime import _candidates, is_comfyui
+
+    named = env.get("COMFYUI_PATH")
+    # none named: the one a fresh process finds (not the one this process may have imported)
+    found = [path for origin, path in _candidates() if origin != "COMFYUI_PATH" and is_comfyui(path)]
+    comfyui = str(Path(named).resolve() if named else found[0].resolve() if found else "")
+    return "\0".join([comfyui, *(env.get(name, "") for name in _START_ENV if name != "COMFYUI_PATH")])
+
+
+def _trained_by_another_comfyui(argv: list[str], env: dict[str, str]):
+    """The decision (``fallback.ComfyChoice``) of a run whose environment names a ComfyUI (COMFYUI_PATH) that another
+    one trains (the pinned copy in place of the host's), else None."""
     host = env.get("COMFYUI_PATH")
     chosen = _chosen_comfyui(argv, Path(host)) if host else None
-    return chosen is not None and not chosen.refused and Path(chosen.path).resolve() != Path(host).resolve()
+    if chosen is None or chosen.refused or Path(chosen.path).resolve() == Path(host).resolve():
+        return None
+    return chosen
 
 
 def _chosen_comfyui(argv: list[str], host: Path | None = None):
@@ -216,7 +242,14 @@ def _rank(argv: list[str], local_rank: int, ranks: int, port: int, request: dict
                           CROSS_SIZE="1", LOCAL_SIZE=str(ranks), RANK=str(local_rank), LOCAL_RANK=str(local_rank))
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if not _same_comfyui(argv):
+        if request.get("code") is not None:   # a test's child process, not a rank (``conftest.python_child``)
+            sys.argv = ["-c", *argv]
+            try:
+                exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        elif not _same_comfyui(argv):
             code = OTHER_COMFYUI
         else:
             from pipetrain.backend.cli import main

@@ -25,16 +25,38 @@ FLUX_LAYERS = "comfy/ldm/flux/layers.py"
 HEADS, RENAMED_HEADS = "self.num_heads", "self.heads"
 
 
+@pytest.fixture(scope="module")
+def module_memo(tmp_path_factory):
+    """The verdicts and decisions of this file's tests, kept for the file: two tests on the same host (``aura_less``,
+    ``moved``) take its decision once (a decision's probes are two child processes importing a ComfyUI)."""
+    return tmp_path_factory.mktemp("memo")
+
+
 @pytest.fixture
-def memo(tmp_path, monkeypatch):
-    monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(tmp_path / "memo"))
+def memo(module_memo, monkeypatch):
+    monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(module_memo))
     monkeypatch.delenv(fallback.CHOICE_ENV, raising=False)
-    return tmp_path / "memo"
+    return module_memo
 
 
-def test_a_host_without_the_models_code_chooses_the_pinned_copy(tmp_path, memo):
-    host = planted_copy(PINNED_COMFYUI, tmp_path / "ComfyUI", "comfy/model_base.py", "import comfy.ldm.aura.mmdit\n", "")
+@pytest.fixture(scope="module")
+def aura_less(tmp_path_factory):
+    """A host without AuraFlow's code (the tests only read it)."""
+    host = planted_copy(PINNED_COMFYUI, tmp_path_factory.mktemp("aura-less") / "ComfyUI", "comfy/model_base.py",
+                        "import comfy.ldm.aura.mmdit\n", "")
     shutil.rmtree(host / "comfy" / "ldm" / "aura")
+    return host
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory):
+    """A host whose Flux blocks keep their head count under another name (the tests only read it)."""
+    return planted_copy(PINNED_COMFYUI, tmp_path_factory.mktemp("moved") / "ComfyUI", FLUX_LAYERS, HEADS,
+                        RENAMED_HEADS, occurrences=6)
+
+
+def test_a_host_without_the_models_code_chooses_the_pinned_copy(aura_less, memo):
+    host = aura_less
     choice = fallback.choose_comfyui("auraflow", host)
     assert choice.pinned and choice.host_lacks and not choice.refused, choice
     assert choice.path == str(PINNED_COMFYUI.resolve()) and choice.version == PINNED_VERSION
@@ -44,11 +66,11 @@ def test_a_host_without_the_models_code_chooses_the_pinned_copy(tmp_path, memo):
 
 @pytest.mark.slow
 def test_a_run_on_a_host_without_the_models_code_trains_on_the_pinned_copy_whose_loader_checks_the_lora(
-        tmp_path, memo, model_files, make_run, monkeypatch):
-    host = planted_copy(PINNED_COMFYUI, tmp_path / "ComfyUI", "comfy/model_base.py", "import comfy.ldm.aura.mmdit\n", "")
-    shutil.rmtree(host / "comfy" / "ldm" / "aura")
+        aura_less, memo, model_files, make_run, monkeypatch):
+    host = aura_less
+    files = model_files("auraflow")   # written (once per machine) with the pinned ComfyUI: the host lacks the code
     monkeypatch.setenv("COMFYUI_PATH", str(host))
-    config = make_run(model_files("auraflow"), images=2, stages=1, epochs=1, model={"type": "auraflow"})
+    config = make_run(files, images=2, stages=1, epochs=1, model={"type": "auraflow"})
     run = train(config, ranks=1, timeout=600)
     assert run.returncode == 0, run.output[-4000:]
     (which,) = run.events("comfyui")
@@ -73,7 +95,8 @@ def test_on_comfyui_0_3_52_an_api_it_lacks_and_a_model_it_lacks_fall_back(memo):
 
 
 @pytest.mark.slow
-def test_the_train_nodes_launcher_refuses_other_maths_at_once_and_names_the_pinned_copy_otherwise(tmp_path, memo):
+def test_the_train_nodes_launcher_refuses_other_maths_at_once_and_names_the_pinned_copy_otherwise(tmp_path, memo,
+                                                                                                   moved):
     from test_launcher_core import _spec
 
     from pipetrain.launcher.core import Launcher, LauncherError
@@ -89,7 +112,6 @@ def test_the_train_nodes_launcher_refuses_other_maths_at_once_and_names_the_pinn
         assert part in str(refused.value), (part, str(refused.value))
     assert not la.dirs.ids()   # nothing written
 
-    moved = planted_copy(PINNED_COMFYUI, tmp_path / "moved", FLUX_LAYERS, HEADS, RENAMED_HEADS, occurrences=6)
     la = Launcher(tmp_path / "runs", comfyui_root=moved)
     run_id = la.start(spec, "pinned")
     la.kill(run_id)
@@ -189,8 +211,8 @@ print(json.dumps({"version": comfyui_version(), "patched": len(patched.patches),
 
 @pytest.mark.slow
 def test_a_run_on_a_host_whose_api_moved_trains_on_the_pinned_copy_and_the_lora_loads_in_the_host(
-        tmp_path, memo, micro_flux_files, make_run, monkeypatch):
-    host = planted_copy(PINNED_COMFYUI, tmp_path / "ComfyUI", FLUX_LAYERS, HEADS, RENAMED_HEADS, occurrences=6)
+        moved, memo, micro_flux_files, make_run, monkeypatch):
+    host = moved
     monkeypatch.setenv("COMFYUI_PATH", str(host))
     config = make_run(micro_flux_files, images=2, stages=1, epochs=1)
     run = train(config, ranks=1, timeout=600)

@@ -27,7 +27,21 @@ def memo(tmp_path, monkeypatch):
     return tmp_path / "memo" / "parity.json"
 
 
-def test_every_model_type_passes_on_the_pinned_comfyui_and_the_verdict_is_memoised(memo):
+@pytest.fixture(scope="module")
+def pinned_verdicts(tmp_path_factory):
+    """The memo of the pinned ComfyUI's verdicts, taken by the first test from an empty memo; the doctor's child
+    reads its verdict from it (a child process that need not import ComfyUI)."""
+    return tmp_path_factory.mktemp("pinned-memo")
+
+
+@pytest.fixture
+def pinned_memo(pinned_verdicts, monkeypatch):
+    monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(pinned_verdicts))
+    return pinned_verdicts / "parity.json"
+
+
+def test_every_model_type_passes_on_the_pinned_comfyui_and_the_verdict_is_memoised(pinned_memo):
+    memo = pinned_memo
     ensure_comfyui()
     results = {t: parity.check_model_type(t) for t in ADAPTERS}
     # but the types whose code a later ComfyUI brought: refused by name, by the release their adapter names (Flux 2
@@ -127,10 +141,12 @@ def test_a_comfyui_path_without_a_backward_is_refused(tmp_path):
     assert wan["lora_difference"] < 1e-8 * wan["scale"] and wan["where"].endswith("ffn.0"), wan
 
 
-def test_doctor_prints_the_comfyui_the_environment_and_a_verdict_per_model_type(tmp_path):
+def test_doctor_prints_the_comfyui_the_environment_and_a_verdict_per_model_type(pinned_verdicts):
+    # SDXL's verdict memoised by test_every_model_type_passes_... where it ran first
     out = subprocess.run([sys.executable, "-m", "pipetrain", "doctor", "--model-type", "sdxl", "--model-type", "krea2"],
                          capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PIPETRAIN_PARITY_CACHE": str(tmp_path), "COMFYUI_PATH": str(PINNED_COMFYUI)})
+                         env={**os.environ, "PIPETRAIN_PARITY_CACHE": str(pinned_verdicts),
+                              "COMFYUI_PATH": str(PINNED_COMFYUI)})
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     lines = lines[next(i for i, line in enumerate(lines) if line.startswith("ComfyUI ")):]   # after import chatter

@@ -4,14 +4,14 @@ machine's ComfyUI cache, ``comfyui_copies.comfyui_cache``). Each runs in a child
 process (ComfyUI is imported once per process): every model type's parity verdict, as the
 compatibility table in docs/models.md shows it, and one end-to-end run whose LoRA that ComfyUI's own
 LoraLoaderModelOnly loads."""
-import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from comfyui_copies import NEWER_VERSIONS, comfyui_cache, doctor, other_comfyuis, planted_copy, python_env
-from conftest import MATCH_TOLERANCE, MIN_EFFECT, train
+from conftest import MATCH_TOLERANCE, MIN_EFFECT, last_json, python_child, train
 from test_parity import FLUX_BLOCK, GATE_LINE, PLANTED
 
 from pipetrain.backend.models.registry import ADAPTERS
@@ -41,10 +41,18 @@ EXPECTED = {
 needs_comfyui = pytest.mark.skipif(not COMFYUIS, reason="no other ComfyUI beside the pinned one: run scripts/setup.sh")
 
 
+@pytest.fixture(scope="module")
+def memo(tmp_path_factory):
+    """The parity verdicts of this file's ComfyUIs, taken once: test_parity_of_every_model_type takes every type's on
+    each (first in the file, from an empty memo); the runs and the doctor table after it read theirs from it."""
+    return tmp_path_factory.mktemp("parity-memo")
+
+
 @needs_comfyui
 @pytest.mark.parametrize("version", sorted(COMFYUIS))
-def test_parity_of_every_model_type(version, tmp_path):
-    report = doctor(COMFYUIS[version], PIPETRAIN_PARITY_CACHE=str(tmp_path))
+def test_parity_of_every_model_type(version, memo):
+    # forked from the warm server of that ComfyUI, which its run in test_lora_trained_on_that_comfyui_... uses again
+    report = doctor(COMFYUIS[version], warm=True, PIPETRAIN_PARITY_CACHE=str(memo))
     assert report["comfyui"]["version"] == version
     verdicts = {r["model_type"]: r for r in report["parity"]}
     assert set(verdicts) == set(ADAPTERS)
@@ -78,12 +86,11 @@ print(json.dumps({**check.__dict__, "version": comfyui_version()}))
 @pytest.mark.slow
 @needs_comfyui
 @pytest.mark.parametrize("version", sorted(COMFYUIS))
-def test_lora_trained_on_that_comfyui_loads_in_its_lora_loader(version, model_files, make_run, monkeypatch,
-                                                              tmp_path):
+def test_lora_trained_on_that_comfyui_loads_in_its_lora_loader(version, model_files, make_run, monkeypatch, memo):
     comfyui = COMFYUIS[version]
     for name, value in python_env(comfyui).items():   # its extra packages (comfy-kitchen) where it needs them
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(tmp_path / "memo"))
+    monkeypatch.setenv("PIPETRAIN_PARITY_CACHE", str(memo))   # the run's parity check: that ComfyUI's verdict
     # the newer ComfyUIs train Flux, whose RoPE runs through comfy-kitchen there; the older ones SDXL
     arch = "flux" if version in NEWER_VERSIONS else "sdxl"
     config = make_run(model_files(arch, "micro" if arch == "flux" else "tiny"), images=2, stages=1, epochs=2,
@@ -94,10 +101,10 @@ def test_lora_trained_on_that_comfyui_loads_in_its_lora_loader(version, model_fi
     (check,) = run.events("parity")
     assert check["verdict"] == "passes" and check["comfyui_version"] == version
     lora = run.loras()[-1]
-    out = subprocess.run([sys.executable, "-c", _CHECK_LORA, str(config), str(lora)], capture_output=True, text=True,
-                         timeout=300, env=python_env(comfyui))
+    # a child importing that ComfyUI: forked from the server its ranks forked from (this environment's)
+    out = python_child([str(config), str(lora)], dict(os.environ), code=_CHECK_LORA, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    loaded = last_json(out.stdout)
     assert loaded["version"] == version
     assert loaded["keys_loaded"] == (132 if arch == "sdxl" else check["lora_keys"])
     assert loaded["comfy_vs_training"] < MATCH_TOLERANCE * max(1.0, loaded["scale"])
@@ -157,18 +164,18 @@ print(json.dumps(out))
 @pytest.mark.parametrize("version", NEWER_VERSIONS)
 def test_comfy_kitchens_kernels_train_through_its_eager_backend_with_true_gradients(version):
     comfyui = _newer(version)
-    run = subprocess.run([sys.executable, "-c", _KITCHEN], capture_output=True, text=True, timeout=300,
-                         env=python_env(comfyui))
+    run = python_child([], python_env(comfyui), code=_KITCHEN, timeout=300)   # forked from that ComfyUI's server
     assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = last_json(run.stdout)
     assert {"apply_rope", "apply_rope1", "rms_rope_split_half", "rms_adaln"} <= set(out["routed"]), out
     assert "no autograd formula" in out["inference_backward"], out
     assert out["bound_in_training"] and out["restored"], out
     assert out["forward_vs_fused"] < 1e-6 and out["gradcheck"] is True, out
 
 
-def test_doctor_tables_every_model_type_on_each_comfyui_given(tmp_path):
-    """``doctor --comfyui A --comfyui B``: one row a model type, one column a ComfyUI version."""
+def test_doctor_tables_every_model_type_on_each_comfyui_given(memo):
+    """``doctor --comfyui A --comfyui B``: one row a model type, one column a ComfyUI version (the other ComfyUIs'
+    verdicts memoised by test_parity_of_every_model_type where it ran first)."""
     from pipetrain.backend.host.runtime import PINNED_COMFYUI
 
     # the pinned version, and the oldest and newest others present (each costs a child process)
@@ -178,7 +185,7 @@ def test_doctor_tables_every_model_type_on_each_comfyui_given(tmp_path):
     argv = [sys.executable, "-m", "pipetrain", "doctor", "--model-type", "flux", "--model-type", "z_image"]
     for f in folders:
         argv += ["--comfyui", str(f)]
-    env = {**python_env(COMFYUIS.get("0.33.0", PINNED_COMFYUI)), "PIPETRAIN_PARITY_CACHE": str(tmp_path)}
+    env = {**python_env(COMFYUIS.get("0.33.0", PINNED_COMFYUI)), "PIPETRAIN_PARITY_CACHE": str(memo)}
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

@@ -2,6 +2,8 @@
 TextEncodeQwenImageEditPlus reads a prompt with ``image1``: the same tensors, cached under a key that covers the
 image (a tiny Qwen2.5-VL whose vision tower is the real 32-layer one, random-initialised); Qwen-Image-Edit-2509's
 with both of its control images as the node reads image1 and image2."""
+import os
+
 import pytest
 import torch
 from PIL import Image
@@ -17,8 +19,16 @@ def _picture(path, colour):
     image.save(path)
 
 
+@pytest.fixture(scope="module")
+def loaded_text_encoders():
+    """ComfyUI's CLIP of a text-encoder file, by the file's identity: both edit models' tiny Qwen2.5-VL file is one
+    file (the tiny files share identical content), whose load builds the real-size vision tower: loaded once."""
+    return {}
+
+
 @pytest.mark.parametrize("model_type", ["qwen_image_edit", "qwen_image_edit_plus"])
-def test_edit_captions_read_the_control_images_as_comfyuis_edit_node_does(model_files, tmp_path, model_type):
+def test_edit_captions_read_the_control_images_as_comfyuis_edit_node_does(model_files, tmp_path, model_type,
+                                                                          loaded_text_encoders):
     from pipetrain.backend.sampling import render as sampling
     from pipetrain.backend.cache import CacheStore
     from pipetrain.backend.config import ModelConfig
@@ -35,8 +45,12 @@ def test_edit_captions_read_the_control_images_as_comfyuis_edit_node_does(model_
     if model_type == "qwen_image_edit_plus":    # a second picture, of another shape (cropped to the bucket too)
         controls += (tmp_path / "second.png",)
         Image.new("RGB", (40, 90), (10, 200, 10)).save(controls[1])
-    store, state = CacheStore(tmp_path / "cache"), {}
+    (encoder,) = files.text_encoders
+    same_file = (os.stat(encoder).st_dev, os.stat(encoder).st_ino)
+    state = {"clip": loaded_text_encoders[same_file]} if same_file in loaded_text_encoders else {}
+    store = CacheStore(tmp_path / "cache")
     ours = sampling._text(adapter, store, PROMPT, state, controls, bucket)["context"]
+    loaded_text_encoders[same_file] = state["clip"]
 
     from comfy_extras.nodes_qwen import TextEncodeQwenImageEditPlus
     clip = state["clip"]
