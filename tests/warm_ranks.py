@@ -7,8 +7,10 @@ process (nothing of one run reaches the next), with the environment DeepSpeed's 
 argv (``--local_rank=N`` first) and the same entry (``pipetrain.backend.cli.main``); the run waits on its ranks as
 ``launch.py`` does (one failing rank ends the others, and its exit status is the run's).
 
-What it leaves out is what DeepSpeed's runner and launcher do, so tests of the launcher, of signals, of multi-node
-set-ups, of faults and of resume keep real launches (``conftest.launch``, or the ``deepspeed_launcher`` marker).
+What it leaves out is what DeepSpeed's runner and launcher do, so the runs that a test of the launcher, of signals,
+of multi-node set-ups, of faults or of resume signals or kills from outside keep real launches (``conftest.launch``,
+``conftest.train_launched``, or the ``deepspeed_launcher`` marker); their other runs (a reference, a fault raised
+inside a rank, a resume) fork from here too (``conftest.train_warm``).
 A run whose config is trained by another ComfyUI than the one a server imported (the pinned copy in place of the
 host's) falls back to a real launch, as does any machine with a GPU (CUDA must not start before a fork).
 
@@ -21,6 +23,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,9 +41,11 @@ _START_ENV = ("COMFYUI_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYT
 
 class WarmRanks:
     """One server per start environment (``_START_ENV``: the ComfyUI a run's environment names, its Python path),
-    started at first use."""
+    started at first use. One run at a time: a run asked for on another thread (``conftest.train_on_a_thread``)
+    waits for the one going on."""
 
     def __init__(self):
+        self._one_at_a_time = threading.Lock()
         self._servers: dict[str, subprocess.Popen] = {}
         self._unfit: set[str] = set()   # start environments whose server said forking is no fair copy (a GPU)
 
@@ -48,6 +53,11 @@ class WarmRanks:
             timeout: float) -> int | None:
         """Runs ``pipetrain ARGV`` on ``ranks`` forked ranks, their output into ``log``; returns the exit status as
         DeepSpeed's runner would give it, or None where this run needs a real launch."""
+        with self._one_at_a_time:
+            return self._run(argv, ranks, cwd, env, log, timeout)
+
+    def _run(self, argv: list[str], ranks: int, cwd: Path, env: dict[str, str], log: Path,
+             timeout: float) -> int | None:
         if _trained_by_another_comfyui(argv, env):   # no server of that ComfyUI: it would start for nothing
             return None
         server = self._server(env)
