@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,8 +282,30 @@ def warm_bench_ranks(monkeypatch):
 def train(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:
     """The CLI's ``train`` on ``ranks`` ranks: forked from a warm server (``warm_ranks.py``) where that is a fair
     copy of a DeepSpeed launch, else (a GPU machine, a test of the launcher) through DeepSpeed's own launcher."""
+    return _train(config, ranks, extra, timeout, warm=not _REAL_LAUNCH["now"])
+
+
+def train_warm(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Run:
+    """``train`` forked from warm ranks in a test marked ``deepspeed_launcher`` too: for the runs of a launcher,
+    signal or fault test that DeepSpeed's runner plays no part in (an uninterrupted reference run, a run that only
+    builds the folder a resume starts from, a fault raised inside a rank). PIPETRAIN_TEST_REAL_LAUNCH=1 and a GPU
+    machine still launch for real."""
+    return _train(config, ranks, extra, timeout, warm=os.environ.get("PIPETRAIN_TEST_REAL_LAUNCH") != "1")
+
+
+def train_on_a_thread(config: Path, ranks: int, *extra: str, timeout: float = 900) -> Future:
+    """``train_warm`` on a thread of its own, for a test that acts on the run while it trains (a stop file, a control
+    request, a run beside another): the future's result is its Run. The warm server runs one run at a time: a test
+    waits for this one before its next ``train``."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(train_warm, config, ranks, *extra, timeout=timeout)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _train(config: Path, ranks: int, extra: tuple[str, ...], timeout: float, warm: bool) -> Run:
     root = config.parent
-    if not _REAL_LAUNCH["now"]:
+    if warm:
         code, out = _forked(["train", str(config), *extra, "--no-progress"], ranks, root,
                             {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout, "training")
         if code is not None:

@@ -7,8 +7,10 @@ process (nothing of one run reaches the next), with the environment DeepSpeed's 
 argv (``--local_rank=N`` first) and the same entry (``pipetrain.backend.cli.main``); the run waits on its ranks as
 ``launch.py`` does (one failing rank ends the others, and its exit status is the run's).
 
-What it leaves out is what DeepSpeed's runner and launcher do, so tests of the launcher, of signals, of multi-node
-set-ups, of faults and of resume keep real launches (``conftest.launch``, or the ``deepspeed_launcher`` marker).
+What it leaves out is what DeepSpeed's runner and launcher do, so the runs that a test of the launcher, of signals,
+of multi-node set-ups, of faults or of resume signals or kills from outside keep real launches (``conftest.launch``,
+``conftest.train_launched``, or the ``deepspeed_launcher`` marker); their other runs (a reference, a fault raised
+inside a rank, a resume) fork from here too (``conftest.train_warm``).
 A run whose config is trained by another ComfyUI than the one its environment names (the pinned copy in place of the
 host's, ``backend/parity/fallback.py``) forks from the server of the ComfyUI that trains it, as a launch's rank imports
 that one; any machine with a GPU launches for real (CUDA must not start before a fork).
@@ -34,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,9 +54,11 @@ _START_ENV = ("COMFYUI_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYT
 
 class WarmRanks:
     """One server per start environment (``_START_ENV``: the ComfyUI a run's environment names, its Python path),
-    started at first use."""
+    started at first use. One run at a time: a run asked for on another thread (``conftest.train_on_a_thread``)
+    waits for the one going on."""
 
     def __init__(self):
+        self._one_at_a_time = threading.Lock()
         self._servers: dict[str, subprocess.Popen] = {}
         self._unfit: set[str] = set()   # start environments whose server said forking is no fair copy (a GPU)
 
@@ -62,6 +67,11 @@ class WarmRanks:
         """Runs ``pipetrain ARGV`` on ``ranks`` forked ranks (with ``code``: ``python -c CODE ARGV`` in one forked
         process), their output into ``log``; returns the exit status as DeepSpeed's runner would give it, or None
         where this run needs a real launch."""
+        with self._one_at_a_time:
+            return self._run(argv, ranks, cwd, env, log, timeout, code)
+
+    def _run(self, argv: list[str], ranks: int, cwd: Path, env: dict[str, str], log: Path,
+             timeout: float, code: str | None) -> int | None:
         other = _trained_by_another_comfyui(argv, env)
         if other is not None:   # a launched rank takes this decision (memoised) and imports that ComfyUI: its server
             from pipetrain.backend.parity.fallback import CHOICE_ENV
@@ -77,12 +87,12 @@ class WarmRanks:
         server.stdin.flush()
         group = self._answer(server, 60.0)["group"]
         try:
-            code = self._answer(server, timeout)["returncode"]
+            status = self._answer(server, timeout)["returncode"]
         except TimeoutError:
             os.killpg(group, signal.SIGKILL)
             self._answer(server, 60.0)
             raise
-        return None if code == OTHER_COMFYUI else code
+        return None if status == OTHER_COMFYUI else status
 
     def address(self, env: dict[str, str]) -> str | None:
         """The socket of the server for ``env`` (started if need be), for runs started by another process (the bench

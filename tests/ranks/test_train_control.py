@@ -2,17 +2,19 @@
 """Run control with real ranks (2 gloo ranks, a 2-stage pipeline): while the run trains, a new learning rate shows
 in the logged LR from the step after the one that took it and survives a resume; save now writes a step LoRA and a
 checkpoint at one step; sample now renders the sample prompts with a step LoRA; stop after this epoch ends the run
-at the epoch's boundary with a checkpoint, resumable."""
+at the epoch's boundary with a checkpoint, resumable. The runs that only files steer fork from warm ranks
+(``conftest.train_on_a_thread``); the ones signalled from outside go through DeepSpeed's launcher."""
 import json
 import os
 import signal
 import subprocess
 import time
+from concurrent.futures import Future
 
 import psutil
 import pytest
 import torch
-from conftest import Run, launch, train
+from conftest import train, train_on_a_thread
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -37,13 +39,21 @@ def _events(run_dir, type_, **match) -> list[dict]:
     return [e for e in events if e["type"] == type_ and all(e.get(k) == v for k, v in match.items())]
 
 
-def _wait(proc, output, type_, timeout=600, **match) -> dict:
+def _ended(run) -> str | None:
+    """The output of a run that has ended (a launched process, or a warm run's future), None while it trains."""
+    if isinstance(run, Future):
+        return run.result().output if run.done() else None
+    return run.communicate()[0] if run.poll() is not None else None
+
+
+def _wait(run, output, type_, timeout=600, **match) -> dict:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         for run_dir in output.glob("2*"):
             if found := _events(run_dir, type_, **match):
                 return found[0]
-        assert proc.poll() is None, f"the run ended before a {type_} event:\n{proc.communicate()[0][-4000:]}"
+        ended = _ended(run)
+        assert ended is None, f"the run ended before a {type_} event:\n{ended[-4000:]}"
         time.sleep(0.1)
     raise TimeoutError(type_)
 
@@ -53,21 +63,19 @@ def test_save_sample_lr_and_stop_after_epoch_while_training_then_resume(micro_fl
                       lr_scheduler="constant", save_every_n_epochs=100, checkpoint_every_n_epochs=100,
                       optimizer={"type": "adamw", "lr": OLD_LR})
     output = config.parent / "output"
-    proc = launch(config, 2)
+    training = train_on_a_thread(config, 2)
     try:
-        _wait(proc, output, "step")
+        _wait(training, output, "step")
         run_dir = RunDir(next(output.glob("2*")))
         for action in ("save", "sample"):
             run_control.request(run_dir, action)
         run_control.request(run_dir, "lr", NEW_LR)
-        _wait(proc, output, "sample_saved")               # the samples hold every rank: the run waits for them
-        run_control.request(run_dir, "stop_after_epoch")
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-4000:]
-    run = Run(0, out, output)
+        _wait(training, output, "sample_saved")               # the samples hold every rank: the run waits for them
+    finally:   # after a failed wait too: the run ends at its epoch's boundary, not after six epochs
+        for folder in output.glob("2*"):
+            run_control.request(RunDir(folder), "stop_after_epoch")
+        run = training.result()
+    assert run.returncode == 0, run.output[-4000:]
     acted = {e["action"]: e for e in run.events("control")}
     assert set(acted) == {"save", "sample", "lr", "stop_after_epoch"}, run.events("control")
 

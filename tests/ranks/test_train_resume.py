@@ -1,6 +1,9 @@
 """Checkpoint and resume with real ranks: a run killed with SIGKILL after a checkpoint resumes at the
 checkpointed step and ends with exactly the LoRA of an uninterrupted run (weights, optimizer state, LR
-schedule and data position all restored); no final name ever holds a partial file."""
+schedule and data position all restored); no final name ever holds a partial file.
+
+The runs a test kills from outside go through DeepSpeed's launcher; the others (a reference, a resume, a run the stop
+file ends from inside) fork from warm ranks (``conftest.train_warm``): DeepSpeed's runner plays no part in them."""
 import json
 import os
 import signal
@@ -8,18 +11,19 @@ import time
 
 import pytest
 import torch
-from conftest import Run, launch, train
+from conftest import Run, launch, train_on_a_thread, train_warm
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.deepspeed_launcher]   # tests/warm_ranks.py: why a real launch
+pytestmark = pytest.mark.slow
 
 SETUP = dict(stages=2, epochs=3, checkpoint_every_n_epochs=1, lr_scheduler="cosine", warmup_steps=2,
              optimizer={"type": "adamw", "lr": 5e-3})
 
 
-def _wait_for_event(run_dir_parent, type_, timeout=600):
+def _wait_for_event(run_dir_parent, type_, timeout=600, run=None):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
+        assert run is None or not run.done(), f"the run ended before a {type_} event:\n{run.result().output[-4000:]}"
         for events in run_dir_parent.glob("*/events.jsonl"):
             found = [json.loads(line) for line in events.read_text().splitlines() if f'"{type_}"' in line]
             if found:
@@ -39,7 +43,7 @@ def _assert_no_partial_files(run_dir):
 
 
 def test_sigkill_after_checkpoint_then_resume(micro_flux_files, make_run):
-    reference = train(make_run(micro_flux_files, images=4, name="reference", **SETUP), ranks=2)
+    reference = train_warm(make_run(micro_flux_files, images=4, name="reference", **SETUP), ranks=2)
     assert reference.returncode == 0, reference.output[-3000:]
 
     config = make_run(micro_flux_files, images=4, name="killed", **SETUP)
@@ -51,7 +55,7 @@ def test_sigkill_after_checkpoint_then_resume(micro_flux_files, make_run):
     _assert_no_partial_files(killed.run_dir)
     assert killed.status()["state"] != "finished"
 
-    resumed = train(config, 2, "--resume")
+    resumed = train_warm(config, 2, "--resume")
     assert resumed.returncode == 0, resumed.output[-3000:]
     resume_event = resumed.events("resume")[-1]
     assert resume_event["step"] >= checkpoint["step"]
@@ -71,13 +75,12 @@ def test_sigkill_after_checkpoint_then_resume(micro_flux_files, make_run):
 
 def test_stop_file_checkpoints_and_exits(micro_flux_files, make_run):
     config = make_run(micro_flux_files, images=4, name="stopped", **{**SETUP, "epochs": 20})
-    proc = launch(config, 2)
-    _wait_for_event(config.parent / "output", "step")
+    training = train_on_a_thread(config, 2)
+    _wait_for_event(config.parent / "output", "step", run=training)
     run_dir = next((config.parent / "output").glob("2*"))
     (run_dir / "stop").touch()
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    run = Run(0, out, config.parent / "output")
+    run = training.result()
+    assert run.returncode == 0, run.output[-3000:]
     assert run.status()["state"] == "stopped"
     stopped = run.events("stopped")[-1]
     assert run.events("checkpoint")[-1]["step"] == stopped["step"] < 80
@@ -97,7 +100,7 @@ def test_resume_with_more_data_parallel_ranks(micro_flux_files, make_run):
     proc.communicate()
     assert checkpoint["step"] == 4                       # epoch 1: 4 images, global batch 1
 
-    resumed = train(config, 4, "--resume")
+    resumed = train_warm(config, 4, "--resume")
     assert resumed.returncode == 0, resumed.output[-3000:]
     event = resumed.events("resume")[-1]
     assert (event["saved_global_batch"], event["global_batch"], event["step"]) == (1, 2, 4)
@@ -110,13 +113,13 @@ def test_resume_that_ends_in_the_last_saved_epoch_saves_its_weights(micro_flux_f
     """A run that stops at ``max_steps`` in epoch 2 writes that epoch's LoRA; resumed with a later ``max_steps``
     still in epoch 2, the steps it trains end up in a LoRA too (the epoch's file, now holding the later step)."""
     config = make_run(micro_flux_files, images=4, name="extend", stages=2, epochs=3, max_steps=6)
-    first = train(config, 2)
+    first = train_warm(config, 2)
     assert first.returncode == 0, first.output[-3000:]
     assert [(e["epoch"], e["step"]) for e in first.events("lora_saved")] == [(1, 4), (2, 6)]
     before = load_file(str(first.loras()[-1]))
 
     config.write_text(config.read_text().replace("max_steps = 6", "max_steps = 7"))
-    resumed = train(config, 2, "--resume")
+    resumed = train_warm(config, 2, "--resume")
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert resumed.status()["step"] == 7
     resume_time = resumed.events("resume")[-1]["time"]
