@@ -157,12 +157,12 @@ def flux_diffusers_folder():
     """bench/diffusion_pipe_models.py's tiny Flux pipeline folder (diffusion-pipe's ``diffusers_path``) at the widths
     ComfyUI loads, written once per machine beside the tiny model files (a marker last: a broken write is redone)."""
     pytest.importorskip("diffusers")
-    from pipetrain.backend.host.runtime import REPO_ROOT, locate_comfyui
+    from pipetrain.backend.fsutil import exclusive
+    from pipetrain.backend.host.runtime import locate_comfyui
+    from pipetrain.backend.models.tiny import tiny_models_root
     from pipetrain.bench.diffusion_pipe_models import write_flux_folder
 
-    from pipetrain.backend.fsutil import exclusive
-
-    folder = REPO_ROOT / ".work" / "tiny-models" / "flux-diffusers-comfy-v1"
+    folder = tiny_models_root() / "flux-diffusers-comfy-v1"
     with exclusive(folder.with_name(f".{folder.name}.writing")):   # test workers write it once, in turn
         if not (folder / "complete").is_file():
             shutil.rmtree(folder, ignore_errors=True)
@@ -174,7 +174,7 @@ def flux_diffusers_folder():
 @pytest.fixture(scope="session")
 def model_files():
     """``model_files(arch, size="tiny")``: random-initialised files of any registered architecture, written
-    once per machine (``.work/tiny-models``)."""
+    once per machine (``tiny.tiny_models_root``)."""
     from pipetrain.backend.models.tiny import cached_model_files
     return cached_model_files
 

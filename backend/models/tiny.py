@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..fsutil import exclusive, temp_path_beside
+from ..fsutil import exclusive, temp_path_beside, user_cache_dir
 from .registry import ADAPTERS, arch_spec
 from . import encoders, vaes
 from .spec import SIZES
@@ -291,15 +291,23 @@ def write_clip_vision(path: Path, size: str = "tiny", dtype=torch.float32, seed:
     return write_safetensors(clip_vision_model(config), Path(path), dtype, seed, meta)
 
 
+TINY_MODELS_ENV = "PIPETRAIN_TINY_MODELS"
+
+
+def tiny_models_root() -> Path:
+    """Where ``cached_model_files`` keeps its files: ``PIPETRAIN_TINY_MODELS``, else ``tiny-models`` in PipeTrain's
+    folder of the user's cache, so every checkout on a machine (a CI's fresh one too) writes them once."""
+    return Path(os.environ.get(TINY_MODELS_ENV) or user_cache_dir() / "tiny-models")
+
+
 def cached_model_files(arch: str, size: str = "tiny", root: Path | None = None) -> ModelFiles:
-    """Model files written once and shared by the demo and the tests (``.work/tiny-models`` in the repo).
+    """Model files written once per machine and shared by the demo and the tests (``tiny_models_root``); a change
+    to the files written bumps ``TINY_FILES_VERSION``, the folders' suffix.
     A ``complete`` marker is written last, so an interrupted write is redone, never half-used. It names the files
     relative to the folder, so a moved or linked ``.work`` still finds them. Identical VAE and text-encoder files
     of different architectures are one file on disk (hard links into ``blobs/``): the cache must not fill the disk
     it shares with the runs."""
-    from ..host.runtime import REPO_ROOT
-
-    root = root or REPO_ROOT / ".work" / "tiny-models"
+    root = root or tiny_models_root()
     folder = root / f"{arch}-{size}-v{TINY_FILES_VERSION}"
     with exclusive(root / f".{folder.name}.writing"):
         return _cached_model_files(arch, size, root, folder)
