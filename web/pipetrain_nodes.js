@@ -46,12 +46,28 @@ function showDigits(node) {
 }
 
 // A node's advanced inputs (``nodes/declared.py``: all but its essential widgets) stay folded until the node's
-// "Show Advanced" menu entry: the frontends from 1.32 fold a widget marked advanced, but before 1.49 they do not
-// mark it from the input's options. A node opened folded is only as tall as what it shows.
+// "Show Advanced" menu entry. Frontends before 1.49 do not mark a widget advanced from its input's options, and
+// their canvas lays out a folded widget's row all the same: a folded widget is marked here and measures nothing
+// until the node shows its advanced widgets. A node opened folded is only as tall as what it shows.
 function foldAdvanced(node) {
   let folded = false;
   for (const w of node.widgets ?? []) {
-    if (w.options?.advanced) folded = w.advanced = true;
+    if (!w.options?.advanced) continue;
+    folded = true;
+    if (w.pipetrainFolds) continue;
+    w.advanced = w.pipetrainFolds = true;
+    if (w.computeLayoutSize) {
+      const layout = w.computeLayoutSize;
+      w.computeLayoutSize = function (n) {
+        return node.showAdvanced ? layout.call(this, n) : { minHeight: 0, maxHeight: 0, minWidth: 0 };
+      };
+    } else {
+      const size = w.computeSize;
+      w.computeSize = function (width) {
+        if (!node.showAdvanced) return [0, -4];   // the canvas adds 4 to a widget's height
+        return size ? size.call(this, width) : [width, globalThis.LiteGraph?.NODE_WIDGET_HEIGHT ?? 20];
+      };
+    }
   }
   if (folded && !node.showAdvanced && node.computeSize) {
     node.setSize([node.size[0], node.computeSize()[1]]);
