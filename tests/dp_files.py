@@ -61,7 +61,7 @@ HF_TEXT_CONFIGS = {
     "qwen25_7b": {"model_type": "qwen2_5_vl", "text_config": {"hidden_size": 3584}},
 }
 PIPELINE_CLASSES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline",
-                    "sd15": "StableDiffusionPipeline", "qwen_image": "QwenImagePipeline"}
+                    "sd15": "StableDiffusionPipeline", "qwen_image": "QwenImagePipeline", "ltx_video": "LTXPipeline"}
 
 
 def _place(source, target) -> None:

@@ -40,7 +40,9 @@ class Finding:
 def source_key(raw_model: dict, role: str, index: int = 0) -> str:
     """The key of ``[model]`` as written that names a role's file: its own key, else diffusion-pipe's spelling,
     else the folder key whose part it is."""
-    folder = next((k for k in compat.FOLDER_KEYS if k in raw_model), None)
+    single = compat.model_folders.SINGLE_FILE_KEY   # gives the transformer and VAE, never the text encoders
+    order = [k for k in compat.FOLDER_KEYS if k != single] if role == "text_encoders" else [single, *compat.FOLDER_KEYS]
+    folder = next((k for k in order if k in raw_model), None)
     if role == "text_encoders":
         if "text_encoders" in raw_model:
             return f"model.text_encoders[{index}]"

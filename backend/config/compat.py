@@ -154,11 +154,7 @@ PATH_KEYS = {"output_dir", "dataset", "config", "lora_dir", "hostfile", "diffusi
              "llama3_path",
              *MODEL_RENAMES.keys() - {"transformer_dtype"}, *TEXT_ENCODER_KEYS, *model_folders.FOLDER_KEYS}
 
-_SINGLE = ("diffusion-pipe's transformer_path, vae_path, llm_path, clip_path and text_encoder_path are read as "
-           "these single files")
 MODEL = {
-    "single_file_path": Unsupported(f"a model's single-file release (LTX-Video's transformer + VAE in one file) is "
-                                    f"not read; {SINGLE_FILES_HINT}. {_SINGLE}"),
     # read for the types reads_llama3_path names (preprocess_model); diffusion-pipe's other models ignore it
     "llama3_path": Unsupported("diffusion-pipe reads it for hidream only", inert=ANY),
     **{key: Unsupported(f"not read by PipeTrain. {SINGLE_FILES_HINT}")

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""diffusion-pipe's model-folder keys (``diffusers_path``, ``checkpoint_path``, ``ckpt_path``) read as our file keys.
+"""diffusion-pipe's model-folder keys (``diffusers_path``, ``checkpoint_path``, ``ckpt_path``) and LTX-Video's
+``single_file_path`` read as our file keys.
 
 A folder key fills in each of ``diffusion_model``, ``vae`` and ``text_encoders`` the table leaves out with the
 folder's component (as diffusion-pipe does: its ``transformer_path`` & co. override a folder's parts). The
@@ -27,12 +28,15 @@ HINT = (f"{SINGLE_FILES_HINT} (diffusion-pipe's transformer_path, vae_path and l
 # ``qwen_vl_state_dict``). ``dp_folder_borrows``: only some parts of another model's folder (diffusion-pipe's Chroma
 # table names a Flux folder for its VAE and T5, the transformer as transformer_path). ``dp_ckpt_folder``: an official
 # checkpoint folder whose transformer shards and VAE .pth carry ComfyUI's keys (Wan's; its T5 .pth is the original
-# code's layout, which ComfyUI does not read, so the text encoder comes from llm_path). Others, e.g. HiDream,
-# OmniGen2, LTX-Video, AuraFlow (Pile-T5), are read from single files only.
+# code's layout, which ComfyUI does not read, so the text encoder comes from llm_path). ``dp_single_file``: its
+# single-file release (single_file_path, transformer and VAE in ComfyUI's checkpoint layout) with its own Diffusers
+# folder lending only the text encoder (LTX-Video's, whose Diffusers transformer and VAE ComfyUI does not read).
+# Others, e.g. HiDream, OmniGen2, AuraFlow (Pile-T5), are read from single files only.
 WAN_VAES = ("Wan2.1_VAE.pth", "Wan2.2_VAE.pth")
 TEXT_ENCODER_HINT = "llm_path = '<umt5_xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)"
 
-FOLDER_KEYS = ("diffusers_path", "checkpoint_path", "ckpt_path")
+SINGLE_FILE_KEY = "single_file_path"   # a single-file release, read as diffusion_model (``dp_single_file`` types)
+FOLDER_KEYS = ("diffusers_path", "checkpoint_path", "ckpt_path", SINGLE_FILE_KEY)
 
 
 def _facts(fact: str) -> dict:
@@ -44,8 +48,11 @@ def folder_types(key: str) -> list[str]:
     """The model types that read ``key`` (one of ``FOLDER_KEYS``)."""
     if key == "ckpt_path":
         return sorted(_facts("dp_ckpt_folder"))
+    single = sorted(_facts("dp_single_file"))
+    if key == SINGLE_FILE_KEY:
+        return single
     whole = sorted(_facts("dp_diffusers_folder"))
-    return whole + sorted(_facts("dp_folder_borrows")) if key == "diffusers_path" else whole
+    return whole + sorted(_facts("dp_folder_borrows")) + single if key == "diffusers_path" else whole
 
 
 def describe(key: str, model_type) -> str:
@@ -56,6 +63,13 @@ def describe(key: str, model_type) -> str:
     if key == "ckpt_path":
         return ("Wan's official checkpoint folder: its transformer shards and VAE .pth where the table names no "
                 "single file for them (the text encoder comes from llm_path)")
+    if key == SINGLE_FILE_KEY:
+        return ("the single-file release (transformer and VAE in one file, what ComfyUI's CheckpointLoaderSimple "
+                "reads), read as diffusion_model; its VAE is read from the same file where the table names no vae")
+    if model_type in _facts("dp_single_file"):
+        return ("a Diffusers pipeline folder lending its T5 text encoder (text_encoder/, by its Hugging Face keys) "
+                "where the table names none; the transformer and VAE come from single_file_path, as diffusion-pipe "
+                "reads them (ComfyUI does not read the folder's)")
     borrows = _facts("dp_folder_borrows")
     if model_type in borrows:
         return (f"a Flux Diffusers pipeline folder lending its vae and {' and '.join(borrows[model_type])} text "
@@ -71,6 +85,8 @@ def describe(key: str, model_type) -> str:
 
 
 def expand(data: dict, file, prefix: str) -> None:
+    if SINGLE_FILE_KEY in data:
+        _single_file(data, file, prefix)
     for key in ("diffusers_path", "checkpoint_path"):
         if key in data:
             _diffusers(data, key, file, prefix)
@@ -128,6 +144,10 @@ def _diffusers(data: dict, key: str, file, prefix: str) -> None:
     _check_pipeline_class(data, model_type, folder, file, _key(prefix, key))
     join = lambda sub: str(Path(value) / sub)  # noqa: E731  (relative stays relative to the TOML file)
     encoders = parts["text_encoders"]
+    if model_type in _facts("dp_single_file"):
+        taken = _lent_text_encoders(data, model_type, folder, encoders, file, _key(prefix, key))
+        _fill(data, {"text_encoders": [join(sub) for sub in taken]})
+        return
     if model_type in _facts("dp_folder_borrows"):
         encoders = _borrowed(data, model_type, folder, encoders, file, _key(prefix, key))
     _fill(data, {"diffusion_model": join(parts["diffusion_model"]), "vae": join(parts["vae"]),
@@ -160,6 +180,39 @@ def _borrowed(data: dict, model_type: str, folder: Path, encoders: list[str], fi
         raise ConfigError(f"this folder's transformer is not a {model_type} model: add transformer_path = "
                           f"'<{example}>' (ComfyUI's models/diffusion_models); the folder gives the VAE and text "
                           "encoder", file=file, key=key)
+    taken = [sub for sub in encoders if text_encoder_kind(read_config(folder / sub)) in kinds]
+    if not taken and not data.get("text_encoders"):
+        raise ConfigError(f"{folder}: no {' or '.join(kinds)} text encoder folder (told by its config.json) for "
+                          f"{model_type}; add t5_path = '<t5xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)",
+                          file=file, key=key)
+    return taken
+
+
+def _single_file(data: dict, file, prefix: str) -> None:
+    """diffusion-pipe's ``single_file_path`` (LTX-Video's): the transformer and VAE in one file, ComfyUI's checkpoint
+    layout, so it is our diffusion_model read as a combined checkpoint (its VAE from the same file)."""
+    key = _key(prefix, SINGLE_FILE_KEY)
+    model_type = data.get("type")
+    if model_type not in folder_types(SINGLE_FILE_KEY):
+        raise ConfigError(f"a single-file release is read for model types {', '.join(folder_types(SINGLE_FILE_KEY))} "
+                          f"only (as in diffusion-pipe); for {model_type!r} {HINT}", file=file, key=key)
+    value = data.pop(SINGLE_FILE_KEY)
+    if not isinstance(value, str):
+        raise ConfigError(f"got {value!r}; give the file's path as a string", file=file, key=key)
+    _fill(data, {"diffusion_model": value})
+
+
+def _lent_text_encoders(data: dict, model_type: str, folder: Path, encoders: list[str], file, key: str) -> list[str]:
+    """The text-encoder folders of a ``dp_single_file`` type's own Diffusers folder, whose transformer and VAE
+    ComfyUI does not read: those come from single_file_path."""
+    from ..models.registry import arch_spec
+    from .model_folders import read_config, text_encoder_kind
+    if not data.get("diffusion_model"):
+        example = arch_spec(model_type).example_file
+        raise ConfigError(f"ComfyUI does not read this folder's transformer and VAE: add single_file_path = "
+                          f"'<{example}>' (the single-file release, ComfyUI's models/checkpoints); the folder gives "
+                          "the text encoder", file=file, key=key)
+    kinds = arch_spec(model_type).text_encoders
     taken = [sub for sub in encoders if text_encoder_kind(read_config(folder / sub)) in kinds]
     if not taken and not data.get("text_encoders"):
         raise ConfigError(f"{folder}: no {' or '.join(kinds)} text encoder folder (told by its config.json) for "

@@ -98,6 +98,9 @@ class ModelAdapter(ABC):
     dp_folder_borrows: tuple[str, ...] = ()  # the text-encoder kinds this model takes from another model's Diffusers
     #                                          folder (diffusers_path), its own transformer coming from a file
     dp_transformer_example: str = ""         # that file's usual name, for the message asking for it
+    dp_single_file: bool = False             # its single-file release (single_file_path: transformer and VAE in one
+    #                                          file, ComfyUI's checkpoint layout) is read; its Diffusers folder then
+    #                                          lends its text encoders only (LTX-Video's)
     dp_ckpt_folder: bool = False             # its official checkpoint folder (ckpt_path) is read (Wan's: transformer
     #                                          shards and VAE .pth in ComfyUI's keys)
     dp_llama3_path: bool = False             # reads diffusion-pipe's llama3_path (a Hugging Face Llama folder) as its

@@ -254,6 +254,7 @@ class LTXOutput(TupleLayer):
 class LTXVideoAdapter(VideoLatents, ModelAdapter):
     arch = "ltx_video"
     dp_aliases = ("ltx-video",)
+    dp_single_file = True
     spec = LTXV_SPEC
     latent_format = "LTXV"
     lora_block_prefixes = ("transformer_blocks",)
@@ -317,6 +318,7 @@ class LTXVideoI2VAdapter(GivenFirstFrame, LTXVideoAdapter):
     """LTX-Video image to video: the clip's first frame given, as ComfyUI's LTXVImgToVideo (strength 1) gives it."""
     arch = "ltx_video_i2v"
     dp_first_frame_of = "ltx_video"
+    dp_single_file = True   # the facts name one type each (registry.dp_facts): the i2v type reads the same files
     still_type = "ltx_video"
 
     def reference_forward(self, x_t, t, text):

@@ -139,9 +139,8 @@ REFUSED = [
     ("ltx-video first_frame_conditioning_p = 0.5", _table("ltx-video", "diffusion_model=/m/ltxv.safetensors",
                                                           extra="first_frame_conditioning_p = 0.5"),
      "model.first_frame_conditioning_p", "type = 'ltx_video_i2v'"),
-    ("ltx-video", _table("ltx-video", "diffusers_path=/models/LTX-Video",
-                         "single_file_path=/models/ltx-video-2b-v0.9.1.safetensors"), "model.diffusers_path",
-     _FOLDER_FIX),
+    ("single_file_path on another model", _table("flux", "single_file_path=/models/flux1-dev.safetensors"),
+     "model.single_file_path", _FOLDER_FIX),
     ("chroma without its transformer", _table("chroma", "diffusers_path=/models/FLUX.1-dev", extra=FP8),
      "model.diffusers_path", _FOLDER_FIX),
     ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
@@ -529,3 +528,40 @@ def test_sdxls_checkpoint_path_may_be_a_combined_checkpoint_file(tmp_path):
                           + OPTIMIZER + MONITORING))
     assert (cfg.model.type, Path(cfg.model.diffusion_model)) == ("sdxl", ckpt)
     assert cfg.model.vae is None and not cfg.model.text_encoders
+
+
+def test_ltx_videos_table_reads_its_single_file_and_its_folders_t5(tmp_path, capsys):
+    """diffusion-pipe's LTX-Video table: ``diffusers_path`` (the Diffusers folder) and ``single_file_path`` (the
+    single-file release: transformer and VAE in ComfyUI's checkpoint layout). The single file is our diffusion_model
+    read as a combined checkpoint (its VAE from the same file); the folder lends only its T5."""
+    from dp_files import diffusers_folder
+
+    from pipetrain.backend.models.tiny import cached_model_files, write_checkpoint
+    single = write_checkpoint("ltx_video", tmp_path / "ltx-video-2b-v0.9.1.safetensors")
+    diffusers_folder(cached_model_files("ltx_video"), tmp_path / "LTX-Video", "ltx_video")
+    model = _table("ltx-video", "diffusers_path=LTX-Video", f"single_file_path={single}")
+    path = _write(tmp_path, MAIN + _model(None, model) + ADAPTER + OPTIMIZER + MONITORING)
+    cfg = load_run(path)
+    assert (cfg.model.type, Path(cfg.model.diffusion_model)) == ("ltx_video", single)
+    assert cfg.model.vae is None and cfg.model.from_checkpoint() == {"vae"}
+    assert cfg.model.text_encoder_files == ["LTX-Video/text_encoder"]
+    from pipetrain.backend.models.checkpoint_file import load_checkpoint_vae
+    from pipetrain.backend.models.loading import load_vae
+    import torch
+    vae_weights = load_vae(cached_model_files("ltx_video").vae).first_stage_model.state_dict()
+    from_single = load_checkpoint_vae(single, "ltx_video").first_stage_model.state_dict()
+    assert from_single.keys() == vae_weights.keys()                       # the run's VAE: the tiny LTX one
+    assert all(torch.equal(from_single[k], vae_weights[k]) for k in vae_weights)
+
+    assert cli_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  model.single_file_path: the single-file release (transformer and VAE in one file" in out, out
+    assert "  model.diffusers_path: a Diffusers pipeline folder lending its T5 text encoder" in out, out
+    assert f"  model.single_file_path: {single}: " in out, out            # the file's header read, as the model
+    assert "/LTX-Video/text_encoder: a T5" in out, out
+    assert "REFUSED" not in out and "ERROR" not in out and "Loads: trains model type 'ltx_video'" in out, out
+
+    # the folder alone: ComfyUI reads neither its transformer nor its VAE, so the single file is asked for
+    message = _refusal(_write(tmp_path, MAIN + _model(None, _table("ltx-video", "diffusers_path=LTX-Video")) + ADAPTER
+                              + OPTIMIZER))
+    assert "key 'model.diffusers_path'" in message and "add single_file_path = '<ltx-video-" in message, message
