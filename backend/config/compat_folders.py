@@ -174,18 +174,12 @@ def _check_pipeline_class(data: dict, model_type: str, folder: Path, file, key: 
 def _borrowed(data: dict, model_type: str, folder: Path, encoders: list[str], file, key: str) -> list[str]:
     """The text-encoder folders a ``dp_folder_borrows`` type takes from another model's pipeline folder; its
     diffusion model must come from its own file."""
-    from .model_folders import read_config, text_encoder_kind
     kinds, example = _facts("dp_folder_borrows")[model_type], _facts("dp_transformer_example")[model_type]
     if not data.get("diffusion_model"):
         raise ConfigError(f"this folder's transformer is not a {model_type} model: add transformer_path = "
                           f"'<{example}>' (ComfyUI's models/diffusion_models); the folder gives the VAE and text "
                           "encoder", file=file, key=key)
-    taken = [sub for sub in encoders if text_encoder_kind(read_config(folder / sub)) in kinds]
-    if not taken and not data.get("text_encoders"):
-        raise ConfigError(f"{folder}: no {' or '.join(kinds)} text encoder folder (told by its config.json) for "
-                          f"{model_type}; add t5_path = '<t5xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)",
-                          file=file, key=key)
-    return taken
+    return _of_kinds(data, model_type, folder, encoders, kinds, file, key)
 
 
 def _single_file(data: dict, file, prefix: str) -> None:
@@ -206,13 +200,18 @@ def _lent_text_encoders(data: dict, model_type: str, folder: Path, encoders: lis
     """The text-encoder folders of a ``dp_single_file`` type's own Diffusers folder, whose transformer and VAE
     ComfyUI does not read: those come from single_file_path."""
     from ..models.registry import arch_spec
-    from .model_folders import read_config, text_encoder_kind
     if not data.get("diffusion_model"):
         example = arch_spec(model_type).example_file
         raise ConfigError(f"ComfyUI does not read this folder's transformer and VAE: add single_file_path = "
                           f"'<{example}>' (the single-file release, ComfyUI's models/checkpoints); the folder gives "
                           "the text encoder", file=file, key=key)
     kinds = arch_spec(model_type).text_encoders
+    return _of_kinds(data, model_type, folder, encoders, kinds, file, key)
+
+
+def _of_kinds(data: dict, model_type: str, folder: Path, encoders: list[str], kinds, file, key: str) -> list[str]:
+    """The folder's text-encoder folders of ``kinds`` (told by each one's config.json)."""
+    from .model_folders import read_config, text_encoder_kind
     taken = [sub for sub in encoders if text_encoder_kind(read_config(folder / sub)) in kinds]
     if not taken and not data.get("text_encoders"):
         raise ConfigError(f"{folder}: no {' or '.join(kinds)} text encoder folder (told by its config.json) for "
