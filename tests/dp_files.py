@@ -59,9 +59,11 @@ HF_TEXT_CONFIGS = {
     "t5xxl": {"model_type": "t5", "feed_forward_proj": "gated-gelu"},
     "umt5xxl": {"model_type": "umt5", "feed_forward_proj": "gated-gelu"},
     "qwen25_7b": {"model_type": "qwen2_5_vl", "text_config": {"hidden_size": 3584}},
+    "llama": {"model_type": "llama"},
 }
 PIPELINE_CLASSES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline",
-                    "sd15": "StableDiffusionPipeline", "qwen_image": "QwenImagePipeline", "ltx_video": "LTXPipeline"}
+                    "sd15": "StableDiffusionPipeline", "qwen_image": "QwenImagePipeline", "ltx_video": "LTXPipeline",
+                    "hidream": "HiDreamImagePipeline"}
 
 
 def _place(source, target) -> None:

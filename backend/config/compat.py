@@ -283,11 +283,11 @@ def preprocess_model(data: dict, file, prefix: str) -> dict:
             raise ConfigError(f"give text_encoders or {' and '.join(given)}, not both (the same files)", file=file,
                               key=_key(prefix, given[0]))
         data["text_encoders"] = [data.pop(k) for k in given]
+    model_folders.expand(data, file, prefix)
     if "llama3_path" in data and reads_llama3_path(data.get("type")):
-        # HiDream's fourth text encoder; diffusion-pipe takes the other three from diffusers_path
+        # HiDream's fourth text encoder, after the other three (which diffusion-pipe takes from diffusers_path)
         given = data.get("text_encoders", [])
         data["text_encoders"] = [*(given if isinstance(given, list) else [given]), data.pop("llama3_path")]
-    model_folders.expand(data, file, prefix)
     return data
 
 

@@ -180,6 +180,10 @@ class HiDreamAdapter(ModelAdapter):
     spec = HIDREAM_SPEC
     dp_token_length_key = "max_llama3_sequence_length"
     dp_llama3_path = True
+    # the Diffusers HiDream transformer's keys are ComfyUI's own, as are its Flux VAE's and CLIP / T5 folders' after
+    # ComfyUI's conversions; the Llama comes from llama3_path, as in diffusion-pipe
+    dp_diffusers_folder = True
+    dp_folder_pipeline = "HiDreamImage"
     latent_format = "Flux"
     lora_block_prefixes = ("double_stream_blocks", "single_stream_blocks")
     samples_first = False   # the routed experts' linears see the tokens each expert picked, from any sample

@@ -14,6 +14,7 @@ the Flux, Wan and Kontext ones.
 from pathlib import Path
 
 import pytest
+import torch
 from dp_files import DP_AR_BUCKETS, DP_MAIN, DP_MONITORING, DP_OPTIMIZER
 
 from pipetrain.backend.commands.check_config import report
@@ -143,8 +144,6 @@ REFUSED = [
      "model.single_file_path", _FOLDER_FIX),
     ("chroma without its transformer", _table("chroma", "diffusers_path=/models/FLUX.1-dev", extra=FP8),
      "model.diffusers_path", _FOLDER_FIX),
-    ("hidream", _table("hidream", "diffusers_path=/models/HiDream-I1-Full",
-                       "llama3_path=/models/Meta-Llama-3.1-8B-Instruct"), "model.diffusers_path", _FOLDER_FIX),
     ("omnigen2", _table("omnigen2", "diffusers_path=/models/OmniGen2"), "model.diffusers_path", _FOLDER_FIX),
     # the models diffusion-pipe runs on a newer ComfyUI than the pinned one
     *((dp_type, _table(dp_type, f"diffusion_model=/models/{dp_type}.safetensors", "vae=/models/vae.safetensors"),
@@ -262,7 +261,6 @@ def _qwen_image_folder(root: Path) -> Path:
     import json
 
     from safetensors.torch import save_file
-    import torch
     folder = root / "Qwen-Image"
     for sub in ("transformer", "vae", "text_encoder"):
         (folder / sub).mkdir(parents=True)
@@ -547,7 +545,6 @@ def test_ltx_videos_table_reads_its_single_file_and_its_folders_t5(tmp_path, cap
     assert cfg.model.text_encoder_files == ["LTX-Video/text_encoder"]
     from pipetrain.backend.models.checkpoint_file import load_checkpoint_vae
     from pipetrain.backend.models.loading import load_vae
-    import torch
     vae_weights = load_vae(cached_model_files("ltx_video").vae).first_stage_model.state_dict()
     from_single = load_checkpoint_vae(single, "ltx_video").first_stage_model.state_dict()
     assert from_single.keys() == vae_weights.keys()                       # the run's VAE: the tiny LTX one
@@ -565,3 +562,40 @@ def test_ltx_videos_table_reads_its_single_file_and_its_folders_t5(tmp_path, cap
     message = _refusal(_write(tmp_path, MAIN + _model(None, _table("ltx-video", "diffusers_path=LTX-Video")) + ADAPTER
                               + OPTIMIZER))
     assert "key 'model.diffusers_path'" in message and "add single_file_path = '<ltx-video-" in message, message
+
+
+def test_hidreams_table_reads_its_diffusers_folder_and_its_llama_folder(tmp_path, capsys):
+    """diffusion-pipe's HiDream table: ``diffusers_path`` (the HiDream-I1 Diffusers folder: its transformer's keys
+    are ComfyUI's own, its Flux VAE and CLIP-L / CLIP-G / T5 folders converted by ComfyUI) and ``llama3_path`` (a
+    Hugging Face Llama folder), which comes after the folder's three text encoders."""
+    import json
+    from types import SimpleNamespace
+
+    from dp_files import HF_TEXT_CONFIGS, _place, diffusers_folder
+
+    from pipetrain.backend.models.loading import load_diffusion_model
+    from pipetrain.backend.models.tiny import cached_model_files
+    files = cached_model_files("hidream")
+    diffusers_folder(SimpleNamespace(diffusion_model=files.diffusion_model, vae=files.vae,
+                                     text_encoders=files.text_encoders[:3]), tmp_path / "HiDream-I1-Full", "hidream")
+    _place(files.text_encoders[3], tmp_path / "Llama-3.1-8B-Instruct" / "model.safetensors")
+    (tmp_path / "Llama-3.1-8B-Instruct" / "config.json").write_text(json.dumps(HF_TEXT_CONFIGS["llama"]))
+    model = _table("hidream", "diffusers_path=HiDream-I1-Full", "llama3_path=Llama-3.1-8B-Instruct")
+    path = _write(tmp_path, MAIN + _model(None, model) + ADAPTER + OPTIMIZER + MONITORING)
+    cfg = load_run(path)
+    assert cfg.model.type == "hidream"
+    assert (cfg.model.diffusion_model, cfg.model.vae) == ("HiDream-I1-Full/transformer", "HiDream-I1-Full/vae")
+    assert cfg.model.text_encoder_files == ["HiDream-I1-Full/text_encoder", "HiDream-I1-Full/text_encoder_2",
+                                            "HiDream-I1-Full/text_encoder_3", "Llama-3.1-8B-Instruct"]
+    # the folder's transformer is the tiny HiDream's, every weight read (its CLIP / T5 folders are read as the Flux
+    # folder's are, tests/ranks/test_dp_model_folders_e2e.py; a Llama folder in test_hidream_llama_folder.py)
+    want = load_diffusion_model(files.diffusion_model, torch.float32, arch="hidream").model.diffusion_model.state_dict()
+    got = load_diffusion_model(cfg.resolve(cfg.model.diffusion_model), torch.float32, arch="hidream").model.diffusion_model
+    assert got.state_dict().keys() == want.keys()
+    assert all(torch.equal(got.state_dict()[k], want[k]) for k in want)
+
+    assert cli_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders" in out
+    assert "/HiDream-I1-Full/transformer: a HiDream" in out and "/HiDream-I1-Full/text_encoder_3: a T5" in out, out
+    assert "REFUSED" not in out and "ERROR" not in out and "Loads: trains model type 'hidream'" in out, out
