@@ -51,7 +51,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pipetrain.bench.run import CASES, Case, free_disk_for, run_ours, train_run, write_models
+from pipetrain.bench.run import CASES, Case, free_disk_for, run_ours, train_run, write_models, written_models
 
 TOLERANCE = {"cuda": {"loss_rel": 1e-2, "lora_rel": 2e-2, "dtype": "bfloat16"},
              "cpu": {"loss_rel": 1e-5, "lora_rel": 1e-4, "dtype": "float32"}}
@@ -206,8 +206,10 @@ def run_timed(job: Job, args, root: Path) -> dict:
     freed = free_disk_for(root, f"{case.arch}-full") if job.heavy else []
     # in a process of its own: the weights are drawn on a GPU, whose memory this process should not keep while the
     # ranks train
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        files = pool.submit(write_models, case, root, args.size).result()
+    files = written_models(case, root, args.size)   # already there: no process to start
+    if files is None:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            files = pool.submit(write_models, case, root, args.size).result()
     small = args.size != "full"   # a smoke test of the code path: small pictures and short clips
     resolution = args.resolution if small else None
     frames = args.frames if small and case.frames > 1 else None

@@ -154,13 +154,21 @@ def free_disk_for(root: Path, keep: str | tuple[str, ...]) -> list[str]:
     return gone
 
 
+def written_models(case: Case, root: Path, size: str = "full") -> dict | None:
+    """The files ``write_models`` wrote for the case (or a test shared, ``tests/conftest.share_model_files``), None
+    where there are none yet: read from its marker, nothing imported."""
+    marker = root / f"{models_name(case, size)}.json"
+    return json.loads(marker.read_text()) if marker.exists() else None
+
+
 def write_models(case: Case, root: Path, size: str = "full"):
+    written = written_models(case, root, size)
+    if written is not None:
+        return written
     from pipetrain.backend.models.tiny import write_model_files
 
     name = models_name(case, size)
     marker = root / f"{name}.json"
-    if marker.exists():
-        return json.loads(marker.read_text())
     t = time.monotonic()
     import torch
     unet_config = VARIANTS[case.variant]() if case.variant and size == "full" else None
@@ -242,12 +250,14 @@ def run_ours(name: str, case: Case, files: dict, root: Path, steps: int, warmup:
     see ``train_run``. ``adjust(config)`` rewrites the written run.toml before the run starts (bench/capped.py) and
     returns what it set, kept as ``settings``; ``env`` is added to the run's environment. ``memory_plan``: what
     ``memory = "auto"`` chose, where it planned."""
-    from pipetrain.backend.train.profiling import ENV, recorded_steps
-
     config = write_config(name, case, files, root, steps, **overrides)
     settings = adjust(config) if adjust else None
     log = root / f"{name}.log"
-    env = {**(env or {}), **({ENV: f"{profile}:{warmup + 1}:{PROFILED_STEPS}"} if profile else {})}
+    env = dict(env or {})
+    if profile:   # the profiler's module imports torch, which an unprofiled case's process never needs
+        from pipetrain.backend.train.profiling import ENV, recorded_steps
+
+        env[ENV] = f"{profile}:{warmup + 1}:{PROFILED_STEPS}"
     rc, events = train_run(config, case.stages * case.data_parallel, log, env=env, timeout_s=timeout_s,
                            stop_after=stop_after)
     steps_ = [e for e in events if e["type"] == "step"][warmup:]
@@ -362,9 +372,9 @@ def main() -> int:
                         "ours in the same job; where its model files are in ComfyUI's formats, ours trains on them")
     p.add_argument("--timeout-s", type=float, help="end each training run after this many seconds")
     args = p.parse_args()
-    from pipetrain.backend.host.runtime import ensure_comfyui
+    from pipetrain.backend.host.runtime import locate_comfyui
 
-    comfy_root = str(args.comfyui or ensure_comfyui())
+    comfy_root = str(args.comfyui or locate_comfyui())   # its folder: the runs and baselines import it, not this
     root, out = Path(args.work), Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -46,11 +46,14 @@ def environment() -> dict:
 
 
 def report(comfyui: str | None = None, model_types: list[str] | None = None, config: str | None = None) -> dict:
+    from ..host.runtime import locate_comfyui
+
+    _use_comfyui(comfyui)
+    locate_comfyui()   # no ComfyUI found: said now, before seconds of importing torch and DeepSpeed
     from ..parity import check as parity
     from ..models.registry import ADAPTERS
     from ..host.versions import comfyui_info, range_warning
 
-    _use_comfyui(comfyui)
     env = environment()
     info = comfyui_info()
     results = [parity.check_model_type(t) for t in (model_types or list(ADAPTERS))]

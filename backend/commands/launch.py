@@ -1,12 +1,11 @@
 """``python -m pipetrain launch``: prepare a multi-node run's shared folder and start its launcher(s)."""
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from ..process.cluster import launch_environment, node_commands, prepare_run_folder
 from ..config import load_run_config, replace, save_toml
-from ..process.deepspeed_cli import outcome
+from ..process.deepspeed_cli import outcome, run_runner
 from ..errors import ConfigError
 from ..preflight import load_run
 from ..run.folder import RunDir, new_run_id
@@ -37,7 +36,7 @@ def launch_cluster(config: str, node_rank: int | None, print_only: bool, resume:
     command = commands[0] if node_rank is None else _node(commands, node_rank)
     print(f"[pipetrain] {command.shell()}", file=sys.stderr, flush=True)
     before = _identity(run.status_file)
-    code = subprocess.run(command.argv, cwd=run_dir, env=launch_environment(cfg)).returncode
+    code = run_runner(command.argv, run_dir, launch_environment(cfg))   # here: torch is imported already
     if command.node_rank not in (None, 0):   # global rank 0, which writes the status, runs on node 0
         return code
     # DeepSpeed's runner exits 0 when its launch.py is killed: the run's status says whether it finished

@@ -23,17 +23,21 @@ def pipetrain_command(*args: str) -> list[str]:
     return [sys.executable, "-u", str(ENTRY), *args]
 
 
+def runner_prefix() -> list[str]:
+    """How a ``deepspeed_command`` starts DeepSpeed's runner: this interpreter, unbuffered, its module."""
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+
+
 def deepspeed_command(command: str, config: Path, num_ranks: int, extra: list[str] = (),
                       master_port: int | None = None, launcher_args: list[str] = ()) -> list[str]:
     """``deepspeed --num_gpus N pipetrain COMMAND CONFIG ...`` with this interpreter (each rank runs the entry
     file)."""
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-            "--master_port", str(master_port or free_port()), *launcher_args,
-            str(ENTRY), command, str(config), *extra]
+    return [*runner_prefix(), "--num_gpus", str(num_ranks), "--master_port", str(master_port or free_port()),
+            *launcher_args, str(ENTRY), command, str(config), *extra]
 
 
 def deepspeed_cli_command(command: str, config: Path, num_ranks: int, extra: list[str] = ()) -> list[str]:
     """``deepspeed_command`` through ``python -m pipetrain deepspeed`` (``process/deepspeed_cli.py``): the same run, and
     an exit status that says whether it finished."""
     runner = deepspeed_command(command, config, num_ranks, extra)
-    return pipetrain_command("deepspeed", *runner[4:])
+    return pipetrain_command("deepspeed", *runner[len(runner_prefix()):])

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 RUN_DIR_NOTE_ENV = "PIPETRAIN_RUN_DIR_NOTE"
@@ -82,6 +83,39 @@ def outcome(run_dir: str | None, launcher_status: int) -> tuple[int, str | None]
         why = (f"its status is still {state!r}: its DeepSpeed launcher ended before the run did (killed?). Resume "
                f"it with --resume {run.name}")
     return (launcher_status if launcher_status > 0 else 1), f"the run in {run} did not finish: {why}"
+
+
+def run_runner(argv: list[str], cwd: Path, env: dict[str, str]) -> int:
+    """A ``command_lines.deepspeed_command`` run by DeepSpeed's runner in this process, in ``cwd`` (where the runner
+    reads ``.deepspeed_env``) with ``env``: the exit status its own process would end with (a Python error's
+    traceback on stderr and 1). A process that has loaded a run's config has paid for torch, which the runner
+    imports: an interpreter of its own would import it again before starting anything."""
+    from .command_lines import runner_prefix
+
+    prefix = runner_prefix()
+    if argv[:len(prefix)] != prefix:
+        raise ValueError(f"not a DeepSpeed runner command: {argv[:len(prefix)]}")
+    from deepspeed.launcher import runner
+
+    before_env, before_cwd = dict(os.environ), os.getcwd()
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)   # the runner's log lines keep their place among its children's
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        runner.main(argv[len(prefix):])
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:  # noqa: BLE001  (as an uncaught error ends the runner's own process)
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        os.chdir(before_cwd)
+        os.environ.clear()
+        os.environ.update(before_env)
 
 
 def main(args: list[str]) -> int:

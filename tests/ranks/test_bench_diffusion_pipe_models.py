@@ -298,19 +298,33 @@ def test_full_wan_1_3b_files_hold_what_diffusion_pipe_loads():
                     "vae": shapes(build_vae("wan", "full"))})
 
 
-def test_tiny_qwen_image_and_wan_write_only_configs_and_wan_clips(tmp_path):
+WRITE_ONLY_FRAMES = 9
+
+
+@pytest.fixture(scope="module")
+def written_cases(tmp_path_factory):
+    """The work folder of one ``bench/diffusion_pipe.py --write-only`` run of the four cases the two write-only tests
+    read (they only read it): one interpreter's imports, and Wan's tiny folder written once for both Wan cases, as
+    the CLI does for any cases of one run."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("av")
+    root = tmp_path_factory.mktemp("dp-write-only")
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui())}
+    work, out = root / "work", root / "out"
+    cases = "qwen_image-1024-ckpt,wan1.3b-480x832x81-ckpt,wan14b-480x832x33-ckpt,hunyuan_video-544x960x33-ckpt"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion_pipe.py"), "--size", "tiny", "--write-only",
+                          "--cases", cases, "--resolution", "32", "--frames", str(WRITE_ONLY_FRAMES), "--work",
+                          str(work), "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return work
+
+
+def test_tiny_qwen_image_and_wan_write_only_configs_and_wan_clips(written_cases):
     """The CLI writes both cases; Wan's dataset is MP4 clips of the asked frames at Wan's 16 fps in one frame
     bucket of that length."""
-    pytest.importorskip("diffusers")
     av = pytest.importorskip("av")
 
-    env = {**os.environ, "COMFYUI_PATH": str(_comfyui())}
-    work, out, frames = tmp_path / "work", tmp_path / "out", 9
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion_pipe.py"), "--size", "tiny", "--write-only",
-                          "--cases", "qwen_image-1024-ckpt,wan1.3b-480x832x81-ckpt", "--resolution", "32",
-                          "--frames", str(frames), "--work", str(work), "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    work, frames = written_cases, WRITE_ONLY_FRAMES
     qwen = tomllib.loads((work / "qwen_image-1024-ckpt" / "main.toml").read_text())["model"]
     assert qwen["type"] == "qwen_image" and Path(qwen["diffusers_path"], "text_encoder", "model.safetensors").is_file()
     wan_dir = work / "wan1.3b-480x832x81-ckpt"
@@ -440,21 +454,14 @@ def test_full_hunyuan_video_files_hold_what_diffusion_pipe_loads():
     assert result["vae_matches"]
 
 
-def test_tiny_wan14b_and_hunyuan_video_write_only(tmp_path):
+def test_tiny_wan14b_and_hunyuan_video_write_only(written_cases):
     """The CLI writes both cases: Wan's 14B case in the Wan folder layout, HunyuanVideo's four ComfyUI-format paths;
     HunyuanVideo's clips are MP4s at its 24 fps in one frame bucket; each folder names the files PipeTrain trains
     the case on, in the folder."""
-    pytest.importorskip("diffusers")
     av = pytest.importorskip("av")
     from pipetrain.bench.diffusion_pipe_models import pipetrain_files
 
-    env = {**os.environ, "COMFYUI_PATH": str(_comfyui())}
-    work, out, frames = tmp_path / "work", tmp_path / "out", 9
-    names = "wan14b-480x832x33-ckpt,hunyuan_video-544x960x33-ckpt"
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion_pipe.py"), "--size", "tiny", "--write-only",
-                          "--cases", names, "--resolution", "32", "--frames", str(frames), "--work", str(work),
-                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    work, frames = written_cases, WRITE_ONLY_FRAMES
     wan = tomllib.loads((work / "wan14b-480x832x33-ckpt" / "main.toml").read_text())
     assert wan["model"]["type"] == "wan" and wan["activation_checkpointing"] is True
     main = tomllib.loads((work / "hunyuan_video-544x960x33-ckpt" / "main.toml").read_text())

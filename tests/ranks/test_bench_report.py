@@ -82,9 +82,10 @@ def test_the_bf16_lora_cases_train_the_adapter_in_bfloat16_as_diffusion_pipe_is_
         assert dtype == (torch.bfloat16 if name in names else torch.float32), name
 
 
-def test_a_failed_case_brings_back_the_end_of_its_log(tmp_path):
+def test_a_failed_case_brings_back_the_end_of_its_log(tmp_path, warm_bench_ranks):
     """The GPU machine returns only $OUT: a case that fails carries its log's last lines in the results, and they
-    name what went wrong (here a model file that does not exist)."""
+    name what went wrong (here a model file that does not exist). The ranks fork from the warm server: the log and
+    its tail are the harness's, whatever started the ranks."""
     from pipetrain.bench.run import CASES, run_ours
 
     files = {"diffusion_model": str(tmp_path / "missing-dm.safetensors"), "vae": str(tmp_path / "vae.safetensors"),

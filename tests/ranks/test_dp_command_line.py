@@ -1,14 +1,16 @@
 """diffusion-pipe's own command line trains: ``python -m pipetrain deepspeed --num_gpus=2 train.py --deepspeed
 --config run.toml`` on 2 CPU ranks as 2 stages, then ``--resume_from_checkpoint RUN --reset_optimizer_params``
 continues that run with the learning rate of the config it is given (diffusion-pipe's meaning: the optimizer's
-moments from the checkpoint, its settings from the new config)."""
+moments from the checkpoint, its settings from the new config). The runs about diffusion-pipe's config keys rather
+than its command line fork from warm ranks (``conftest.train``) with its ``--deepspeed`` switch: the launcher's part
+is the first test's."""
 from __future__ import annotations
 
 import os
 import subprocess
 
 import tomli_w
-from conftest import Run
+from conftest import Run, train
 
 from pipetrain.backend.process.command_lines import free_port, pipetrain_command
 from pipetrain.backend.config.files import _read_toml
@@ -49,13 +51,13 @@ def test_force_constant_lr_and_resume_from_checkpoint_as_keys(micro_flux_files, 
     table = _read_toml(config)
     table["warmup_steps"], table["force_constant_lr"] = 4, 1e-3   # without the key: 5e-4, 1e-3 (the warm-up)
     config.write_text(tomli_w.dumps(table))
-    first = _dp_line(config)
+    first = train(config, 2, "--deepspeed")
     assert first.returncode == 0, first.output[-4000:]
     assert [e["lr"] for e in first.events("step")] == [1e-3, 1e-3]
 
     table["epochs"], table["force_constant_lr"], table["resume_from_checkpoint"] = 2, 2.5e-4, True
     config.write_text(tomli_w.dumps(table))
-    resumed = _dp_line(config)
+    resumed = train(config, 2, "--deepspeed")
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert resumed.run_dir.name == first.run_dir.name and resumed.events("resume")[-1]["step"] == 2
     assert [e["lr"] for e in resumed.events("step") if e["step"] > 2] == [2.5e-4, 2.5e-4]

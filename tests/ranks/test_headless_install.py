@@ -46,6 +46,12 @@ def test_pip_install_then_the_commands_find_the_users_comfyui(tmp_path):
     assert lost.returncode != 0
     text = lost.stdout + lost.stderr
     assert "ComfyUI not found" in text and "--comfyui PATH or set COMFYUI_PATH" in text, text[-3000:]
+    # said before torch or DeepSpeed is imported (seconds of a machine's time, for nothing)
+    timed = subprocess.run([str(outside), "-X", "importtime", "-m", "pipetrain", "doctor", "--model-type", "flux"],
+                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert timed.returncode == lost.returncode and "ComfyUI not found" in timed.stderr, timed.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in timed.stderr.splitlines() if line.startswith("import time")}
+    assert "pipetrain" in imported and not imported & {"torch", "deepspeed"}, sorted(imported)
 
     by_env = doctor(outside, COMFYUI_PATH=str(comfy))
     assert by_env.returncode == 0 and said(by_env) == [

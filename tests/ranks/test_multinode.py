@@ -95,6 +95,8 @@ def test_a_killed_launcher_on_node_0_exits_non_zero(micro_flux_files, make_run):
     nodes = _started(config, "killed", "step")
     (launch_py,) = [p for p in psutil.Process(nodes[0].pid).children(recursive=True)
                     if "deepspeed.launcher.launch" in " ".join(p.cmdline())]
+    # DeepSpeed's runner runs in ``launch`` itself (which imported torch loading the config), no interpreter of its own
+    assert launch_py.ppid() == nodes[0].pid
     launch_py.kill()
     out0 = nodes[0].communicate(timeout=300)[0]
     nodes[1].communicate(timeout=300)
