@@ -10,6 +10,7 @@ runs one rank. diffusion-pipe's line ``deepspeed --num_gpus=1 train.py --deepspe
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         select_comfyui(cfg.model.type)
         check_run(cfg)
         ensure_comfyui()
+        # torch's, DeepSpeed's and ComfyUI's modules live as long as this process: frozen, every full collection
+        # after (the cache's, each time it drops a VAE or text encoders; Python's own) skips their hundreds of
+        # thousands of objects instead of walking them again
+        gc.freeze()
         if args.command == "cache":
             opts = TrainOptions(regenerate_cache=args.regenerate_cache, cache_only=True)
         else:

@@ -46,7 +46,9 @@ DATASET = DP_AR_BUCKETS.replace("[512]", "[64]") + "num_ar_buckets = 3\n[[direct
     "num_repeats = 1\n"
 
 
-def _run(root: Path, model: str, images: int = 4, controls: bool = False, optimizer: str = ""):
+# 2 pictures (a square and a landscape one: both bucket shapes), 2 steps: what each test asserts (the folder's model
+# trains, its cache, its LoRA reproduced by ComfyUI) does not grow with the number of pictures, the run's time does
+def _run(root: Path, model: str, images: int = 2, controls: bool = False, optimizer: str = ""):
     make_dataset(root / "dataset", images)
     (root / "dataset.toml").write_text(DATASET)
     main = MAIN.format(model=model)
@@ -79,8 +81,7 @@ def test_a_dp_wan_config_with_ckpt_path_trains_and_its_lora_loads_in_comfyui(mod
     folder.mkdir()
     shutil.copy(files.diffusion_model, folder / "diffusion_pytorch_model.safetensors")
     torch.save(_load_state_dict(files.vae)[0], folder / "Wan2.1_VAE.pth")
-    run = _run(tmp_path, f"type = 'wan'\nckpt_path = 'Wan2.1-T2V-1.3B'\nllm_path = '{files.text_encoders[0]}'",
-               images=2)
+    run = _run(tmp_path, f"type = 'wan'\nckpt_path = 'Wan2.1-T2V-1.3B'\nllm_path = '{files.text_encoders[0]}'")
     assert run.events("engine")[0]["stage_bounds"] == [0, 2, 4]
     check_epoch_loras(run, tmp_path / "run.toml", keys=20)   # 10 adapted linears in each of 2 blocks
 

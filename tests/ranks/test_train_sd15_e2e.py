@@ -13,7 +13,9 @@ LORA_KEYS = {"sd15": 16 * 10, "sd2": 16 * 12}
 
 @pytest.mark.parametrize("arch", sorted(LORA_KEYS))
 def test_sd_two_stage_pipeline_to_comfyui_lora(model_files, make_run, arch):
-    config = make_run(model_files(arch), images=8, stages=2, epochs=2, model={"type": arch})
+    # 4 pictures (both bucket shapes), 4 steps an epoch: each epoch's LoRA is checked, and what is asserted of it (it
+    # loads, reproduces the training side, moves the output) does not grow with the number of steps
+    config = make_run(model_files(arch), images=4, stages=2, epochs=2, model={"type": arch})
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
     assert run.status()["state"] == "finished"

@@ -10,11 +10,13 @@ from pipetrain.backend.parity.verify import check_loras
 pytestmark = pytest.mark.slow
 
 MATCH_TOLERANCE = 1e-4   # float32 both sides; measured 1e-6
-MIN_EFFECT = 1e-3        # measured 0.01-0.03 after 16 steps
+MIN_EFFECT = 1e-3        # measured 0.01-0.03 after 16 steps (8 now)
 
 
 def test_sdxl_two_stage_pipeline_to_comfyui_lora(tiny_sdxl_files, make_run):
-    config = make_run(tiny_sdxl_files, images=8, stages=2, epochs=2, model={"type": "sdxl"})
+    # 4 pictures (both bucket shapes), 4 steps an epoch: what is asserted of each epoch's LoRA does not grow with the
+    # number of steps
+    config = make_run(tiny_sdxl_files, images=4, stages=2, epochs=2, model={"type": "sdxl"})
     run = train(config, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
     assert run.status()["state"] == "finished"
