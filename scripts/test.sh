@@ -19,6 +19,12 @@ fi
 # torch.compile's kernels (the compile tests build a few hundred on the CPU, each a C++ compile) kept in the user's
 # cache beside the ComfyUI copies: a later run loads them; a fresh machine compiles them once
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pipetrain/inductor}
+# compiled Python modules kept there too, in a tree of their own (none beside the sources): every process of the suite
+# (ranks, ComfyUI servers, command-line children, the collection's rewritten test modules) reads them instead of
+# compiling ComfyUI's, PipeTrain's and the tests' sources again, which an environment that writes none
+# (PYTHONDONTWRITEBYTECODE) makes each process do
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/pipetrain/pycache}
 pytest=(.venv/bin/python -m pytest -q -ra --durations=25)
 start=$(date +%s)
 took() { echo "$1: $(( ($(date +%s) - $2) / 60 )) min $(( ($(date +%s) - $2) % 60 )) s wall"; }

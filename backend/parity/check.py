@@ -37,7 +37,7 @@ from ..fsutil import user_cache_dir
 # float64 on both sides: what remains is rounding (and ComfyUI's float32 rotary tables, which both sides share);
 # a change in the maths (a scale, an epsilon, a gate) shows orders of magnitude above it
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
-_MEMO_VERSION = 3
+_MEMO_VERSION = 4   # 4: files named by their paths under ComfyUI's and PipeTrain's folders
 
 
 class ParityError(PipeTrainError):
@@ -108,10 +108,19 @@ def _memo_file() -> Path:
     return Path(os.environ.get("PIPETRAIN_PARITY_CACHE") or user_cache_dir()) / "parity.json"
 
 
-def _hash_files(files) -> str:
+def _hash_files(files, roots=()) -> str:
+    """The files' bytes, each named by its path under the first of ``roots`` that holds it (with that root's place
+    in ``roots``), else by its whole path: a ComfyUI or a checkout at another path (a CI checkout, a moved install)
+    keeps the verdicts of the same code."""
+    def name(f: Path) -> str:
+        for i, root in enumerate(roots):
+            if f.is_relative_to(root):
+                return f"{i}:{f.relative_to(root).as_posix()}"
+        return str(f)
+
     h = hashlib.sha256()
-    for f in sorted(set(files)):
-        h.update(str(f).encode())
+    for label, f in sorted((name(f), f) for f in set(files)):
+        h.update(label.encode())
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:20]
 
@@ -125,13 +134,18 @@ def _comfy_files(root: Path) -> list[Path]:
                                   "rmsnorm.py", "latent_formats.py", "model_patcher.py") if (comfy / n).is_file())]
 
 
+def _own_root() -> Path:
+    return Path(__file__).resolve().parents[2]   # the package's folder: backend/ and the rest under it
+
+
 def _own_files() -> list[Path]:
     backend = Path(__file__).resolve().parents[1]
     return [Path(__file__).resolve(), backend / "adapters" / "injection.py", *(backend / "models").glob("*.py")]
 
 
 def _memo_key(model_type: str, version: str, root: Path) -> str:
-    return f"v{_MEMO_VERSION}|{model_type}|{version}|{_hash_files(_comfy_files(root) + _own_files())}"
+    root = Path(root).resolve()
+    return f"v{_MEMO_VERSION}|{model_type}|{version}|{_hash_files(_comfy_files(root) + _own_files(), (root, _own_root()))}"
 
 
 def _read_memo() -> dict:
@@ -328,7 +342,6 @@ def _compare_with_lora(adapter, result: ParityResult) -> None:
     import comfy.lora
 
     from ..adapters import injection
-    from ..host.runtime import comfy_training_paths
 
     dm = adapter.diffusion_model
     spec = injection.AdapterSpec(rank=2, alpha=2.0, dtype=adapter.dtype)
@@ -454,7 +467,7 @@ def check_model_type(model_type: str, *, use_memo: bool = True) -> ParityResult:
     if use_memo:
         hit = _read_memo().get(key)
         if hit:
-            return ParityResult(**{**hit, "memoised": True})
+            return ParityResult(**{**hit, "comfyui_path": str(root), "memoised": True})
     start = time.perf_counter()
     try:
         # a model sharing a ComfyUI class an older ComfyUI has (Flux 2 Klein's Flux2) is too new for it by release
