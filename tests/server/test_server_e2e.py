@@ -5,20 +5,23 @@ trains; ComfyUI restarted mid-run; stop through the route -> checkpoint -> resum
 the panel in headless Chromium following the resumed run (when ``chromium`` is installed); finished
 with every epoch LoRA; the newest epoch LoRA changes the sampler output.
 
-One training run serves every test, so the tests run in file order and each needs the one before
-(a test whose predecessor failed skips). The test workflow's DualCLIPLoader is swapped for a test-only
+One training run serves every test after the first, so the tests run in file order and each needs the one before
+(a test whose predecessor failed skips). The first, the Train node returning fast on fake SDXL files, shares the
+server only (it is marked alone too, and ComfyUI's start-up cost that phase as much again as the test). The test workflow's DualCLIPLoader is swapped for a test-only
 stand-in (``server_fixtures.SHIM_NODE``) because ComfyUI cannot build PipeTrain's tiny text encoders.
 Sampled images go to ``test-artifacts/``.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 from server_fixtures import (CHART_POINTS_JS, CHROMIUM, REPO, SHIM_NODE, fetch_image, install_test_shims, kill_runs,
                              link_model_files, load_example, panel_page, progress_step_js, start_server,
                              workflow_to_prompt)
+from test_server_pipetrain import fake_sdxl_files, graph
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]   # alone: the Train node must answer within seconds
 
@@ -140,6 +143,37 @@ def generate(server, prompt: dict, timeout: float = 240):
     assert hist["status"]["status_str"] == "success", hist["status"]
     (image,) = hist["outputs"]["10"]["images"]
     return fetch_image(server, image)
+
+
+def test_train_returns_fast_and_the_run_is_listed(session):
+    """The Train node on fake SDXL files (``test_server_pipetrain.graph``) returns within seconds with the run started;
+    the run is killed at once (the files cannot train). Here, before the module's run, for this module's server: in
+    the alone phase a server of its own cost as much again as the test."""
+    server = session.server
+    fake_sdxl_files(server.base)
+    t0 = time.monotonic()
+    code, body = server.queue(graph(run_name="fast"))
+    assert code == 200, body
+    hist = server.wait_history(body["prompt_id"], timeout=60)
+    elapsed = time.monotonic() - t0
+    assert hist["status"]["status_str"] == "success", hist["status"]
+    text = hist["outputs"]["4"]["text"][0]
+    run_id = text.split()[2]
+    assert text.startswith("started run fast-") and elapsed < 30, (text, elapsed)
+    # the Model node shows the parity verdict of its type on this ComfyUI, as the run will find it
+    assert hist["outputs"]["2"]["text"][0].startswith("sdxl on ComfyUI 0.3.75: passes"), hist["outputs"]["2"]
+    print(f"\nTrain node: queued -> returned in {elapsed:.2f} s ({text})")
+    code, body = server.get(f"/pipetrain/runs/{run_id}")
+    assert code == 200 and body["gpus"] == [0]
+    # the fake model cannot train: stop it now (kill) and see it gone
+    code, body = server.post(f"/pipetrain/runs/{run_id}/stop", {"kill": True})
+    assert code in (200, 409), body
+    code, body = server.get(f"/pipetrain/runs/{run_id}")
+    assert not body["alive"] and body["state"] in ("killed", "failed")
+    launcher_json = json.loads((server.runs_root / run_id / "launcher.json").read_text())
+    command = launcher_json["command"]   # python -m pipetrain deepspeed: it exits by the run's status
+    assert command[2].endswith("__main__.py") and command[3] == "deepspeed" and "deepspeed.launcher.runner" not in command
+    assert (server.runs_root / run_id / "log.txt").exists()
 
 
 def test_train_workflow_starts_a_run_and_returns(session):
