@@ -254,7 +254,9 @@ class LoadEpochLoRANode(CheckedNode):
             raise ValueError(f"the LoRA of {where} applies to none of this model's weights: it was trained on "
                              "another base model. Load the model files that run trained on, or choose a run "
                              "trained on this model")
-        patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)
+        # at strength 0 the model itself, as LoraLoaderModelOnly returns it: patches of strength 0 would have ComfyUI
+        # recompute every adapted weight (the 2nd render of the test template's strength comparison) to no effect
+        patched = model if strength == 0 else comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0]
         text = f"loaded {where} at strength {strength:g}"
         if skipped:
             text += (f"\nwarning: {len(skipped)} of {len(lora)} tensors of this LoRA do not apply to this model "

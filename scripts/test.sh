@@ -33,10 +33,15 @@ if [ $# -gt 0 ]; then
   took "tests ($workers worker(s))" "$start"
   exit $status
 fi
-first=0; "${pytest[@]}" "${parallel[@]}" -m "not alone" || first=$?
+# the first part lists the files that hold tests marked alone (tests/conftest.py, PIPETRAIN_ALONE_FILES): the second
+# collects only those (collecting all of tests/ again to find them cost that part 16 s); all of tests/ if none is listed
+alone_files=$(mktemp -d)
+first=0; PIPETRAIN_ALONE_FILES=$alone_files "${pytest[@]}" "${parallel[@]}" -m "not alone" || first=$?
 took "tests not marked alone ($workers worker(s))" "$start"
+mapfile -t alone < <(cat "$alone_files"/*.txt 2>/dev/null | sort -u)
+rm -rf "$alone_files"
 second_start=$(date +%s)
-second=0; "${pytest[@]}" -m alone || second=$?
+second=0; "${pytest[@]}" -m alone ${alone[@]+"${alone[@]}"} || second=$?
 took "tests marked alone (one at a time)" "$second_start"
 took "all tests" "$start"
 [ $first -eq 0 ] && [ $second -eq 0 ]

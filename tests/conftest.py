@@ -93,11 +93,31 @@ def pytest_runtest_logreport(report):
 _TIER_ORDER = {"server": 0, "ranks": 1, "unit": 2}
 
 
+@pytest.hookimpl(tryfirst=True)   # before -m deselects: _list_alone_files sees the `alone` tests
 def pytest_collection_modifyitems(items):
     def tier(item) -> int:
         parts = item.nodeid.split("/")
         return _TIER_ORDER.get(parts[1], len(_TIER_ORDER)) if len(parts) > 2 and parts[0] == "tests" else 0
     items.sort(key=tier)   # stable: the files of a tier keep their order
+    _list_alone_files(items)
+
+
+# PIPETRAIN_ALONE_FILES=FOLDER: each process that collects writes the test files that hold tests marked `alone` (seen
+# before -m deselects them) to FOLDER/<pid>.txt. scripts/test.sh then collects just those files for its `alone`
+# phase: collecting the whole suite again to find its 16 tests imported every test module, 16 CPU-s of that phase's
+# wall time, before any test ran
+ALONE_FILES_ENV = "PIPETRAIN_ALONE_FILES"
+
+
+def _list_alone_files(items) -> None:
+    folder = os.environ.get(ALONE_FILES_ENV)
+    if not folder:
+        return
+    files = sorted({item.nodeid.split("::")[0] for item in items if item.get_closest_marker("alone")})
+    out = Path(folder) / f"{os.getpid()}.txt"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("".join(f"{f}\n" for f in files))
+    os.replace(tmp, out)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -217,3 +217,31 @@ def test_the_loss_widgets_write_each_parameter_with_its_loss_only():
     assert loss_patch("smooth_l1", 0.3, 0.2, 0.0).as_dict() == {"loss_type": "smooth_l1", "smooth_l1_beta": 0.2}
     assert loss_patch("huber", 0.3, 0.2, 0.1).as_dict() == {"loss_type": "huber", "huber_delta": 0.3,
                                                             "noise_offset": 0.1}
+
+
+def test_load_epoch_lora_at_strength_0_is_the_model_itself(forms, tmp_path, monkeypatch, micro_flux_files):
+    """As ComfyUI's LoraLoaderModelOnly: at strength 0 the model it was given, with no patches (ComfyUI would compute
+    a patch of strength 0 into every adapted weight at each load); at 1 a clone carrying the LoRA's patches."""
+    import folder_paths
+    from test_first_hour import fabricate_lora_run
+
+    from pipetrain.backend.config import ModelConfig
+    from pipetrain.backend.models.registry import adapter_class
+    from pipetrain.launcher import comfy as in_comfyui
+    from pipetrain.nodes.runs import LoadEpochLoRANode
+
+    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
+    monkeypatch.setattr(in_comfyui, "_launcher", None)        # this process's launcher, of that output folder
+    qkv = "diffusion_model.double_blocks.0.img_attn.qkv"      # the micro Flux's first block, 256 wide
+    fabricate_lora_run(in_comfyui.runs_root(), "micro-lora", {f"{qkv}.lora_A.weight": (1, 256),
+                                                              f"{qkv}.lora_B.weight": (768, 1)})
+    adapter = adapter_class("flux")(ModelConfig(type="flux", diffusion_model=str(micro_flux_files.diffusion_model),
+                                                vae=str(micro_flux_files.vae), dtype="float32"))
+    adapter.load_diffusion_model()
+    model = adapter.patcher
+    off = LoadEpochLoRANode.execute(model=model, run="newest", epoch=0, strength=0.0)
+    on = LoadEpochLoRANode.execute(model=model, run="newest", epoch=0, strength=1.0)
+    assert off.result[0] is model and not model.patches, model.patches
+    assert list(on.result[0].patches) == [f"{qkv}.weight"]
+    said = "loaded run micro-lora, epoch 1: micro-lora-epoch0001.safetensors at strength "
+    assert (off.ui.value, on.ui.value) == (said + "0", said + "1")

@@ -5,20 +5,25 @@ trains; ComfyUI restarted mid-run; stop through the route -> checkpoint -> resum
 the panel in headless Chromium following the resumed run (when ``chromium`` is installed); finished
 with every epoch LoRA; the newest epoch LoRA changes the sampler output.
 
-One training run serves every test, so the tests run in file order and each needs the one before
-(a test whose predecessor failed skips). The test workflow's DualCLIPLoader is swapped for a test-only
+One training run serves every test after the first two, so the tests run in file order and each needs the one
+before (a test whose predecessor failed skips). The first two, the Train node returning fast on fake SDXL files and
+a Cancel during caching, share the server only (they are marked alone too, and a server of their own cost that
+phase as much again as the test). The test workflow's DualCLIPLoader is swapped for a test-only
 stand-in (``server_fixtures.SHIM_NODE``) because ComfyUI cannot build PipeTrain's tiny text encoders.
 Sampled images go to ``test-artifacts/``.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 from server_fixtures import (CHART_POINTS_JS, CHROMIUM, REPO, SHIM_NODE, fetch_image, install_test_shims, kill_runs,
-                             link_model_files, load_example, panel_page, progress_step_js, start_server,
-                             workflow_to_prompt)
+                             link_model_files, load_example, panel_page, progress_step_js, queued_text,
+                             start_server, workflow_to_prompt)
+from test_first_hour import IMAGES as TEMPLATE_IMAGES, SMALL, template_prompt
+from test_server_pipetrain import fake_sdxl_files, graph
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]   # alone: the Train node must answer within seconds
 
@@ -140,6 +145,84 @@ def generate(server, prompt: dict, timeout: float = 240):
     assert hist["status"]["status_str"] == "success", hist["status"]
     (image,) = hist["outputs"]["10"]["images"]
     return fetch_image(server, image)
+
+
+def test_train_returns_fast_and_the_run_is_listed(session):
+    """The Train node on fake SDXL files (``test_server_pipetrain.graph``) returns within seconds with the run started;
+    the run is killed at once (the files cannot train). Here, before the module's run, for this module's server: in
+    the alone phase a server of its own cost as much again as the test."""
+    server = session.server
+    fake_sdxl_files(server.base)
+    t0 = time.monotonic()
+    code, body = server.queue(graph(run_name="fast"))
+    assert code == 200, body
+    hist = server.wait_history(body["prompt_id"], timeout=60)
+    elapsed = time.monotonic() - t0
+    assert hist["status"]["status_str"] == "success", hist["status"]
+    text = hist["outputs"]["4"]["text"][0]
+    run_id = text.split()[2]
+    assert text.startswith("started run fast-") and elapsed < 30, (text, elapsed)
+    # the Model node shows the parity verdict of its type on this ComfyUI, as the run will find it
+    assert hist["outputs"]["2"]["text"][0].startswith("sdxl on ComfyUI 0.3.75: passes"), hist["outputs"]["2"]
+    print(f"\nTrain node: queued -> returned in {elapsed:.2f} s ({text})")
+    code, body = server.get(f"/pipetrain/runs/{run_id}")
+    assert code == 200 and body["gpus"] == [0]
+    # the fake model cannot train: stop it now (kill) and see it gone
+    code, body = server.post(f"/pipetrain/runs/{run_id}/stop", {"kill": True})
+    assert code in (200, 409), body
+    code, body = server.get(f"/pipetrain/runs/{run_id}")
+    assert not body["alive"] and body["state"] in ("killed", "failed")
+    launcher_json = json.loads((server.runs_root / run_id / "launcher.json").read_text())
+    command = launcher_json["command"]   # python -m pipetrain deepspeed: it exits by the run's status
+    assert command[2].endswith("__main__.py") and command[3] == "deepspeed" and "deepspeed.launcher.runner" not in command
+    assert (server.runs_root / run_id / "log.txt").exists()
+
+
+def server_children(server) -> list:
+    import psutil
+
+    return psutil.Process(server.proc.pid).children(recursive=True)
+
+
+def test_cancel_during_caching_stops_within_seconds_cleanly(session):
+    """ComfyUI's Cancel (``/interrupt``) while the Cache node encodes: the prompt ends as interrupted in seconds
+    (no library error), the caching process is gone and reaped, and the cache holds no temporary file. The training
+    template with this module's model files, on its server before its run (marked alone too: in that phase a server
+    of its own cost as much again as the test)."""
+    import psutil
+
+    from pipetrain.backend.commands.demo import make_dataset
+    from pipetrain.backend.run.folder import RunsRoot
+
+    user, f = session.server, session.files
+    files = {"2": {"diffusion_model": f.diffusion_model.name, "text_encoder_1": f.text_encoders[0].name,
+                   "text_encoder_2": f.text_encoders[1].name, "vae": f.vae.name}}
+    make_dataset(user.base / "input" / "my_dataset", TEMPLATE_IMAGES)    # the template's folder
+    make_dataset(user.base / "input" / "many", 40)
+    prompt = template_prompt(user, widgets={**files, "1": {"folder": "many", "resolutions": "512"}})
+    code, body = user.queue({k: v for k, v in prompt.items() if k in ("1", "2", "8")})   # Dataset, Model, Cache
+    assert code == 200, body
+    cache = RunsRoot(user.runs_root).cache
+    end = time.monotonic() + 400
+    while cache.read_status().get("state") != "caching":    # encoding (the model loaded): Cancel now
+        assert time.monotonic() < end, "caching did not start"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    start = time.monotonic()
+    user.post("/interrupt")
+    hist = user.wait_history(body["prompt_id"], timeout=120)
+    took = time.monotonic() - start
+    kinds = [m[0] for m in hist["status"]["messages"]]
+    assert "execution_interrupted" in kinds and "execution_error" not in kinds, hist["status"]
+    assert took < 10, took
+    left = [p for p in server_children(user) if p.status() == psutil.STATUS_ZOMBIE or "cache" in " ".join(p.cmdline())]
+    assert not left, [(p, p.cmdline()) for p in left]
+    temps = [p for p in (user.runs_root / "cache").rglob("*") if p.name.endswith(".tmp")]
+    assert not temps, temps
+    # and the Cache node caches again as before
+    text = queued_text(user, {k: v for k, v in template_prompt(user, widgets={**files, **SMALL}).items()
+                              if k in ("1", "2", "8")}, "8", timeout=300)
+    assert text.startswith(f"cache ready: {TEMPLATE_IMAGES} entries; "), text
 
 
 def test_train_workflow_starts_a_run_and_returns(session):
