@@ -25,6 +25,7 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${XDG_CACHE_HOME:-$HOM
 # (PYTHONDONTWRITEBYTECODE) makes each process do
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/pipetrain/pycache}
+rm -rf "${PYTHONPYCACHEPREFIX:?}/tmp"   # the tests' temporary trees' modules (ComfyUI copies): never read again
 pytest=(.venv/bin/python -m pytest -q -ra --durations=25)
 start=$(date +%s)
 took() { echo "$1: $(( ($(date +%s) - $2) / 60 )) min $(( ($(date +%s) - $2) % 60 )) s wall"; }

@@ -36,10 +36,11 @@ def test_scan_and_plan_grow_linearly_and_stay_within_bounds(tmp_path):
     assert list(tmp_path.iterdir()) == []                                   # the datasets are deleted
     # 4x the pictures cost about 4x the CPU (quadratic work would cost 16x); the small run's fixed costs weigh more
     assert large["cpu_s"] < 5 * small["cpu_s"] + 0.3, (small, large)
-    # well under what a full decode of each picture costs on this machine (measured here, after: machines and their
-    # load differ too much for a figure in seconds): the scan reads headers, never pixels
+    # under what a full decode of each picture costs on this machine (measured here, after: machines and their load
+    # differ too much for a figure in seconds): a scan that decoded pixels would cost at least that. The scan's
+    # probes run on a thread pool, whose share moves with the machine's load (0.16 to 0.47 of a decode, measured)
     decode_s = _decode_cpu_s_per_picture(tmp_path / "decoded", 200)
-    assert large["cpu_s"] / 2000 < 0.4 * decode_s, (large, decode_s)
+    assert large["cpu_s"] / 2000 < 0.75 * decode_s, (large, decode_s)
     assert large["peak_rss_mib"] - large["rss_after_imports_mib"] < 64, large
 
 
