@@ -467,7 +467,12 @@ def test_the_server_answers_while_hostile_prompts_and_run_listings_are_served(se
             yield send(server, "GET", "/object_info/PipeTrainRunStatus")[0]
 
     try:
-        answers, latencies = latencies_while(server, hostile)
+        # a wall-time bound on a shared 2-core VM, whose host stalls it at times (the same commit passed and missed it
+        # by 0.03-1.7 s within the hour): a check that blocks the loop misses it every time, a stall once
+        for _ in range(2):
+            answers, latencies = latencies_while(server, hostile)
+            if max(latencies) < 1.0:
+                break
     finally:
         for d in many:
             shutil.rmtree(d, ignore_errors=True)
