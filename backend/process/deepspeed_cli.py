@@ -85,6 +85,15 @@ def outcome(run_dir: str | None, launcher_status: int) -> tuple[int, str | None]
     return (launcher_status if launcher_status > 0 else 1), f"the run in {run} did not finish: {why}"
 
 
+def _runner_status(runner, args: list[str]) -> int:
+    """DeepSpeed's runner on ``args`` in this process: the status it exits with (it ends with sys.exit(code))."""
+    try:
+        runner.main(args)
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
 def run_runner(argv: list[str], cwd: Path, env: dict[str, str]) -> int:
     """A ``command_lines.deepspeed_command`` run by DeepSpeed's runner in this process, in ``cwd`` (where the runner
     reads ``.deepspeed_env``) with ``env``: the exit status its own process would end with (a Python error's
@@ -104,10 +113,7 @@ def run_runner(argv: list[str], cwd: Path, env: dict[str, str]) -> int:
     os.environ.update(env)
     os.chdir(cwd)
     try:
-        runner.main(argv[len(prefix):])
-        return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return _runner_status(runner, argv[len(prefix):])
     except Exception:  # noqa: BLE001  (as an uncaught error ends the runner's own process)
         traceback.print_exc()
         return 1
@@ -130,10 +136,7 @@ def main(args: list[str]) -> int:
         os.environ[RUN_DIR_NOTE_ENV] = str(note)
         previous = {sig: signal.signal(sig, _pass_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            runner.main(args)
-            launcher_status = 0
-        except SystemExit as e:
-            launcher_status = e.code if isinstance(e.code, int) else 1
+            launcher_status = _runner_status(runner, args)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
