@@ -391,6 +391,29 @@ def clip_text_model_as_its_own_text_model() -> None:
         transformers.CLIPTextModel.text_model = property(lambda self: self)
 
 
+def optimizer_config_with_percentile_clipping() -> None:
+    """diffusion-pipe's AdamW8bitKahan reads ``percentile_clipping`` and ``block_wise`` from bitsandbytes'
+    per-parameter optimizer config, keys bitsandbytes 0.50 (the only wheel with a CUDA 13 build) no longer writes.
+    Where they are missing, the config carries what older bitsandbytes wrote for this optimizer: 100 (clipping off)
+    and block-wise states."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return
+    from bitsandbytes.optim.optimizer import Optimizer8bit
+
+    get_config = Optimizer8bit.get_config
+
+    @functools.wraps(get_config)
+    def with_percentile_clipping(self, gindex, pindex, group):
+        config = get_config(self, gindex, pindex, group)
+        config.setdefault("percentile_clipping", getattr(self.args, "percentile_clipping", 100))
+        config.setdefault("block_wise", True)    # 0.50 keeps 8-bit states by block only
+        return config
+
+    Optimizer8bit.get_config = with_percentile_clipping
+
+
 def model_type(train_argv: list[str]) -> str | None:
     """The [model] type of the main config that train.py's arguments name (``--config PATH``)."""
     import tomllib
@@ -412,6 +435,7 @@ def entry(argv: list[str]) -> None:
     sys.path[0] = str(dp)
     stubbed = bind_diffusion_pipe(dp, comfyui)
     wan_attention_through_sdpa_without_flash_attn()
+    optimizer_config_with_percentile_clipping()
     if model_type(rest[4:]) == "hunyuan-video":
         hunyuan_attention_through_sdpa_without_flash_attn()
         clip_text_model_as_its_own_text_model()
