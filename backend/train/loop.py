@@ -21,6 +21,7 @@ from .eval import eval_due, evaluate
 from .events import RunReporter
 from .parts import RunState
 from .preservation import PARTS
+from .memory_history import MemoryHistory
 from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
 from .schedule import set_base_lr
@@ -138,6 +139,7 @@ def run_loop(t: Trainer) -> None:
     batches, batches_epoch = None, None
     reads_data = engine.is_first_stage() or engine.is_last_stage()   # middle stages never pull the feed
     profiler = StepProfiler.from_env(t.topology.rank)
+    history = MemoryHistory.from_env(t.topology.rank)
     control = ControlFlags(t.topology.world, distributed.device())
     stop_after_epoch = False
     # only compiled regions replayed as CUDA graphs need the mark (a first call imports all of torch's compiler)
@@ -151,8 +153,14 @@ def run_loop(t: Trainer) -> None:
             torch.compiler.cudagraph_mark_step_begin()   # CUDA-graphed blocks: the last step's outputs are done with
         if profiler:
             profiler.before_step(state.global_step + 1)
-        with injection.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: the target rows
-            loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch, state.step_in_epoch))
+        try:
+            with injection.base_rows(PARTS) if parts.preservation else nullcontext():   # preservation.py: target rows
+                loss = engine.train_batch(feed.step_iter(batches[state.step_in_epoch], state.epoch,
+                                                         state.step_in_epoch))
+        except torch.OutOfMemoryError as e:
+            if history:
+                history.write(f"out of memory in step {state.global_step + 1}: {str(e).splitlines()[0]}")
+            raise
         if parts.ema is not None:   # train_batch ended with the optimizer step
             parts.ema.update()
         reg_sums = parts.loss_sums.step_sums(t.topology.world, control.device) if parts.loss_sums else None
@@ -161,6 +169,8 @@ def run_loop(t: Trainer) -> None:
             feed.prefetch(batches[following], state.epoch, following)
         state.global_step += 1
         state.step_in_epoch += 1
+        if history:
+            history.after(state.global_step)
         if profiler and (summary := profiler.after_step(state.global_step)):
             t.reporter.event("profile", folder=str(profiler.folder), **summary)
         if t.topology.is_main:
