@@ -80,13 +80,19 @@ class Training:
     can_swap: bool = True               # blocks_to_swap needs an adapter and no fp8_compute
 
 
+# optimizers that keep a Kahan compensation buffer in the weight's own dtype for 16-bit weights (optim/kahan.py,
+# optim/automagic.py)
+KAHAN_OPTIMIZERS = ("adamw8bitkahan", "automagic")
+
+
 def state_bytes_per_param(adapter_dtype_bytes: int, optimizer: str, full_finetune: bool) -> int:
     """Weight + gradient + optimizer states per trained parameter. A full fine-tune keeps bf16 weights and
     gradients with a float32 master copy (DeepSpeed's bf16 optimizer)."""
     moments = 2 if "8bit" in optimizer.lower() else 8            # two moments, 1 or 4 bytes each
     if full_finetune:
         return 2 + 2 + 4 + moments
-    return 2 * adapter_dtype_bytes + moments
+    shift = adapter_dtype_bytes if adapter_dtype_bytes == 2 and optimizer.lower() in KAHAN_OPTIMIZERS else 0
+    return 2 * adapter_dtype_bytes + moments + shift
 
 
 def checkpointed_flags(footprints: list[LayerFootprint], settings: MemorySettings) -> list[bool]:

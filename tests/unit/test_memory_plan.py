@@ -71,6 +71,15 @@ def test_training_of_counts_fp8_compute_only_where_the_weights_load_in_bf16():
     assert not mp.training_of(from_dict(RunConfig, {**base, "fp8_compute": False})).fp8_compute
 
 
+def test_an_adapters_bytes_count_the_kahan_buffer_of_16_bit_weights():
+    # weight and gradient, two 1-byte moments, and a compensation buffer in the weight's dtype where it is 16-bit
+    assert mp.state_bytes_per_param(2, "AdamW8bit", False) == 6
+    assert mp.state_bytes_per_param(2, "AdamW8bitKahan", False) == 8
+    assert mp.state_bytes_per_param(4, "AdamW8bitKahan", False) == 10    # float32 weights: no buffer
+    assert mp.state_bytes_per_param(2, "automagic", False) == 14
+    assert mp.state_bytes_per_param(4, "adamw", False) == 16
+
+
 def test_each_stage_holds_the_micro_batches_in_flight():
     fps = _footprints(blocks=4)
     first, last = mp.estimate(fps, mp.MemorySettings(), mp.Training(micro_batches=8, stages=2), bounds=[0, 3, 6])
