@@ -102,3 +102,38 @@ def test_a_killed_launcher_on_node_0_exits_non_zero(micro_flux_files, make_run):
     nodes[1].communicate(timeout=300)
     assert nodes[0].returncode != 0, out0[-3000:]
     assert f"pipetrain: the run in {config.parent / 'output' / 'killed'} did not finish" in out0
+
+
+def test_a_signal_to_launch_stops_the_run_at_a_checkpoint_and_leaves_no_rank(micro_flux_files, make_run):
+    """``launch`` runs DeepSpeed's runner in its own process: SIGTERM to it goes to the ranks (they checkpoint at the
+    next step and stop, as under ``pipetrain deepspeed``), not to the runner, which would die of it and leave the
+    ranks behind. One host of two slots: a single launch command, the cheapest real one."""
+    import psutil
+
+    from pipetrain.backend.process.deepspeed_cli import ranks_among
+
+    cluster = {"launcher": "no_ssh", "hosts": ["localhost:2"], "master_addr": "127.0.0.1", "master_port": free_port()}
+    config = make_run(micro_flux_files, images=4, name="signalled", stages=2, epochs=40, run_name="signalled",
+                      checkpoint_every_n_epochs=1000, cluster=cluster)
+    proc = subprocess.Popen([sys.executable, "-m", "pipetrain", "launch", str(config)], cwd=config.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    run_dir = config.parent / "output" / "signalled"
+    try:
+        end = time.monotonic() + 600
+        while not ((run_dir / "events.jsonl").exists() and '"step"' in (run_dir / "events.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < end, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        ranks = ranks_among(psutil.Process(proc.pid).children(recursive=True))
+        assert len(ranks) == 2
+        os.kill(proc.pid, signal.SIGTERM)   # the launch process alone, as a service manager stops it
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert left == [], f"ranks {left} outlived their launch: {out[-3000:]}"
+    assert f"pipetrain: the run in {run_dir} stopped on SIGTERM" in out, out[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "stopped" and status["stop_signal"] == signal.SIGTERM, status
+    assert (run_dir / "checkpoints" / f"step{status['step']:08d}" / "pipetrain.json").is_file()
