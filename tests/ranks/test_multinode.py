@@ -138,25 +138,28 @@ def test_a_signal_to_launch_stops_the_run_at_a_checkpoint_and_leaves_no_rank(mic
     cluster = {"launcher": "no_ssh", "hosts": ["localhost:2"], "master_addr": "127.0.0.1", "master_port": free_port()}
     config = make_run(micro_flux_files, images=4, name="signalled", stages=2, epochs=40, run_name="signalled",
                       checkpoint_every_n_epochs=1000, cluster=cluster)
-    proc = subprocess.Popen([sys.executable, "-m", "pipetrain", "launch", str(config)], cwd=config.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = config.parent / "launch.log"
+    with open(log, "w") as out:   # a file, not a pipe: the ranks hold its other end, and a pipe's reader waits for them
+        proc = subprocess.Popen([sys.executable, "-m", "pipetrain", "launch", str(config)], cwd=config.parent,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     run_dir = config.parent / "output" / "signalled"
     try:
         end = time.monotonic() + 600
         while not ((run_dir / "events.jsonl").exists() and '"step"' in (run_dir / "events.jsonl").read_text()):
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < end, "no step within 600 s"
             time.sleep(0.2)
         ranks = ranks_among(psutil.Process(proc.pid).children(recursive=True))
         assert len(ranks) == 2
         os.kill(proc.pid, signal.SIGTERM)   # the launch process alone, as a service manager stops it
-        out = proc.communicate(timeout=300)[0]
-        left = [p.pid for p in ranks if _alive(p)]
+        proc.wait(timeout=300)
+        left = [p.pid for p in ranks if _alive(p)]   # as it ends: its runner waited for them
     finally:
         with contextlib.suppress(ProcessLookupError):   # whatever of its session outlived it
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    out = log.read_text()
     assert left == [], f"ranks {left} outlived their launch: {out[-3000:]}"
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert f"pipetrain: the run in {run_dir} stopped on SIGTERM" in out, out[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "stopped" and status["stop_signal"] == signal.SIGTERM, status
