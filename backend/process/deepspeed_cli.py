@@ -16,6 +16,7 @@ import signal
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 RUN_DIR_NOTE_ENV = "PIPETRAIN_RUN_DIR_NOTE"
@@ -61,6 +62,19 @@ def _pass_to_ranks(signum, frame) -> None:
             continue
 
 
+@contextmanager
+def signals_to_ranks():
+    """While DeepSpeed's runner runs in this process: SIGINT and SIGTERM go to the ranks below it, not to the runner
+    (main thread only, Python's rule for signal handlers). DeepSpeed's pdsh runner of several nodes sets its own
+    (it stops the other nodes' processes), which wins over these while it runs."""
+    previous = {sig: signal.signal(sig, _pass_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def outcome(run_dir: str | None, launcher_status: int) -> tuple[int, str | None]:
     """(exit status, the line that says why the run did not finish, or None) from the run's status."""
     from ..run.folder import RunDir, read_json
@@ -98,7 +112,8 @@ def run_runner(argv: list[str], cwd: Path, env: dict[str, str]) -> int:
     """A ``command_lines.deepspeed_command`` run by DeepSpeed's runner in this process, in ``cwd`` (where the runner
     reads ``.deepspeed_env``) with ``env``: the exit status its own process would end with (a Python error's
     traceback on stderr and 1). A process that has loaded a run's config has paid for torch, which the runner
-    imports: an interpreter of its own would import it again before starting anything."""
+    imports: an interpreter of its own would import it again before starting anything. SIGINT and SIGTERM go to the
+    ranks meanwhile, as under ``python -m pipetrain deepspeed``."""
     from .command_lines import runner_prefix
 
     prefix = runner_prefix()
@@ -113,7 +128,8 @@ def run_runner(argv: list[str], cwd: Path, env: dict[str, str]) -> int:
     os.environ.update(env)
     os.chdir(cwd)
     try:
-        return _runner_status(runner, argv[len(prefix):])
+        with signals_to_ranks():
+            return _runner_status(runner, argv[len(prefix):])
     except Exception:  # noqa: BLE001  (as an uncaught error ends the runner's own process)
         traceback.print_exc()
         return 1
@@ -134,12 +150,10 @@ def main(args: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="pipetrain-launch-") as tmp:
         note = Path(tmp) / "run_dir"
         os.environ[RUN_DIR_NOTE_ENV] = str(note)
-        previous = {sig: signal.signal(sig, _pass_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            launcher_status = _runner_status(runner, args)
+            with signals_to_ranks():
+                launcher_status = _runner_status(runner, args)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             os.environ.pop(RUN_DIR_NOTE_ENV, None)
         run_dir = note.read_text() if note.is_file() else None
     status, why = outcome(run_dir, launcher_status)

@@ -3,7 +3,8 @@
 continues that run with the learning rate of the config it is given (diffusion-pipe's meaning: the optimizer's
 moments from the checkpoint, its settings from the new config). The runs about diffusion-pipe's config keys rather
 than its command line fork from warm ranks (``conftest.train``) with its ``--deepspeed`` switch: the launcher's part
-is the first test's."""
+is the first run's (the resume's flags pass DeepSpeed's launcher untouched, ``dp_cli.script_as_command``, and are
+read by the ranks' ``train`` parser, so the resume forks from warm ranks too)."""
 from __future__ import annotations
 
 import os
@@ -36,7 +37,7 @@ def test_dp_command_line_trains_and_resumes_with_the_new_configs_optimizer_setti
     table = _read_toml(config)
     table["epochs"], table["optimizer"]["lr"] = 2, 5e-4
     config.write_text(tomli_w.dumps(table))
-    resumed = _dp_line(config, "--resume_from_checkpoint", run, "--reset_optimizer_params")
+    resumed = train(config, 2, "--deepspeed", "--resume_from_checkpoint", run, "--reset_optimizer_params")
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert resumed.run_dir.name == run and resumed.events("resume")[-1]["step"] == 2
     steps = [e for e in resumed.events("step") if e["step"] > 2]

@@ -14,6 +14,8 @@ import torch
 from conftest import Run, launch, train_on_a_thread, train_warm
 from safetensors.torch import load_file
 
+from pipetrain.backend.fsutil import KILL_AT_ENV
+
 pytestmark = pytest.mark.slow
 
 SETUP = dict(stages=2, epochs=3, checkpoint_every_n_epochs=1, lr_scheduler="cosine", warmup_steps=2,
@@ -88,16 +90,19 @@ def test_stop_file_checkpoints_and_exits(micro_flux_files, make_run):
     assert not (run_dir / "stop").exists()
 
 
-def test_resume_with_more_data_parallel_ranks(micro_flux_files, make_run):
+def test_resume_with_more_data_parallel_ranks(micro_flux_files, make_run, monkeypatch):
     """Resume a 2-rank (2 stages x 1) run on 4 ranks (2 stages x 2), as after adding a node: the epoch
-    position carries over in examples, the remaining epochs run with the larger global batch."""
+    position carries over in examples, the remaining epochs run with the larger global batch. The 2-rank run is
+    killed (SIGKILL) from inside, as epoch 2's LoRA is being written, after epoch 1's checkpoint: what is resumed is
+    the checkpoint, however the run died, so it forks from warm ranks (no launch of DeepSpeed's to kill)."""
     config = make_run(micro_flux_files, images=4, name="grow", stages=2, epochs=3, checkpoint_every_n_epochs=1)
     dataset = config.with_name("dataset.toml")
     dataset.write_text(dataset.read_text().replace("enable_ar_bucket = true", "enable_ar_bucket = false"))
-    proc = launch(config, 2)
-    checkpoint = _wait_for_event(config.parent / "output", "checkpoint")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    monkeypatch.setenv(KILL_AT_ENV, "lora-written:2")
+    killed = train_warm(config, 2)
+    monkeypatch.delenv(KILL_AT_ENV)
+    assert killed.returncode != 0 and killed.status()["state"] != "finished", killed.output[-3000:]
+    checkpoint = killed.events("checkpoint")[0]
     assert checkpoint["step"] == 4                       # epoch 1: 4 images, global batch 1
 
     resumed = train_warm(config, 4, "--resume")
