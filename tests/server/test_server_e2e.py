@@ -247,13 +247,19 @@ def test_train_workflow_starts_a_run_and_returns(session):
     assert hist["outputs"]["10"]["text"][0].startswith(s.run_id)          # Run Status on the RUN handle
 
 
+def test_queue_stays_free_while_the_run_trains(session):
+    s, server = session, session.server
+    run_id = s.need("run_id")
+    wait_run(server, run_id, lambda r: r["state"] == "training", 180, "training")
+    s.base_image = generate(server, sample_prompt(server, s, with_lora=False))
+    run = run_info(server, run_id)
+    assert run["alive"] and run["state"] == "training" and run["step"] < STEPS, run
+    assert s.base_image.shape == (64, 64, 3)
+
+
 def test_run_keeps_training_across_a_comfyui_restart(session):
-    """Before the sampler renders anything: the base image (``test_queue_stays_free_while_the_run_trains``) and the
-    epoch LoRA's (``test_newest_epoch_lora_changes_the_sampler_output``) are then rendered by one server, which loads
-    the model files once for both (ComfyUI keeps the loaders' outputs between prompts)."""
     s = session
     run_id = s.need("run_id")
-    wait_run(s.server, run_id, lambda r: r["state"] == "training", 180, "training")
     before = run_info(s.server, run_id)
     s.server.stop()
     s.server = start_server(s.base)
@@ -263,16 +269,6 @@ def test_run_keeps_training_across_a_comfyui_restart(session):
     assert run_id in [r["id"] for r in listing["runs"]]
     wait_run(s.server, run_id, lambda r: (r["step"] or 0) > (before["step"] or 0), 120, "past its pre-restart step")
     assert "re-attached to running run(s): " + run_id in s.server.log.read_text()
-
-
-def test_queue_stays_free_while_the_run_trains(session):
-    s, server = session, session.server
-    run_id = s.need("run_id")
-    wait_run(server, run_id, lambda r: r["state"] == "training", 180, "training")
-    s.base_image = generate(server, sample_prompt(server, s, with_lora=False))
-    run = run_info(server, run_id)
-    assert run["alive"] and run["state"] == "training" and run["step"] < STEPS, run
-    assert s.base_image.shape == (64, 64, 3)
 
 
 def test_stop_route_leaves_a_checkpoint(session):
