@@ -193,8 +193,8 @@ def _start_server(base: Path, timeout: float, python: str, link_repo: bool, comf
 
 @pytest.fixture(scope="module")
 def comfy_server(shared_comfy_server):
-    """The process's shared pinned server (``conftest.shared_comfy_server``) as a module finds a server of its own: no run
-    process of an earlier module alive, an empty runs folder (its traced memory plans kept: ``.memory_plans``) and
+    """The process's shared pinned server (``conftest.shared_comfy_server``) as a module finds a server of its own: no
+    run process of an earlier module alive, an empty runs folder (its traced memory plans kept: ``.memory_plans``) and
     the machine's real GPU count. What a module put in the model and input folders stays, under its own names."""
     server = shared_comfy_server
     if not server.alive():
