@@ -167,13 +167,15 @@ def shared_comfy_server(tmp_path_factory):
     # outside the session's temporary folder: ``_free_module_temp_dirs`` removes what a module made there, and
     # the module that first asks for this server is not its only user
     base = Path(tempfile.mkdtemp(prefix="comfy-shared-", dir=tmp_path_factory.getbasetemp().parent))
-    install_test_shims(base)
-    server = start_server(base)
     try:
-        yield server
+        install_test_shims(base)
+        server = start_server(base)   # a start that fails says why with the log's tail
+        try:
+            yield server
+        finally:
+            server.stop()
+            kill_runs(server.runs_root)
     finally:
-        server.stop()
-        kill_runs(server.runs_root)
         shutil.rmtree(base, ignore_errors=True)
 
 
