@@ -155,6 +155,31 @@ def _free_module_temp_dirs(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shared_comfy_server(tmp_path_factory):
+    """One pinned ComfyUI per test process (a pytest-xdist worker runs a file at a time, so the files it is handed
+    share it): a start costs seconds of CPU, and the files that only queue prompts and call routes need no server of
+    their own. With the test shims (``server_fixtures.install_test_shims``; no ``simulated_gpus`` file: the real GPU
+    count). Tests take it through ``server_fixtures.comfy_server``, which hands each module a clean runs folder; a test
+    that restarts, breaks or reconfigures a server starts its own (``server_fixtures.start_server``). Here, not in
+    server_fixtures: a session fixture defined in each module that imports it would be one per module."""
+    from server_fixtures import install_test_shims, kill_runs, start_server
+
+    # outside the session's temporary folder: ``_free_module_temp_dirs`` removes what a module made there, and
+    # the module that first asks for this server is not its only user
+    base = Path(tempfile.mkdtemp(prefix="comfy-shared-", dir=tmp_path_factory.getbasetemp().parent))
+    try:
+        install_test_shims(base)
+        server = start_server(base)   # a start that fails says why with the log's tail
+        try:
+            yield server
+        finally:
+            server.stop()
+            kill_runs(server.runs_root)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def micro_flux_files():
     from pipetrain.backend.models.tiny import cached_model_files
     return cached_model_files("flux", "micro")

@@ -192,10 +192,31 @@ def _start_server(base: Path, timeout: float, python: str, link_repo: bool, comf
 
 
 @pytest.fixture(scope="module")
-def comfy_server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("comfy"))
+def comfy_server(shared_comfy_server):
+    """The process's shared pinned server (``conftest.shared_comfy_server``) as a module finds a server of its own: no
+    run process of an earlier module alive, an empty runs folder (its traced memory plans kept: ``.memory_plans``) and
+    the machine's real GPU count. What a module put in the model and input folders stays, under its own names."""
+    server = shared_comfy_server
+    if not server.alive():
+        pytest.fail(f"the shared ComfyUI server exited; log:\n{server.log_tail()}")
+    fresh_runs_folder(server)
     yield server
-    server.stop()
+    kill_runs(server.runs_root)
+
+
+def fresh_runs_folder(server: ComfyServer) -> None:
+    from pipetrain.launcher.queue_plan import MEMO_FOLDER
+
+    kill_runs(server.runs_root)
+    (server.base / "simulated_gpus").unlink(missing_ok=True)
+    if server.runs_root.is_dir():
+        for entry in server.runs_root.iterdir():
+            if entry.name == MEMO_FOLDER:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
 
 def write_fake_model(path: Path, arch: str | None) -> Path:
@@ -204,6 +225,8 @@ def write_fake_model(path: Path, arch: str | None) -> Path:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():   # a shared model file linked in (``link_model_files``): never written through
+        path.unlink()
     meta = {}
     if arch is not None:
         from pipetrain.backend.models.loading import META_ARCH, META_UNET

@@ -9,8 +9,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from server_fixtures import (REPO, comfy_page, install_test_shims, kill_runs, link_model_files, load_example,
-                             needs_chromium, queued_text, simulate_gpus, start_server, workflow_to_prompt)
+from server_fixtures import (REPO, comfy_page, comfy_server, kill_runs, link_model_files, load_example,  # noqa: F401
+                             needs_chromium, queued_text, simulate_gpus, workflow_to_prompt)
 
 from pipetrain.backend.run.folder import read_json
 
@@ -19,23 +19,20 @@ SHOTS = REPO / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
-def user(tmp_path_factory):
+def user(comfy_server):  # noqa: F811
+    """The process's shared pinned server (it has the test shims) with the tiny Flux under the names the template
+    expects and the template's dataset folder."""
     from pipetrain.backend.commands.demo import make_dataset
     from pipetrain.backend.models.tiny import cached_model_files
 
-    base = tmp_path_factory.mktemp("first-hour")
+    base = comfy_server.base
     files = cached_model_files("flux", "tiny")
     link_model_files(base, files, names={files.diffusion_model: "flux1-dev.safetensors",
                                          files.vae: "ae.safetensors", files.text_encoders[0]: "clip_l.safetensors",
                                          files.text_encoders[1]: "t5xxl_fp16.safetensors"})
-    make_dataset(base / "input" / "my_dataset", IMAGES)
-    install_test_shims(base)
-    server = start_server(base)
-    try:
-        yield server
-    finally:
-        server.stop()
-        kill_runs(base / "output" / "pipetrain")
+    if not (base / "input" / "my_dataset").is_dir():
+        make_dataset(base / "input" / "my_dataset", IMAGES)
+    return comfy_server
 
 
 def template_prompt(server, name: str = "train_a_lora", widgets: dict | None = None) -> dict:

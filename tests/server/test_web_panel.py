@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from server_fixtures import (CHART_POINTS_JS, REPO, card, comfyui_of, needs_chromium, panel_page, progress_js,
-                             start_server)
+from server_fixtures import (CHART_POINTS_JS, REPO, card, comfy_server, comfyui_of,  # noqa: F401  (fixture)
+                             needs_chromium, panel_page, progress_js, start_server)
 
 from pipetrain.backend.host.runtime import PINNED_VERSION
 
@@ -123,16 +123,28 @@ class FakeRun:
 def ui(request, tmp_path_factory):
     comfyui = comfyui_of(request.param)
     base = tmp_path_factory.mktemp(f"comfy-ui-{request.param}")
-    server = start_server(base, comfyui=comfyui)
-    server.version = request.param
+    # the pinned one: the process's shared server, its runs folder cleared for this module (``comfy_server``)
+    shared = request.param == PINNED_VERSION
+    server = request.getfixturevalue("comfy_server") if shared else start_server(base, comfyui=comfyui)
     run = None
     try:
         run = FakeRun(server.runs_root)
-        yield server, run, base
+        yield Shown(server, request.param), run, base
     finally:
         if run is not None:
             run.close()
-        server.stop()
+        if not shared:
+            server.stop()
+
+
+class Shown:
+    """A server as this module drives it: the server, and the ComfyUI version its screenshots are named by."""
+
+    def __init__(self, server, version: str):
+        self.server, self.version = server, version
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
 
 
 PROGRESS = progress_js(RUN_ID)
