@@ -62,12 +62,15 @@ def mistral_tokenizer_for_transformers5() -> bool:
     converter reads a tekken.json file instead and its Llama tokenizer adds no ``<s>``, so ComfyUI's tokenizer
     fails to build. Under transformers 5 this swaps in a loader that writes the tekken bytes to a file for the new
     converter and adds the ``<s>`` (id 1): the same ids, with tekken's own pre-tokenizer pattern, as ComfyUI's
-    later releases give. Under transformers 4 it changes nothing.
+    later releases give. Under transformers 4 it changes nothing, nor on a ComfyUI that reads tekken.json itself
+    (``from_tekken_json``, 0.33.0), whose tokenizer object the patched loader's would replace with one it cannot call.
     """
     import inspect
 
     ensure_comfyui()
     import comfy.text_encoders.flux as comfy_flux
+    if hasattr(comfy_flux, "from_tekken_json"):
+        return False
     try:
         from transformers.integrations.mistral import MistralConverter
     except ImportError:

@@ -41,13 +41,13 @@ ADAPTERS: dict[str, str] = {
     "lumina2": ".lumina:Lumina2Adapter",
     "ace_step": ".ace_step:AceStepAdapter",
     "anima": ".anima:AnimaAdapter",
+    "ernie_image": ".ernie_image:ErnieImageAdapter",
 }
 
 # Models whose code the pinned ComfyUI (0.3.75) does not have: type string -> (name, the first ComfyUI
 # release known to have it, or None when unknown). Once PipeTrain runs on such a ComfyUI, the model's adapter
 # module goes into ADAPTERS and its line leaves this table.
 NEEDS_NEWER_COMFYUI: dict[str, tuple[str, str | None]] = {
-    "ernie_image": ("Ernie-Image", "0.19.0"),
     "ltx2": ("LTX 2.3", None),
     "ideogram4": ("Ideogram 4", None),
     "krea2": ("Krea 2", "0.27.0"),                     # merged 2026-06-22 (Comfy-Org/ComfyUI#14589)

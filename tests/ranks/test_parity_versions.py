@@ -14,13 +14,15 @@ from comfyui_copies import NEWER_VERSIONS, comfyui_cache, doctor, other_comfyuis
 from conftest import MATCH_TOLERANCE, MIN_EFFECT, last_json, python_child, train
 from test_parity import FLUX_BLOCK, GATE_LINE, PLANTED
 
-from pipetrain.backend.models.registry import ADAPTERS
+from pipetrain.backend.models.registry import ADAPTERS, arch_spec
 
 COMFYUIS = other_comfyuis()
+# model type -> the first ComfyUI release with its code, where its adapter names one (a refusal names it)
+MIN_COMFYUI = {t: arch_spec(t).min_comfyui for t in ADAPTERS if arch_spec(t).min_comfyui}
 
 # model type -> verdict where it is not "passes" (docs/models.md's compatibility table, and why)
-# Flux 2 Klein's text encoder arrived in 0.9.2, Anima's class after 0.8.0
-_BEFORE_KLEIN = {"flux2_klein": "lacks", "anima": "lacks"}
+# Flux 2 Klein's text encoder arrived in 0.9.2, Anima's class after 0.8.0, Ernie-Image's in 0.19.0
+_BEFORE_KLEIN = {"flux2_klein": "lacks", "anima": "lacks", "ernie_image": "lacks"}
 _BEFORE_FLUX2 = {**_BEFORE_KLEIN, "flux2": "lacks", "flux2_edit": "lacks", "hunyuan_video_15": "lacks",
                  "z_image": "lacks",
                  "lumina2": "fails",           # NextDiT takes no rope_theta yet
@@ -67,7 +69,8 @@ def test_parity_of_every_model_type(version, memo):
                 assert r["max_difference"] <= 1e-12 * r["scale"], r
                 assert r["kernel_difference"] is not None and r["kernel_difference"] <= 1e-5 * r["scale"], r
         elif r["verdict"] == "lacks":   # the missing class, or the release that brought the model's code
-            assert "no comfy.supported_models." in r["detail"] or "needs ComfyUI 0.9.2 or newer" in r["detail"], r
+            needs = MIN_COMFYUI.get(t)
+            assert "no comfy.supported_models." in r["detail"] or f"needs ComfyUI {needs} or newer" in r["detail"], r
         else:
             assert r["where"] and r["detail"]
 
