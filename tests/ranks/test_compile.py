@@ -152,17 +152,32 @@ def _sdxl_inputs(h, w, seed=1):
             torch.randn(2, 7, SDXL_CONTEXT, generator=g), torch.randn(2, 1280, generator=g))
 
 
+SDXL_BUCKETS = ((8, 8), (6, 10), (4, 12))   # latent sides; the transformers run at 1/2 and 1/4 of them
+
+
+@pytest.fixture(scope="module")
+def sdxl_and_eager():
+    """One tiny SDXL for the four checkpointing modes, with its eager loss and LoRA gradients per bucket taken once,
+    before anything compiles (compiling patches the model) and without checkpointing: recomputing a forward gives
+    the same values, so every mode's compiled blocks are held to the plain eager ones. A mode's compile sets the
+    blocks' and norms' compiled forwards afresh (after ``torch._dynamo.reset()``), so the model carries nothing
+    compiled from one mode to the next."""
+    torch._dynamo.reset()
+    adapter = _small_sdxl()
+    layers = checkpointed_layers(adapter, False)
+    return adapter, [_loss_and_grads(adapter, layers, _sdxl_inputs(h, w)) for h, w in SDXL_BUCKETS]
+
+
 @pytest.mark.parametrize("checkpointing", [False, True, "unsloth", "selective"])
-def test_sdxl_compiles_its_transformer_blocks_once_per_width_and_matches_eager(checkpointing):
+def test_sdxl_compiles_its_transformer_blocks_once_per_width_and_matches_eager(checkpointing, sdxl_and_eager):
     """SDXL compiles ComfyUI's BasicTransformerBlocks (dynamic shapes) and its GroupNorms, not whole UNet blocks:
     the layers' own checkpoint stays around them, and every block and bucket of one width reuses one graph."""
 
     torch._dynamo.reset()
-    adapter = _small_sdxl()
+    adapter, eager = sdxl_and_eager
     from comfy.ldm.modules.attention import BasicTransformerBlock
     layers = checkpointed_layers(adapter, checkpointing)
-    buckets = ((8, 8), (6, 10), (4, 12))   # latent sides; the transformers run at 1/2 and 1/4 of them
-    eager = [_loss_and_grads(adapter, layers, _sdxl_inputs(h, w)) for h, w in buckets]  # compiling patches the model
+    buckets = SDXL_BUCKETS
     blocks = [m for m in adapter.diffusion_model.modules() if isinstance(m, BasicTransformerBlock)]
     assert adapter.compile(layers) == len(blocks) == 22    # 11 SpatialTransformers x 2 (and the GroupNorms)
     assert all(layer.checkpoint_activations == checkpointing for layer in layers[1:-1])

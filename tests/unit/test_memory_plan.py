@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """The memory plan: the meta-device trace sees what a real forward keeps, the sums follow each setting, and
 ``auto`` takes the fastest settings that fit."""
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
+from conftest import python_child
 
 from pipetrain.backend.memory import plan as mp
 from pipetrain.backend.models.meta_trace import LayerFootprint
@@ -169,14 +169,14 @@ def test_a_file_without_our_metadata_is_built_from_comfyuis_detection(tiny_flux_
 
 def test_memory_plan_command_prints_each_stage_and_autos_choice(tiny_flux_files, make_run):
     config = make_run(tiny_flux_files, images=2, memory_limit_gib=0.001)
-    out = subprocess.run([sys.executable, "-m", "pipetrain", "memory-plan", str(config), "--gpu-gib", "0.001"],
-                         capture_output=True, text=True, timeout=300)
+    # the command's processes forked from the warm server of the pinned ComfyUI (conftest.python_child): each would
+    # otherwise import torch, DeepSpeed and ComfyUI again before planning; its output holds stdout and stderr together
+    out = python_child(["memory-plan", str(config), "--gpu-gib", "0.001"], dict(os.environ), timeout=300)
     assert "stage 0:" in out.stdout and "stage 1:" in out.stdout, out.stdout + out.stderr
     assert "as configured: memory plan: no activation checkpointing" in out.stdout
     # a thousandth of a GiB fits no setting: the command says what to change, naming the keys
     assert out.returncode == 1 and "pipeline_stages" in out.stdout
-    big = subprocess.run([sys.executable, "-m", "pipetrain", "memory-plan", str(config), "--gpu-gib", "80"],
-                         capture_output=True, text=True, timeout=300)
+    big = python_child(["memory-plan", str(config), "--gpu-gib", "80"], dict(os.environ), timeout=300)
     assert big.returncode == 0 and "memory = 'auto' on 80.0 GiB: memory plan: no activation checkpointing" in big.stdout
 
 
@@ -241,8 +241,7 @@ def test_a_queued_auto_run_that_nothing_fits_is_refused_before_it_starts(tiny_fl
 
 def test_doctor_prints_a_configs_memory_plan(tiny_flux_files, make_run):
     config = make_run(tiny_flux_files, images=2, memory_limit_gib=80)
-    out = subprocess.run([sys.executable, "-m", "pipetrain", "doctor", "--model-type", "flux", "--config", str(config)],
-                         capture_output=True, text=True, timeout=300)
+    out = python_child(["doctor", "--model-type", "flux", "--config", str(config)], dict(os.environ), timeout=300)
     assert out.returncode == 0, out.stderr
     assert f"memory plan of {config}:" in out.stdout and "stage 0:" in out.stdout
     assert "memory = 'auto' on 80.0 GiB" in out.stdout
