@@ -106,11 +106,13 @@ def newer_comfyui(version: str) -> Path:
 
 
 def child_json(code: str, comfyui: Path, *args: str, timeout: float = 600) -> dict:
-    """``code`` in a Python importing ``comfyui``; its last stdout line as JSON."""
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                         env=python_env(comfyui))
+    """``code`` in a Python importing ``comfyui``, forked from that ComfyUI's warm server (``conftest.python_child``:
+    the imports paid once; its callers' files train on that ComfyUI too); its last line of JSON."""
+    from conftest import last_json, python_child
+
+    out = python_child(list(args), python_env(comfyui), code=code, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return last_json(out.stdout)
 
 
 # a child's check of epoch LoRAs (argv: the run's config, then the LoRA files) by that ComfyUI's own loader
@@ -147,9 +149,11 @@ def ranks_import(comfyui: Path, monkeypatch, memo: Path) -> None:
 
 
 def check_config_on(comfyui: Path, config: Path) -> str:
-    """``pipetrain check-config`` of ``config`` in a Python importing ``comfyui``: its output, the config loading."""
-    checked = subprocess.run([sys.executable, "-m", "pipetrain", "check-config", str(config)], capture_output=True,
-                             text=True, timeout=300, env=python_env(comfyui))
+    """``pipetrain check-config`` of ``config`` in a Python importing ``comfyui``, forked from that ComfyUI's warm server
+    (``conftest.python_child``: its callers' files train on it too): its output, the config loading."""
+    from conftest import python_child
+
+    checked = python_child(["check-config", str(config)], python_env(comfyui), timeout=300)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     return checked.stdout
 

@@ -2,7 +2,7 @@
 predict, and which timesteps are drawn. The noise schedules come from ComfyUI's ``model_sampling``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class FlowMatching:
     multiplier: float = 1.0
     min_t: float = 0.0
     max_t: float = 1.0
+    # the quantiles of min_t and max_t by sequence length and the fields they depend on: a bisection of 40 rounds,
+    # which every draw ran again (a run draws a timestep a sample; a run's sequence lengths are its few buckets)
+    _q_ranges: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_model_config(cls, c, default_shift: float | None = None, multiplier: float = 1.0) -> "FlowMatching":
@@ -80,7 +83,14 @@ class FlowMatching:
         return self._shift(t.float(), seq_len)
 
     def _q_range(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantiles of min_t and max_t, by bisection (the shifted distribution's CDF has no common closed form)."""
+        """Quantiles of min_t and max_t, by bisection (the shifted distribution's CDF has no common closed form),
+        found once for each sequence length."""
+        key = (seq_len, self.sample_method, self.sigmoid_scale, self.shift, self.flux_shift, self.min_t, self.max_t)
+        if key not in self._q_ranges:
+            self._q_ranges[key] = self._bisect_q_range(seq_len)
+        return self._q_ranges[key]
+
+    def _bisect_q_range(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         bounds = torch.tensor([self.min_t, self.max_t])
         lo, hi = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
         for _ in range(40):
