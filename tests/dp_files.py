@@ -59,11 +59,14 @@ HF_TEXT_CONFIGS = {
     "t5xxl": {"model_type": "t5", "feed_forward_proj": "gated-gelu"},
     "umt5xxl": {"model_type": "umt5", "feed_forward_proj": "gated-gelu"},
     "qwen25_7b": {"model_type": "qwen2_5_vl", "text_config": {"hidden_size": 3584}},
+    "qwen25_3b": {"model_type": "qwen2_5_vl", "text_config": {"hidden_size": 2048}},
     "llama": {"model_type": "llama"},
 }
 PIPELINE_CLASSES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline",
                     "sd15": "StableDiffusionPipeline", "qwen_image": "QwenImagePipeline", "ltx_video": "LTXPipeline",
-                    "hidream": "HiDreamImagePipeline"}
+                    "hidream": "HiDreamImagePipeline", "omnigen2": "OmniGen2Pipeline"}
+# text-encoder folders a pipeline names after their role instead of text_encoder, text_encoder_2, ...
+TEXT_ENCODER_FOLDERS = {"omnigen2": ("mllm",)}
 
 
 def _place(source, target) -> None:
@@ -89,8 +92,10 @@ def diffusers_folder(files, folder, arch: str):
     unet = "unet" if arch in ("sdxl", "sd15") else "transformer"
     _place(files.diffusion_model, folder / unet / "diffusion_pytorch_model.safetensors")
     _place(files.vae, folder / "vae" / "diffusion_pytorch_model.safetensors")
-    for i, path in enumerate(files.text_encoders):
-        sub = folder / ("text_encoder" if i == 0 else f"text_encoder_{i + 1}")
+    names = TEXT_ENCODER_FOLDERS.get(arch) or ["text_encoder" if i == 0 else f"text_encoder_{i + 1}"
+                                               for i in range(len(files.text_encoders))]
+    for name, path in zip(names, files.text_encoders):
+        sub = folder / name
         _place(path, sub / "model.safetensors")
         kind = safetensors_header(path)[1][META_TE_KIND]
         (sub / "config.json").write_text(json.dumps(HF_TEXT_CONFIGS[kind]))

@@ -31,7 +31,7 @@ HINT = (f"{SINGLE_FILES_HINT} (diffusion-pipe's transformer_path, vae_path and l
 # code's layout, which ComfyUI does not read, so the text encoder comes from llm_path). ``dp_single_file``: its
 # single-file release (single_file_path, transformer and VAE in ComfyUI's checkpoint layout) with its own Diffusers
 # folder lending only the text encoder (LTX-Video's, whose Diffusers transformer and VAE ComfyUI does not read).
-# Others, e.g. HiDream, OmniGen2, AuraFlow (Pile-T5), are read from single files only.
+# Others, e.g. AuraFlow (Pile-T5), are read from single files only.
 WAN_VAES = ("Wan2.1_VAE.pth", "Wan2.2_VAE.pth")
 TEXT_ENCODER_HINT = "llm_path = '<umt5_xxl_fp16.safetensors>' (ComfyUI's models/text_encoders)"
 

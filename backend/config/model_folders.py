@@ -118,10 +118,13 @@ def read_config(folder: Path) -> dict:
 DIFFUSION_MODEL_FOLDERS = ("transformer", "unet")
 
 
+OTHER_TEXT_ENCODER_FOLDERS = ("mllm",)   # OmniGen2's pipeline names its Qwen2.5-VL folder after its role
+
+
 def pipeline_components(folder: Path) -> dict[str, object]:
     """A Diffusers pipeline folder's component folders (relative names): ``diffusion_model``
     (``transformer`` or ``unet``), ``vae`` and ``text_encoders`` (``text_encoder``, ``text_encoder_2``, ... in
-    that order). Raises ValueError naming what is missing."""
+    that order, then ``OTHER_TEXT_ENCODER_FOLDERS``). Raises ValueError naming what is missing."""
     folder = Path(folder)
     if not (folder / "model_index.json").is_file():
         raise ValueError(f"{folder} is not a Diffusers pipeline folder (it has no model_index.json)")
@@ -130,6 +133,7 @@ def pipeline_components(folder: Path) -> dict[str, object]:
         raise ValueError(f"{folder}: a Diffusers pipeline folder needs a transformer/ (or unet/) and a vae/ folder")
     encoders = sorted((p.name for p in folder.glob("text_encoder*") if p.is_dir()),
                       key=lambda n: int(n.rpartition("_")[2]) if n[-1].isdigit() else 1)
+    encoders += [name for name in OTHER_TEXT_ENCODER_FOLDERS if (folder / name).is_dir()]
     return {"diffusion_model": unet, "vae": "vae", "text_encoders": encoders}
 
 

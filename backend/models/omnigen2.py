@@ -152,6 +152,11 @@ class OmniOutput(TupleLayer):
 class OmniGen2Adapter(ModelAdapter):
     arch = "omnigen2"
     spec = OMNIGEN2_SPEC
+    # OmniGen2's Diffusers folder (the only way diffusion-pipe reads it): its transformer's module names are
+    # ComfyUI's port's own, its vae/ is the Flux VAE in Diffusers' layout (ComfyUI converts it) and its mllm/ a
+    # Hugging Face Qwen2.5-VL-3B (renamed to ComfyUI's keys, ``model_folders.qwen_vl_state_dict``)
+    dp_diffusers_folder = True
+    dp_folder_pipeline = "OmniGen2"
     latent_format = "Flux"
     lora_block_prefixes = ("context_refiner", "noise_refiner", "layers")
     text_fields = ("cond",)

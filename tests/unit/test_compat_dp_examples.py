@@ -144,7 +144,6 @@ REFUSED = [
      "model.single_file_path", _FOLDER_FIX),
     ("chroma without its transformer", _table("chroma", "diffusers_path=/models/FLUX.1-dev", extra=FP8),
      "model.diffusers_path", _FOLDER_FIX),
-    ("omnigen2", _table("omnigen2", "diffusers_path=/models/OmniGen2"), "model.diffusers_path", _FOLDER_FIX),
     # the models diffusion-pipe runs on a newer ComfyUI than the pinned one
     *((dp_type, _table(dp_type, f"diffusion_model=/models/{dp_type}.safetensors", "vae=/models/vae.safetensors"),
        "model.type", "newer")
@@ -562,6 +561,43 @@ def test_ltx_videos_table_reads_its_single_file_and_its_folders_t5(tmp_path, cap
     message = _refusal(_write(tmp_path, MAIN + _model(None, _table("ltx-video", "diffusers_path=LTX-Video")) + ADAPTER
                               + OPTIMIZER))
     assert "key 'model.diffusers_path'" in message and "add single_file_path = '<ltx-video-" in message, message
+
+
+def test_omnigen2s_table_reads_its_diffusers_folder_with_its_mllm(tmp_path, capsys):
+    """diffusion-pipe reads OmniGen2 from its Diffusers folder only (``diffusers_path``): the transformer (its module
+    names are ComfyUI's port's own), the Flux VAE and ``mllm/``, a Hugging Face Qwen2.5-VL-3B folder."""
+    from types import SimpleNamespace
+
+    from dp_files import diffusers_folder
+
+    from pipetrain.backend.models.loading import load_diffusion_model
+    from pipetrain.backend.models.tiny import cached_model_files
+    files = cached_model_files("omnigen2")
+    diffusers_folder(SimpleNamespace(diffusion_model=files.diffusion_model, vae=files.vae,
+                                     text_encoders=files.text_encoders), tmp_path / "OmniGen2", "omnigen2")
+    path = _write(tmp_path, MAIN + _model(None, _table("omnigen2", "diffusers_path=OmniGen2")) + ADAPTER
+                  + OPTIMIZER + MONITORING)
+    cfg = load_run(path)
+    assert cfg.model.type == "omnigen2"
+    assert (cfg.model.diffusion_model, cfg.model.vae) == ("OmniGen2/transformer", "OmniGen2/vae")
+    assert cfg.model.text_encoder_files == ["OmniGen2/mllm"]
+    # the folder's transformer is the tiny OmniGen2's, every weight read
+    want = load_diffusion_model(files.diffusion_model, torch.float32, arch="omnigen2").model.diffusion_model.state_dict()
+    got = load_diffusion_model(cfg.resolve(cfg.model.diffusion_model), torch.float32,
+                               arch="omnigen2").model.diffusion_model.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # (mllm/ is read as Qwen-Image's Qwen2.5-VL folder is, by its config.json's sizes, test_dp_model_folders_e2e.py;
+    # the tiny file's narrow width would read as the 7B's kind, so its folder here says the 3B's width)
+
+    assert cli_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  model.diffusers_path: a Diffusers pipeline folder: its transformer/unet, vae and text encoders" in out
+    assert "/OmniGen2/mllm: a Qwen2.5-VL-3B" in out, out
+    assert "REFUSED" not in out and "ERROR" not in out and "Loads: trains model type 'omnigen2'" in out, out
+    # another model's folder gives a transformer of the wrong architecture: refused, naming the key
+    (tmp_path / "OmniGen2" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    assert "not a OmniGen2*Pipeline one" in _refusal(path)
 
 
 def test_hidreams_table_reads_its_diffusers_folder_and_its_llama_folder(tmp_path, capsys):
