@@ -83,12 +83,21 @@ class Training:
 # optimizers that keep a Kahan compensation buffer in the weight's own dtype for 16-bit weights (optim/kahan.py,
 # optim/automagic.py)
 KAHAN_OPTIMIZERS = ("adamw8bitkahan", "automagic")
+AUTOMAGIC_STATE_BYTES = 5   # a float32 learning-rate mask and a bool polarity (its factored moments are per row)
+
+
+def _state_bytes(optimizer: str) -> int:
+    """An optimizer's own state per parameter: two moments of 1 or 4 bytes each, or automagic's mask and polarity."""
+    name = optimizer.lower()
+    if name == "automagic":
+        return AUTOMAGIC_STATE_BYTES
+    return 2 if "8bit" in name else 8
 
 
 def state_bytes_per_param(adapter_dtype_bytes: int, optimizer: str, full_finetune: bool) -> int:
     """Weight + gradient + optimizer states per trained parameter. A full fine-tune keeps bf16 weights and
     gradients with a float32 master copy (DeepSpeed's bf16 optimizer)."""
-    moments = 2 if "8bit" in optimizer.lower() else 8            # two moments, 1 or 4 bytes each
+    moments = _state_bytes(optimizer)
     if full_finetune:
         return 2 + 2 + 4 + moments
     shift = adapter_dtype_bytes if adapter_dtype_bytes == 2 and optimizer.lower() in KAHAN_OPTIMIZERS else 0

@@ -19,9 +19,9 @@ from . import distributed, dp_layout
 from .control import Control, ControlFlags
 from .eval import eval_due, evaluate
 from .events import RunReporter
+from .memory_history import MemoryHistory
 from .parts import RunState
 from .preservation import PARTS
-from .memory_history import MemoryHistory
 from .profiling import StepProfiler
 from .reporting import FinishedStep, StepReports, pending_step, timing_event
 from .schedule import set_base_lr

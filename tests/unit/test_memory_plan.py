@@ -76,7 +76,8 @@ def test_an_adapters_bytes_count_the_kahan_buffer_of_16_bit_weights():
     assert mp.state_bytes_per_param(2, "AdamW8bit", False) == 6
     assert mp.state_bytes_per_param(2, "AdamW8bitKahan", False) == 8
     assert mp.state_bytes_per_param(4, "AdamW8bitKahan", False) == 10    # float32 weights: no buffer
-    assert mp.state_bytes_per_param(2, "automagic", False) == 14
+    # automagic: a float32 learning-rate mask and a bool polarity instead of moments, and the buffer
+    assert mp.state_bytes_per_param(2, "automagic", False) == 11
     assert mp.state_bytes_per_param(4, "adamw", False) == 16
 
 
